@@ -1,0 +1,48 @@
+# The commands the README names. Each sets up the local virtual environment (.venv)
+# on first use from the pinned requirements, so nothing is installed by hand.
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+COURSE_STAMP := $(VENV)/.course-installed
+DEV_STAMP := $(VENV)/.dev-installed
+PYTEST_ARGS ?=
+
+.PHONY: lab test lint checkpoints bench clean help
+
+help:
+	@echo "make lab          set up and open the course in JupyterLab"
+	@echo "make test         set up and run every test (ruff, unit/property tests, notebooks)"
+	@echo "make checkpoints  retrain the shipped checkpoints in data/ (about 25 minutes)"
+	@echo "make bench        run the benchmarks (python -m ar_lab.bench ...)"
+
+$(BIN)/python:
+	@$(PYTHON) -c 'import sys; sys.exit(0 if sys.version_info >= (3, 10) else "ar_lab needs Python 3.10 or newer")'
+	$(PYTHON) -m venv $(VENV)
+
+$(COURSE_STAMP): requirements/course.txt pyproject.toml | $(BIN)/python
+	$(BIN)/python -m pip install -r requirements/course.txt
+	$(BIN)/python -m pip install --no-deps -e .
+	touch $@
+
+$(DEV_STAMP): requirements/dev.txt $(COURSE_STAMP)
+	$(BIN)/python -m pip install -r requirements/dev.txt
+	touch $@
+
+lab: $(COURSE_STAMP)
+	$(BIN)/jupyter lab notebooks/00_start_here.ipynb
+
+lint: $(DEV_STAMP)
+	$(BIN)/ruff check ar_lab tests notebooks
+
+test: lint
+	$(BIN)/python -m pytest tests notebooks --nbval-lax --nbval-current-env $(PYTEST_ARGS)
+
+checkpoints: $(COURSE_STAMP)
+	$(BIN)/python -m ar_lab.train --preset course
+	$(BIN)/python -m ar_lab.train --preset draft
+
+bench: $(DEV_STAMP)
+	$(BIN)/python -m ar_lab.bench decode
+
+clean:
+	rm -rf $(VENV)

@@ -1,0 +1,37 @@
+"""ar_lab: autoregressive generation, built from scratch and measured.
+
+Each module holds one idea and pairs with the notebook that teaches it (see README).
+"""
+
+from ar_lab.cache import KVCache, kv_cache_bytes
+from ar_lab.generate import Generation, GenerationStats, generate, stream
+from ar_lab.model import GPT, GPTConfig
+from ar_lab.sampling import GREEDY, SamplingParams
+from ar_lab.tokenizer import EOS_ID, VOCAB_SIZE, decode, encode
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "EOS_ID",
+    "GPT",
+    "GREEDY",
+    "GPTConfig",
+    "Generation",
+    "GenerationStats",
+    "KVCache",
+    "SamplingParams",
+    "VOCAB_SIZE",
+    "decode",
+    "encode",
+    "generate",
+    "kv_cache_bytes",
+    "load_pretrained",
+    "stream",
+]
+
+
+def load_pretrained(name: str = "course", device=None):
+    """Load a checkpoint shipped in data/ ("course" or "draft"); see ar_lab.train."""
+    from ar_lab.train import load_pretrained as _load
+
+    return _load(name, device)

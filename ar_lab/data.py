@@ -1,0 +1,99 @@
+"""Text corpora and training batches.
+
+The built-in corpus is the Python documentation that ships inside CPython
+(``pydoc_data.topics``): on every machine, no download, real technical English with
+code in it. Any UTF-8 text file of your own works too (``load_text``).
+
+Documents are separated by EOS so the model learns where a text ends.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from ar_lab.tokenizer import EOS_ID, encode
+
+
+def builtin_documents() -> list[str]:
+    """The Python documentation topics of this interpreter, sorted by topic name."""
+    from pydoc_data.topics import topics
+
+    return [topics[name].strip() + "\n" for name in sorted(topics)]
+
+
+def builtin_corpus() -> str:
+    """All built-in documents in one string (no EOS markers)."""
+    return "".join(builtin_documents())
+
+
+def load_text(path: str | Path) -> str:
+    """Read a UTF-8 text file, with errors a learner can act on."""
+    p = Path(path)
+    if not p.exists():
+        raise FileNotFoundError(f"no such text file: {p} (give the path of a UTF-8 text file)")
+    if p.is_dir():
+        raise IsADirectoryError(f"{p} is a folder; give the path of a text file inside it")
+    try:
+        text = p.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{p} is not UTF-8 text ({e.reason} at byte {e.start})") from None
+    if not text.strip():
+        raise ValueError(f"{p} is empty; a corpus needs some text to learn from")
+    return text
+
+
+def tokenize_documents(documents: list[str]) -> torch.Tensor:
+    """Encode documents, each followed by EOS, into one 1-D tensor of token ids."""
+    ids: list[int] = []
+    for doc in documents:
+        ids.extend(encode(doc))
+        ids.append(EOS_ID)
+    if not ids:
+        raise ValueError("no documents to tokenize")
+    return torch.tensor(ids, dtype=torch.long)
+
+
+def corpus_tokens(path: str | Path | None = None) -> torch.Tensor:
+    """Token ids of the built-in corpus, or of the text file at ``path``."""
+    if path is None:
+        return tokenize_documents(builtin_documents())
+    return tokenize_documents([load_text(path)])
+
+
+def train_val_split(tokens: torch.Tensor, val_fraction: float = 0.1) -> tuple[torch.Tensor, torch.Tensor]:
+    """Split a 1-D token tensor: the first part trains, the last ``val_fraction`` validates.
+
+    A contiguous tail (not a random sample) keeps validation text unseen during
+    training and makes the split the same on every run.
+    """
+    if tokens.ndim != 1:
+        raise ValueError(f"tokens must be 1-D, got shape {tuple(tokens.shape)}")
+    if not 0.0 < val_fraction < 1.0:
+        raise ValueError(f"val_fraction must be in (0, 1), got {val_fraction}")
+    n_val = max(1, int(len(tokens) * val_fraction))
+    if len(tokens) - n_val < 2:
+        raise ValueError(f"only {len(tokens)} tokens: too few to split into train and validation")
+    return tokens[:-n_val], tokens[-n_val:]
+
+
+def get_batch(
+    tokens: torch.Tensor, batch_size: int, block_size: int, generator: torch.Generator | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random windows of ``block_size`` tokens: inputs x and next-token targets y.
+
+    Returns x, y of shape (batch_size, block_size) with y[:, t] = x[:, t + 1] shifted
+    by one in the source text: every position is a training example at once.
+    """
+    if batch_size < 1 or block_size < 1:
+        raise ValueError(f"batch_size and block_size must be >= 1, got {batch_size} and {block_size}")
+    if len(tokens) < block_size + 1:
+        raise ValueError(
+            f"a window of {block_size} tokens needs at least {block_size + 1} tokens of text, "
+            f"got {len(tokens)}; use a smaller block_size or more text"
+        )
+    starts = torch.randint(0, len(tokens) - block_size, (batch_size,), generator=generator)
+    offsets = torch.arange(block_size + 1)
+    windows = tokens[starts[:, None] + offsets]  # (B, block_size + 1)
+    return windows[:, :-1].contiguous(), windows[:, 1:].contiguous()

@@ -1,0 +1,75 @@
+"""Byte-level tokenizer: every UTF-8 byte is a token, plus one end-of-sequence token.
+
+Why bytes: no vocabulary to learn or ship, every string round-trips exactly, and the
+model still has to learn real structure (characters, words, syntax). The price is
+longer sequences than a BPE tokenizer would give, which is fine for a course model.
+
+Token ids 0..255 are the byte values; id 256 is EOS. ``VOCAB_SIZE`` is 257.
+"""
+
+from __future__ import annotations
+
+import codecs
+from collections.abc import Iterable
+
+N_BYTES = 256
+EOS_ID = 256
+VOCAB_SIZE = 257
+
+
+def encode(text: str, add_eos: bool = False) -> list[int]:
+    """Turn text into token ids (its UTF-8 bytes), optionally followed by EOS."""
+    if not isinstance(text, str):
+        raise TypeError(f"encode expects a str, got {type(text).__name__}")
+    ids = list(text.encode("utf-8"))
+    if add_eos:
+        ids.append(EOS_ID)
+    return ids
+
+
+def _check_ids(ids: Iterable[int]) -> list[int]:
+    out = []
+    for i in ids:
+        i = int(i)
+        if not 0 <= i < VOCAB_SIZE:
+            raise ValueError(f"token id {i} is outside the vocabulary [0, {VOCAB_SIZE - 1}]")
+        out.append(i)
+    return out
+
+
+def decode(ids: Iterable[int], stop_at_eos: bool = True) -> str:
+    """Turn token ids back into text.
+
+    EOS ends the text when ``stop_at_eos`` (the default); otherwise it is dropped.
+    Byte sequences that are not valid UTF-8 (a model can emit those) become U+FFFD.
+    """
+    ids = _check_ids(ids)
+    if EOS_ID in ids:
+        ids = ids[: ids.index(EOS_ID)] if stop_at_eos else [i for i in ids if i != EOS_ID]
+    return bytes(ids).decode("utf-8", errors="replace")
+
+
+class StreamDecoder:
+    """Decode tokens one at a time without ever emitting half a character.
+
+    A character such as "é" is two bytes, "€" three: after the first byte there is
+    nothing printable yet, so ``feed`` returns "" until the character is complete.
+    Joining everything ``feed`` and ``flush`` return equals ``decode`` of all tokens.
+    """
+
+    def __init__(self) -> None:
+        self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        self.finished = False
+
+    def feed(self, token_id: int) -> str:
+        (token_id,) = _check_ids([token_id])
+        if self.finished:
+            return ""
+        if token_id == EOS_ID:
+            self.finished = True
+            return self._decoder.decode(b"", final=True)
+        return self._decoder.decode(bytes([token_id]))
+
+    def flush(self) -> str:
+        """Return what is still buffered (an incomplete character becomes U+FFFD)."""
+        return self._decoder.decode(b"", final=True)

@@ -1,0 +1,278 @@
+"""Training, evaluation and checkpoints.
+
+``python -m ar_lab.train --preset course`` (and ``--preset draft``) reproduces the
+checkpoints shipped in data/: seeded, on the built-in corpus, on the CPU.
+
+Checkpoints are safetensors files: tensors plus a JSON header (config and training
+record). Loading one never runs pickled code; a corrupted or mismatched file gives
+an error that says what is wrong.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from tqdm.auto import tqdm
+
+from ar_lab.data import corpus_tokens, get_batch, train_val_split
+from ar_lab.model import GPT, GPTConfig
+
+DATA_DIR = Path(__file__).resolve().parent.parent / "data"
+
+
+@dataclass
+class TrainConfig:
+    steps: int = 200
+    batch_size: int = 8
+    block_size: int = 256  # training window (<= the model's context window)
+    lr: float = 1.5e-3
+    min_lr_ratio: float = 0.1  # cosine decay ends at lr x this
+    warmup_steps: int = 20
+    weight_decay: float = 0.1
+    grad_clip: float = 1.0
+    eval_every: int = 50
+    eval_batches: int = 8
+    seed: int = 1337
+
+    def __post_init__(self) -> None:
+        for name in ("steps", "batch_size", "block_size", "eval_every", "eval_batches"):
+            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
+                raise ValueError(f"TrainConfig.{name} must be an int >= 1, got {getattr(self, name)!r}")
+        if not self.lr > 0:
+            raise ValueError(f"lr must be > 0, got {self.lr}")
+
+
+@dataclass
+class TrainResult:
+    steps: list[int] = field(default_factory=list)
+    train_loss: list[float] = field(default_factory=list)
+    eval_steps: list[int] = field(default_factory=list)
+    val_loss: list[float] = field(default_factory=list)
+    seconds: float = 0.0
+
+
+def lr_at(step: int, tc: TrainConfig) -> float:
+    """Linear warm-up, then cosine decay to ``min_lr_ratio`` x lr."""
+    if step < tc.warmup_steps:
+        return tc.lr * (step + 1) / tc.warmup_steps
+    progress = (step - tc.warmup_steps) / max(1, tc.steps - tc.warmup_steps)
+    return tc.lr * (tc.min_lr_ratio + (1 - tc.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
+
+
+@torch.no_grad()
+def evaluate(
+    model: GPT, tokens: torch.Tensor, block_size: int, batches: int = 8, batch_size: int = 8, seed: int = 0
+) -> float:
+    """Mean next-token cross-entropy (nats) on random windows of ``tokens``, seeded."""
+    g = torch.Generator().manual_seed(seed)
+    was_training = model.training
+    model.eval()
+    losses = []
+    for _ in range(batches):
+        x, y = get_batch(tokens, batch_size, block_size, g)
+        x, y = x.to(model.device), y.to(model.device)
+        losses.append(F.cross_entropy(model(x).flatten(0, 1), y.flatten()).item())
+    model.train(was_training)
+    return sum(losses) / len(losses)
+
+
+def train(
+    model: GPT,
+    train_tokens: torch.Tensor,
+    val_tokens: torch.Tensor,
+    tc: TrainConfig = TrainConfig(),
+    progress: bool = True,
+) -> TrainResult:
+    """Train with AdamW on random windows; returns the loss curves."""
+    if tc.block_size > model.config.block_size:
+        raise ValueError(
+            f"training window {tc.block_size} exceeds the model's context window {model.config.block_size}"
+        )
+    torch.manual_seed(tc.seed)
+    g = torch.Generator().manual_seed(tc.seed)
+    decay = [p for n, p in model.named_parameters() if p.ndim >= 2]
+    no_decay = [p for n, p in model.named_parameters() if p.ndim < 2]
+    opt = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": tc.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=tc.lr,
+        betas=(0.9, 0.99),
+    )
+    result = TrainResult()
+    model.train()
+    t0 = time.perf_counter()
+    bar = tqdm(range(tc.steps), desc="training", disable=not progress)
+    for step in bar:
+        for group in opt.param_groups:
+            group["lr"] = lr_at(step, tc)
+        x, y = get_batch(train_tokens, tc.batch_size, tc.block_size, g)
+        x, y = x.to(model.device), y.to(model.device)
+        loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten())
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), tc.grad_clip)
+        opt.step()
+        result.steps.append(step)
+        result.train_loss.append(loss.item())
+        if (step + 1) % tc.eval_every == 0 or step == tc.steps - 1:
+            result.eval_steps.append(step)
+            result.val_loss.append(evaluate(model, val_tokens, tc.block_size, tc.eval_batches))
+            bar.set_postfix(train=f"{loss.item():.3f}", val=f"{result.val_loss[-1]:.3f}")
+    result.seconds = time.perf_counter() - t0
+    model.eval()
+    return result
+
+
+# --- checkpoints -----------------------------------------------------------------
+
+
+class CheckpointError(ValueError):
+    """A checkpoint file that cannot be loaded: corrupted, truncated or mismatched."""
+
+
+def save_checkpoint(path: str | Path, model: GPT, record: dict | None = None) -> None:
+    """Write weights + config (+ a JSON-able training record) as safetensors."""
+    from safetensors.torch import save_file
+
+    state = {k: v.detach().cpu().contiguous() for k, v in model.state_dict().items() if k != "lm_head.weight"}
+    meta = {"format": "ar_lab-gpt-1", "config": json.dumps(model.config.to_dict())}
+    if record is not None:
+        meta["record"] = json.dumps(record)
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    save_file(state, str(path), metadata=meta)
+
+
+def read_checkpoint_metadata(path: str | Path) -> dict:
+    """The config and training record stored in a checkpoint, without loading weights."""
+    from safetensors import safe_open
+
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"no checkpoint at {path} (make checkpoints writes the course's)")
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            meta = f.metadata() or {}
+    except Exception as e:  # safetensors raises several types for a damaged header
+        raise CheckpointError(
+            f"{path} is corrupted or truncated, or not a safetensors file ({e}); re-create it"
+        ) from None
+    if meta.get("format") != "ar_lab-gpt-1" or "config" not in meta:
+        raise CheckpointError(f"{path} is not an ar_lab checkpoint (no ar_lab config in its header)")
+    out = {"config": json.loads(meta["config"])}
+    out["record"] = json.loads(meta["record"]) if "record" in meta else {}
+    return out
+
+
+def load_checkpoint(path: str | Path, device: str | torch.device | None = None) -> GPT:
+    """Build the model a checkpoint describes and load its weights."""
+    from safetensors.torch import load_file
+
+    meta = read_checkpoint_metadata(path)
+    try:
+        config = GPTConfig(**meta["config"])
+    except (TypeError, ValueError) as e:
+        raise CheckpointError(f"{path} holds an invalid model config: {e}") from None
+    try:
+        state = load_file(str(path))
+    except Exception as e:
+        raise CheckpointError(f"{path} is corrupted or truncated ({e}); re-create it") from None
+    model = GPT(config)
+    expected = {k: v.shape for k, v in model.state_dict().items() if k != "lm_head.weight"}
+    missing = sorted(set(expected) - set(state))
+    extra = sorted(set(state) - set(expected))
+    wrong = [k for k in expected if k in state and state[k].shape != expected[k]]
+    if missing or extra or wrong:
+        detail = "; ".join(
+            s
+            for s in [
+                f"missing {missing[:3]}" if missing else "",
+                f"unexpected {extra[:3]}" if extra else "",
+                f"shape of {wrong[0]}: file {tuple(state[wrong[0]].shape)} vs config {tuple(expected[wrong[0]])}"
+                if wrong
+                else "",
+            ]
+            if s
+        )
+        raise CheckpointError(f"{path} does not match its config: {detail}")
+    model.load_state_dict(state, strict=False)  # lm_head.weight is tied to wte.weight
+    model.checkpoint_record = meta["record"]
+    return model.to(default_device() if device is None else device).eval()
+
+
+def default_device() -> torch.device:
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+# --- the shipped checkpoints -------------------------------------------------------
+
+PRESETS: dict[str, tuple[GPTConfig, TrainConfig]] = {
+    # The course model: ~3.5 M parameters, trained on full 1,024-token windows.
+    "course": (
+        GPTConfig(block_size=1024, n_layer=4, n_head=4, n_embd=256, dropout=0.0),
+        TrainConfig(steps=600, batch_size=8, block_size=1024, lr=1.5e-3, warmup_steps=30, eval_every=100),
+    ),
+    # The draft for speculative decoding: same tokenizer, a fraction of the cost.
+    "draft": (
+        GPTConfig(block_size=1024, n_layer=1, n_head=2, n_embd=128, dropout=0.0),
+        TrainConfig(steps=600, batch_size=16, block_size=1024, lr=3e-3, warmup_steps=30, eval_every=100),
+    ),
+}
+
+
+def checkpoint_path(name: str) -> Path:
+    if name not in PRESETS:
+        raise ValueError(f"unknown checkpoint {name!r}; choose one of {sorted(PRESETS)}")
+    return DATA_DIR / f"{name}.safetensors"
+
+
+def load_pretrained(name: str = "course", device=None) -> GPT:
+    """Load a shipped checkpoint ("course" or "draft") on ``device`` (default: cuda if present)."""
+    path = checkpoint_path(name)
+    if not path.exists():
+        raise FileNotFoundError(f"{path} is missing; run `make checkpoints` to train it (about 20 minutes)")
+    return load_checkpoint(path, device)
+
+
+def train_preset(name: str, out: Path | None = None, progress: bool = True) -> dict:
+    """Train a preset on the built-in corpus and save it; returns its record."""
+    if name not in PRESETS:
+        raise ValueError(f"unknown preset {name!r}; choose one of {sorted(PRESETS)}")
+    config, tc = PRESETS[name]
+    torch.manual_seed(tc.seed)
+    train_tokens, val_tokens = train_val_split(corpus_tokens())
+    model = GPT(config)
+    result = train(model, train_tokens, val_tokens, tc, progress=progress)
+    val = evaluate(model, val_tokens, tc.block_size, batches=32, seed=123)
+    record = {
+        "preset": name,
+        "parameters": model.num_parameters(),
+        "train_steps": tc.steps,
+        "train_tokens": tc.steps * tc.batch_size * tc.block_size,
+        "train_seconds": round(result.seconds, 1),
+        "val_loss_nats": round(val, 4),
+        "val_bits_per_byte": round(val / math.log(2), 4),
+        "torch": torch.__version__,
+        "eval_steps": result.eval_steps,
+        "val_curve": [round(v, 4) for v in result.val_loss],
+    }
+    save_checkpoint(out or checkpoint_path(name), model, record)
+    return record
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description="Train the course checkpoints reproducibly.")
+    parser.add_argument("--preset", choices=sorted(PRESETS), required=True)
+    parser.add_argument("--out", type=Path, default=None, help="where to write (default data/NAME.safetensors)")
+    args = parser.parse_args(argv)
+    record = train_preset(args.preset, args.out)
+    print(json.dumps({k: v for k, v in record.items() if k != "val_curve"}, indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,82 @@
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+from ar_lab.cache import KVCache, kv_cache_bytes
+from ar_lab.generate import generate
+from ar_lab.model import GPT, GPTConfig
+
+configs = st.builds(
+    lambda layers, heads, group, d, seed: (
+        GPTConfig(block_size=48, n_layer=layers, n_head=heads, n_kv_heads=heads // group, n_embd=heads * d),
+        seed,
+    ),
+    layers=st.integers(1, 3),
+    heads=st.sampled_from([2, 4]),
+    group=st.sampled_from([1, 2]),  # 1: MHA; 2: GQA (or MQA when heads == 2)
+    d=st.sampled_from([4, 8]),
+    seed=st.integers(0, 2**16),
+)
+
+
+@given(configs, st.integers(1, 20), st.integers(1, 6), st.data())
+def test_cached_equals_uncached(cfg_seed, prompt_len, chunk, data):
+    """Feeding a sequence in chunks through the cache gives the full-sequence logits."""
+    cfg, seed = cfg_seed
+    torch.manual_seed(seed)
+    model = GPT(cfg).eval()
+    x = torch.randint(0, cfg.vocab_size, (2, prompt_len + 10))
+    cache = KVCache.for_model(model, batch_size=2)
+    with torch.no_grad():
+        full = model(x)
+        parts, pos = [], 0
+        while pos < x.shape[1]:
+            parts.append(model(x[:, pos : pos + chunk], cache))
+            pos += chunk
+        # roll back a few positions and recompute them: must give the same logits
+        back = data.draw(st.integers(0, x.shape[1] - 1))
+        cache.truncate(back)
+        again = model(x[:, back:], cache)
+    torch.testing.assert_close(torch.cat(parts, dim=1), full, atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(again, full[:, back:], atol=1e-5, rtol=1e-4)
+
+
+@given(configs, st.integers(1, 15))
+def test_cached_and_uncached_greedy_tokens_agree(cfg_seed, prompt_len):
+    cfg, seed = cfg_seed
+    torch.manual_seed(seed)
+    model = GPT(cfg).eval()
+    prompt = torch.randint(0, 256, (prompt_len,)).tolist()
+    a = generate(model, prompt, 20, use_cache=True, eos_id=None)
+    b = generate(model, prompt, 20, use_cache=False, eos_id=None)
+    assert a.tokens == b.tokens
+
+
+@pytest.mark.parametrize("kv_heads", [4, 2, 1])
+def test_nbytes_matches_the_formula(kv_heads):
+    cfg = GPTConfig(block_size=100, n_layer=3, n_head=4, n_kv_heads=kv_heads, n_embd=64)
+    cache = KVCache.for_model(GPT(cfg), batch_size=5)
+    assert cache.nbytes == kv_cache_bytes(3, kv_heads, 16, 100, 5, 4)
+    assert cache.nbytes == 3 * kv_heads * 16 * 100 * 5 * 2 * 4
+
+
+def test_truncate_and_capacity_errors(tiny_model):
+    cache = KVCache.for_model(tiny_model, max_len=8)
+    with torch.no_grad():
+        tiny_model(torch.zeros(1, 5, dtype=torch.long), cache)
+    assert cache.length == 5
+    with pytest.raises(ValueError, match="truncate to 0..5"):
+        cache.truncate(6)
+    cache.truncate(2)
+    assert cache.length == 2 and cache.used_bytes == cache.nbytes * 2 // 8
+    with pytest.raises(ValueError, match="KV cache full"):
+        with torch.no_grad():
+            tiny_model(torch.zeros(1, 7, dtype=torch.long), cache)
+    with pytest.raises(ValueError, match="exceeds the model's context window"):
+        KVCache.for_model(tiny_model, max_len=65)
+    with pytest.raises(ValueError, match="batch size 1"):
+        with torch.no_grad():
+            tiny_model(torch.zeros(2, 1, dtype=torch.long), KVCache.for_model(tiny_model))
+    with pytest.raises(ValueError, match="positive int"):
+        KVCache(0, 1, 1, 1, 1)

@@ -1,0 +1,48 @@
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from ar_lab.tokenizer import EOS_ID, VOCAB_SIZE, StreamDecoder, decode, encode
+
+
+@given(st.text())
+def test_round_trip_any_unicode(text):
+    assert decode(encode(text)) == text
+
+
+@given(st.text())
+def test_stream_decoder_never_emits_half_a_character(text):
+    dec = StreamDecoder()
+    pieces = [dec.feed(t) for t in encode(text)] + [dec.flush()]
+    assert "".join(pieces) == text
+    # every piece is whole characters: no replacement character can appear for valid UTF-8
+    assert all("\ufffd" not in p for p in pieces) or "\ufffd" in text
+
+
+def test_stream_decoder_holds_partial_bytes():
+    dec = StreamDecoder()
+    euro = encode("€")
+    assert len(euro) == 3
+    assert [dec.feed(b) for b in euro] == ["", "", "€"]
+
+
+def test_eos_and_vocabulary():
+    assert VOCAB_SIZE == 257 and EOS_ID == 256
+    assert encode("hi", add_eos=True) == [104, 105, EOS_ID]
+    assert decode([104, 105, EOS_ID, 106]) == "hi"
+    assert decode([104, EOS_ID, 105], stop_at_eos=False) == "hi"
+    dec = StreamDecoder()
+    assert dec.feed(104) == "h" and dec.feed(EOS_ID) == "" and dec.feed(105) == ""
+
+
+def test_invalid_bytes_become_replacement_characters():
+    assert decode([0xFF, 104]) == "\ufffdh"
+
+
+def test_bad_input_is_rejected_clearly():
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        decode([300])
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        StreamDecoder().feed(-1)
+    with pytest.raises(TypeError, match="expects a str"):
+        encode(b"bytes")

@@ -1,0 +1,87 @@
+import json
+import math
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from ar_lab.data import corpus_tokens, train_val_split
+from ar_lab.model import GPT, GPTConfig
+from ar_lab.train import (
+    CheckpointError,
+    TrainConfig,
+    checkpoint_path,
+    evaluate,
+    load_checkpoint,
+    load_pretrained,
+    lr_at,
+    save_checkpoint,
+    train,
+)
+
+
+def test_training_lowers_the_loss():
+    tr, va = train_val_split(corpus_tokens())
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(block_size=64, n_layer=1, n_head=2, n_embd=32))
+    before = evaluate(model, va, 64, batches=2)
+    assert before == pytest.approx(math.log(257), abs=0.3)  # random init: near uniform
+    result = train(model, tr, va, TrainConfig(steps=40, block_size=64, eval_every=20, lr=3e-3), progress=False)
+    assert result.val_loss[-1] < before - 1.0
+    assert len(result.train_loss) == 40 and result.eval_steps == [19, 39]
+
+
+def test_lr_schedule():
+    tc = TrainConfig(steps=100, warmup_steps=10, lr=1.0, min_lr_ratio=0.1)
+    assert lr_at(0, tc) == pytest.approx(0.1) and lr_at(9, tc) == pytest.approx(1.0)
+    assert lr_at(99, tc) == pytest.approx(0.1, abs=0.01)
+
+
+def test_checkpoint_round_trip(tmp_path, tiny_model):
+    path = tmp_path / "m.safetensors"
+    save_checkpoint(path, tiny_model, {"note": "test"})
+    loaded = load_checkpoint(path, "cpu")
+    assert loaded.config == tiny_model.config and loaded.checkpoint_record == {"note": "test"}
+    x = torch.randint(0, 257, (1, 16))
+    with torch.no_grad():
+        assert torch.equal(loaded(x), tiny_model(x))
+    assert loaded.lm_head.weight.data_ptr() == loaded.wte.weight.data_ptr()  # still tied
+
+
+def test_corrupted_checkpoints_give_clear_errors(tmp_path, tiny_model):
+    path = tmp_path / "m.safetensors"
+    save_checkpoint(path, tiny_model)
+    data = path.read_bytes()
+    (tmp_path / "trunc.safetensors").write_bytes(data[: len(data) // 2])
+    with pytest.raises(CheckpointError, match="corrupted or truncated"):
+        load_checkpoint(tmp_path / "trunc.safetensors")
+    (tmp_path / "junk.safetensors").write_bytes(b"\x00" * 100)
+    with pytest.raises(CheckpointError, match="corrupted or truncated"):
+        load_checkpoint(tmp_path / "junk.safetensors")
+    save_file({"w": torch.zeros(2)}, str(tmp_path / "other.safetensors"))
+    with pytest.raises(CheckpointError, match="not an ar_lab checkpoint"):
+        load_checkpoint(tmp_path / "other.safetensors")
+    with pytest.raises(FileNotFoundError, match="no checkpoint"):
+        load_checkpoint(tmp_path / "nope.safetensors")
+
+
+def test_mismatched_checkpoint_gives_clear_error(tmp_path, tiny_model):
+    state = {k: v.contiguous() for k, v in tiny_model.state_dict().items() if k != "lm_head.weight"}
+    wrong = dict(tiny_model.config.to_dict(), n_embd=64)
+    save_file(state, str(tmp_path / "w.safetensors"), {"format": "ar_lab-gpt-1", "config": json.dumps(wrong)})
+    with pytest.raises(CheckpointError, match="does not match its config"):
+        load_checkpoint(tmp_path / "w.safetensors")
+
+
+def test_unknown_checkpoint_name():
+    with pytest.raises(ValueError, match="choose one of"):
+        checkpoint_path("gpt5")
+
+
+@pytest.mark.parametrize("name", ["course", "draft"])
+def test_shipped_checkpoints_load_and_beat_chance(name):
+    model = load_pretrained(name, "cpu")
+    record = model.checkpoint_record
+    assert record["preset"] == name and record["val_loss_nats"] < 2.0  # chance is ln 257 = 5.55
+    _, va = train_val_split(corpus_tokens())
+    assert evaluate(model, va, 256, batches=2) < 2.5
