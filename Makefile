@@ -29,7 +29,8 @@ $(DEV_STAMP): requirements/dev.txt $(COURSE_STAMP)
 	touch $@
 
 lab: $(COURSE_STAMP)
-	$(BIN)/jupyter lab notebooks/00_start_here.ipynb
+	$(BIN)/python -m ar_lab.exercises release --out course
+	$(BIN)/jupyter lab course/00_start_here.ipynb
 
 lint: $(DEV_STAMP)
 	$(BIN)/ruff check ar_lab tests notebooks
