@@ -6,3 +6,289 @@ can set ``.value`` on its controls headlessly and read what it shows.
 """
 
 from __future__ import annotations
+
+# --- chapter 04: KV-cache size calculator --------------------------------------------
+
+
+def kv_cache_table_html(shape, seq_len: int, batch_size: int, dtype: str) -> tuple[dict[str, int], str]:
+    """Cache bytes per scheme for ``shape`` (an ``AttentionShape``) and an HTML table of them.
+
+    Pure apart from formatting: the numbers come from ``ar_lab.cache.cache_sizes``.
+    """
+    import html
+
+    from ar_lab.cache import BYTES_PER_VALUE, cache_sizes, format_bytes
+
+    if dtype not in BYTES_PER_VALUE:
+        raise ValueError(f"dtype must be one of {sorted(BYTES_PER_VALUE)}, got {dtype!r}")
+    nbytes = BYTES_PER_VALUE[dtype]
+    sizes = cache_sizes(shape, seq_len, batch_size, nbytes)
+    per_layer_values = {  # what one token stores in one layer, in values
+        "MHA": f"2 × {shape.n_head} heads × {shape.head_dim}",
+        "GQA": f"2 × {shape.n_kv_heads} KV heads × {shape.head_dim}",
+        "MQA": f"2 × 1 KV head × {shape.head_dim}",
+        "MLA": f"latent {shape.latent_dim} + RoPE key {shape.rope_dim}",
+    }
+    per_token = cache_sizes(shape, 1, 1, nbytes)
+    top = max(sizes.values()) or 1
+    rows = []
+    for scheme, total in sizes.items():
+        mine = scheme == shape.scheme
+        bar = f"<div style='background:#2471a3;height:12px;width:{max(1, round(200 * total / top))}px'></div>"
+        ratio = f"{sizes['MHA'] / total:,.1f}× smaller" if total and scheme != "MHA" else ""
+        cells = [
+            f"<b>{scheme}</b>" + (" ◀ this model" if mine else ""),
+            html.escape(per_layer_values[scheme]),
+            format_bytes(per_token[scheme]),
+            f"<b>{format_bytes(total)}</b>",
+            ratio,
+            bar,
+        ]
+        style = " style='background:#eaf2f8'" if mine else ""
+        rows.append(f"<tr{style}>" + "".join(f"<td style='padding:2px 10px'>{c}</td>" for c in cells) + "</tr>")
+    head = ["scheme", "one token, one layer (values)", "per token", "total", "vs MHA", ""]
+    caption = f"{shape.n_layer} layers, {seq_len:,} positions × batch {batch_size}, {dtype} ({nbytes} B per value)"
+    if shape.source:
+        caption += f"; numbers from {html.escape(shape.source)}"
+    table = (
+        f"<div style='margin:4px 0'>{caption}</div><table><tr>"
+        + "".join(f"<th style='padding:2px 10px;text-align:left'>{h}</th>" for h in head)
+        + "</tr>"
+        + "".join(rows)
+        + "</table>"
+    )
+    return sizes, table
+
+
+class KVCacheCalculator:
+    """Preset, layers, heads, KV heads, head dim, MLA latent/RoPE sizes, sequence, batch and dtype
+    -> the KV cache size of MHA, GQA, MQA and MLA side by side.
+
+    Choosing a preset loads a published model shape (``ar_lab.cache.KV_PRESETS``); editing
+    any number switches the preset to "custom". ``sizes`` holds the last result (bytes per
+    scheme) and ``error`` the message for an impossible shape, so tests can drive it headlessly.
+    """
+
+    def __init__(self, preset: str = "Llama 2 7B", dtype: str = "bfloat16"):
+        import ipywidgets as W
+
+        from ar_lab.cache import BYTES_PER_VALUE, KV_PRESETS
+
+        if preset not in KV_PRESETS:
+            raise ValueError(f"unknown preset {preset!r}; choose one of {list(KV_PRESETS)}")
+        style = {"description_width": "120px"}
+        box = dict(style=style, layout=W.Layout(width="260px"))
+
+        def number(description, low, high):
+            return W.BoundedIntText(1, min=low, max=high, description=description, **box)
+
+        self.preset = W.Dropdown(options=[*KV_PRESETS, "custom"], value=preset, description="preset", **box)
+        self.layers = number("layers", 1, 10_000)
+        self.heads = number("query heads", 1, 10_000)
+        self.kv_heads = number("KV heads (GQA)", 1, 10_000)
+        self.head_dim = number("head dim", 1, 100_000)
+        self.latent = number("MLA latent", 1, 1_000_000)
+        self.rope = number("MLA RoPE key", 0, 100_000)
+        self.seq_len = number("sequence", 0, 100_000_000)
+        self.batch = number("batch", 1, 1_000_000)
+        self.dtype = W.Dropdown(options=list(BYTES_PER_VALUE), value=dtype, description="dtype", **box)
+        self.output = W.HTML()
+        self.sizes: dict[str, int] = {}
+        self.error = ""
+        self._loading = False
+        self._numbers = [self.layers, self.heads, self.kv_heads, self.head_dim, self.latent, self.rope]
+        self.preset.observe(lambda _change: self._load_preset(), names="value")
+        for c in [*self._numbers, self.seq_len, self.batch, self.dtype]:
+            c.observe(lambda change: self._edited(change), names="value")
+        left = W.VBox([self.preset, self.layers, self.heads, self.kv_heads, self.head_dim])
+        right = W.VBox([self.latent, self.rope, self.seq_len, self.batch, self.dtype])
+        self.widget = W.VBox([W.HBox([left, right]), self.output])
+        self._load_preset()
+
+    def _load_preset(self) -> None:
+        from ar_lab.cache import KV_PRESETS
+
+        name = self.preset.value
+        if name in KV_PRESETS:
+            s = KV_PRESETS[name]
+            self._loading = True
+            try:
+                values = [s.n_layer, s.n_head, s.n_kv_heads, s.head_dim, s.latent_dim, s.rope_dim]
+                for control, value in zip(self._numbers, values, strict=True):
+                    control.value = value
+                self.seq_len.value = s.context
+            finally:
+                self._loading = False
+        self.update()
+
+    def _edited(self, change) -> None:
+        if self._loading:
+            return
+        if change["owner"] in self._numbers and self.preset.value != "custom":
+            self.preset.value = "custom"  # the numbers no longer are the published model's (updates)
+        else:
+            self.update()
+
+    @property
+    def shape(self):
+        """The ``AttentionShape`` the controls describe (raises ValueError if impossible)."""
+        from ar_lab.cache import KV_PRESETS, AttentionShape
+
+        heads, kv = int(self.heads.value), int(self.kv_heads.value)
+        if self.preset.value in KV_PRESETS:
+            scheme, source = KV_PRESETS[self.preset.value].scheme, KV_PRESETS[self.preset.value].source
+        else:
+            scheme, source = ("MHA" if kv == heads else "MQA" if kv == 1 else "GQA"), ""
+        return AttentionShape(
+            int(self.layers.value),
+            heads,
+            kv,
+            int(self.head_dim.value),
+            int(self.latent.value),
+            int(self.rope.value),
+            context=max(1, int(self.seq_len.value)),
+            scheme=scheme,
+            source=source,
+        )
+
+    def update(self) -> None:
+        import html
+
+        try:
+            self.sizes, table = kv_cache_table_html(
+                self.shape, int(self.seq_len.value), int(self.batch.value), self.dtype.value
+            )
+        except ValueError as e:
+            self.sizes, self.error = {}, str(e)
+            self.output.value = f"<b style='color:#c0392b'>{html.escape(self.error)}</b>"
+            return
+        self.error = ""
+        self.output.value = table
+
+    def _repr_mimebundle_(self, **kwargs):
+        return self.widget._repr_mimebundle_(**kwargs)
+
+
+def kv_cache_calculator(preset: str = "Llama 2 7B", dtype: str = "bfloat16") -> KVCacheCalculator:
+    """Build the chapter-04 calculator (display it by leaving it last in a cell)."""
+    return KVCacheCalculator(preset, dtype)
+
+
+# --- chapter 06: sampler explorer ----------------------------------------------------
+
+
+def plot_sampler_view(ax, view, top: int = 20):
+    """Bars of the model's distribution (grey) and the sampler's (blue) for the ``top`` most likely tokens.
+
+    Tokens the sampler dropped keep their grey bar and get a grey label; the title says
+    how many tokens are kept, how much of the model's mass they hold, and the entropy.
+    """
+    from ar_lab.plots import COLORS, token_label
+
+    order = view.before.argsort(descending=True)[:top].tolist()
+    xs = range(len(order))
+    ax.bar([x - 0.2 for x in xs], view.before[order].numpy(), width=0.4, color=COLORS["dropped"], label="model (T = 1)")
+    ax.bar([x + 0.2 for x in xs], view.after[order].numpy(), width=0.4, color=COLORS["kept"], label="sampler")
+    ax.set_xticks(list(xs), [token_label(i) for i in order])
+    for tick, i in zip(ax.get_xticklabels(), order, strict=True):
+        tick.set_color("black" if bool(view.kept[i]) else COLORS["theory"])
+    ax.set_xlabel(f"next token (the {len(order)} most likely under the model; grey label: dropped)")
+    ax.set_ylabel("probability")
+    ax.set_title(
+        f"{view.params.label}: {view.n_kept} kept ({view.kept_mass:.0%} of the mass), "
+        f"entropy {view.entropy_before:.2f} → {view.entropy_after:.2f} bits",
+        fontsize=10.5,
+    )
+    ax.legend(loc="upper right")
+    return ax
+
+
+class SamplerExplorer:
+    """Prompt, temperature, top-k, top-p, min-p and seed -> the next-token distribution and samples.
+
+    Every change calls ``ar_lab.sampling.sampler_view`` (a pure function) and redraws.
+    ``view`` holds the last result and ``error`` the last message for invalid input
+    (shown in the widget instead of raising), so tests can drive the controls headlessly.
+    """
+
+    def __init__(self, model, prompt: str = "The ", n_samples: int = 4, max_new_tokens: int = 40, top: int = 20):
+        import ipywidgets as W
+
+        self.model, self.n_samples, self.max_new_tokens, self.top = model, n_samples, max_new_tokens, top
+        style = {"description_width": "90px"}
+        slider = dict(continuous_update=False, style=style, layout=W.Layout(width="340px"))
+        self.prompt = W.Text(value=prompt, description="prompt", continuous_update=False, style=style)
+        self.temperature = W.FloatSlider(1.0, min=0.0, max=2.0, step=0.05, description="temperature", **slider)
+        vocab = model.config.vocab_size
+        self.top_k = W.IntSlider(0, min=0, max=vocab, description="top-k (0 off)", **slider)
+        self.top_p = W.FloatSlider(1.0, min=0.01, max=1.0, step=0.01, description="top-p", **slider)
+        self.min_p = W.FloatSlider(0.0, min=0.0, max=1.0, step=0.01, description="min-p", **slider)
+        self.seed = W.IntText(0, description="seed", style=style, layout=W.Layout(width="200px"))
+        self.status = W.HTML()
+        self.image = W.Image(format="png")
+        self.samples = W.HTML()
+        self.view = None
+        self.error = ""
+        controls = [self.prompt, self.temperature, self.top_k, self.top_p, self.min_p, self.seed]
+        for c in controls:
+            c.observe(lambda _change: self.update(), names="value")
+        left = W.VBox(controls)
+        self.widget = W.VBox([left, self.status, self.image, self.samples])
+        self.update()
+
+    @property
+    def params(self):
+        from ar_lab.sampling import SamplingParams
+
+        k = int(self.top_k.value)
+        return SamplingParams(
+            temperature=float(self.temperature.value),
+            top_k=k if k > 0 else None,
+            top_p=float(self.top_p.value),
+            min_p=float(self.min_p.value),
+        )
+
+    def update(self) -> None:
+        import html
+        import io
+
+        import matplotlib.pyplot as plt
+
+        from ar_lab.sampling import sampler_view
+
+        try:
+            view = sampler_view(
+                self.model, self.prompt.value, self.params, int(self.seed.value), self.n_samples, self.max_new_tokens
+            )
+        except ValueError as e:
+            self.error = str(e)
+            self.status.value = f"<b style='color:#c0392b'>{html.escape(self.error)}</b>"
+            return
+        self.view, self.error = view, ""
+        self.status.value = (
+            f"<b>{html.escape(view.params.label)}</b>: {view.n_kept} token(s) can be picked, holding "
+            f"{view.kept_mass:.1%} of the model's probability; entropy {view.entropy_before:.2f} → "
+            f"{view.entropy_after:.2f} bits"
+        )
+        fig, ax = plt.subplots(figsize=(8.5, 3.4))
+        plot_sampler_view(ax, view, self.top)
+        fig.tight_layout()
+        buf = io.BytesIO()
+        fig.savefig(buf, format="png")
+        plt.close(fig)
+        self.image.value = buf.getvalue()
+        prompt = html.escape(view.prompt)
+        rows = "".join(
+            f"<pre style='white-space:pre-wrap;margin:2px 0'><span style='color:#7f8c8d'>{prompt}</span>"
+            f"<b>{html.escape(text)}</b></pre>"
+            for text in view.continuations
+        )
+        self.samples.value = f"<div>{len(view.continuations)} samples (seed {view.seed}):</div>{rows}"
+
+    def _repr_mimebundle_(self, **kwargs):
+        return self.widget._repr_mimebundle_(**kwargs)
+
+
+def sampler_explorer(model, prompt: str = "The ", n_samples: int = 4, max_new_tokens: int = 40) -> SamplerExplorer:
+    """Build the chapter-06 explorer (display it by leaving it last in a cell)."""
+    return SamplerExplorer(model, prompt, n_samples, max_new_tokens)
