@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -24,7 +25,8 @@ from tqdm.auto import tqdm
 from ar_lab.data import corpus_tokens, get_batch, train_val_split
 from ar_lab.model import GPT, GPTConfig
 
-DATA_DIR = Path(__file__).resolve().parent.parent / "data"
+# Where the shipped checkpoints live; AR_LAB_DATA points the course at another folder.
+DATA_DIR = Path(os.environ.get("AR_LAB_DATA", Path(__file__).resolve().parent.parent / "data"))
 
 
 @dataclass
@@ -215,7 +217,7 @@ PRESETS: dict[str, tuple[GPTConfig, TrainConfig]] = {
     # The course model: ~3.5 M parameters, trained on full 1,024-token windows.
     "course": (
         GPTConfig(block_size=1024, n_layer=4, n_head=4, n_embd=256, dropout=0.0),
-        TrainConfig(steps=600, batch_size=8, block_size=1024, lr=1.5e-3, warmup_steps=30, eval_every=100),
+        TrainConfig(steps=450, batch_size=8, block_size=1024, lr=2e-3, warmup_steps=30, eval_every=50),
     ),
     # The draft for speculative decoding: same tokenizer, a fraction of the cost.
     "draft": (
@@ -258,6 +260,7 @@ def train_preset(name: str, out: Path | None = None, progress: bool = True) -> d
         "val_loss_nats": round(val, 4),
         "val_bits_per_byte": round(val / math.log(2), 4),
         "torch": torch.__version__,
+        "threads": torch.get_num_threads(),
         "eval_steps": result.eval_steps,
         "val_curve": [round(v, 4) for v in result.val_loss],
     }
@@ -269,7 +272,11 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description="Train the course checkpoints reproducibly.")
     parser.add_argument("--preset", choices=sorted(PRESETS), required=True)
     parser.add_argument("--out", type=Path, default=None, help="where to write (default data/NAME.safetensors)")
+    parser.add_argument(
+        "--threads", type=int, default=1, help="CPU threads (default 1: the shipped checkpoints' setting, reproducible)"
+    )
     args = parser.parse_args(argv)
+    torch.set_num_threads(args.threads)
     record = train_preset(args.preset, args.out)
     print(json.dumps({k: v for k, v in record.items() if k != "val_curve"}, indent=2))
 
