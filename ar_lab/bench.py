@@ -86,5 +86,84 @@ def main(argv: list[str] | None = None) -> int:
 
 # --- benchmarks (each section owned by its chapter) ------------------------------
 
+# --- chapter 06: sampler step vs decode step -----------------------------------------
+
+
+def _sampler_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--context", type=int, default=128, help="tokens already in the KV cache (default 128)")
+    p.add_argument("--rounds", type=int, default=30, help="interleaved timing rounds; medians are reported")
+    p.add_argument("--calls", type=int, default=20, help="calls per round, averaged (default 20)")
+    p.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1, as batch-1 decode)")
+
+
+def sampler_benchmark(model=None, context: int = 128, rounds: int = 30, calls: int = 20) -> dict:
+    """Batch-1: one cached decode step against one sampler step on its logits, interleaved.
+
+    The key figure is sampler time / decode time: a sampler must not show in decode time.
+    """
+    from ar_lab.cache import KVCache
+    from ar_lab.sampling import GREEDY, SamplingParams, sample
+
+    source = "given"
+    if model is None:
+        from ar_lab.model import GPT, GPTConfig
+        from ar_lab.train import checkpoint_path, load_checkpoint
+
+        if checkpoint_path("course").exists():
+            model, source = load_checkpoint(checkpoint_path("course"), "cpu"), "data/course.safetensors"
+        else:
+            torch.manual_seed(0)
+            model, source = GPT(GPTConfig()).eval(), "random init (course checkpoint missing)"
+    device = model.device
+    gen = torch.Generator(device=device).manual_seed(0)
+    history = torch.randint(0, model.config.vocab_size, (context,), generator=gen, device=device)
+    cache = KVCache.for_model(model, max_len=context + 1)
+    step_in = history[-1:].view(1, 1)
+    with torch.inference_mode():
+        model(history[None, :context], cache)  # prefill: the cache now holds `context` positions
+
+        def decode_step():
+            cache.truncate(context)  # every timed step decodes position `context` again
+            return model(step_in, cache)[0, -1]
+
+        logits = decode_step()
+    hist = history.tolist()
+    samplers = {
+        "greedy": (GREEDY, ()),
+        "T=1 (pure sampling)": (SamplingParams(), ()),
+        "T=0.8, top-k 40": (SamplingParams(temperature=0.8, top_k=40), ()),
+        "T=0.8, top-p 0.9": (SamplingParams(temperature=0.8, top_p=0.9), ()),
+        "T=0.8, min-p 0.05": (SamplingParams(temperature=0.8, min_p=0.05), ()),
+        "all + repetition penalty 1.2": (
+            SamplingParams(temperature=0.8, top_k=40, top_p=0.9, min_p=0.05, repetition_penalty=1.2),
+            hist,
+        ),
+    }
+    times: dict[str, list[float]] = {"decode step": [], **{k: [] for k in samplers}}
+    with torch.inference_mode():
+        for _ in range(rounds):  # interleaved, so load changes hit every column alike
+            times["decode step"].append(median(time_call(decode_step, repeats=calls, warmup=1, device=device)))
+            for name, (params, h) in samplers.items():
+                fn = lambda params=params, h=h: int(sample(logits, params, gen, h))  # int(): waits for the device
+                times[name].append(median(time_call(fn, repeats=calls, warmup=1)))
+    decode = median(times["decode step"])
+    rows, out = [["decode step (cached, batch 1)", f"{decode * 1e6:,.1f}", "1"]], {}
+    for name in samplers:
+        t = median(times[name])
+        rows.append([f"sampler: {name}", f"{t * 1e6:,.1f}", f"{t / decode:.3f}"])
+        out[name] = {"seconds": t, "ratio_to_decode_step": t / decode}
+    print(f"model: {source}; {model.num_parameters():,} parameters; context {context}; {machine_info()}")
+    print(format_table(["step", "median µs", "x decode step"], rows))
+    return {"model": source, "context": context, "decode_step_seconds": decode, "samplers": out, **machine_info()}
+
+
+def sampler_bench(args: argparse.Namespace) -> dict:
+    torch.set_num_threads(args.threads)
+    return sampler_benchmark(context=args.context, rounds=args.rounds, calls=args.calls)
+
+
+BENCHMARKS["sampler"] = (sampler_bench, "batch-1 sampler step vs cached decode step (chapter 06)", _sampler_options)
+
+
 if __name__ == "__main__":
     sys.exit(main())

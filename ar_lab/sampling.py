@@ -33,6 +33,7 @@ import numbers
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -118,18 +119,25 @@ def apply_repetition_penalty(
     if isinstance(history, torch.Tensor) and history.dtype == torch.bool:
         if history.shape[-1] != V:
             raise ValueError(f"history mask has {history.shape[-1]} entries, the logits {V}")
-        seen = history
+        penalised = torch.where(logits > 0, logits / penalty, logits * penalty)
+        return torch.where(history, penalised, logits)
+    if isinstance(history, torch.Tensor):
+        idx = history.flatten().long().unique()  # each distinct id once
+        lo, hi = (int(idx[0]), int(idx[-1])) if idx.numel() else (0, 0)
     else:
-        ids = sorted({int(t) for t in history})
+        ids = set(map(int, history))  # each distinct id once
         if not ids:
             return logits
-        if ids[0] < 0 or ids[-1] >= V:
-            bad = ids[0] if ids[0] < 0 else ids[-1]
-            raise ValueError(f"history holds token id {bad}, outside the vocabulary [0, {V - 1}]")
-        seen = torch.zeros(V, dtype=torch.bool, device=logits.device)
-        seen[ids] = True
-    penalised = torch.where(logits > 0, logits / penalty, logits * penalty)
-    return torch.where(seen, penalised, logits)
+        lo, hi = min(ids), max(ids)
+        idx = torch.from_numpy(np.fromiter(ids, dtype=np.int64, count=len(ids)))
+    if idx.numel() == 0:
+        return logits
+    if lo < 0 or hi >= V:
+        raise ValueError(f"history holds token id {lo if lo < 0 else hi}, outside the vocabulary [0, {V - 1}]")
+    idx = idx.to(logits.device)
+    dim = logits.ndim - 1
+    seen = logits.index_select(dim, idx)
+    return logits.index_copy(dim, idx, torch.where(seen > 0, seen / penalty, seen * penalty))
 
 
 def apply_temperature(logits: torch.Tensor, temperature: float) -> torch.Tensor:
@@ -140,11 +148,10 @@ def apply_temperature(logits: torch.Tensor, temperature: float) -> torch.Tensor:
     """
     if not _is_real(temperature) or not math.isfinite(temperature) or temperature < 0:
         raise ValueError(f"temperature must be a finite number >= 0, got {temperature!r}")
-    top = logits.amax(dim=-1, keepdim=True)
     if temperature < GREEDY_EPS:
         keep = F.one_hot(logits.argmax(dim=-1), logits.shape[-1]).bool()
         return torch.zeros_like(logits).masked_fill(~keep, float("-inf"))
-    return (logits - top) / temperature
+    return (logits - logits.amax(dim=-1, keepdim=True)) / temperature
 
 
 def filter_top_k(logits: torch.Tensor, k: int) -> torch.Tensor:

@@ -280,6 +280,7 @@ def test_repetition_penalty_divides_positive_and_multiplies_negative_logits_once
     assert torch.equal(apply_repetition_penalty(x, [0, 1, 2], 2.0), out)
     mask = torch.tensor([True, True, True, False, False])
     assert torch.equal(apply_repetition_penalty(x, mask, 2.0), out)
+    assert torch.equal(apply_repetition_penalty(x, torch.tensor([1, 1, 0, 2]), 2.0), out)  # int tensor
     assert torch.equal(apply_repetition_penalty(x, [0, 1], 1.0), x)
     assert apply_repetition_penalty(x, [0, 1], 0.5).tolist()[:2] == [4.0, -1.0]  # < 1 encourages repeats
     with pytest.raises(ValueError, match=r"history holds token id 9, outside the vocabulary \[0, 4\]"):
