@@ -86,6 +86,145 @@ def main(argv: list[str] | None = None) -> int:
 
 # --- benchmarks (each section owned by its chapter) ------------------------------
 
+# --- chapter 05: roofline ------------------------------------------------------------
+
+# Sweeps per device type: prompt lengths (prefill), batch sizes (decode at one
+# context) and contexts (decode at batch 1). "quick" is a smoke test.
+_ROOFLINE_SWEEPS = {
+    "cpu": {
+        "config": "cpu",
+        "prompt_lens": [16, 64, 256, 512],
+        "batches": [1, 4, 16, 64],
+        "context": 128,
+        "contexts": [64, 512, 1024],
+    },
+    "cuda": {
+        "config": "gpu",
+        "prompt_lens": [128, 512, 2048, 4096],
+        "batches": [1, 8, 32, 128],
+        "context": 512,
+        "contexts": [512, 2048, 4096],
+    },
+    "quick": {"config": None, "prompt_lens": [8, 32], "batches": [1, 4], "context": 32, "contexts": [16]},
+}
+
+
+def _roofline_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
+    p.add_argument(
+        "--config",
+        choices=["small", "cpu", "gpu"],
+        default=None,
+        help="random-init model from ar_lab.roofline.CONFIGS (default: cpu on a CPU, gpu on CUDA)",
+    )
+    p.add_argument("--prompt-lens", type=int, nargs="+", default=None, help="prefill prompt lengths")
+    p.add_argument("--batches", type=int, nargs="+", default=None, help="decode batch sizes (at --context)")
+    p.add_argument("--context", type=int, default=None, help="context of the decode batch sweep")
+    p.add_argument("--contexts", type=int, nargs="+", default=None, help="decode contexts at batch 1")
+    p.add_argument("--rounds", type=int, default=5, help="alternating bandwidth/decode rounds for the key figure")
+    p.add_argument(
+        "--threads",
+        type=int,
+        nargs="+",
+        default=None,
+        help="CPU thread counts compared for the key figure (default: 1 and all)",
+    )
+    p.add_argument("--buffer-mb", type=int, default=None, help="streaming buffer (default: max(1 GiB, 4 x L3))")
+    p.add_argument("--repeats", type=int, default=3, help="timed repeats per point (median kept)")
+    p.add_argument("--quick", action="store_true", help="tiny model and sizes: a smoke test, not a measurement")
+
+
+def roofline_bench(args: argparse.Namespace) -> dict:
+    """Peaks, prefill/decode points and the decode-bandwidth key figure; see ar_lab.roofline."""
+    from ar_lab import roofline as rl
+    from ar_lab.model import GPTConfig
+
+    device = torch.device(args.device) if args.device else rl.default_device()
+    sweep = dict(_ROOFLINE_SWEEPS["quick" if args.quick else device.type])
+    for key, value in [
+        ("prompt_lens", args.prompt_lens),
+        ("batches", args.batches),
+        ("context", args.context),
+        ("contexts", args.contexts),
+        ("config", args.config),
+    ]:
+        if value is not None:
+            sweep[key] = value
+    if args.quick and args.config is None:
+        cfg = GPTConfig(block_size=64, n_layer=2, n_head=4, n_embd=64)
+    else:
+        cfg = rl.CONFIGS[sweep["config"]]
+    buffer = args.buffer_mb * 2**20 if args.buffer_mb else (2**24 if args.quick else None)
+    dtype = rl.default_dtype(device)
+    print(f"roofline on {rl.device_name(device)}, {str(dtype).removeprefix('torch.')}, torch {torch.__version__}")
+    model = rl.build_model(cfg, device, dtype)
+    wbytes = sum(p.nbytes for p in model.parameters())
+    print(
+        f"model: {model.num_parameters() / 1e6:.1f} M parameters, {wbytes / 2**20:,.0f} MiB of weights "
+        f"(largest CPU cache: {(rl.cache_bytes() or 0) / 2**20:,.0f} MiB)"
+    )
+    cores = torch.get_num_threads()
+    threads = args.threads or sorted({1, cores})
+    key = rl.decode_bandwidth_fraction(
+        model,
+        min(64, sweep["context"]),
+        1 if args.quick else args.rounds,
+        threads,
+        buffer,
+        args.repeats,
+        progress=lambda m: print("  " + m, flush=True),
+    )
+    torch.set_num_threads(key["best_threads"] if device.type == "cpu" else cores)
+    result = rl.run_roofline(
+        model,
+        sweep["prompt_lens"],
+        sweep["batches"],
+        sweep["context"],
+        sweep["contexts"],
+        buffer_bytes=buffer,
+        repeats=args.repeats,
+        matmul_size=256 if args.quick else None,
+        progress=lambda m: print("  " + m, flush=True),
+    )
+    torch.set_num_threads(cores)
+    result["command"] = "python -m ar_lab.bench roofline " + " ".join(sys.argv[2:] if len(sys.argv) > 2 else [])
+    result["bandwidth_fraction"] = key
+    k = result["key_figures"]
+    k["decode_bandwidth_fraction_sweep"] = k.pop("decode_bandwidth_fraction", None)
+    k["decode_bandwidth_fraction"] = key["fraction"]
+    k["decode_bandwidth_fraction_range"] = [key["by_threads"][str(key["best_threads"])][m] for m in ("min", "max")]
+    k["threads"] = key["best_threads"]
+
+    from ar_lab.roofline import SUMMARY_HEADERS, format_si, summary_rows
+
+    peaks = result["peaks"]
+    print()
+    print(format_table(SUMMARY_HEADERS, summary_rows(result)))
+    print()
+    print(f"matmul peak      {format_si(peaks['matmul_flops_per_s'], 'FLOP/s')} ({peaks['matmul_size']}^2 matmul)")
+    print(
+        f"bandwidth        {format_si(peaks['bandwidth_bytes_per_s'], 'B/s')} (best of "
+        + ", ".join(f"{n} {format_si(v, 'B/s')}" for n, v in peaks["bandwidth_by_kernel"].items())
+        + f"; {peaks['bandwidth_buffer_bytes'] / 2**20:,.0f} MiB buffer)"
+    )
+    print(f"ridge point      {result['ridge_point']:.1f} FLOP/byte")
+    rows = [
+        [f"{t} thread(s)", f"{v['median']:.0%}", f"{v['min']:.0%} .. {v['max']:.0%}"]
+        for t, v in key["by_threads"].items()
+    ]
+    print()
+    print(
+        f"key figure: batch-1 decode at context {key['context']} vs the streaming bandwidth of the same round "
+        f"({len(key['rounds']) // len(key['by_threads'])} alternating rounds)"
+    )
+    print(format_table(["", "median", "range"], rows))
+    if "prefill_compute_fraction" in k:
+        print(f"largest prefill ({k['prefill_tokens']} tokens): {k['prefill_compute_fraction']:.0%} of the matmul peak")
+    return result
+
+
+BENCHMARKS["roofline"] = (roofline_bench, "prefill vs decode on a measured roofline (chapter 05)", _roofline_options)
+
 # --- chapter 06: sampler step vs decode step -----------------------------------------
 
 
