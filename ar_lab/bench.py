@@ -86,6 +86,255 @@ def main(argv: list[str] | None = None) -> int:
 
 # --- benchmarks (each section owned by its chapter) ------------------------------
 
+# --- chapter 04: decode (KV cache vs recomputation; ar_lab vs transformers) ---------
+
+
+def _decode_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--tokens", type=int, default=1000, help="new tokens per generation (default 1000)")
+    p.add_argument("--repeats", type=int, default=3, help="timed repeats of each run; medians are reported")
+    p.add_argument(
+        "--uncached-repeats", type=int, default=None, help="repeats of the slow uncached run (default: --repeats)"
+    )
+    p.add_argument("--prompt", default="Python ", help="prompt text (default 'Python ')")
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="torch CPU threads for every run (default 1: batch-1 decode of a 3.5 M-parameter model "
+        "is a chain of tiny kernels, and on a shared machine extra threads mostly wait for each other)",
+    )
+    p.add_argument("--no-peer", action="store_true", help="skip the transformers reference peer")
+
+
+def _course_model_or_random():
+    """The course checkpoint on CPU, or GPTConfig() with seeded random weights while it is missing.
+
+    Decode timing depends on the shapes, not on what the weights learned.
+    """
+    from ar_lab.model import GPT, GPTConfig
+    from ar_lab.train import checkpoint_path, load_checkpoint
+
+    path = checkpoint_path("course")
+    if path.exists():
+        return load_checkpoint(path, "cpu"), str(path.name)
+    torch.manual_seed(0)
+    return GPT(GPTConfig()).eval(), "random init (data/course.safetensors not found)"
+
+
+def decode_benchmark(
+    model=None,
+    tokens: int = 1000,
+    repeats: int = 3,
+    uncached_repeats: int | None = None,
+    prompt: str = "Python ",
+    threads: int | None = 1,
+    peer: bool = True,
+    progress: Callable[[str], None] | None = None,
+) -> dict:
+    """Batch-1 greedy decode of ``tokens`` new tokens: ar_lab cached, ar_lab uncached and
+    transformers' ``generate`` (same weights, its own KV cache), measured side by side.
+
+    Runs are interleaved within each repeat so a load change on the machine hits all of
+    them alike; wall-clock and process CPU seconds are both kept. The transformers run
+    must produce exactly ar_lab's tokens (``AssertionError`` otherwise).
+    """
+    from ar_lab.generate import generate
+    from ar_lab.tokenizer import EOS_ID, encode
+
+    if not isinstance(tokens, int) or tokens < 1:
+        raise ValueError(f"tokens must be an int >= 1, got {tokens!r}")
+    if not isinstance(repeats, int) or repeats < 1:
+        raise ValueError(f"repeats must be an int >= 1, got {repeats!r}")
+    uncached_repeats = repeats if uncached_repeats is None else uncached_repeats
+    if not isinstance(uncached_repeats, int) or uncached_repeats < 0:
+        raise ValueError(f"uncached_repeats must be an int >= 0, got {uncached_repeats!r}")
+    say = progress or (lambda _m: None)
+    source = "given"
+    if model is None:
+        model, source = _course_model_or_random()
+    model = model.eval()
+    prompt_ids = encode(prompt)
+    P, N = len(prompt_ids), tokens
+    if P + N - 1 > model.config.block_size:
+        raise ValueError(
+            f"a {P}-token prompt plus {N} new tokens needs {P + N - 1} positions, more than the context "
+            f"window of {model.config.block_size}; ask for at most {model.config.block_size - P + 1} tokens"
+        )
+    old_threads = torch.get_num_threads()
+    if threads is not None:
+        torch.set_num_threads(threads)
+
+    def ours(use_cache: bool, n: int = N):
+        return generate(model, prompt_ids, n, use_cache=use_cache, eos_id=None)
+
+    hf, ids = None, torch.tensor([prompt_ids])
+    if peer:
+        from ar_lab.reference import to_hf_gpt2
+
+        hf = to_hf_gpt2(model)
+        try:
+            from transformers.utils import logging as hf_logging
+
+            hf_logging.set_verbosity_error()
+        except ImportError:  # pragma: no cover - logging moved
+            pass
+
+    def theirs(n: int = N) -> list[int]:
+        with torch.inference_mode():
+            out = hf.generate(
+                ids,
+                attention_mask=torch.ones_like(ids),
+                max_new_tokens=n,
+                do_sample=False,
+                eos_token_id=None,  # never stop early: exactly n tokens, like eos_id=None for ours
+                pad_token_id=EOS_ID,
+            )
+        return out[0, P:].tolist()
+
+    def timed(fn):
+        w0, c0 = time.perf_counter(), time.process_time()
+        out = fn()
+        return out, time.perf_counter() - w0, time.process_time() - c0
+
+    runs = {"ar_lab cached": {}, "ar_lab uncached": {}}
+    if peer:
+        runs["transformers generate"] = {}
+    for run in runs.values():
+        run.update(seconds=[], cpu_seconds=[])
+    try:
+        say("warm-up")
+        ours(True, min(N, 16)), ours(False, min(N, 16))
+        if peer:
+            theirs(min(N, 16))
+        reference = None
+        for r in range(max(repeats, uncached_repeats)):
+            plan = [("ar_lab cached", lambda: ours(True))] if r < repeats else []
+            if peer and r < repeats:
+                plan.append(("transformers generate", theirs))
+            if r < uncached_repeats:
+                plan.append(("ar_lab uncached", lambda: ours(False)))
+            for name, fn in plan:
+                say(f"repeat {r + 1}: {name}")
+                out, wall, cpu = timed(fn)
+                got = out if isinstance(out, list) else out.tokens
+                if not isinstance(out, list):
+                    runs[name]["positions"] = out.stats.positions_processed
+                    runs[name]["forward_calls"] = out.stats.forward_calls
+                if reference is None:
+                    reference = got
+                elif got != reference:
+                    first = next(i for i, (a, b) in enumerate(zip(got, reference, strict=False)) if a != b)
+                    raise AssertionError(f"{name} produced different tokens (first difference at new token {first})")
+                runs[name]["seconds"].append(wall)
+                runs[name]["cpu_seconds"].append(cpu)
+    finally:
+        torch.set_num_threads(old_threads)
+    if peer:  # transformers' cache also feeds the prompt once, then one token per step
+        runs["transformers generate"]["positions"] = P + N - 1
+    for run in runs.values():
+        if run["seconds"]:
+            run["median_s"] = median(run["seconds"])
+            run["median_cpu_s"] = median(run["cpu_seconds"])
+            run["tokens_per_s"] = N / run["median_s"]
+    runs = {k: v for k, v in runs.items() if v["seconds"]}
+
+    def speedup(a: str, b: str, key: str = "median_s") -> float | None:
+        return runs[b][key] / runs[a][key] if a in runs and b in runs else None
+
+    ratios = {
+        "cached_vs_uncached": speedup("ar_lab cached", "ar_lab uncached"),
+        "cached_vs_uncached_cpu": speedup("ar_lab cached", "ar_lab uncached", "median_cpu_s"),
+        "ar_lab_vs_transformers": speedup("ar_lab cached", "transformers generate"),
+        "ar_lab_vs_transformers_cpu": speedup("ar_lab cached", "transformers generate", "median_cpu_s"),
+    }
+    if "ar_lab uncached" in runs:
+        positions = runs["ar_lab uncached"]["positions"] / runs["ar_lab cached"]["positions"]
+        ratios["positions_uncached_vs_cached"] = positions
+    return {
+        "benchmark": "decode",
+        "model": {"source": source, "parameters": model.num_parameters(), **model.config.to_dict()},
+        "prompt_tokens": P,
+        "new_tokens": N,
+        "repeats": repeats,
+        "uncached_repeats": uncached_repeats,
+        "threads": threads if threads is not None else old_threads,
+        "machine": machine_info(),
+        "runs": runs,
+        "ratios": ratios,
+        "tokens_identical": True,  # asserted above for every run
+        "target_ar_lab_vs_transformers": 3.0,
+    }
+
+
+def format_decode_results(res: dict) -> str:
+    """The printed table: medians per run, then the key ratios."""
+    N = res["new_tokens"]
+    rows = []
+    for name, run in res["runs"].items():
+        rows.append(
+            [
+                name,
+                f"{run['positions']:,}",
+                f"{run['median_s']:.3f}",
+                f"{run['median_cpu_s']:.3f}",
+                f"{run['tokens_per_s']:,.0f}",
+                f"{1000 * run['median_s'] / N:.2f}",
+                f"{len(run['seconds'])}",
+            ]
+        )
+    headers = ["run", "positions", "median s", "median CPU s", "tokens/s", "ms/token", "repeats"]
+    r = res["ratios"]
+    lines = [
+        f"decode: batch 1, greedy, {res['prompt_tokens']}-token prompt + {N:,} new tokens; "
+        f"model {res['model']['source']} ({res['model']['parameters'] / 1e6:.2f} M parameters); "
+        f"{res['threads']} thread(s); torch {res['machine']['torch']} on {res['machine']['device']}",
+        "",
+        format_table(headers, rows),
+        "",
+    ]
+    if r["cached_vs_uncached"] is not None:
+        lines.append(
+            f"KV cache: {r['cached_vs_uncached']:.1f}x faster than recomputing "
+            f"(CPU time {r['cached_vs_uncached_cpu']:.1f}x) "
+            f"while processing {r['positions_uncached_vs_cached']:.0f}x fewer positions"
+        )
+    if r["ar_lab_vs_transformers"] is not None:
+        target = res["target_ar_lab_vs_transformers"]
+        verdict = "met" if r["ar_lab_vs_transformers"] >= target else "NOT met"
+        lines.append(
+            f"ar_lab vs transformers generate: {r['ar_lab_vs_transformers']:.2f}x the tokens/s "
+            f"(CPU time {r['ar_lab_vs_transformers_cpu']:.2f}x); identical tokens; target {target:.0f}x {verdict}"
+        )
+    return "\n".join(lines)
+
+
+def decode_bench(args: argparse.Namespace) -> dict:
+    from ar_lab.reference import have_transformers
+
+    peer = not args.no_peer
+    if peer and not have_transformers():
+        print("transformers is not installed: skipping the reference peer (pip install transformers)")
+        peer = False
+    res = decode_benchmark(
+        tokens=args.tokens,
+        repeats=args.repeats,
+        uncached_repeats=args.uncached_repeats,
+        prompt=args.prompt,
+        threads=args.threads,
+        peer=peer,
+        progress=lambda m: print("  " + m, flush=True),
+    )
+    print()
+    print(format_decode_results(res))
+    return res
+
+
+BENCHMARKS["decode"] = (
+    decode_bench,
+    "KV cache vs recomputation, and ar_lab vs transformers generate (chapter 04)",
+    _decode_options,
+)
+
 # --- chapter 05: roofline ------------------------------------------------------------
 
 # Sweeps per device type: prompt lengths (prefill), batch sizes (decode at one

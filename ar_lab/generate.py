@@ -12,6 +12,7 @@ sequence length of every forward call actually made.
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
@@ -113,6 +114,9 @@ def token_steps(
     buf[0, :P] = torch.tensor(prompt)
     cache = KVCache.for_model(model, max_len=P + N - 1) if use_cache else None
     history = list(prompt) if sampling.repetition_penalty != 1.0 else ()
+    # Greedy without a penalty is the argmax of the raw logits: take it directly rather
+    # than have sample() build the one-token distribution every step.
+    greedy = sampling.greedy and sampling.repetition_penalty == 1.0
     was_training = model.training
     model.eval()
     try:
@@ -121,8 +125,12 @@ def token_steps(
             for n in range(N):
                 end = P + n  # tokens known so far
                 x = buf[:, end - 1 : end] if (cache is not None and n > 0) else buf[:, :end]
-                logits = model(x, cache)[:, -1]  # (1, vocab)
-                token = int(sample(logits[0], sampling, generator, history))
+                logits = model(x, cache)[0, -1]  # (vocab,)
+                token = int(logits.argmax()) if greedy else -1
+                if not greedy or not math.isfinite(logits[token]):
+                    # A NaN or inf would win the argmax: one look at the winner is enough,
+                    # and sample() then raises its explanatory error.
+                    token = int(sample(logits, sampling, generator, history))
                 stats.forward_calls += 1
                 stats.positions_processed += x.shape[1]
                 buf[0, end] = token

@@ -19,7 +19,6 @@ from dataclasses import asdict, dataclass
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from einops import rearrange
 
 from ar_lab.cache import KVCache
 from ar_lab.tokenizer import VOCAB_SIZE
@@ -73,13 +72,17 @@ class CausalSelfAttention(nn.Module):
         self.qkv = nn.Linear(cfg.n_embd, (self.n_head + 2 * self.n_kv) * self.d)
         self.proj = nn.Linear(cfg.n_embd, cfg.n_embd)
         self.dropout = cfg.dropout
+        self.split_sizes = [self.n_head, self.n_kv, self.n_kv]  # heads of q, k, v
+        self.gqa = self.n_kv != self.n_head
 
     def forward(self, x: torch.Tensor, cache: KVCache | None, layer: int, start: int) -> torch.Tensor:
         B, T, C = x.shape
-        q, k, v = self.qkv(x).split([self.n_head * self.d, self.n_kv * self.d, self.n_kv * self.d], dim=-1)
-        q = rearrange(q, "b t (h d) -> b h t d", h=self.n_head)  # (B, H, T, D)
-        k = rearrange(k, "b t (h d) -> b h t d", h=self.n_kv)  # (B, H_kv, T, D)
-        v = rearrange(v, "b t (h d) -> b h t d", h=self.n_kv)
+        # Heads side by side -> heads as a dimension: (B, T, (H + 2 H_kv) * D) -> (B, H + 2 H_kv, T, D),
+        # then q, k, v are consecutive head ranges. One view and one transpose (what einops'
+        # rearrange "b t (h d) -> b h t d" does, without its per-call parsing: a one-token decode
+        # step is short enough for that to show in tokens/s).
+        qkv = self.qkv(x).view(B, T, self.n_head + 2 * self.n_kv, self.d).transpose(1, 2)
+        q, k, v = qkv.split(self.split_sizes, dim=1)  # (B, H, T, D), (B, H_kv, T, D), (B, H_kv, T, D)
         if cache is not None:
             k, v = cache.update(layer, start, k, v)  # (B, H_kv, start + T, D)
         # Causal mask: query i (absolute position start + i) sees keys 0..start + i.
@@ -98,9 +101,9 @@ class CausalSelfAttention(nn.Module):
             attn_mask=mask,
             is_causal=causal,
             dropout_p=self.dropout if self.training else 0.0,
-            enable_gqa=self.n_kv != self.n_head,
+            enable_gqa=self.gqa,
         )  # (B, H, T, D)
-        return self.proj(rearrange(y, "b h t d -> b t (h d)"))
+        return self.proj(y.transpose(1, 2).reshape(B, T, C))  # heads back side by side: (B, T, H * D)
 
 
 class MLP(nn.Module):
@@ -124,8 +127,10 @@ class Block(nn.Module):
         self.drop = nn.Dropout(cfg.dropout)
 
     def forward(self, x: torch.Tensor, cache: KVCache | None, layer: int, start: int) -> torch.Tensor:
-        x = x + self.drop(self.attn(self.ln1(x), cache, layer, start))
-        return x + self.drop(self.mlp(self.ln2(x)))
+        a = self.attn(self.ln1(x), cache, layer, start)
+        x = x + (self.drop(a) if self.training else a)  # dropout is the identity in eval: skip the call
+        m = self.mlp(self.ln2(x))
+        return x + (self.drop(m) if self.training else m)
 
 
 class GPT(nn.Module):
@@ -141,7 +146,6 @@ class GPT(nn.Module):
         self.ln_f = nn.LayerNorm(config.n_embd)
         self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
         self.lm_head.weight = self.wte.weight  # weight tying, as in GPT-2
-        self.register_buffer("pos_ids", torch.arange(config.block_size), persistent=False)
         self.apply(self._init_weights)
         # GPT-2's scaled init of the projections that write into the residual stream.
         for name, p in self.named_parameters():
@@ -187,7 +191,9 @@ class GPT(nn.Module):
             )
         if cache is not None and cache.batch_size != B:
             raise ValueError(f"cache was built for batch size {cache.batch_size}, got a batch of {B}")
-        x = self.drop(self.wte(idx) + self.wpe(self.pos_ids[start : start + T]))  # (B, T, C)
+        x = self.wte(idx) + self.wpe.weight[start : start + T]  # (B, T, C); positions are a slice of wpe
+        if self.training:
+            x = self.drop(x)  # (dropout is the identity in eval: skip the call)
         for layer, block in enumerate(self.blocks):
             x = block(x, cache, layer, start)
         if cache is not None:

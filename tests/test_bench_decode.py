@@ -1,0 +1,87 @@
+"""The decode benchmark, run with tiny sizes: structure, counts and token identity (not speed)."""
+
+import json
+
+import pytest
+import torch
+
+from ar_lab.bench import BENCHMARKS, decode_benchmark, format_decode_results, main
+from ar_lab.model import GPT, GPTConfig
+from ar_lab.reference import have_transformers
+
+needs_hf = pytest.mark.skipif(not have_transformers(), reason="transformers is not installed")
+
+
+@pytest.fixture
+def small_model():
+    torch.manual_seed(1)
+    return GPT(GPTConfig(block_size=64, n_layer=2, n_head=2, n_embd=32)).eval()
+
+
+@needs_hf
+def test_decode_benchmark_structure_and_identical_tokens(small_model):
+    res = decode_benchmark(small_model, tokens=12, repeats=2, uncached_repeats=1, prompt="ab", threads=1)
+    runs = res["runs"]
+    assert set(runs) == {"ar_lab cached", "ar_lab uncached", "transformers generate"}
+    assert res["tokens_identical"] is True and res["new_tokens"] == 12 and res["prompt_tokens"] == 2
+    P, N = 2, 12
+    assert runs["ar_lab cached"]["positions"] == runs["transformers generate"]["positions"] == P + N - 1
+    assert runs["ar_lab uncached"]["positions"] == N * P + N * (N - 1) // 2
+    assert runs["ar_lab cached"]["forward_calls"] == N
+    assert len(runs["ar_lab cached"]["seconds"]) == len(runs["transformers generate"]["seconds"]) == 2
+    assert len(runs["ar_lab uncached"]["seconds"]) == 1
+    for run in runs.values():
+        assert run["median_s"] > 0 and run["median_cpu_s"] >= 0
+        assert run["tokens_per_s"] == pytest.approx(N / run["median_s"])
+    r = res["ratios"]
+    assert r["ar_lab_vs_transformers"] == pytest.approx(
+        runs["transformers generate"]["median_s"] / runs["ar_lab cached"]["median_s"]
+    )
+    assert r["positions_uncached_vs_cached"] == pytest.approx((N * P + N * (N - 1) // 2) / (P + N - 1))
+    assert json.loads(json.dumps(res)) == res  # JSON-serialisable as written by --json
+    table = format_decode_results(res)
+    assert "transformers generate" in table and "ar_lab uncached" in table and "target 3x" in table
+
+
+@needs_hf
+def test_decode_benchmark_detects_different_tokens(small_model, monkeypatch):
+    import ar_lab.reference as reference
+
+    real = reference.to_hf_gpt2
+
+    def perturbed(model):
+        hf = real(model)
+        with torch.no_grad():
+            hf.transformer.ln_f.bias.add_(torch.randn_like(hf.transformer.ln_f.bias))  # other weights
+        return hf
+
+    monkeypatch.setattr(reference, "to_hf_gpt2", perturbed)
+    with pytest.raises(AssertionError, match="different tokens"):
+        decode_benchmark(small_model, tokens=20, repeats=1, uncached_repeats=0, prompt="ab")
+
+
+def test_decode_benchmark_without_peer_and_bad_input(small_model):
+    threads = torch.get_num_threads()
+    res = decode_benchmark(small_model, tokens=5, repeats=1, uncached_repeats=0, peer=False, threads=1)
+    assert set(res["runs"]) == {"ar_lab cached"} and res["ratios"]["ar_lab_vs_transformers"] is None
+    assert torch.get_num_threads() == threads  # restored
+    assert "KV cache" not in format_decode_results(res)
+    with pytest.raises(ValueError, match="context window of 64"):
+        decode_benchmark(small_model, tokens=64, prompt="abc", peer=False)
+    with pytest.raises(ValueError, match="tokens must be"):
+        decode_benchmark(small_model, tokens=0, peer=False)
+    with pytest.raises(ValueError, match="repeats must be"):
+        decode_benchmark(small_model, tokens=3, repeats=0, peer=False)
+
+
+def test_decode_command_line(tmp_path, capsys):
+    assert "decode" in BENCHMARKS
+    out = tmp_path / "decode.json"
+    args = ["decode", "--tokens", "4", "--repeats", "1", "--uncached-repeats", "1", "--json", str(out)]
+    if not have_transformers():
+        args.append("--no-peer")
+    assert main(args) == 0
+    printed = capsys.readouterr().out
+    assert "ar_lab cached" in printed and "tokens/s" in printed
+    res = json.loads(out.read_text())
+    assert res["new_tokens"] == 4 and res["runs"]["ar_lab cached"]["positions"] == 4 + len("Python ") - 1
