@@ -492,7 +492,7 @@ def sampler_benchmark(model=None, context: int = 128, rounds: int = 30, calls: i
     from ar_lab.cache import KVCache
     from ar_lab.sampling import GREEDY, SamplingParams, sample
 
-    source = "given"
+    source = "the model passed in"
     if model is None:
         from ar_lab.model import GPT, GPTConfig
         from ar_lab.train import checkpoint_path, load_checkpoint

@@ -483,11 +483,18 @@ def length_normalised(logprob: float, length: int, length_penalty: float) -> flo
 
 
 def _reorder_cache(cache, rows: torch.Tensor) -> None:
-    """Make batch row i of every layer's keys/values a copy of row rows[i] (filled part only)."""
+    """Make batch row i of every layer's keys/values a copy of row rows[i] (filled part only).
+
+    Only the rows that change are copied: a beam that extends its own parent stays put.
+    """
     L = cache.length
+    moved = (rows != torch.arange(len(rows), device=rows.device)).nonzero().flatten()
+    if moved.numel() == 0:
+        return
+    src = rows[moved]
     for buffers in (cache.k, cache.v):
         for t in buffers:
-            t[:, :, :L] = t[rows, :, :L]  # advanced indexing copies first, so this is safe
+            t[moved, :, :L] = t[src, :, :L]  # advanced indexing copies the sources first: overlap is safe
 
 
 def beam_search(
