@@ -14,6 +14,12 @@ cell, with nbgrader's ``validate`` / ``validate --invert`` semantics.
 
     python -m ar_lab.exercises release            # notebooks/ -> course/ (student versions)
     python -m ar_lab.exercises validate NB.ipynb [--invert]
+    python -m ar_lab.exercises autograde SUBMISSIONS/ [--out grades/]
+
+``autograde`` does what nbgrader's ``autograde`` does: in each submitted notebook the
+graded (locked) test cells are restored from the source version, hidden tests
+included, so a learner cannot edit or see them; then it runs the notebook and scores
+each graded cell, writing ``grades.csv`` and one feedback file per submission.
 """
 
 from __future__ import annotations
@@ -73,15 +79,18 @@ def graded_cells(nb: nbformat.NotebookNode) -> list[tuple[int, dict]]:
     return [(i, nbgrader_meta(c)) for i, c in enumerate(nb.cells) if nbgrader_meta(c).get("grade")]
 
 
-def release(src: Path = ROOT / "notebooks", out: Path = ROOT / "course", overwrite: bool = False) -> list[Path]:
-    """Write the student version of every notebook in ``src`` to ``out``.
+def release(
+    src: Path = ROOT / "notebooks", out: Path = ROOT / "course", overwrite: bool = False, chapter: str | None = None
+) -> list[Path]:
+    """Write the student version of every notebook in ``src`` (or one ``chapter``, e.g. "04") to ``out``.
 
     A notebook that already exists in ``out`` is kept (it may hold a learner's work)
     unless ``overwrite``. Returns the paths written.
     """
-    notebooks = sorted(Path(src).glob("*.ipynb"))
+    pattern = "*.ipynb" if chapter is None else f"{int(chapter):02d}_*.ipynb"
+    notebooks = sorted(Path(src).glob(pattern))
     if not notebooks:
-        raise FileNotFoundError(f"no notebooks in {src}")
+        raise FileNotFoundError(f"no notebooks matching {pattern} in {src}")
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     written = []
@@ -129,6 +138,81 @@ def validate(path: Path, invert: bool = False) -> tuple[bool, list[CellResult]]:
     return ok, results
 
 
+@dataclass
+class GradedSubmission:
+    student: str
+    notebook: str
+    results: list[CellResult]
+
+    @property
+    def score(self) -> float:
+        return sum(r.points for r in self.results if r.passed)
+
+    @property
+    def max_score(self) -> float:
+        return sum(r.points for r in self.results)
+
+
+def restore_tests(submitted: nbformat.NotebookNode, source: nbformat.NotebookNode) -> nbformat.NotebookNode:
+    """Put the source's graded cells (with hidden tests) back into a submission, by grade_id."""
+    originals = {nbgrader_meta(c)["grade_id"]: c for c in source.cells if nbgrader_meta(c).get("grade")}
+    out = copy.deepcopy(submitted)
+    found = set()
+    for cell in out.cells:
+        gid = nbgrader_meta(cell).get("grade_id")
+        if gid in originals:
+            cell.source = originals[gid].source
+            found.add(gid)
+    missing = sorted(set(originals) - found)
+    if missing:
+        raise ValueError(f"the submission lacks the graded cells {missing}: it is not from this chapter's release")
+    return out
+
+
+def autograde(
+    submissions: Path, src: Path = ROOT / "notebooks", out: Path | None = None, timeout: int = 300
+) -> list[GradedSubmission]:
+    """Grade SUBMISSIONS/<student>/<notebook>.ipynb against the source notebooks in ``src``.
+
+    Writes ``out/grades.csv`` (student, notebook, grade_id, points, max points) and
+    ``out/feedback/<student>/<notebook>.txt``; returns the graded submissions.
+    """
+    import csv
+
+    submissions = Path(submissions)
+    out = Path(out) if out is not None else submissions.parent / "grades"
+    paths = sorted(submissions.glob("*/*.ipynb"))
+    if not paths:
+        raise FileNotFoundError(f"no submissions found: expected {submissions}/<student>/<notebook>.ipynb")
+    graded = []
+    for path in paths:
+        source_path = Path(src) / path.name
+        if not source_path.exists():
+            raise FileNotFoundError(f"{path}: no source notebook {source_path.name} in {src}")
+        source = nbformat.read(source_path, as_version=4)
+        restored = restore_tests(nbformat.read(path, as_version=4), source)
+        results = grade(execute(restored, Path(src), timeout))
+        graded.append(GradedSubmission(path.parent.name, path.name, results))
+    (out / "feedback").mkdir(parents=True, exist_ok=True)
+    with open(out / "grades.csv", "w", newline="") as f:
+        writer = csv.writer(f)
+        writer.writerow(["student", "notebook", "grade_id", "score", "max_score"])
+        for g in graded:
+            for r in g.results:
+                writer.writerow([g.student, g.notebook, r.grade_id, r.points if r.passed else 0, r.points])
+    for g in graded:
+        lines = [f"{g.notebook}: {g.score:g} / {g.max_score:g} points", ""]
+        for r in g.results:
+            status = "passed" if r.passed else "FAILED"
+            lines.append(f"[{status}] {r.grade_id} ({r.points if r.passed else 0:g}/{r.points:g})")
+            if r.error:
+                lines.append("    " + r.error.replace("\n", "\n    "))
+        target = out / "feedback" / g.student / g.notebook.replace(".ipynb", ".txt")
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.write_text("\n".join(lines) + "\n")
+    return graded
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m ar_lab.exercises", description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="cmd", required=True)
@@ -136,12 +220,23 @@ def main(argv: list[str] | None = None) -> int:
     rel.add_argument("--src", type=Path, default=ROOT / "notebooks")
     rel.add_argument("--out", type=Path, default=ROOT / "course")
     rel.add_argument("--overwrite", action="store_true", help="replace notebooks already in --out")
+    rel.add_argument("--chapter", default=None, help="release only this chapter (e.g. 04)")
     val = sub.add_parser("validate", help="run a notebook and report each graded cell")
     val.add_argument("notebook", type=Path)
     val.add_argument("--invert", action="store_true", help="succeed only if every graded cell fails")
+    auto = sub.add_parser("autograde", help="grade SUBMISSIONS/<student>/<notebook>.ipynb")
+    auto.add_argument("submissions", type=Path)
+    auto.add_argument("--src", type=Path, default=ROOT / "notebooks")
+    auto.add_argument("--out", type=Path, default=None, help="default: grades/ beside SUBMISSIONS")
     args = parser.parse_args(argv)
+    if args.cmd == "autograde":
+        for g in autograde(args.submissions, args.src, args.out):
+            print(f"{g.student:<20} {g.notebook:<40} {g.score:g} / {g.max_score:g}")
+        out = args.out or args.submissions.parent / "grades"
+        print(f"per-exercise scores: {out / 'grades.csv'}; feedback: {out / 'feedback'}")
+        return 0
     if args.cmd == "release":
-        written = release(args.src, args.out, args.overwrite)
+        written = release(args.src, args.out, args.overwrite, args.chapter)
         kept = len(list(Path(args.out).glob("*.ipynb"))) - len(written)
         print(f"wrote {len(written)} student notebook(s) to {args.out}" + (f"; kept {kept} existing" if kept else ""))
         return 0
