@@ -177,7 +177,7 @@ def kv_cache_calculator(preset: str = "Llama 2 7B", dtype: str = "bfloat16") -> 
 # --- chapter 06: sampler explorer ----------------------------------------------------
 
 
-def plot_sampler_view(ax, view, top: int = 20):
+def plot_sampler_view(ax, view, top: int = 20, legend: bool = True):
     """Bars of the model's distribution (grey) and the sampler's (blue) for the ``top`` most likely tokens.
 
     Tokens the sampler dropped keep their grey bar and get a grey label; the title says
@@ -199,7 +199,8 @@ def plot_sampler_view(ax, view, top: int = 20):
         f"entropy {view.entropy_before:.2f} → {view.entropy_after:.2f} bits",
         fontsize=10.5,
     )
-    ax.legend(loc="upper right")
+    if legend:
+        ax.legend(loc="upper right")
     return ax
 
 
