@@ -342,7 +342,7 @@ BENCHMARKS["decode"] = (
 _ROOFLINE_SWEEPS = {
     "cpu": {
         "config": "cpu",
-        "prompt_lens": [16, 64, 256, 512],
+        "prompt_lens": [16, 64, 256],
         "batches": [1, 4, 16, 64],
         "context": 128,
         "contexts": [64, 512, 1024],
@@ -376,7 +376,7 @@ def _roofline_options(p: argparse.ArgumentParser) -> None:
         type=int,
         nargs="+",
         default=None,
-        help="CPU thread counts compared for the key figure (default: 1 and all)",
+        help="CPU thread counts compared for the key figure (default: 1 and all); CUDA compares eager and graph",
     )
     p.add_argument("--buffer-mb", type=int, default=None, help="streaming buffer (default: max(1 GiB, 4 x L3))")
     p.add_argument("--repeats", type=int, default=3, help="timed repeats per point (median kept)")
@@ -413,36 +413,43 @@ def roofline_bench(args: argparse.Namespace) -> dict:
         f"(largest CPU cache: {(rl.cache_bytes() or 0) / 2**20:,.0f} MiB)"
     )
     cores = torch.get_num_threads()
-    threads = args.threads or sorted({1, cores})
     key = rl.decode_bandwidth_fraction(
         model,
         min(64, sweep["context"]),
         1 if args.quick else args.rounds,
-        threads,
+        args.threads,
         buffer,
         args.repeats,
         progress=lambda m: print("  " + m, flush=True),
     )
-    torch.set_num_threads(key["best_threads"] if device.type == "cpu" else cores)
-    result = rl.run_roofline(
-        model,
-        sweep["prompt_lens"],
-        sweep["batches"],
-        sweep["context"],
-        sweep["contexts"],
-        buffer_bytes=buffer,
-        repeats=args.repeats,
-        matmul_size=256 if args.quick else None,
-        progress=lambda m: print("  " + m, flush=True),
-    )
-    torch.set_num_threads(cores)
+    # The sweep runs the way the key figure ran best (thread count; CUDA graph or eager).
+    torch.set_num_threads(key["best_threads"])
+    try:
+        result = rl.run_roofline(
+            model,
+            sweep["prompt_lens"],
+            sweep["batches"],
+            sweep["context"],
+            sweep["contexts"],
+            buffer_bytes=buffer,
+            repeats=args.repeats,
+            matmul_size=256 if args.quick else None,
+            progress=lambda m: print("  " + m, flush=True),
+            cuda_graph=key["cuda_graph"],
+        )
+    finally:
+        torch.set_num_threads(cores)
     result["command"] = "python -m ar_lab.bench roofline " + " ".join(sys.argv[2:] if len(sys.argv) > 2 else [])
     result["bandwidth_fraction"] = key
     k = result["key_figures"]
     k["decode_bandwidth_fraction_sweep"] = k.pop("decode_bandwidth_fraction", None)
-    k["decode_bandwidth_fraction"] = key["fraction"]
-    k["decode_bandwidth_fraction_range"] = [key["by_threads"][str(key["best_threads"])][m] for m in ("min", "max")]
-    k["threads"] = key["best_threads"]
+    best = key["by_variant"][key["best"]]
+    k.update(
+        decode_bandwidth_fraction=key["fraction"],
+        decode_bandwidth_fraction_range=[best["min"], best["max"]],
+        decode_bandwidth_fraction_of_roof=key["fraction_of_roof"],
+        decode_variant=key["best"],
+    )
 
     from ar_lab.roofline import SUMMARY_HEADERS, format_si, summary_rows
 
@@ -457,16 +464,17 @@ def roofline_bench(args: argparse.Namespace) -> dict:
         + f"; {peaks['bandwidth_buffer_bytes'] / 2**20:,.0f} MiB buffer)"
     )
     print(f"ridge point      {result['ridge_point']:.1f} FLOP/byte")
-    rows = [
-        [f"{t} thread(s)", f"{v['median']:.0%}", f"{v['min']:.0%} .. {v['max']:.0%}"]
-        for t, v in key["by_threads"].items()
-    ]
     print()
+    n_rounds = len(key["rounds"]) // len(key["by_variant"])
     print(
-        f"key figure: batch-1 decode at context {key['context']} vs the streaming bandwidth of the same round "
-        f"({len(key['rounds']) // len(key['by_threads'])} alternating rounds)"
+        f"key figure: batch-1 decode at context {key['context']} ({key['decode_bytes'] / 2**20:,.0f} MiB per step) "
+        f"vs the streaming bandwidth of the same round, {n_rounds} alternating round(s)"
     )
-    print(format_table(["", "median", "range"], rows))
+    rows = [
+        [name, f"{v['median']:.0%}", f"{v['min']:.0%} .. {v['max']:.0%}", f"{v['of_roof_median']:.0%}"]
+        for name, v in key["by_variant"].items()
+    ]
+    print(format_table(["", "vs median bandwidth", "range", "vs its best repeat"], rows))
     if "prefill_compute_fraction" in k:
         print(f"largest prefill ({k['prefill_tokens']} tokens): {k['prefill_compute_fraction']:.0%} of the matmul peak")
     return result

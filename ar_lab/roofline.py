@@ -301,7 +301,11 @@ def measure_matmul_peak(
     size: int | None = None,
     repeats: int = 5,
 ) -> dict:
-    """Dense square matmul FLOP/s (2 n^3 FLOPs per n x n product): the compute roof."""
+    """Dense square matmul FLOP/s (2 n^3 FLOPs per n x n product): the compute roof.
+
+    The roof is the *fastest* repeat (the best the machine demonstrably did: on a shared
+    machine the slower repeats measure the neighbours); the median is reported beside it.
+    """
     device = default_device() if device is None else torch.device(device)
     dtype = default_dtype(device) if dtype is None else dtype
     size = (8192 if device.type == "cuda" else 2048) if size is None else _positive_int("size", size)
@@ -311,7 +315,12 @@ def measure_matmul_peak(
     out = torch.empty(size, size, device=device, dtype=dtype)
     times = time_fn(lambda: torch.mm(a, b, out=out), device, repeats, warmup=2)
     flops = 2.0 * size**3
-    return {"flops_per_s": flops / statistics.median(times), "size": size, "times": times}
+    return {
+        "flops_per_s": flops / min(times),
+        "flops_per_s_median": flops / statistics.median(times),
+        "size": size,
+        "times": times,
+    }
 
 
 def default_buffer_bytes(device: torch.device | str) -> int:
@@ -332,8 +341,9 @@ def measure_bandwidth(
     Three kernels, each touching the whole buffer once per call, counted the way
     STREAM counts them (bytes the program asks to read plus bytes it writes):
     ``copy`` (second half = first half), ``add`` (last third = first + second third)
-    and ``read`` (sum of everything). The bandwidth roof is the fastest of the three:
-    the best this memory system demonstrably delivers to this program.
+    and ``read`` (sum of everything). The bandwidth roof is the fastest repeat of the
+    fastest kernel: the best this memory system demonstrably delivered to this program
+    (medians are reported beside it).
     """
     device = default_device() if device is None else torch.device(device)
     dtype = default_dtype(device) if dtype is None else dtype
@@ -349,18 +359,40 @@ def measure_bandwidth(
         "add": (lambda: torch.add(third[0], third[1], out=third[2]), n * item),
         "read": (lambda: buf.sum(), n * item),
     }
-    by_kernel, times_by_kernel = {}, {}
+    by_kernel, by_kernel_median, times_by_kernel = {}, {}, {}
     for name, (fn, moved) in kernels.items():
         times = time_fn(fn, device, repeats, warmup=1)
-        by_kernel[name] = moved / statistics.median(times)
+        by_kernel[name] = moved / min(times)
+        by_kernel_median[name] = moved / statistics.median(times)
         times_by_kernel[name] = times
     best = max(by_kernel, key=by_kernel.get)
     return {
         "bytes_per_s": by_kernel[best],
         "kernel": best,
         "by_kernel": by_kernel,
+        "by_kernel_median": by_kernel_median,
         "times": times_by_kernel,
         "buffer_bytes": n * item,
+    }
+
+
+def measure_peaks(
+    device: torch.device | str | None = None,
+    dtype: torch.dtype | None = None,
+    matmul_size: int | None = None,
+    buffer_bytes: int | None = None,
+) -> dict:
+    """Both roofs, measured now: {"matmul_flops_per_s", "bandwidth_bytes_per_s", ...} (the JSON's "peaks")."""
+    mm = measure_matmul_peak(device, dtype, matmul_size)
+    bw = measure_bandwidth(device, dtype, buffer_bytes)
+    return {
+        "matmul_flops_per_s": mm["flops_per_s"],
+        "matmul_flops_per_s_median": mm["flops_per_s_median"],
+        "matmul_size": mm["size"],
+        "bandwidth_bytes_per_s": bw["bytes_per_s"],
+        "bandwidth_kernel": bw["kernel"],
+        "bandwidth_by_kernel": bw["by_kernel"],
+        "bandwidth_buffer_bytes": bw["buffer_bytes"],
     }
 
 
@@ -373,6 +405,8 @@ class Point:
 
     cost: PhaseCost
     times: list[float]
+    mode: str = "eager"  # "eager", or "cuda graph" (the pass replayed as one captured CUDA graph)
+    note: str = ""  # why a requested CUDA graph fell back to eager, if it did
 
     @property
     def seconds(self) -> float:
@@ -393,6 +427,8 @@ class Point:
             "times": self.times,
             "flops_per_s": self.flops_per_s,
             "bytes_per_s": self.bytes_per_s,
+            "mode": self.mode,
+            **({"note": self.note} if self.note else {}),
         }
 
 
@@ -405,44 +441,100 @@ def _random_tokens(model, batch: int, length: int, seed: int = 0) -> torch.Tenso
     return torch.randint(0, model.config.vocab_size, (batch, length), generator=g).to(model.device)
 
 
+def _cuda_graph(step: Callable[[], object], device: torch.device) -> Callable[[], None]:
+    """Capture ``step`` as one CUDA graph (after warm-up on the capture stream); return its replay."""
+    stream = torch.cuda.Stream(device)
+    stream.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(stream):
+        for _ in range(2):
+            step()
+    torch.cuda.current_stream(device).wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=stream):
+        step()
+    return graph.replay
+
+
 @torch.inference_mode()
-def measure_prefill(model, prompt_len: int, batch: int = 1, repeats: int = 3) -> Point:
-    """Time one prefill pass: ``batch`` prompts of ``prompt_len`` tokens into an empty KV cache."""
-    _positive_int("prompt_len", prompt_len)
+def measure_forward(
+    model,
+    tokens: int,
+    past: int = 0,
+    batch: int = 1,
+    repeats: int = 3,
+    phase: str = "",
+    cuda_graph: bool = False,
+) -> Point:
+    """Time one forward pass of ``tokens`` new tokens per sequence after ``past`` cached positions.
+
+    The cache stands for ``past`` earlier positions: its buffers are filled with random
+    keys and values rather than computed by a prefill (the time of a pass does not
+    depend on the values, and a batch-64 prefill just to fill it would cost more than
+    the measurement). Every timed pass rolls the cache back to ``past`` first, so every
+    repeat is the same pass. ``tokens`` > 1 after a cached prefix is what a prompt-cache
+    hit or the verification pass of speculative decoding runs.
+
+    ``cuda_graph=True`` (CUDA only; ignored on a CPU) captures the pass once and times
+    replays of the graph: the GPU then runs the same kernels without Python launching
+    each of them, which is what a small-batch decode step on a fast GPU needs to be
+    limited by memory rather than by launches. If capture fails, the pass is timed
+    eagerly and ``Point.note`` says why.
+    """
+    _positive_int("tokens", tokens)
     _positive_int("batch", batch)
-    cost = prefill_cost(model.config, prompt_len, batch, _model_bytes_per_value(model))
-    idx = _random_tokens(model, batch, prompt_len)
-    cache = KVCache.for_model(model, batch_size=batch, max_len=prompt_len)
+    cost = forward_cost(model.config, batch, tokens, past, _model_bytes_per_value(model), phase)
+    cache = KVCache.for_model(model, batch_size=batch, max_len=past + tokens)
     model.eval()
+    g = torch.Generator(device=model.device).manual_seed(0)
+    for buf in cache.k + cache.v:
+        buf.normal_(generator=g)
+    cache.length = past
+    idx = _random_tokens(model, batch, tokens, seed=1)
 
     def step():
-        cache.reset()
+        cache.truncate(past)
         model(idx, cache)
 
-    return Point(cost, time_fn(step, model.device, repeats, warmup=1))
+    fn, mode, note = step, "eager", ""
+    if cuda_graph and model.device.type == "cuda":
+        try:
+            fn, mode = _cuda_graph(step, model.device), "cuda graph"
+        except RuntimeError as e:  # capture is beta in PyTorch: fall back, and say so
+            note = f"CUDA graph capture failed, timed eagerly: {e}"
+    return Point(cost, time_fn(fn, model.device, repeats, warmup=1 if tokens > 1 else 2), mode, note)
 
 
-@torch.inference_mode()
-def measure_decode(model, context: int, batch: int = 1, repeats: int = 5) -> Point:
-    """Time one decode step at ``context``: ``batch`` new tokens, each attending to ``context`` positions.
+def measure_prefill(model, prompt_len: int, batch: int = 1, repeats: int = 3, cuda_graph: bool = False) -> Point:
+    """Time one prefill pass: ``batch`` prompts of ``prompt_len`` tokens into an empty KV cache."""
+    _positive_int("prompt_len", prompt_len)
+    return measure_forward(model, prompt_len, 0, batch, repeats, "prefill", cuda_graph)
 
-    The cache is filled once with ``context - 1`` positions; every timed step rolls it
-    back to that length first, so every repeat is the same step.
-    """
+
+def measure_decode(model, context: int, batch: int = 1, repeats: int = 5, cuda_graph: bool = False) -> Point:
+    """Time one decode step at ``context``: ``batch`` new tokens, each attending to ``context`` positions."""
     _positive_int("context", context)
-    _positive_int("batch", batch)
-    cost = decode_cost(model.config, context, batch, _model_bytes_per_value(model))
-    cache = KVCache.for_model(model, batch_size=batch, max_len=context)
-    model.eval()
-    if context > 1:
-        model(_random_tokens(model, batch, context - 1), cache)
-    token = _random_tokens(model, batch, 1, seed=1)
+    return measure_forward(model, 1, context - 1, batch, repeats, "decode", cuda_graph)
 
-    def step():
-        cache.truncate(context - 1)
-        model(token, cache)
 
-    return Point(cost, time_fn(step, model.device, repeats, warmup=2))
+def fastest_threads(model, context: int = 64, candidates: Sequence[int] | None = None, repeats: int = 3) -> dict:
+    """Time a batch-1 decode step with each CPU thread count in ``candidates`` (default: 1 and all).
+
+    A decode step is hundreds of small kernels, each split across the threads and
+    joined again. On a quiet machine more threads pull more bandwidth; on a busy one a
+    thread that has lost its core makes every join wait, and one thread can win by
+    far. Returns {"seconds": {threads: median seconds}, "best": threads}; the thread
+    count is restored (set it yourself with ``torch.set_num_threads``).
+    """
+    original = torch.get_num_threads()
+    candidates = list(candidates) if candidates else sorted({1, original})
+    seconds = {}
+    try:
+        for t in candidates:
+            torch.set_num_threads(_positive_int("threads", t))
+            seconds[t] = measure_decode(model, context, 1, repeats).seconds
+    finally:
+        torch.set_num_threads(original)
+    return {"seconds": seconds, "best": min(seconds, key=seconds.get)}
 
 
 # --- configs and the full run --------------------------------------------------------
@@ -502,6 +594,7 @@ def run_roofline(
     buffer_bytes: int | None = None,
     repeats: int = 3,
     progress: Callable[[str], None] | None = None,
+    cuda_graph: bool = False,
 ) -> dict:
     """Measure the peaks (unless given) and the prefill/decode points; return the JSON-ready result.
 
@@ -512,26 +605,17 @@ def run_roofline(
     say = progress or (lambda _msg: None)
     if peaks is None:
         say("measuring the peaks")
-        mm = measure_matmul_peak(device, dtype, matmul_size)
-        bw = measure_bandwidth(device, dtype, buffer_bytes)
-        peaks = {
-            "matmul_flops_per_s": mm["flops_per_s"],
-            "matmul_size": mm["size"],
-            "bandwidth_bytes_per_s": bw["bytes_per_s"],
-            "bandwidth_kernel": bw["kernel"],
-            "bandwidth_by_kernel": bw["by_kernel"],
-            "bandwidth_buffer_bytes": bw["buffer_bytes"],
-        }
+        peaks = measure_peaks(device, dtype, matmul_size, buffer_bytes)
     points = []
     for t in prompt_lens:
         say(f"prefill {t} tokens")
-        points.append(measure_prefill(model, t, 1, repeats))
+        points.append(measure_prefill(model, t, 1, repeats, cuda_graph))
     for b in decode_batches:
         say(f"decode batch {b} at context {decode_context}")
-        points.append(measure_decode(model, decode_context, b, max(repeats, 3)))
+        points.append(measure_decode(model, decode_context, b, max(repeats, 3), cuda_graph))
     for c in decode_contexts:
         say(f"decode batch 1 at context {c}")
-        points.append(measure_decode(model, c, 1, max(repeats, 3)))
+        points.append(measure_decode(model, c, 1, max(repeats, 3), cuda_graph))
     result = {
         "schema": SCHEMA,
         **environment(device),
@@ -560,51 +644,78 @@ def decode_bandwidth_fraction(
 ) -> dict:
     """How close a batch-1 decode step comes to the streaming bandwidth, measured side by side.
 
-    Round after round (and, on a CPU, for each thread count in ``threads``): measure
-    the streaming bandwidth, then time a decode step at ``context``; the fraction is
-    (bytes the step moves / its seconds) / bandwidth of that same round. Alternating
-    keeps a shared machine's drifting load from favouring either side. Returns every
-    round and, per thread count, the median, min and max fraction.
+    Round after round, for each way of running the step (on a CPU: each thread count in
+    ``threads``, default 1 and all; on CUDA: eager and as a CUDA graph), measure the
+    streaming bandwidth, then time a decode step at ``context``. The fraction compares
+    like with like: (bytes the step moves / its median seconds) / the median bandwidth
+    of the fastest kernel in that same round. ``fraction_of_roof`` divides by the
+    bandwidth's fastest repeat instead (the roof drawn on the plot: a conservative
+    ratio). Alternating keeps a shared machine's drifting load from favouring either
+    side. Returns every round and, per variant, the median, min and max of both;
+    ``best`` names the variant with the highest median fraction (``best_threads`` /
+    ``cuda_graph`` say how to run it).
     """
     _positive_int("rounds", rounds)
     device, dtype = model.device, next(model.parameters()).dtype
     say = progress or (lambda _msg: None)
-    if device.type == "cuda" or not threads:
-        threads = [torch.get_num_threads()]
     original = torch.get_num_threads()
+    if device.type == "cuda":
+        variants = {"eager": (original, False), "cuda graph": (original, True)}
+    else:
+        ts = sorted({_positive_int("threads", t) for t in threads}) if threads else sorted({1, original})
+        variants = {f"{t} thread{'s' if t > 1 else ''}": (t, False) for t in ts}
     out = []
     try:
         for r in range(rounds):
-            for t in threads:
-                torch.set_num_threads(_positive_int("threads", t))
+            for name, (t, graph) in variants.items():
+                torch.set_num_threads(t)
                 bw = measure_bandwidth(device, dtype, buffer_bytes, repeats)
-                step = measure_decode(model, context, 1, repeats)
+                step = measure_decode(model, context, 1, repeats, cuda_graph=graph)
+                sustained = max(bw["by_kernel_median"].values())
                 out.append(
                     {
                         "round": r,
+                        "variant": name,
                         "threads": t,
-                        "bandwidth_bytes_per_s": bw["bytes_per_s"],
-                        "bandwidth_kernel": bw["kernel"],
+                        "mode": step.mode,
+                        "bandwidth_bytes_per_s": sustained,
+                        "bandwidth_roof_bytes_per_s": bw["bytes_per_s"],
+                        "bandwidth_kernel": max(bw["by_kernel_median"], key=bw["by_kernel_median"].get),
                         "decode_seconds": step.seconds,
+                        "decode_times": step.times,
                         "decode_bytes_per_s": step.bytes_per_s,
-                        "fraction": step.bytes_per_s / bw["bytes_per_s"],
+                        "fraction": step.bytes_per_s / sustained,
+                        "fraction_of_roof": step.bytes_per_s / bw["bytes_per_s"],
                     }
                 )
-                say(f"round {r + 1}/{rounds}, {t} thread(s): {out[-1]['fraction']:.0%} of the streaming bandwidth")
+                say(f"round {r + 1}/{rounds}, {name}: {out[-1]['fraction']:.0%} of the streaming bandwidth")
     finally:
         torch.set_num_threads(original)
-    by_threads = {}
-    for t in threads:
-        fr = [o["fraction"] for o in out if o["threads"] == t]
-        by_threads[str(t)] = {"median": statistics.median(fr), "min": min(fr), "max": max(fr)}
-    best = max(by_threads, key=lambda t: by_threads[t]["median"])
+    by_variant = {}
+    for name, (t, graph) in variants.items():
+        fr = [o["fraction"] for o in out if o["variant"] == name]
+        of_roof = [o["fraction_of_roof"] for o in out if o["variant"] == name]
+        by_variant[name] = {
+            "median": statistics.median(fr),
+            "min": min(fr),
+            "max": max(fr),
+            "of_roof_median": statistics.median(of_roof),
+            "of_roof_min": min(of_roof),
+            "of_roof_max": max(of_roof),
+            "threads": t,
+            "cuda_graph": graph,
+        }
+    best = max(by_variant, key=lambda n: by_variant[n]["median"])
     return {
         "context": context,
         "decode_bytes": decode_cost(model.config, context, 1, _model_bytes_per_value(model)).bytes,
         "rounds": out,
-        "by_threads": by_threads,
-        "best_threads": int(best),
-        "fraction": by_threads[best]["median"],
+        "by_variant": by_variant,
+        "best": best,
+        "best_threads": by_variant[best]["threads"],
+        "cuda_graph": by_variant[best]["cuda_graph"],
+        "fraction": by_variant[best]["median"],
+        "fraction_of_roof": by_variant[best]["of_roof_median"],
     }
 
 
@@ -714,12 +825,13 @@ def plot_roofline(
     hi = max(max(intensities), ridge) * 4
     xs = [lo * (hi / lo) ** (i / 200) for i in range(201)]
     name = label or result["device"]["name"]
-    ax.plot(xs, [attainable_flops(x, peak, bw) for x in xs], color=roof_color, lw=1.8, label=f"roof: {name}")
+    roof_label = f"roofs of {name}: {format_si(peak, 'FLOP/s')}, {format_si(bw, 'B/s')}"
+    ax.plot(xs, [attainable_flops(x, peak, bw) for x in xs], color=roof_color, lw=1.8, label=roof_label)
     ax.axvline(ridge, color=roof_color, ls=":", lw=1)
     ax.annotate(
         f"ridge {ridge:.0f} FLOP/B",
         (ridge, peak),
-        xytext=(6, -14),
+        xytext=(4, 5),
         textcoords="offset points",
         fontsize=8.5,
         color=roof_color,
@@ -748,13 +860,15 @@ def plot_roofline(
                     text = f"T={p['tokens']}" if phase == "prefill" else f"B={p['batch']}"
                     if phase == "decode" and len({q["context"] for q in pts}) > 1:
                         text += f", L={p['context']}"
+                    offset = (-6, 6) if phase == "prefill" else (6, -11)  # prefill labels above, decode below
                     ax.annotate(
                         text,
                         (p["intensity"], p["flops_per_s"]),
-                        xytext=(4, 4),
+                        xytext=offset,
                         textcoords="offset points",
                         fontsize=7.5,
                         color=c,
+                        ha="right" if phase == "prefill" else "left",
                     )
     return ax
 

@@ -1,4 +1,5 @@
 import json
+import statistics
 
 import matplotlib
 import pytest
@@ -161,13 +162,21 @@ def test_cost_errors():
 def test_peaks_are_measured():
     mm = rl.measure_matmul_peak("cpu", size=128, repeats=2)
     assert mm["size"] == 128 and len(mm["times"]) == 2 and mm["flops_per_s"] > 1e6
+    assert mm["flops_per_s"] == pytest.approx(2 * 128**3 / min(mm["times"]))
+    assert mm["flops_per_s"] >= mm["flops_per_s_median"]
     bw = rl.measure_bandwidth("cpu", nbytes=6 * 2**20, repeats=2)
     assert bw["kernel"] in ("copy", "add", "read") and bw["bytes_per_s"] == max(bw["by_kernel"].values())
     assert bw["buffer_bytes"] == 6 * 2**20 and bw["bytes_per_s"] > 1e6
+    for k, times in bw["times"].items():  # the roof is the fastest repeat; the median is kept beside it
+        assert bw["by_kernel"][k] == pytest.approx(6 * 2**20 / min(times))
+        assert bw["by_kernel"][k] >= bw["by_kernel_median"][k]
     with pytest.raises(ValueError, match="too small"):
         rl.measure_bandwidth("cpu", nbytes=8)
     assert rl.default_dtype("cpu") == torch.float32 and rl.default_dtype("cuda") == torch.bfloat16
     assert rl.default_buffer_bytes("cpu") >= 2**30
+    peaks = rl.measure_peaks("cpu", matmul_size=64, buffer_bytes=2**20)
+    assert peaks["matmul_size"] == 64 and peaks["bandwidth_buffer_bytes"] <= 2**20
+    assert peaks["bandwidth_bytes_per_s"] == peaks["bandwidth_by_kernel"][peaks["bandwidth_kernel"]]
 
 
 def test_time_fn_times_each_call():
@@ -177,7 +186,7 @@ def test_time_fn_times_each_call():
 
 
 class Recorder(torch.nn.Module):
-    """Wraps a model and records (new tokens, cached positions) of every forward call."""
+    """Wraps a model and records (new tokens, cached positions, cache holds data) of every forward call."""
 
     def __init__(self, model):
         super().__init__()
@@ -191,24 +200,40 @@ class Recorder(torch.nn.Module):
         return self.model.num_parameters()
 
     def forward(self, idx, cache=None):
-        self.calls.append((tuple(idx.shape), cache.length))
+        n = cache.length
+        filled = n == 0 or bool(cache.k[-1][:, :, :n].abs().min() > 0) and bool(cache.v[0][:, :, :n].abs().min() > 0)
+        self.calls.append((tuple(idx.shape), n, filled))
         return self.model(idx, cache)
 
 
 def test_measure_prefill_and_decode_run_the_pass_they_claim(tiny_model):
     rec = Recorder(tiny_model)
     p = rl.measure_prefill(rec, 20, batch=2, repeats=3)
-    assert rec.calls == [((2, 20), 0)] * 4  # warm-up + 3, each into an empty cache
+    assert rec.calls == [((2, 20), 0, True)] * 4  # warm-up + 3, each into an empty cache
     assert p.cost == rl.prefill_cost(tiny_model.config, 20, 2) and len(p.times) == 3
     rec.calls.clear()
     d = rl.measure_decode(rec, 30, batch=3, repeats=4)
-    assert rec.calls[0] == ((3, 29), 0)  # the cache is filled once
-    assert rec.calls[1:] == [((3, 1), 29)] * 6  # then every step is the same step at context 30
+    assert rec.calls == [((3, 1), 29, True)] * 6  # every step is the same step at context 30 (2 warm-ups)
     assert d.cost == rl.decode_cost(tiny_model.config, 30, 3)
     assert d.flops_per_s == pytest.approx(d.cost.flops / d.seconds)
     assert d.bytes_per_s == pytest.approx(d.cost.bytes / d.seconds)
+    rec.calls.clear()
+    v = rl.measure_forward(rec, tokens=5, past=10, repeats=2)  # e.g. verifying 4 draft tokens + 1
+    assert rec.calls == [((1, 5), 10, True)] * 3
+    assert v.cost == rl.forward_cost(tiny_model.config, 1, 5, 10) and v.cost.context == 15
     with pytest.raises(ValueError, match="exceed the context window"):
         rl.measure_decode(tiny_model, 65)
+
+
+def test_fastest_threads_restores_the_thread_count(tiny_model):
+    before = torch.get_num_threads()
+    out = rl.fastest_threads(tiny_model, 8, [1, before], repeats=1)
+    assert set(out["seconds"]) == {1, before} and out["best"] in out["seconds"]
+    assert out["seconds"][out["best"]] == min(out["seconds"].values())
+    assert torch.get_num_threads() == before
+    with pytest.raises(ValueError, match="threads must be a positive int"):
+        rl.fastest_threads(tiny_model, 8, [0])
+    assert torch.get_num_threads() == before
 
 
 def test_build_model_in_place():
@@ -291,7 +316,7 @@ def test_plot_roofline(tiny_model):
     rl.plot_roofline(ax, result, label="test machine")
     assert ax.get_xscale() == "log" and ax.get_yscale() == "log"
     labels = ax.get_legend_handles_labels()[1]
-    assert labels == ["roof: test machine", "prefill (test machine)", "decode (test machine)"]
+    assert labels == ["roofs of test machine: 50 GFLOP/s, 5 GB/s", "prefill (test machine)", "decode (test machine)"]
     roof = ax.get_lines()[0]
     assert max(roof.get_ydata()) == pytest.approx(50e9)  # flat at the compute peak
     plt.close(fig)
@@ -299,14 +324,29 @@ def test_plot_roofline(tiny_model):
 
 def test_decode_bandwidth_fraction_alternates_and_restores_threads(tiny_model):
     before = torch.get_num_threads()
-    out = rl.decode_bandwidth_fraction(tiny_model, 8, rounds=2, threads=[1, before], buffer_bytes=2**20, repeats=1)
-    threads = sorted({1, before})
-    assert [(r["round"], r["threads"]) for r in out["rounds"]] == [(r, t) for r in range(2) for t in [1, before]]
-    assert sorted(int(t) for t in out["by_threads"]) == threads
-    assert out["fraction"] == out["by_threads"][str(out["best_threads"])]["median"]
+    out = rl.decode_bandwidth_fraction(tiny_model, 8, rounds=2, threads=[1, 2], buffer_bytes=2**20, repeats=1)
+    names = ["1 thread", "2 threads"]
+    assert [(r["round"], r["variant"], r["threads"]) for r in out["rounds"]] == [
+        (r, n, t) for r in range(2) for n, t in zip(names, [1, 2], strict=True)
+    ]
+    assert list(out["by_variant"]) == names and out["best"] in names
+    assert out["fraction"] == out["by_variant"][out["best"]]["median"]
+    assert out["best_threads"] == out["by_variant"][out["best"]]["threads"] and out["cuda_graph"] is False
     for r in out["rounds"]:
         assert r["fraction"] == pytest.approx(r["decode_bytes_per_s"] / r["bandwidth_bytes_per_s"])
+        assert r["fraction_of_roof"] == pytest.approx(r["decode_bytes_per_s"] / r["bandwidth_roof_bytes_per_s"])
+        assert r["fraction_of_roof"] <= r["fraction"] and r["mode"] == "eager"
+        assert r["decode_bytes_per_s"] == pytest.approx(out["decode_bytes"] / statistics.median(r["decode_times"]))
+    v = out["by_variant"]["1 thread"]
+    fr = [r["fraction"] for r in out["rounds"] if r["threads"] == 1]
+    assert (v["min"], v["max"]) == (min(fr), max(fr))
+    assert out["decode_bytes"] == rl.decode_cost(tiny_model.config, 8).bytes
     assert torch.get_num_threads() == before
+
+
+def test_cuda_graph_is_ignored_on_cpu(tiny_model):
+    p = rl.measure_decode(tiny_model, 8, repeats=1, cuda_graph=True)
+    assert p.mode == "eager" and p.note == "" and p.to_dict()["mode"] == "eager" and "note" not in p.to_dict()
 
 
 def test_bench_roofline_quick(tmp_path, capsys):
@@ -318,8 +358,16 @@ def test_bench_roofline_quick(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "ridge point" in out and "key figure" in out and "phase" in out
     k = result["key_figures"]
-    assert 0 < k["decode_bandwidth_fraction"] and k["threads"] >= 1
-    assert result["bandwidth_fraction"]["context"] == 32
+    key = result["bandwidth_fraction"]
+    assert 0 < k["decode_bandwidth_fraction"] == key["fraction"] and k["decode_variant"] == key["best"]
+    assert (
+        k["decode_bandwidth_fraction_range"][0]
+        <= k["decode_bandwidth_fraction"]
+        <= k["decode_bandwidth_fraction_range"][1]
+    )
+    assert key["context"] == 32 and result["device"]["threads"] == key["best_threads"]
+    assert k["decode_bandwidth_fraction_of_roof"] <= k["decode_bandwidth_fraction"]
+    assert all(p["mode"] == "eager" for p in result["points"])
     assert {p["phase"] for p in result["points"]} == {"prefill", "decode"}
 
 
@@ -330,4 +378,8 @@ def test_cuda_measurements_use_bf16():
     assert m.device.type == "cuda" and next(m.parameters()).dtype == torch.bfloat16
     d = rl.measure_decode(m, 16, 2, repeats=2)
     assert d.cost.weight_bytes == rl.decode_cost(cfg, 16, 2, bytes_per_value=2).weight_bytes and d.seconds > 0
+    g = rl.measure_decode(m, 16, 2, repeats=2, cuda_graph=True)
+    assert g.mode == "cuda graph", g.note
+    out = rl.decode_bandwidth_fraction(m, 16, rounds=1, buffer_bytes=2**26, repeats=2)
+    assert list(out["by_variant"]) == ["eager", "cuda graph"]
     assert rl.measure_bandwidth(nbytes=2**26, repeats=2)["bytes_per_s"] > 1e9
