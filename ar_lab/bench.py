@@ -191,6 +191,18 @@ def decode_benchmark(
             )
         return out[0, P:].tolist()
 
+    # The floor under any batch-1 decoder of this model: every weight matrix applied to one vector,
+    # N times, and nothing else (no attention, no sampling, no Python around it). Both peers pay it;
+    # what they add on top is their own overhead.
+    linears = [mod for mod in model.modules() if isinstance(mod, torch.nn.Linear)]
+    vectors = [torch.randn(1, mod.in_features, device=model.device) for mod in linears]
+
+    def weights_only() -> None:
+        with torch.inference_mode():
+            for _ in range(N):
+                for mod, x in zip(linears, vectors, strict=True):
+                    torch.nn.functional.linear(x, mod.weight, mod.bias)
+
     def timed(fn):
         w0, c0 = time.perf_counter(), time.process_time()
         out = fn()
@@ -199,6 +211,7 @@ def decode_benchmark(
     runs = {"ar_lab cached": {}, "ar_lab uncached": {}}
     if peer:
         runs["transformers generate"] = {}
+    runs["weights only (floor)"] = {}
     for run in runs.values():
         run.update(seconds=[], cpu_seconds=[])
     try:
@@ -211,11 +224,17 @@ def decode_benchmark(
             plan = [("ar_lab cached", lambda: ours(True))] if r < repeats else []
             if peer and r < repeats:
                 plan.append(("transformers generate", theirs))
+            if r < repeats:
+                plan.append(("weights only (floor)", weights_only))
             if r < uncached_repeats:
                 plan.append(("ar_lab uncached", lambda: ours(False)))
             for name, fn in plan:
                 say(f"repeat {r + 1}: {name}")
                 out, wall, cpu = timed(fn)
+                if out is None:  # the floor produces no tokens
+                    runs[name]["seconds"].append(wall)
+                    runs[name]["cpu_seconds"].append(cpu)
+                    continue
                 got = out if isinstance(out, list) else out.tokens
                 if not isinstance(out, list):
                     runs[name]["positions"] = out.stats.positions_processed
@@ -250,6 +269,14 @@ def decode_benchmark(
     if "ar_lab uncached" in runs:
         positions = runs["ar_lab uncached"]["positions"] / runs["ar_lab cached"]["positions"]
         ratios["positions_uncached_vs_cached"] = positions
+    # Time per token above the floor: what each implementation adds to the unavoidable weight reads.
+    floor = runs.get("weights only (floor)")
+    if floor is not None:
+        ratios["floor_ms_per_token"] = 1000 * floor["median_s"] / N
+        over = {k: 1000 * (runs[k]["median_s"] - floor["median_s"]) / N for k in runs if k != "weights only (floor)"}
+        ratios["overhead_ms_per_token"] = over
+        if "transformers generate" in over and over["ar_lab cached"] > 0:
+            ratios["overhead_transformers_vs_ar_lab"] = over["transformers generate"] / over["ar_lab cached"]
     return {
         "benchmark": "decode",
         "model": {"source": source, "parameters": model.num_parameters(), **model.config.to_dict()},
@@ -274,7 +301,7 @@ def format_decode_results(res: dict) -> str:
         rows.append(
             [
                 name,
-                f"{run['positions']:,}",
+                f"{run['positions']:,}" if "positions" in run else "-",
                 f"{run['median_s']:.3f}",
                 f"{run['median_cpu_s']:.3f}",
                 f"{run['tokens_per_s']:,.0f}",
@@ -304,6 +331,13 @@ def format_decode_results(res: dict) -> str:
         lines.append(
             f"ar_lab vs transformers generate: {r['ar_lab_vs_transformers']:.2f}x the tokens/s "
             f"(CPU time {r['ar_lab_vs_transformers_cpu']:.2f}x); identical tokens; target {target:.0f}x {verdict}"
+        )
+    if "overhead_transformers_vs_ar_lab" in r:
+        over = r["overhead_ms_per_token"]
+        lines.append(
+            f"above the weights-only floor ({r['floor_ms_per_token']:.2f} ms/token, paid by both): ar_lab adds "
+            f"{over['ar_lab cached']:.2f} ms/token, transformers {over['transformers generate']:.2f} "
+            f"({r['overhead_transformers_vs_ar_lab']:.1f}x)"
         )
     return "\n".join(lines)
 

@@ -22,7 +22,7 @@ def small_model():
 def test_decode_benchmark_structure_and_identical_tokens(small_model):
     res = decode_benchmark(small_model, tokens=12, repeats=2, uncached_repeats=1, prompt="ab", threads=1)
     runs = res["runs"]
-    assert set(runs) == {"ar_lab cached", "ar_lab uncached", "transformers generate"}
+    assert set(runs) == {"ar_lab cached", "ar_lab uncached", "transformers generate", "weights only (floor)"}
     assert res["tokens_identical"] is True and res["new_tokens"] == 12 and res["prompt_tokens"] == 2
     P, N = 2, 12
     assert runs["ar_lab cached"]["positions"] == runs["transformers generate"]["positions"] == P + N - 1
@@ -30,6 +30,8 @@ def test_decode_benchmark_structure_and_identical_tokens(small_model):
     assert runs["ar_lab cached"]["forward_calls"] == N
     assert len(runs["ar_lab cached"]["seconds"]) == len(runs["transformers generate"]["seconds"]) == 2
     assert len(runs["ar_lab uncached"]["seconds"]) == 1
+    assert "positions" not in runs["weights only (floor)"]  # it generates nothing
+    assert len(runs["weights only (floor)"]["seconds"]) == 2
     for run in runs.values():
         assert run["median_s"] > 0 and run["median_cpu_s"] >= 0
         assert run["tokens_per_s"] == pytest.approx(N / run["median_s"])
@@ -38,6 +40,16 @@ def test_decode_benchmark_structure_and_identical_tokens(small_model):
         runs["transformers generate"]["median_s"] / runs["ar_lab cached"]["median_s"]
     )
     assert r["positions_uncached_vs_cached"] == pytest.approx((N * P + N * (N - 1) // 2) / (P + N - 1))
+    floor = runs["weights only (floor)"]["median_s"]
+    assert r["floor_ms_per_token"] == pytest.approx(1000 * floor / N)
+    assert r["overhead_ms_per_token"]["ar_lab cached"] == pytest.approx(
+        1000 * (runs["ar_lab cached"]["median_s"] - floor) / N
+    )
+    if r["overhead_ms_per_token"]["ar_lab cached"] > 0:
+        over = r["overhead_ms_per_token"]
+        assert r["overhead_transformers_vs_ar_lab"] == pytest.approx(
+            over["transformers generate"] / over["ar_lab cached"]
+        )
     assert json.loads(json.dumps(res)) == res  # JSON-serialisable as written by --json
     table = format_decode_results(res)
     assert "transformers generate" in table and "ar_lab uncached" in table and "target 3x" in table
@@ -63,7 +75,8 @@ def test_decode_benchmark_detects_different_tokens(small_model, monkeypatch):
 def test_decode_benchmark_without_peer_and_bad_input(small_model):
     threads = torch.get_num_threads()
     res = decode_benchmark(small_model, tokens=5, repeats=1, uncached_repeats=0, peer=False, threads=1)
-    assert set(res["runs"]) == {"ar_lab cached"} and res["ratios"]["ar_lab_vs_transformers"] is None
+    assert set(res["runs"]) == {"ar_lab cached", "weights only (floor)"}
+    assert res["ratios"]["ar_lab_vs_transformers"] is None and "overhead_transformers_vs_ar_lab" not in res["ratios"]
     assert torch.get_num_threads() == threads  # restored
     assert "KV cache" not in format_decode_results(res)
     with pytest.raises(ValueError, match="context window of 64"):
