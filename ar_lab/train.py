@@ -213,16 +213,24 @@ def default_device() -> torch.device:
 
 # --- the shipped checkpoints -------------------------------------------------------
 
-PRESETS: dict[str, tuple[GPTConfig, TrainConfig]] = {
-    # The course model: ~3.5 M parameters, trained on full 1,024-token windows.
+# Each preset: the model config and one or more training phases, run in order (each
+# phase a fresh optimizer and schedule, continuing from the previous phase's weights).
+PRESETS: dict[str, tuple[GPTConfig, list[TrainConfig]]] = {
+    # The course model: ~3.5 M parameters. Phase 1 trains every position of the
+    # 1,024-token window; phase 2 continues on 512-token windows, cheaper per token.
     "course": (
         GPTConfig(block_size=1024, n_layer=4, n_head=4, n_embd=256, dropout=0.0),
-        TrainConfig(steps=450, batch_size=8, block_size=1024, lr=2e-3, warmup_steps=30, eval_every=50),
+        [
+            TrainConfig(steps=450, batch_size=8, block_size=1024, lr=2e-3, warmup_steps=30, eval_every=50),
+            TrainConfig(
+                steps=600, batch_size=16, block_size=512, lr=1.5e-3, warmup_steps=20, eval_every=100, seed=1338
+            ),
+        ],
     ),
     # The draft for speculative decoding: same tokenizer, a fraction of the cost.
     "draft": (
         GPTConfig(block_size=1024, n_layer=1, n_head=2, n_embd=128, dropout=0.0),
-        TrainConfig(steps=600, batch_size=16, block_size=1024, lr=3e-3, warmup_steps=30, eval_every=100),
+        [TrainConfig(steps=600, batch_size=16, block_size=1024, lr=3e-3, warmup_steps=30, eval_every=100)],
     ),
 }
 
@@ -241,30 +249,54 @@ def load_pretrained(name: str = "course", device=None) -> GPT:
     return load_checkpoint(path, device)
 
 
-def train_preset(name: str, out: Path | None = None, progress: bool = True) -> dict:
-    """Train a preset on the built-in corpus and save it; returns its record."""
+def train_preset(name: str, out: Path | None = None, progress: bool = True, resume: Path | None = None) -> dict:
+    """Train a preset on the built-in corpus and save it; returns its record.
+
+    ``resume``: a checkpoint this function wrote after some of the preset's phases
+    (its record lists them); training continues with the remaining phases, giving the
+    same result as running them all.
+    """
     if name not in PRESETS:
         raise ValueError(f"unknown preset {name!r}; choose one of {sorted(PRESETS)}")
-    config, tc = PRESETS[name]
-    torch.manual_seed(tc.seed)
+    config, phases = PRESETS[name]
     train_tokens, val_tokens = train_val_split(corpus_tokens())
-    model = GPT(config)
-    result = train(model, train_tokens, val_tokens, tc, progress=progress)
-    val = evaluate(model, val_tokens, tc.block_size, batches=32, seed=123)
-    record = {
-        "preset": name,
-        "parameters": model.num_parameters(),
-        "train_steps": tc.steps,
-        "train_tokens": tc.steps * tc.batch_size * tc.block_size,
-        "train_seconds": round(result.seconds, 1),
-        "val_loss_nats": round(val, 4),
-        "val_bits_per_byte": round(val / math.log(2), 4),
-        "torch": torch.__version__,
-        "threads": torch.get_num_threads(),
-        "eval_steps": result.eval_steps,
-        "val_curve": [round(v, 4) for v in result.val_loss],
-    }
-    save_checkpoint(out or checkpoint_path(name), model, record)
+    out = Path(out or checkpoint_path(name))
+    done: list[dict] = []
+    if resume is not None:
+        model = load_checkpoint(resume, "cpu")
+        done = model.checkpoint_record.get("phases", [])
+        if model.config != config or model.checkpoint_record.get("preset") != name or not done:
+            raise ValueError(f"{resume} is not a partial {name!r} checkpoint of this preset")
+    else:
+        torch.manual_seed(phases[0].seed)
+        model = GPT(config)
+    for i, tc in enumerate(phases[len(done) :], start=len(done)):
+        result = train(model, train_tokens, val_tokens, tc, progress=progress)
+        done.append(
+            {
+                "steps": tc.steps,
+                "batch_size": tc.batch_size,
+                "block_size": tc.block_size,
+                "tokens": tc.steps * tc.batch_size * tc.block_size,
+                "seconds": round(result.seconds, 1),
+                "val_curve": [round(v, 4) for v in result.val_loss],
+            }
+        )
+        val = evaluate(model, val_tokens, config.block_size, batches=32, seed=123)
+        record = {
+            "preset": name,
+            "parameters": model.num_parameters(),
+            "train_steps": sum(p["steps"] for p in done),
+            "train_tokens": sum(p["tokens"] for p in done),
+            "train_seconds": round(sum(p["seconds"] for p in done), 1),
+            "val_loss_nats": round(val, 4),
+            "val_bits_per_byte": round(val / math.log(2), 4),
+            "torch": torch.__version__,
+            "threads": torch.get_num_threads(),
+            "phases": done,
+        }
+        last = i == len(phases) - 1
+        save_checkpoint(out if last else out.with_name(f"{out.stem}.phase{i + 1}.safetensors"), model, record)
     return record
 
 
@@ -275,10 +307,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--threads", type=int, default=1, help="CPU threads (default 1: the shipped checkpoints' setting, reproducible)"
     )
+    parser.add_argument("--resume", type=Path, default=None, help="continue from a partial checkpoint (NAME.phaseK)")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
-    record = train_preset(args.preset, args.out)
-    print(json.dumps({k: v for k, v in record.items() if k != "val_curve"}, indent=2))
+    record = train_preset(args.preset, args.out, resume=args.resume)
+    print(json.dumps({k: v for k, v in record.items() if k != "phases"}, indent=2))
 
 
 if __name__ == "__main__":

@@ -85,3 +85,29 @@ def test_shipped_checkpoints_load_and_beat_chance(name):
     assert record["preset"] == name and record["val_loss_nats"] < 2.0  # chance is ln 257 = 5.55
     _, va = train_val_split(corpus_tokens())
     assert evaluate(model, va, 256, batches=2) < 2.5
+
+
+def test_preset_phases_resume_gives_the_same_weights(tmp_path, monkeypatch):
+    """Training in phases, resumed from the saved phase-1 checkpoint, equals one uninterrupted run."""
+    from ar_lab import train as train_module
+
+    tiny = GPTConfig(block_size=32, n_layer=1, n_head=2, n_embd=16)
+    phases = [
+        TrainConfig(steps=6, batch_size=2, block_size=32, eval_every=3, eval_batches=1),
+        TrainConfig(steps=4, batch_size=2, block_size=16, eval_every=2, eval_batches=1, seed=7),
+    ]
+    monkeypatch.setitem(train_module.PRESETS, "tiny", (tiny, phases))
+    full = train_module.train_preset("tiny", tmp_path / "full.safetensors", progress=False)
+    assert (tmp_path / "full.phase1.safetensors").exists()
+    resumed = train_module.train_preset(
+        "tiny", tmp_path / "resumed.safetensors", progress=False, resume=tmp_path / "full.phase1.safetensors"
+    )
+    assert full["train_steps"] == resumed["train_steps"] == 10 and len(full["phases"]) == 2
+    a, b = (
+        load_checkpoint(tmp_path / "full.safetensors", "cpu"),
+        load_checkpoint(tmp_path / "resumed.safetensors", "cpu"),
+    )
+    for (name, p), q in zip(a.state_dict().items(), b.state_dict().values(), strict=True):
+        assert torch.equal(p, q), name
+    with pytest.raises(ValueError, match="not a partial"):
+        train_module.train_preset("course", tmp_path / "x.safetensors", resume=tmp_path / "full.safetensors")
