@@ -404,7 +404,9 @@ def _roofline_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batches", type=int, nargs="+", default=None, help="decode batch sizes (at --context)")
     p.add_argument("--context", type=int, default=None, help="context of the decode batch sweep")
     p.add_argument("--contexts", type=int, nargs="+", default=None, help="decode contexts at batch 1")
-    p.add_argument("--rounds", type=int, default=5, help="alternating bandwidth/decode rounds for the key figure")
+    p.add_argument(
+        "--pairs", type=int, default=25, help="side-by-side (bandwidth kernel, decode step) pairs for the key figure"
+    )
     p.add_argument(
         "--threads",
         type=int,
@@ -450,10 +452,9 @@ def roofline_bench(args: argparse.Namespace) -> dict:
     key = rl.decode_bandwidth_fraction(
         model,
         min(64, sweep["context"]),
-        1 if args.quick else args.rounds,
+        2 if args.quick else args.pairs,
         args.threads,
         buffer,
-        args.repeats,
         progress=lambda m: print("  " + m, flush=True),
     )
     # The sweep runs the way the key figure ran best (thread count; CUDA graph or eager).
@@ -480,7 +481,7 @@ def roofline_bench(args: argparse.Namespace) -> dict:
     best = key["by_variant"][key["best"]]
     k.update(
         decode_bandwidth_fraction=key["fraction"],
-        decode_bandwidth_fraction_range=[best["min"], best["max"]],
+        decode_bandwidth_fraction_pair_quartiles=[best["pair_quartiles"][0], best["pair_quartiles"][2]],
         decode_bandwidth_fraction_of_roof=key["fraction_of_roof"],
         decode_variant=key["best"],
     )
@@ -499,16 +500,22 @@ def roofline_bench(args: argparse.Namespace) -> dict:
     )
     print(f"ridge point      {result['ridge_point']:.1f} FLOP/byte")
     print()
-    n_rounds = len(key["rounds"]) // len(key["by_variant"])
     print(
-        f"key figure: batch-1 decode at context {key['context']} ({key['decode_bytes'] / 2**20:,.0f} MiB per step) "
-        f"vs the streaming bandwidth of the same round, {n_rounds} alternating round(s)"
+        f"key figure: batch-1 decode at context {key['context']} ({key['decode_bytes'] / 2**20:,.0f} MiB per step), "
+        f"each step timed right after one call of the fastest streaming kernel ({key['kernel']}), "
+        f"{len(next(iter(key['by_variant'].values()))['pairs'])} pairs"
     )
     rows = [
-        [name, f"{v['median']:.0%}", f"{v['min']:.0%} .. {v['max']:.0%}", f"{v['of_roof_median']:.0%}"]
+        [
+            name,
+            f"{v['fraction']:.0%}",
+            f"{v['pair_quartiles'][0]:.0%} .. {v['pair_quartiles'][2]:.0%}",
+            f"{v['pair_range'][0]:.0%} .. {v['pair_range'][1]:.0%}",
+            f"{v['of_roof']:.0%}",
+        ]
         for name, v in key["by_variant"].items()
     ]
-    print(format_table(["", "vs median bandwidth", "range", "vs its best repeat"], rows))
+    print(format_table(["", "fraction", "pairs: middle half", "pairs: all", "vs the kernel's best call"], rows))
     if "prefill_compute_fraction" in k:
         print(f"largest prefill ({k['prefill_tokens']} tokens): {k['prefill_compute_fraction']:.0%} of the matmul peak")
     return result

@@ -338,27 +338,17 @@ def measure_bandwidth(
 ) -> dict:
     """Streaming memory bandwidth (bytes/s) over one buffer of ``nbytes`` (far larger than the caches).
 
-    Three kernels, each touching the whole buffer once per call, counted the way
+    Four kernels, each touching the whole buffer once per call, counted the way
     STREAM counts them (bytes the program asks to read plus bytes it writes):
-    ``copy`` (second half = first half), ``add`` (last third = first + second third)
-    and ``read`` (sum of everything). The bandwidth roof is the fastest repeat of the
-    fastest kernel: the best this memory system demonstrably delivered to this program
-    (medians are reported beside it).
+    ``copy`` (second half = first half), ``add`` (last third = first + second third),
+    ``read`` (sum of everything) and ``matvec`` (the buffer as a matrix times a vector
+    of ones: a read-only stream through the BLAS library's best-tuned loop, which on a
+    single CPU core often pulls more bandwidth than the others). The bandwidth roof is
+    the fastest repeat of the fastest kernel: the best this memory system demonstrably
+    delivered to this program (medians are reported beside it).
     """
     device = default_device() if device is None else torch.device(device)
-    dtype = default_dtype(device) if dtype is None else dtype
-    nbytes = default_buffer_bytes(device) if nbytes is None else _positive_int("nbytes", nbytes)
-    item = torch.empty((), dtype=dtype).element_size()
-    n = (nbytes // item) // 6 * 6  # divisible into halves and thirds
-    if n < 6:
-        raise ValueError(f"nbytes={nbytes} is too small for a bandwidth measurement")
-    buf = torch.ones(n, device=device, dtype=dtype)  # written once: the pages are really there
-    half, third = buf.view(2, n // 2), buf.view(3, n // 3)
-    kernels = {
-        "copy": (lambda: half[1].copy_(half[0]), n * item),
-        "add": (lambda: torch.add(third[0], third[1], out=third[2]), n * item),
-        "read": (lambda: buf.sum(), n * item),
-    }
+    kernels, buffer_bytes = streaming_kernels(device, dtype, nbytes)
     by_kernel, by_kernel_median, times_by_kernel = {}, {}, {}
     for name, (fn, moved) in kernels.items():
         times = time_fn(fn, device, repeats, warmup=1)
@@ -372,8 +362,32 @@ def measure_bandwidth(
         "by_kernel": by_kernel,
         "by_kernel_median": by_kernel_median,
         "times": times_by_kernel,
-        "buffer_bytes": n * item,
+        "buffer_bytes": buffer_bytes,
     }
+
+
+def streaming_kernels(
+    device: torch.device | str | None = None, dtype: torch.dtype | None = None, nbytes: int | None = None
+) -> tuple[dict[str, tuple[Callable[[], object], int]], int]:
+    """The bandwidth kernels over one fresh buffer: ({name: (function, bytes moved per call)}, buffer bytes)."""
+    device = default_device() if device is None else torch.device(device)
+    dtype = default_dtype(device) if dtype is None else dtype
+    nbytes = default_buffer_bytes(device) if nbytes is None else _positive_int("nbytes", nbytes)
+    item = torch.empty((), dtype=dtype).element_size()
+    n = (nbytes // item) // 6 * 6  # divisible into halves and thirds
+    if n < 6:
+        raise ValueError(f"nbytes={nbytes} is too small for a bandwidth measurement")
+    buf = torch.ones(n, device=device, dtype=dtype)  # written once: the pages are really there
+    half, third = buf.view(2, n // 2), buf.view(3, n // 3)
+    cols = min(4096, n)
+    matrix, ones = buf[: n // cols * cols].view(-1, cols), torch.ones(cols, device=device, dtype=dtype)
+    kernels = {
+        "copy": (lambda: half[1].copy_(half[0]), n * item),
+        "add": (lambda: torch.add(third[0], third[1], out=third[2]), n * item),
+        "read": (lambda: buf.sum(), n * item),
+        "matvec": (lambda: torch.mv(matrix, ones), matrix.numel() * item),
+    }
+    return kernels, n * item
 
 
 def measure_peaks(
@@ -480,6 +494,15 @@ def measure_forward(
     limited by memory rather than by launches. If capture fails, the pass is timed
     eagerly and ``Point.note`` says why.
     """
+    fn, cost, mode, note = prepare_forward(model, tokens, past, batch, phase, cuda_graph)
+    return Point(cost, time_fn(fn, model.device, repeats, warmup=1 if tokens > 1 else 2), mode, note)
+
+
+@torch.inference_mode()
+def prepare_forward(
+    model, tokens: int, past: int = 0, batch: int = 1, phase: str = "", cuda_graph: bool = False
+) -> tuple[Callable[[], None], PhaseCost, str, str]:
+    """The pass ``measure_forward`` times, ready to call: (function, cost, mode, note)."""
     _positive_int("tokens", tokens)
     _positive_int("batch", batch)
     cost = forward_cost(model.config, batch, tokens, past, _model_bytes_per_value(model), phase)
@@ -491,6 +514,7 @@ def measure_forward(
     cache.length = past
     idx = _random_tokens(model, batch, tokens, seed=1)
 
+    @torch.inference_mode()
     def step():
         cache.truncate(past)
         model(idx, cache)
@@ -501,7 +525,7 @@ def measure_forward(
             fn, mode = _cuda_graph(step, model.device), "cuda graph"
         except RuntimeError as e:  # capture is beta in PyTorch: fall back, and say so
             note = f"CUDA graph capture failed, timed eagerly: {e}"
-    return Point(cost, time_fn(fn, model.device, repeats, warmup=1 if tokens > 1 else 2), mode, note)
+    return fn, cost, mode, note
 
 
 def measure_prefill(model, prompt_len: int, batch: int = 1, repeats: int = 3, cuda_graph: bool = False) -> Point:
@@ -636,26 +660,25 @@ def run_roofline(
 def decode_bandwidth_fraction(
     model,
     context: int = 64,
-    rounds: int = 5,
+    pairs: int = 25,
     threads: Sequence[int] | None = None,
     buffer_bytes: int | None = None,
-    repeats: int = 3,
     progress: Callable[[str], None] | None = None,
 ) -> dict:
     """How close a batch-1 decode step comes to the streaming bandwidth, measured side by side.
 
-    Round after round, for each way of running the step (on a CPU: each thread count in
-    ``threads``, default 1 and all; on CUDA: eager and as a CUDA graph), measure the
-    streaming bandwidth, then time a decode step at ``context``. The fraction compares
-    like with like: (bytes the step moves / its median seconds) / the median bandwidth
-    of the fastest kernel in that same round. ``fraction_of_roof`` divides by the
-    bandwidth's fastest repeat instead (the roof drawn on the plot: a conservative
-    ratio). Alternating keeps a shared machine's drifting load from favouring either
-    side. Returns every round and, per variant, the median, min and max of both;
-    ``best`` names the variant with the highest median fraction (``best_threads`` /
+    First every streaming kernel is measured once and the fastest is kept. Then, for
+    each way of running the step (on a CPU: each thread count in ``threads``, default 1
+    and all; on CUDA: eager and as a CUDA graph), ``pairs`` times: one call of that
+    kernel is timed and immediately after it one decode step at ``context``, so a shared
+    machine's changing load hits both sides alike. The figure is the step's
+    bytes/s at its median time over the kernel's bytes/s at its median time; the
+    quartiles and range of the per-pair ratios show the noise. ``of_roof`` divides by
+    the kernel's *fastest* call instead (the roof drawn on the plot: a conservative
+    ratio). ``best`` names the variant with the highest figure (``best_threads`` /
     ``cuda_graph`` say how to run it).
     """
-    _positive_int("rounds", rounds)
+    _positive_int("pairs", pairs)
     device, dtype = model.device, next(model.parameters()).dtype
     say = progress or (lambda _msg: None)
     original = torch.get_num_threads()
@@ -664,59 +687,71 @@ def decode_bandwidth_fraction(
     else:
         ts = sorted({_positive_int("threads", t) for t in threads}) if threads else sorted({1, original})
         variants = {f"{t} thread{'s' if t > 1 else ''}": (t, False) for t in ts}
-    out = []
+    kernels, _ = streaming_kernels(device, dtype, buffer_bytes)
+    rates = {}
+    for name, (fn, moved) in kernels.items():
+        rates[name] = moved / statistics.median(time_fn(fn, device, repeats=3, warmup=1))
+    kernel = max(rates, key=rates.get)
+    probe, probe_bytes = kernels[kernel]
+    steps = {}
+    for name, (t, graph) in variants.items():
+        torch.set_num_threads(t)
+        fn, cost, mode, note = prepare_forward(model, 1, context - 1, 1, "decode", graph)
+        steps[name] = (fn, mode, note)
+    samples = {name: [] for name in variants}  # (probe seconds, step seconds)
     try:
-        for r in range(rounds):
-            for name, (t, graph) in variants.items():
-                torch.set_num_threads(t)
-                bw = measure_bandwidth(device, dtype, buffer_bytes, repeats)
-                step = measure_decode(model, context, 1, repeats, cuda_graph=graph)
-                sustained = max(bw["by_kernel_median"].values())
-                out.append(
-                    {
-                        "round": r,
-                        "variant": name,
-                        "threads": t,
-                        "mode": step.mode,
-                        "bandwidth_bytes_per_s": sustained,
-                        "bandwidth_roof_bytes_per_s": bw["bytes_per_s"],
-                        "bandwidth_kernel": max(bw["by_kernel_median"], key=bw["by_kernel_median"].get),
-                        "decode_seconds": step.seconds,
-                        "decode_times": step.times,
-                        "decode_bytes_per_s": step.bytes_per_s,
-                        "fraction": step.bytes_per_s / sustained,
-                        "fraction_of_roof": step.bytes_per_s / bw["bytes_per_s"],
-                    }
-                )
-                say(f"round {r + 1}/{rounds}, {name}: {out[-1]['fraction']:.0%} of the streaming bandwidth")
+        # One variant after the other (switching thread counts between pairs would time
+        # one variant's kernel against the other's still-spinning worker threads).
+        for name, (t, _graph) in variants.items():
+            torch.set_num_threads(t)
+            fn = steps[name][0]
+            time_fn(fn, device, repeats=1, warmup=2)  # the first calls after a switch are slower
+            time_fn(probe, device, repeats=1, warmup=1)
+            for _ in range(pairs):
+                t_probe = time_fn(probe, device, repeats=1, warmup=0)[0]
+                t_step = time_fn(fn, device, repeats=1, warmup=0)[0]
+                samples[name].append((t_probe, t_step))
+            say(f"{name}: {_fraction(samples[name], cost.bytes, probe_bytes):.0%} of the streaming bandwidth")
     finally:
         torch.set_num_threads(original)
     by_variant = {}
     for name, (t, graph) in variants.items():
-        fr = [o["fraction"] for o in out if o["variant"] == name]
-        of_roof = [o["fraction_of_roof"] for o in out if o["variant"] == name]
+        fr = sorted(cost.bytes / b / (probe_bytes / a) for a, b in samples[name])
+        step_rate = cost.bytes / statistics.median(b for _, b in samples[name])
         by_variant[name] = {
-            "median": statistics.median(fr),
-            "min": min(fr),
-            "max": max(fr),
-            "of_roof_median": statistics.median(of_roof),
-            "of_roof_min": min(of_roof),
-            "of_roof_max": max(of_roof),
+            "fraction": _fraction(samples[name], cost.bytes, probe_bytes),
+            "pair_quartiles": statistics.quantiles(fr, n=4, method="inclusive") if len(fr) > 1 else fr * 3,
+            "pair_range": [fr[0], fr[-1]],
+            "of_roof": step_rate / (probe_bytes / min(a for a, _ in samples[name])),
+            "decode_bytes_per_s": step_rate,
+            "bandwidth_bytes_per_s": probe_bytes / statistics.median(a for a, _ in samples[name]),
             "threads": t,
             "cuda_graph": graph,
+            "mode": steps[name][1],
+            **({"note": steps[name][2]} if steps[name][2] else {}),
+            "pairs": [{"probe_seconds": a, "decode_seconds": b} for a, b in samples[name]],
         }
-    best = max(by_variant, key=lambda n: by_variant[n]["median"])
+    best = max(by_variant, key=lambda n: by_variant[n]["fraction"])
     return {
         "context": context,
-        "decode_bytes": decode_cost(model.config, context, 1, _model_bytes_per_value(model)).bytes,
-        "rounds": out,
+        "decode_bytes": cost.bytes,
+        "kernel": kernel,
+        "kernel_bytes": probe_bytes,
+        "kernel_rates": rates,
         "by_variant": by_variant,
         "best": best,
         "best_threads": by_variant[best]["threads"],
         "cuda_graph": by_variant[best]["cuda_graph"],
-        "fraction": by_variant[best]["median"],
-        "fraction_of_roof": by_variant[best]["of_roof_median"],
+        "fraction": by_variant[best]["fraction"],
+        "fraction_of_roof": by_variant[best]["of_roof"],
     }
+
+
+def _fraction(samples: list[tuple[float, float]], step_bytes: float, probe_bytes: float) -> float:
+    """(step bytes / median step seconds) / (probe bytes / median probe seconds)."""
+    step = statistics.median(b for _, b in samples)
+    probe = statistics.median(a for a, _ in samples)
+    return (step_bytes / step) / (probe_bytes / probe)
 
 
 def key_figures(result: dict) -> dict:

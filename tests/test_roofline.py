@@ -165,10 +165,11 @@ def test_peaks_are_measured():
     assert mm["flops_per_s"] == pytest.approx(2 * 128**3 / min(mm["times"]))
     assert mm["flops_per_s"] >= mm["flops_per_s_median"]
     bw = rl.measure_bandwidth("cpu", nbytes=6 * 2**20, repeats=2)
-    assert bw["kernel"] in ("copy", "add", "read") and bw["bytes_per_s"] == max(bw["by_kernel"].values())
+    assert bw["kernel"] in ("copy", "add", "read", "matvec") and bw["bytes_per_s"] == max(bw["by_kernel"].values())
     assert bw["buffer_bytes"] == 6 * 2**20 and bw["bytes_per_s"] > 1e6
+    assert set(bw["times"]) == {"copy", "add", "read", "matvec"}
     for k, times in bw["times"].items():  # the roof is the fastest repeat; the median is kept beside it
-        assert bw["by_kernel"][k] == pytest.approx(6 * 2**20 / min(times))
+        assert bw["by_kernel"][k] == pytest.approx(6 * 2**20 / min(times))  # 6 MiB: 4096 divides it
         assert bw["by_kernel"][k] >= bw["by_kernel_median"][k]
     with pytest.raises(ValueError, match="too small"):
         rl.measure_bandwidth("cpu", nbytes=8)
@@ -322,26 +323,31 @@ def test_plot_roofline(tiny_model):
     plt.close(fig)
 
 
-def test_decode_bandwidth_fraction_alternates_and_restores_threads(tiny_model):
+def test_decode_bandwidth_fraction_pairs_and_restores_threads(tiny_model):
     before = torch.get_num_threads()
-    out = rl.decode_bandwidth_fraction(tiny_model, 8, rounds=2, threads=[1, 2], buffer_bytes=2**20, repeats=1)
-    names = ["1 thread", "2 threads"]
-    assert [(r["round"], r["variant"], r["threads"]) for r in out["rounds"]] == [
-        (r, n, t) for r in range(2) for n, t in zip(names, [1, 2], strict=True)
-    ]
-    assert list(out["by_variant"]) == names and out["best"] in names
-    assert out["fraction"] == out["by_variant"][out["best"]]["median"]
-    assert out["best_threads"] == out["by_variant"][out["best"]]["threads"] and out["cuda_graph"] is False
-    for r in out["rounds"]:
-        assert r["fraction"] == pytest.approx(r["decode_bytes_per_s"] / r["bandwidth_bytes_per_s"])
-        assert r["fraction_of_roof"] == pytest.approx(r["decode_bytes_per_s"] / r["bandwidth_roof_bytes_per_s"])
-        assert r["fraction_of_roof"] <= r["fraction"] and r["mode"] == "eager"
-        assert r["decode_bytes_per_s"] == pytest.approx(out["decode_bytes"] / statistics.median(r["decode_times"]))
-    v = out["by_variant"]["1 thread"]
-    fr = [r["fraction"] for r in out["rounds"] if r["threads"] == 1]
-    assert (v["min"], v["max"]) == (min(fr), max(fr))
+    out = rl.decode_bandwidth_fraction(tiny_model, 8, pairs=3, threads=[2, 1], buffer_bytes=2**20)
+    assert list(out["by_variant"]) == ["1 thread", "2 threads"] and out["best"] in out["by_variant"]
+    assert out["kernel"] == max(out["kernel_rates"], key=out["kernel_rates"].get)
     assert out["decode_bytes"] == rl.decode_cost(tiny_model.config, 8).bytes
+    for name, v in out["by_variant"].items():
+        assert len(v["pairs"]) == 3 and v["mode"] == "eager" and v["threads"] == (1 if name == "1 thread" else 2)
+        fr = [
+            out["decode_bytes"] / p["decode_seconds"] / (out["kernel_bytes"] / p["probe_seconds"]) for p in v["pairs"]
+        ]
+        assert v["pair_range"] == [pytest.approx(min(fr)), pytest.approx(max(fr))]
+        assert min(fr) <= v["pair_quartiles"][0] <= v["pair_quartiles"][1] <= v["pair_quartiles"][2] <= max(fr)
+        step_rate = out["decode_bytes"] / statistics.median(p["decode_seconds"] for p in v["pairs"])
+        probe_rate = out["kernel_bytes"] / statistics.median(p["probe_seconds"] for p in v["pairs"])
+        assert v["fraction"] == pytest.approx(step_rate / probe_rate)  # bytes/s at the median times, side by side
+        fastest_probe = min(p["probe_seconds"] for p in v["pairs"])
+        assert v["of_roof"] == pytest.approx(step_rate / (out["kernel_bytes"] / fastest_probe))
+        assert v["of_roof"] <= v["fraction"]
+    best = max(v["fraction"] for v in out["by_variant"].values())
+    assert out["fraction"] == out["by_variant"][out["best"]]["fraction"] == best
+    assert out["best_threads"] == out["by_variant"][out["best"]]["threads"] and out["cuda_graph"] is False
     assert torch.get_num_threads() == before
+    with pytest.raises(ValueError, match="pairs must be a positive int"):
+        rl.decode_bandwidth_fraction(tiny_model, 8, pairs=0)
 
 
 def test_cuda_graph_is_ignored_on_cpu(tiny_model):
@@ -360,11 +366,8 @@ def test_bench_roofline_quick(tmp_path, capsys):
     k = result["key_figures"]
     key = result["bandwidth_fraction"]
     assert 0 < k["decode_bandwidth_fraction"] == key["fraction"] and k["decode_variant"] == key["best"]
-    assert (
-        k["decode_bandwidth_fraction_range"][0]
-        <= k["decode_bandwidth_fraction"]
-        <= k["decode_bandwidth_fraction_range"][1]
-    )
+    q1, q3 = k["decode_bandwidth_fraction_pair_quartiles"]
+    assert 0 < q1 <= q3
     assert key["context"] == 32 and result["device"]["threads"] == key["best_threads"]
     assert k["decode_bandwidth_fraction_of_roof"] <= k["decode_bandwidth_fraction"]
     assert all(p["mode"] == "eager" for p in result["points"])
@@ -380,6 +383,7 @@ def test_cuda_measurements_use_bf16():
     assert d.cost.weight_bytes == rl.decode_cost(cfg, 16, 2, bytes_per_value=2).weight_bytes and d.seconds > 0
     g = rl.measure_decode(m, 16, 2, repeats=2, cuda_graph=True)
     assert g.mode == "cuda graph", g.note
-    out = rl.decode_bandwidth_fraction(m, 16, rounds=1, buffer_bytes=2**26, repeats=2)
+    out = rl.decode_bandwidth_fraction(m, 16, pairs=2, buffer_bytes=2**26)
     assert list(out["by_variant"]) == ["eager", "cuda graph"]
+    assert out["by_variant"]["cuda graph"]["mode"] == "cuda graph"
     assert rl.measure_bandwidth(nbytes=2**26, repeats=2)["bytes_per_s"] > 1e9
