@@ -690,7 +690,7 @@ def decode_bandwidth_fraction(
     kernels, _ = streaming_kernels(device, dtype, buffer_bytes)
     rates = {}
     for name, (fn, moved) in kernels.items():
-        rates[name] = moved / statistics.median(time_fn(fn, device, repeats=3, warmup=1))
+        rates[name] = moved / min(time_fn(fn, device, repeats=5, warmup=1))  # its best call, as for the roof
     kernel = max(rates, key=rates.get)
     probe, probe_bytes = kernels[kernel]
     steps = {}
