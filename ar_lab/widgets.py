@@ -293,3 +293,153 @@ class SamplerExplorer:
 def sampler_explorer(model, prompt: str = "The ", n_samples: int = 4, max_new_tokens: int = 40) -> SamplerExplorer:
     """Build the chapter-06 explorer (display it by leaving it last in a cell)."""
     return SamplerExplorer(model, prompt, n_samples, max_new_tokens)
+
+
+# --- chapter 07: speculative decoding explorer ---------------------------------------
+
+
+def plot_speculation_view(axes, view):
+    """Two panels: tokens per target call and wall-clock speedup against gamma.
+
+    Lines: the theory for the alpha and c measured in ``view`` (Leviathan et al., 2023);
+    dots: what this run measured at its gamma.
+    """
+    from ar_lab.plots import COLORS
+
+    theory = view.theory()
+    gammas = theory["gamma"]
+    left, right = axes
+    left.plot(gammas, theory["tokens_per_iteration"], "-o", ms=3, color=COLORS["theory"], label="theory")
+    left.plot(gammas, [g + 1 for g in gammas], ":", color=COLORS["dropped"], label="ceiling γ + 1 (α = 1)")
+    left.plot([view.gamma], [view.tokens_per_target_call], "o", ms=9, color=COLORS["draft"], label="measured")
+    left.set_xlabel("γ (draft tokens per iteration)")
+    left.set_ylabel("tokens per target call")
+    left.set_title(f"α = {view.alpha:.2f} (measured)", fontsize=10.5)
+    left.legend(loc="upper left")
+    label = f"theory (c = {view.cost_ratio:.2f})"
+    right.plot(gammas, theory["speedup"], "-o", ms=3, color=COLORS["theory"], label=label)
+    right.axhline(1.0, color=COLORS["accent"], lw=1, ls="--", label="plain decoding")
+    right.plot([view.gamma], [view.measured_speedup], "o", ms=9, color=COLORS["draft"], label="measured")
+    right.set_xlabel("γ (draft tokens per iteration)")
+    right.set_ylabel("speedup over plain decoding (×)")
+    right.set_title(f"draft: {view.draft_name}, {view.sampling.label}", fontsize=10.5)
+    right.set_ylim(bottom=0)
+    right.legend(loc="best")
+    for ax in axes:
+        ax.set_xticks(gammas)
+    return axes
+
+
+def speculation_text_html(view) -> str:
+    """The generated text with each token coloured by who chose it: accepted draft or target."""
+    import html
+
+    from ar_lab.plots import COLORS
+    from ar_lab.speculative import token_sources
+
+    colors = {"draft": COLORS["draft"], "target": COLORS["target"]}
+    spans = []
+    for token, source in zip(view.result.tokens, token_sources(view.result.stats), strict=False):
+        piece = html.escape(bytes([token]).decode("utf-8", errors="replace")) if token < 256 else "⟨EOS⟩"
+        spans.append(f"<span style='color:{colors[source]}'>{piece}</span>")
+    legend = (
+        f"<span style='color:{COLORS['draft']}'>■ accepted draft token</span> &nbsp; "
+        f"<span style='color:{COLORS['target']}'>■ token drawn by the target (residual or bonus)</span>"
+    )
+    prompt = html.escape(view.prompt)
+    return (
+        f"<div>{legend}</div><pre style='white-space:pre-wrap;margin:2px 0'>"
+        f"<span style='color:#7f8c8d'>{prompt}</span>{''.join(spans)}</pre>"
+    )
+
+
+class SpeculationExplorer:
+    """γ, temperature, draft model and prompt -> measured α, tokens per target call and speedup,
+    beside the theory's curves.
+
+    Every change calls ``ar_lab.speculative.speculation_view`` (plain and speculative decoding
+    of the same prompt, timed side by side) and redraws. ``view`` holds the last result and
+    ``error`` the message for invalid input, so tests can drive the controls headlessly.
+    """
+
+    def __init__(
+        self, target, drafts: dict, prompt: str = "The ", gamma: int = 4, max_new_tokens: int = 64, max_gamma: int = 8
+    ):
+        import ipywidgets as W
+
+        if not drafts:
+            raise ValueError("drafts must name at least one draft model, e.g. {'draft checkpoint': draft}")
+        self.target, self.drafts, self.max_new_tokens, self.max_gamma = target, dict(drafts), max_new_tokens, max_gamma
+        style = {"description_width": "90px"}
+        slider = dict(continuous_update=False, style=style, layout=W.Layout(width="340px"))
+        self.prompt = W.Text(value=prompt, description="prompt", continuous_update=False, style=style)
+        self.gamma = W.IntSlider(gamma, min=1, max=max_gamma, description="γ", **slider)
+        self.temperature = W.FloatSlider(0.0, min=0.0, max=1.5, step=0.05, description="temperature", **slider)
+        self.draft = W.Dropdown(options=list(self.drafts), description="draft", style=style)
+        self.seed = W.IntText(0, description="seed", style=style, layout=W.Layout(width="200px"))
+        self.status = W.HTML()
+        self.image = W.Image(format="png")
+        self.text = W.HTML()
+        self.view = None
+        self.error = ""
+        controls = [self.prompt, self.gamma, self.temperature, self.draft, self.seed]
+        for c in controls:
+            c.observe(lambda _change: self.update(), names="value")
+        self.widget = W.VBox([W.HBox([W.VBox(controls[:3]), W.VBox(controls[3:])]), self.status, self.image, self.text])
+        self.update()
+
+    def update(self) -> None:
+        import html
+        import io
+
+        import matplotlib.pyplot as plt
+
+        from ar_lab.sampling import SamplingParams
+        from ar_lab.speculative import speculation_view
+
+        try:
+            view = speculation_view(
+                self.target,
+                self.drafts[self.draft.value],
+                self.prompt.value,
+                int(self.gamma.value),
+                SamplingParams(temperature=float(self.temperature.value)),
+                int(self.seed.value),
+                self.max_new_tokens,
+                self.draft.value,
+                self.max_gamma,
+            )
+        except ValueError as e:
+            self.error = str(e)
+            self.status.value = f"<b style='color:#c0392b'>{html.escape(self.error)}</b>"
+            return
+        self.view, self.error = view, ""
+        s = view.result.stats
+        exact = ""
+        if view.sampling.greedy:
+            exact = " Same tokens as plain greedy decoding: " + ("<b>yes</b>" if view.same_tokens else "<b>NO</b>")
+        self.status.value = (
+            f"<b>{html.escape(view.draft_name)}</b>, γ = {view.gamma}, {html.escape(view.sampling.label)}: "
+            f"α = <b>{view.alpha:.2f}</b> ({s.acceptances}/{s.tested} tested drafts accepted), "
+            f"<b>{view.tokens_per_target_call:.2f}</b> tokens per target call "
+            f"({s.target_calls} calls for {s.produced} tokens), c = {view.cost_ratio:.3f}; "
+            f"speedup measured <b>{view.measured_speedup:.2f}×</b>, theory {view.predicted_speedup:.2f}×.{exact}"
+        )
+        fig, axes = plt.subplots(1, 2, figsize=(10, 3.4))
+        plot_speculation_view(axes, view)
+        fig.tight_layout()
+        buf = io.BytesIO()
+        fig.savefig(buf, format="png")
+        plt.close(fig)
+        self.image.value = buf.getvalue()
+        self.text.value = speculation_text_html(view)
+
+    def _repr_mimebundle_(self, **kwargs):
+        return self.widget._repr_mimebundle_(**kwargs)
+
+
+def speculation_explorer(
+    target, drafts: dict, prompt: str = "The ", gamma: int = 4, max_new_tokens: int = 64
+) -> SpeculationExplorer:
+    """Build the chapter-07 explorer (display it by leaving it last in a cell)."""
+    return SpeculationExplorer(target, drafts, prompt, gamma, max_new_tokens)

@@ -1,0 +1,484 @@
+"""Speculative decoding: a cheap draft proposes, the target verifies many tokens in one pass.
+
+Batch-1 decoding is memory-bound (chapter 05): one decode step reads every weight to
+produce one token, so scoring a handful of positions in one forward pass costs the
+target about as much as scoring one. Speculative sampling (Leviathan, Kalman & Matias,
+2023; Chen et al., 2023) turns that spare capacity into tokens:
+
+1. the **draft** model q proposes gamma tokens x_1..x_gamma, one at a time (cheap);
+2. the **target** model p scores all gamma + 1 positions in **one** forward pass;
+3. each x_i, in order, is **accepted** with probability min(1, p(x_i) / q(x_i));
+4. at the first rejection, one token is drawn from the **residual**
+   norm(max(0, p - q)) at that position and the iteration ends; if all gamma pass, a
+   **bonus** token is drawn from the target's next distribution p_{gamma+1}.
+
+Every iteration emits between 1 and gamma + 1 tokens for one target call, and the
+output has *exactly* the target's distribution: for any token x,
+P(x) = q(x) min(1, p(x)/q(x)) + (1 - sum_y min(p(y), q(y))) * residual(x)
+     = min(p(x), q(x)) + max(0, p(x) - q(x)) = p(x).
+So speculative decoding changes the speed, never the text's distribution; with greedy
+settings on both sides it emits the target's greedy text token for token.
+
+p and q are the exact distributions the sampler draws from (``ar_lab.sampling.probabilities``
+with the same ``SamplingParams`` on both sides), so temperature, top-k/top-p/min-p and the
+repetition penalty are honoured. Both KV caches are rolled back (``KVCache.truncate``)
+past rejected tokens; after a full accept the draft has not yet seen its own last
+proposal, which the next iteration feeds together with the bonus token.
+
+The theory (Leviathan et al., 2023, section 3): with a per-token acceptance
+probability alpha = sum_x min(p(x), q(x)) = 1 - TV(p, q), an iteration emits
+(1 - alpha^(gamma+1)) / (1 - alpha) tokens on average, and if a draft step costs c
+target steps, the expected wall-clock speedup is that divided by (gamma c + 1).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from ar_lab.cache import KVCache
+from ar_lab.generate import _check_args, _prompt_ids
+from ar_lab.sampling import GREEDY, SamplingParams, probabilities
+from ar_lab.tokenizer import EOS_ID, decode
+
+# --- the theory ------------------------------------------------------------------------
+
+
+def _check_alpha(alpha: float) -> float:
+    if not isinstance(alpha, int | float) or isinstance(alpha, bool) or not 0.0 <= alpha <= 1.0:
+        raise ValueError(f"alpha (the acceptance rate) must be a number in [0, 1], got {alpha!r}")
+    return float(alpha)
+
+
+def _check_gamma(gamma: int) -> int:
+    if not isinstance(gamma, int) or isinstance(gamma, bool) or gamma < 0:
+        raise ValueError(f"gamma (draft tokens per iteration) must be an int >= 0, got {gamma!r}")
+    return gamma
+
+
+def _check_cost(c: float) -> float:
+    if not isinstance(c, int | float) or isinstance(c, bool) or not (math.isfinite(c) and c >= 0):
+        raise ValueError(f"c (draft step cost / target step cost) must be a finite number >= 0, got {c!r}")
+    return float(c)
+
+
+def acceptance_rate(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """alpha = sum_x min(p(x), q(x)): the probability that a draft token drawn from q is accepted.
+
+    Works along the last axis, so (vocab,) gives a scalar and (T, vocab) one value per row.
+    """
+    if p.shape != q.shape:
+        raise ValueError(f"p and q must have the same shape, got {tuple(p.shape)} and {tuple(q.shape)}")
+    return torch.minimum(p, q).sum(dim=-1)
+
+
+def total_variation(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """TV(p, q) = sum_x |p(x) - q(x)| / 2; alpha = 1 - TV."""
+    if p.shape != q.shape:
+        raise ValueError(f"p and q must have the same shape, got {tuple(p.shape)} and {tuple(q.shape)}")
+    return (p - q).abs().sum(dim=-1) / 2
+
+
+def expected_tokens_per_iteration(alpha: float, gamma: int) -> float:
+    """(1 - alpha^(gamma+1)) / (1 - alpha) = 1 + alpha + ... + alpha^gamma; gamma + 1 at alpha = 1.
+
+    Each of the gamma drafts is accepted with probability alpha (independently, the
+    theory's simplification) until the first rejection; the iteration then adds one
+    token of its own (the residual draw, or the bonus when all passed).
+    """
+    alpha, gamma = _check_alpha(alpha), _check_gamma(gamma)
+    if alpha == 1.0:
+        return float(gamma + 1)
+    if alpha == 0.0:
+        return 1.0
+    # The closed form loses digits as alpha -> 1 (1 - alpha^(g+1) and 1 - alpha both -> 0);
+    # expm1 keeps them: alpha^k - 1 = expm1(k log alpha), and log is accurate near 1.
+    log_a = math.log(alpha)
+    return math.expm1((gamma + 1) * log_a) / math.expm1(log_a)
+
+
+def expected_speedup(alpha: float, gamma: int, c: float) -> float:
+    """Expected wall-clock speedup over plain decoding: tokens per iteration / (gamma c + 1).
+
+    An iteration costs gamma draft steps (c target steps each) plus one target pass,
+    which the theory counts as one target step (scoring gamma + 1 positions is memory-
+    bound like a single step). gamma = 0 is plain decoding: speedup 1.
+    """
+    c = _check_cost(c)
+    return expected_tokens_per_iteration(alpha, gamma) / (gamma * c + 1.0)
+
+
+def best_gamma(alpha: float, c: float, max_gamma: int = 64) -> int:
+    """The gamma in 0..max_gamma with the largest expected speedup (0: speculation does not pay).
+
+    The speedup rises then falls in gamma, except at alpha = 1 and c = 0, where every
+    draft is free and always accepted (then max_gamma wins). Ties go to the smaller gamma.
+    """
+    _check_alpha(alpha), _check_cost(c)
+    if not isinstance(max_gamma, int) or isinstance(max_gamma, bool) or max_gamma < 0:
+        raise ValueError(f"max_gamma must be an int >= 0, got {max_gamma!r}")
+    speedups = [expected_speedup(alpha, g, c) for g in range(max_gamma + 1)]
+    return max(range(max_gamma + 1), key=lambda g: (speedups[g], -g))
+
+
+# --- the pieces of one iteration (small, so tests can swap one for a wrong version) ----
+
+
+def accept(p_x: float, q_x: float, generator: torch.Generator | None) -> bool:
+    """Accept a draft token x with probability min(1, p(x) / q(x)).
+
+    p(x) >= q(x): always, without spending a random number (greedy never does).
+    """
+    if p_x >= q_x:
+        return True
+    if p_x <= 0.0:
+        return False
+    u = float(torch.rand((), generator=generator, dtype=torch.float64))
+    return u * q_x < p_x  # u < p/q, without dividing
+
+
+def residual_distribution(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """norm(max(0, p - q)): what a rejected position draws from, so that the total is p.
+
+    Where q over-proposed, the rejections freed exactly that mass; it is handed to the
+    tokens q under-proposed. (If p <= q everywhere, p = q up to rounding and nothing
+    can be rejected; p is returned for safety.)
+    """
+    r = (p.double() - q.double()).clamp_min(0.0)
+    total = float(r.sum())
+    return (r / total).float() if total > 0 else p
+
+
+def draw(dist: torch.Tensor, generator: torch.Generator | None) -> int:
+    """One token from a probability vector (vocab,)."""
+    return int(torch.multinomial(dist, 1, generator=generator))
+
+
+def finish_iteration(
+    drafts: list[int], p: torch.Tensor, q: list[torch.Tensor], n: int, generator: torch.Generator | None
+) -> list[int]:
+    """The tokens an iteration emits: the n accepted drafts, then one token drawn on the target side.
+
+    ``p`` (gamma + 1, vocab) holds the target's distributions at the draft positions and
+    the one after; ``q[i]`` the draft's distribution x_i was drawn from.
+    """
+    if n < len(drafts):
+        dist = residual_distribution(p[n], q[n])  # the first rejection
+    else:
+        dist = p[n]  # every draft passed: the bonus token, from the target's next distribution
+    return drafts[:n] + [draw(dist, generator)]
+
+
+def _fast_greedy(sampling: SamplingParams) -> bool:
+    # Greedy without a penalty: p and q are one-hot at the argmax of the raw logits, so
+    # accept <=> the draft's argmax equals the target's, and the last token is the target's
+    # argmax. Taken directly (no distributions built); tests compare it with the general path.
+    return sampling.greedy and sampling.repetition_penalty == 1.0
+
+
+# --- the decode loop -----------------------------------------------------------------------
+
+
+@dataclass
+class SpeculativeStats:
+    gamma: int
+    target_calls: int = 0  # target forward passes: one per iteration (the first also reads the prompt)
+    draft_calls: int = 0  # draft forward passes: gamma per iteration (fewer near the end)
+    proposals: int = 0  # draft tokens proposed
+    tested: int = 0  # draft tokens the target decided on (up to and including the first rejection)
+    acceptances: int = 0  # draft tokens accepted
+    produced: int = 0  # tokens emitted, EOS included (what max_new_tokens counts)
+    alpha_sum: float = 0.0  # sum over tested positions of sum_x min(p, q), the exact acceptance probability
+    accepted_per_iteration: list[int] = field(default_factory=list)
+    emitted_per_iteration: list[int] = field(default_factory=list)  # tokens each iteration added (EOS cuts)
+    target_positions: int = 0  # positions fed to the target (prompt + draft blocks)
+    draft_positions: int = 0
+    target_time: float = 0.0  # seconds in target forward passes (and their distributions)
+    draft_time: float = 0.0  # seconds in draft forward passes (and their draws)
+    total_time: float = 0.0  # seconds for the whole call
+    stop_reason: str = ""  # "eos" or "max_new_tokens"
+
+    @property
+    def iterations(self) -> int:
+        return self.target_calls
+
+    @property
+    def alpha(self) -> float:
+        """Measured acceptance rate: accepted / tested draft tokens (the theory's alpha)."""
+        return self.acceptances / self.tested if self.tested else float("nan")
+
+    @property
+    def alpha_exact(self) -> float:
+        """Mean of sum_x min(p, q) over the tested positions: alpha without the coin flips' noise."""
+        return self.alpha_sum / self.tested if self.tested else float("nan")
+
+    @property
+    def kept_fraction(self) -> float:
+        """Accepted / proposed: drafts after a rejection are proposed but never tested."""
+        return self.acceptances / self.proposals if self.proposals else float("nan")
+
+    @property
+    def tokens_per_target_call(self) -> float:
+        return self.produced / self.target_calls if self.target_calls else float("nan")
+
+    @property
+    def target_time_per_call(self) -> float:
+        return self.target_time / self.target_calls if self.target_calls else float("nan")
+
+    @property
+    def draft_time_per_call(self) -> float:
+        return self.draft_time / self.draft_calls if self.draft_calls else float("nan")
+
+
+@dataclass
+class SpeculativeGeneration:
+    prompt: list[int]
+    tokens: list[int]  # the new tokens (EOS, when it ended the text, is not included)
+    text: str
+    stats: SpeculativeStats
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def speculative_generate(
+    target,
+    draft,
+    prompt: str | Sequence[int],
+    max_new_tokens: int = 200,
+    gamma: int = 4,
+    sampling: SamplingParams = GREEDY,
+    generator: torch.Generator | None = None,
+    eos_id: int | None = EOS_ID,
+) -> SpeculativeGeneration:
+    """Generate like ``ar_lab.generate(target, ...)`` with ``draft`` proposing ``gamma`` tokens at a time.
+
+    The output has exactly the target's distribution under ``sampling`` (token for token
+    the same text when greedy); only the speed and ``stats`` differ. Stops at ``eos_id``
+    (not included in ``tokens``) or after ``max_new_tokens`` tokens, as ``generate`` does.
+    ``gamma = 0`` is plain decoding with the target. Random draws come from ``generator``.
+    """
+    t_start = time.perf_counter()
+    prompt_ids = _prompt_ids(prompt)
+    gamma = _check_gamma(gamma)
+    if not isinstance(sampling, SamplingParams):
+        raise TypeError(f"sampling must be a SamplingParams, got {type(sampling).__name__}")
+    if draft.config.vocab_size != target.config.vocab_size:
+        raise ValueError(
+            f"draft and target must share the vocabulary: draft has {draft.config.vocab_size} tokens, "
+            f"target {target.config.vocab_size}"
+        )
+    if draft.device != target.device:
+        raise ValueError(f"draft is on {draft.device}, target on {target.device}: put both on one device")
+    _check_args(target, prompt_ids, max_new_tokens, None)
+    try:
+        _check_args(draft, prompt_ids, max_new_tokens, None)
+    except ValueError as e:
+        raise ValueError(f"draft model: {e}") from None
+
+    P, N, V, device = len(prompt_ids), max_new_tokens, target.config.vocab_size, target.device
+    stats = SpeculativeStats(gamma=gamma)
+    seq = list(prompt_ids)  # prompt + tokens emitted so far
+    # Neither model ever needs the last emitted token's keys: at most P + N - 1 positions.
+    target_cache = KVCache.for_model(target, max_len=P + N - 1)
+    draft_cache = KVCache.for_model(draft, max_len=P + N - 1)
+    fast = _fast_greedy(sampling)
+    penalised = sampling.repetition_penalty != 1.0
+    modes = (target.training, draft.training)
+    target.eval(), draft.eval()
+    try:
+        with torch.inference_mode():
+            while stats.produced < N:
+                g = min(gamma, N - stats.produced - 1)  # never propose past max_new_tokens
+
+                # 1. The draft proposes g tokens, one forward pass each. Its cache may lag
+                #    behind seq by two tokens (after a full accept): feed whatever it lacks.
+                t0 = time.perf_counter()
+                drafts: list[int] = []
+                qs: list[torch.Tensor] = []
+                for i in range(g):
+                    new = seq[draft_cache.length :] if i == 0 else drafts[-1:]
+                    logits = draft(torch.tensor([new], device=device), draft_cache)[0, -1]  # (V,)
+                    stats.draft_calls += 1
+                    stats.draft_positions += len(new)
+                    if fast:
+                        drafts.append(int(logits.argmax()))
+                    else:
+                        q = probabilities(logits, sampling, seq + drafts if penalised else ())
+                        qs.append(q)
+                        drafts.append(draw(q, generator))
+                _sync(device)
+                t1 = time.perf_counter()
+                stats.draft_time += t1 - t0
+                stats.proposals += g
+
+                # 2. The target scores the g + 1 positions in one forward pass.
+                new = seq[target_cache.length :] + drafts
+                logits = target(torch.tensor([new], device=device), target_cache)[0, -(g + 1) :]  # (g + 1, V)
+                stats.target_calls += 1
+                stats.target_positions += len(new)
+
+                # 3. Accept drafts in order; the first rejection ends the iteration.
+                if fast:
+                    best = logits.argmax(dim=-1).tolist()  # the target's greedy token at each position
+                    n = next((i for i in range(g) if drafts[i] != best[i]), g)
+                    emitted = drafts[:n] + [best[n]]
+                    stats.alpha_sum += n  # one-hot p and q: sum min(p, q) is 1 if they agree, else 0
+                else:
+                    history: torch.Tensor | tuple = ()
+                    if penalised:  # row i has seen seq and the drafts before it
+                        history = torch.zeros(g + 1, V, dtype=torch.bool, device=device)
+                        history[:, seq] = True
+                        for i, x in enumerate(drafts):
+                            history[i + 1 :, x] = True
+                    p = probabilities(logits, sampling, history)  # (g + 1, V)
+                    n = 0
+                    for i, x in enumerate(drafts):
+                        stats.alpha_sum += float(acceptance_rate(p[i], qs[i]))
+                        if not accept(float(p[i, x]), float(qs[i][x]), generator):
+                            break
+                        n += 1
+                    emitted = finish_iteration(drafts, p, qs, n, generator)
+                _sync(device)
+                stats.target_time += time.perf_counter() - t1
+                stats.tested += min(g, n + 1)
+                stats.acceptances += n
+                stats.accepted_per_iteration.append(n)
+
+                # 4. Emit; roll both caches back to tokens that stay (each keeps at most L' - 1).
+                if eos_id is not None and eos_id in emitted:
+                    emitted = emitted[: emitted.index(eos_id) + 1]
+                seq += emitted
+                stats.produced += len(emitted)
+                stats.emitted_per_iteration.append(len(emitted))
+                target_cache.truncate(min(target_cache.length, len(seq) - 1))
+                draft_cache.truncate(min(draft_cache.length, len(seq) - 1))
+                if eos_id is not None and seq[-1] == eos_id:
+                    break
+    finally:
+        target.train(modes[0]), draft.train(modes[1])
+    tokens = seq[P:]
+    if eos_id is not None and tokens and tokens[-1] == eos_id:
+        tokens.pop()
+        stats.stop_reason = "eos"
+    else:
+        stats.stop_reason = "max_new_tokens"
+    stats.total_time = time.perf_counter() - t_start
+    text = decode([t for t in tokens if t < 256])
+    return SpeculativeGeneration(prompt_ids, tokens, text, stats)
+
+
+def token_sources(stats: SpeculativeStats) -> list[str]:
+    """For each emitted token, who chose it: "draft" (an accepted proposal) or "target".
+
+    Iteration k emitted ``accepted_per_iteration[k]`` drafts, then one target token
+    (the residual draw or the bonus), unless EOS cut it short.
+    """
+    sources: list[str] = []
+    for n, emitted in zip(stats.accepted_per_iteration, stats.emitted_per_iteration, strict=True):
+        sources += (["draft"] * n + ["target"])[:emitted]
+    return sources
+
+
+# --- what the chapter-07 explorer shows --------------------------------------------------
+
+
+@dataclass
+class SpeculationView:
+    """One setting of the explorer: a speculative run, the plain run it is timed against, the theory."""
+
+    prompt: str
+    draft_name: str
+    gamma: int
+    sampling: SamplingParams
+    seed: int
+    result: SpeculativeGeneration
+    baseline: object  # ar_lab.generate.Generation: plain cached decoding with the target, same settings
+    max_gamma: int = 8
+
+    @property
+    def alpha(self) -> float:
+        return self.result.stats.alpha
+
+    @property
+    def tokens_per_target_call(self) -> float:
+        return self.result.stats.tokens_per_target_call
+
+    @property
+    def target_step_time(self) -> float:
+        """Seconds per plain decode step of the target (the baseline's mean after the first token)."""
+        s = self.baseline.stats
+        return s.mean_tpot if s.decode_times else s.total_time
+
+    @property
+    def cost_ratio(self) -> float:
+        """c: one draft forward pass / one target decode step, both measured in this view."""
+        return self.result.stats.draft_time_per_call / self.target_step_time if self.gamma else 0.0
+
+    @property
+    def measured_speedup(self) -> float:
+        """Plain decoding's wall time / speculative decoding's, for the same number of tokens."""
+        return self.baseline.stats.total_time / self.result.stats.total_time
+
+    @property
+    def predicted_speedup(self) -> float:
+        return expected_speedup(min(max(self.alpha, 0.0), 1.0), self.gamma, self.cost_ratio)
+
+    @property
+    def same_tokens(self) -> bool:
+        return self.result.tokens == self.baseline.tokens
+
+    def theory(self) -> dict[str, list[float]]:
+        """The curves over gamma = 0..max_gamma for the measured alpha and c."""
+        a, c = min(max(self.alpha, 0.0), 1.0), self.cost_ratio
+        gammas = list(range(self.max_gamma + 1))
+        return {
+            "gamma": gammas,
+            "tokens_per_iteration": [expected_tokens_per_iteration(a, g) for g in gammas],
+            "speedup": [expected_speedup(a, g, c) for g in gammas],
+        }
+
+
+def speculation_view(
+    target,
+    draft,
+    prompt: str,
+    gamma: int = 4,
+    sampling: SamplingParams = GREEDY,
+    seed: int = 0,
+    max_new_tokens: int = 64,
+    draft_name: str = "draft",
+    max_gamma: int = 8,
+) -> SpeculationView:
+    """Run plain and speculative decoding side by side on ``prompt`` and gather what the explorer shows.
+
+    Both runs generate exactly ``max_new_tokens`` tokens (no EOS stop, so their times
+    compare) with ``sampling``, each from a generator seeded with ``seed``. The same
+    arguments give the same tokens and counts; the times are measurements.
+    """
+    from ar_lab.generate import generate
+
+    if not isinstance(prompt, str) or not prompt:
+        raise ValueError("the prompt is empty: type at least one character")
+    if not isinstance(max_gamma, int) or max_gamma < max(gamma, 1):
+        raise ValueError(f"max_gamma must be an int >= gamma and >= 1, got {max_gamma!r}")
+    device = target.device
+    generate(target, prompt, 2, sampling=sampling, generator=torch.Generator(device).manual_seed(seed), eos_id=None)
+    baseline = generate(
+        target,
+        prompt,
+        max_new_tokens,
+        sampling=sampling,
+        generator=torch.Generator(device).manual_seed(seed),
+        eos_id=None,
+    )
+    result = speculative_generate(
+        target, draft, prompt, max_new_tokens, gamma, sampling, torch.Generator(device).manual_seed(seed), eos_id=None
+    )
+    return SpeculationView(prompt, draft_name, gamma, sampling, seed, result, baseline, max_gamma)

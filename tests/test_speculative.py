@@ -1,0 +1,462 @@
+"""Speculative decoding: the theory formulas, the exactness proof, the real checkpoints, the explorer.
+
+The central test is statistical: with bigram "models" whose next-token distributions
+are known exactly, the joint distribution of the first three speculative tokens must
+match the target's (chi-square). The same test, at the same sample size, rejects two
+wrong rules (resampling from p instead of the residual; drawing the bonus token from
+the wrong row). Leaving out the bonus token altogether is *not* a distribution error
+(each iteration still emits exactly-distributed tokens): the test file shows that it
+passes the distribution test and fails the efficiency test instead.
+"""
+
+import itertools
+import math
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+import ar_lab.speculative as spec
+from ar_lab.bigram import BigramModel
+from ar_lab.generate import generate
+from ar_lab.model import GPT, GPTConfig
+from ar_lab.sampling import SamplingParams, probabilities
+from ar_lab.speculative import (
+    accept,
+    acceptance_rate,
+    best_gamma,
+    expected_speedup,
+    expected_tokens_per_iteration,
+    residual_distribution,
+    speculation_view,
+    speculative_generate,
+    token_sources,
+    total_variation,
+)
+from ar_lab.tokenizer import EOS_ID, encode
+from tests.conftest import ScriptedModel
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """Batch-1 decoding of tiny models is a chain of tiny kernels: on a shared machine a second
+    thread mostly waits for the first (chapter 04), and the statistical tests run thousands."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+# --- the theory ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("alpha", [0.0, 0.1, 0.5, 0.8, 0.95, 0.999])
+@pytest.mark.parametrize("gamma", [0, 1, 2, 5, 12])
+def test_expected_tokens_is_the_geometric_sum(alpha, gamma):
+    assert expected_tokens_per_iteration(alpha, gamma) == pytest.approx(sum(alpha**k for k in range(gamma + 1)))
+
+
+def test_expected_tokens_limits():
+    assert expected_tokens_per_iteration(0.0, 7) == 1.0  # every draft rejected: the target's own token only
+    assert expected_tokens_per_iteration(1.0, 7) == 8.0  # all accepted + the bonus
+    for eps in (1e-4, 1e-8, 1e-12, 1e-15):  # continuous as alpha -> 1, no cancellation
+        got = expected_tokens_per_iteration(1.0 - eps, 7)
+        assert 8.0 - 28 * eps * 1.01 <= got <= 8.0  # 8 - eps * (0 + 1 + ... + 7) to first order
+    assert expected_tokens_per_iteration(0.5, 0) == 1.0
+
+
+def test_expected_tokens_matches_a_simulation_of_the_acceptance_process():
+    """Independent check: simulate iterations with i.i.d. accept coins; count tokens."""
+    g = torch.Generator().manual_seed(0)
+    for alpha, gamma in [(0.3, 3), (0.7, 5), (0.9, 8)]:
+        coins = torch.rand(200_000, gamma, generator=g) < alpha  # (iterations, gamma)
+        accepted = coins.int().cumprod(dim=1).sum(dim=1)  # run of accepts before the first rejection
+        tokens = accepted + 1  # plus the residual draw or the bonus
+        assert float(tokens.double().mean()) == pytest.approx(expected_tokens_per_iteration(alpha, gamma), rel=5e-3)
+
+
+def test_expected_speedup_and_its_limits():
+    assert expected_speedup(0.7, 0, 0.3) == 1.0  # gamma 0 is plain decoding
+    assert expected_speedup(0.7, 4, 0.0) == expected_tokens_per_iteration(0.7, 4)  # free draft
+    assert expected_speedup(1.0, 4, 0.25) == pytest.approx(5 / 2)  # (gamma + 1) / (gamma c + 1)
+    assert expected_speedup(1.0 - 1e-13, 4, 0.25) == pytest.approx(5 / 2, rel=1e-9)
+    assert expected_speedup(0.0, 3, 0.1) == pytest.approx(1 / 1.3)  # useless draft: pure cost
+    # Leviathan et al.'s trade-off at alpha 0.8, c 0.1, worked by hand: gamma 6 is best (2.469x).
+    assert expected_speedup(0.8, 6, 0.1) == pytest.approx((1 - 0.8**7) / (0.2 * 1.6))
+    assert best_gamma(0.8, 0.1) == 6
+
+
+@given(st.floats(0.0, 1.0), st.floats(0.0, 2.0), st.integers(0, 30))
+def test_best_gamma_is_the_argmax(alpha, c, max_gamma):
+    best = best_gamma(alpha, c, max_gamma)
+    speedups = [expected_speedup(alpha, g, c) for g in range(max_gamma + 1)]
+    assert 0 <= best <= max_gamma and speedups[best] == max(speedups)
+
+
+def test_best_gamma_extremes():
+    assert best_gamma(0.0, 0.01) == 0  # nothing is ever accepted: do not speculate
+    assert best_gamma(0.9, 2.0) == 0  # the draft costs more than the target
+    assert best_gamma(1.0, 0.0, max_gamma=20) == 20  # free, always right: as many as allowed
+    assert best_gamma(0.95, 0.02) > best_gamma(0.6, 0.02) > 0  # a better draft earns a longer gamma
+
+
+@pytest.mark.parametrize(
+    "call, message",
+    [
+        (lambda: expected_tokens_per_iteration(1.5, 3), "alpha"),
+        (lambda: expected_tokens_per_iteration(0.5, -1), "gamma"),
+        (lambda: expected_tokens_per_iteration(0.5, 2.0), "gamma"),
+        (lambda: expected_speedup(0.5, 3, -0.1), "c "),
+        (lambda: expected_speedup(0.5, 3, float("inf")), "c "),
+        (lambda: best_gamma(0.5, 0.1, max_gamma=-1), "max_gamma"),
+    ],
+)
+def test_theory_rejects_bad_input(call, message):
+    with pytest.raises(ValueError, match=message):
+        call()
+
+
+@st.composite
+def distribution_pairs(draw):
+    n = draw(st.integers(2, 30))
+    g = torch.Generator().manual_seed(draw(st.integers(0, 2**31 - 1)))
+    p = torch.softmax(torch.randn(n, generator=g) * draw(st.floats(0.1, 6.0)), dim=0)
+    q = torch.softmax(torch.randn(n, generator=g) * draw(st.floats(0.1, 6.0)), dim=0)
+    return p.double() / p.double().sum(), q.double() / q.double().sum()
+
+
+@given(distribution_pairs())
+def test_alpha_is_one_minus_total_variation(pq):
+    p, q = pq
+    assert float(acceptance_rate(p, q)) == pytest.approx(1 - float(total_variation(p, q)), abs=1e-12)
+    assert float(acceptance_rate(p, p)) == pytest.approx(1.0)
+
+
+@given(distribution_pairs())
+def test_accept_then_residual_gives_back_p(pq):
+    """The algebra of exactness: P(x) = q(x) min(1, p(x)/q(x)) + (1 - alpha) residual(x) = p(x)."""
+    p, q = pq
+    accepted = q * torch.clamp(p / q, max=1.0)  # = min(p, q)
+    r = residual_distribution(p, q).double()
+    assert float(r.sum()) == pytest.approx(1.0, abs=1e-6) and bool((r[p <= q] == 0).all())
+    total = accepted + (1 - float(acceptance_rate(p, q))) * r
+    torch.testing.assert_close(total, p, atol=1e-6, rtol=0)
+
+
+def test_accept_rule_frequency_and_no_coin_when_certain():
+    g = torch.Generator().manual_seed(0)
+    state = g.get_state()
+    assert accept(0.5, 0.2, g) and accept(0.3, 0.3, g)  # p >= q: always, no random number spent
+    assert not accept(0.0, 0.4, g) and torch.equal(g.get_state(), state)
+    hits = sum(accept(0.1, 0.4, g) for _ in range(20_000))
+    assert hits / 20_000 == pytest.approx(0.25, abs=0.01)
+
+
+# --- exactness, statistically: bigram tables with known distributions -------------------
+
+V = 4
+TARGET_TABLE = torch.tensor([[5.0, 3, 1, 1], [1, 6, 1, 2], [3, 1, 1, 5], [2, 2, 5, 1]])
+DRAFT_TABLE = torch.tensor([[1.0, 2, 3, 4], [5, 1, 2, 2], [2, 5, 2, 1], [1, 4, 1, 4]])
+PROMPT, N_TOKENS, N_SAMPLES = [0], 3, 2000
+
+
+@pytest.fixture(scope="module")
+def tables():
+    target = BigramModel(TARGET_TABLE, smoothing=0.0, block_size=16)
+    return target, BigramModel(DRAFT_TABLE, smoothing=0.0, block_size=16)
+
+
+def exact_joint(model, params: SamplingParams) -> dict[tuple[int, ...], float]:
+    """P(first N_TOKENS tokens) under the target with the sampler, by enumeration (the history counts)."""
+    out = {}
+    for ys in itertools.product(range(V), repeat=N_TOKENS):
+        prob, history = 1.0, list(PROMPT)
+        for y in ys:
+            prob *= float(probabilities(model.log_probs[history[-1]], params, history)[y])
+            history.append(y)
+        out[ys] = prob
+    return out
+
+
+def run_speculative(target, draft, gamma, params, n=N_SAMPLES, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    counts, first_iteration = {}, []
+    for _ in range(n):
+        out = speculative_generate(target, draft, PROMPT, N_TOKENS, gamma, params, g, eos_id=None)
+        key = tuple(out.tokens)
+        counts[key] = counts.get(key, 0) + 1
+        first_iteration.append(out.stats.emitted_per_iteration[0])
+    return counts, sum(first_iteration) / n
+
+
+def chi_square_pvalue(counts: dict, probs: dict, n: int) -> float:
+    """Pearson's chi-square test of observed counts against exact probabilities (upper-tail p-value)."""
+    assert set(counts) <= {k for k, p in probs.items() if p > 0}, "an impossible outcome was produced"
+    stat = sum((counts.get(k, 0) - n * p) ** 2 / (n * p) for k, p in probs.items() if p > 0)
+    dof = sum(p > 0 for p in probs.values()) - 1
+    upper = torch.special.gammaincc(torch.tensor(dof / 2, dtype=torch.float64), torch.tensor(stat / 2.0).double())
+    return float(upper)
+
+
+def expected_first_iteration(target, draft, gamma: int, params: SamplingParams) -> tuple[float, float]:
+    """Exact E[tokens emitted by the first iteration] and P(all gamma drafts accepted), by enumeration.
+
+    E[tokens] = 1 + sum_k P(the first k drafts are all accepted); the drafts are enumerated.
+    """
+    expected, p_all = 1.0, 0.0
+
+    def walk(history, k, prob_so_far):  # prob_so_far: P(drafts so far drawn and all accepted)
+        nonlocal expected, p_all
+        if k == gamma:
+            p_all += prob_so_far
+            return
+        p = probabilities(target.log_probs[history[-1]], params, history).double()
+        q = probabilities(draft.log_probs[history[-1]], params, history).double()
+        for x in range(V):
+            both = float(torch.minimum(p[x], q[x]))  # q(x) * min(1, p(x)/q(x))
+            if both > 0:
+                expected += prob_so_far * both
+                walk(history + [x], k + 1, prob_so_far * both)
+
+    walk(list(PROMPT), 0, 1.0)
+    return expected, p_all
+
+
+T1 = SamplingParams()
+
+
+@pytest.mark.parametrize("gamma", [1, 2])
+def test_speculative_output_has_exactly_the_target_distribution(tables, gamma):
+    target, draft = tables
+    counts, _ = run_speculative(target, draft, gamma, T1)
+    assert chi_square_pvalue(counts, exact_joint(target, T1), N_SAMPLES) > 1e-3
+
+
+def test_exact_under_any_sampler_settings(tables):
+    """p and q are the distributions after temperature, top-k and the repetition penalty, on both sides."""
+    target, draft = tables
+    params = SamplingParams(temperature=0.7, top_k=3, repetition_penalty=1.5)
+    counts, _ = run_speculative(target, draft, 2, params)
+    exact = exact_joint(target, params)
+    assert chi_square_pvalue(counts, exact, N_SAMPLES) > 1e-3
+    assert exact != exact_joint(target, T1)  # the settings do change the distribution being matched
+
+
+def _residual_is_p(p, q):
+    return p  # WRONG: resample from the target's distribution after a rejection
+
+
+def _bonus_from_previous_row(drafts, p, q, n, generator):
+    if n == len(drafts) and n > 0:  # WRONG: the bonus from the last draft's row, not the next one
+        return drafts + [spec.draw(p[n - 1], generator)]
+    return ORIGINAL_FINISH(drafts, p, q, n, generator)
+
+
+def _no_bonus(drafts, p, q, n, generator):
+    if n == len(drafts) and n > 0:  # the bonus token is forgotten: only the accepted drafts
+        return list(drafts)
+    return ORIGINAL_FINISH(drafts, p, q, n, generator)
+
+
+ORIGINAL_FINISH = spec.finish_iteration
+
+
+@pytest.mark.parametrize(
+    "name, patch",
+    [("residual_distribution", _residual_is_p), ("finish_iteration", _bonus_from_previous_row)],
+    ids=["resample-from-p", "bonus-from-wrong-row"],
+)
+def test_the_distribution_test_catches_wrong_rules(tables, monkeypatch, name, patch):
+    """The exactness test above, with the same samples, fails for these mutants of the algorithm."""
+    target, draft = tables
+    monkeypatch.setattr(spec, name, patch)
+    counts, _ = run_speculative(target, draft, 2, T1)
+    assert chi_square_pvalue(counts, exact_joint(target, T1), N_SAMPLES) < 1e-6
+
+
+def test_bonus_token_is_free_speed_not_correctness(tables, monkeypatch):
+    """Forgetting the bonus keeps the distribution exact (each emitted token still is) but wastes
+    the target's last row: the first iteration emits P(all accepted) fewer tokens on average."""
+    target, draft = tables
+    expected, p_all = expected_first_iteration(target, draft, 2, T1)
+    se = 1.0 / math.sqrt(N_SAMPLES)  # emitted tokens lie in [1, 3]: standard deviation <= 1
+    counts, mean_first = run_speculative(target, draft, 2, T1)
+    assert abs(mean_first - expected) < 4 * se
+    monkeypatch.setattr(spec, "finish_iteration", _no_bonus)
+    counts, mean_first = run_speculative(target, draft, 2, T1)
+    assert chi_square_pvalue(counts, exact_joint(target, T1), N_SAMPLES) > 1e-3  # still exact
+    assert p_all > 10 * se and abs(mean_first - (expected - p_all)) < 4 * se  # but slower
+
+
+# --- greedy: the target's own output, token for token ---------------------------------
+
+
+def _tiny(seed, **kw):
+    torch.manual_seed(seed)
+    return GPT(GPTConfig(**{"block_size": 96, "n_layer": 2, "n_head": 2, "n_embd": 32, **kw})).eval()
+
+
+@pytest.mark.parametrize("gamma", [0, 1, 3, 8])
+def test_greedy_equals_target_greedy_tiny_models(gamma):
+    target, draft = _tiny(0), _tiny(1, n_layer=1, n_embd=16)
+    for prompt in ["a", "hello world", "def f(x):"]:
+        want = generate(target, prompt, 40, eos_id=None)
+        got = speculative_generate(target, draft, prompt, 40, gamma)
+        assert got.tokens == want.tokens and got.text == want.text
+
+
+def test_greedy_fast_path_equals_the_general_rule(monkeypatch):
+    target, draft = _tiny(0), _tiny(1, n_layer=1, n_embd=16)
+    fast = speculative_generate(target, draft, "abc", 40, 3)
+    monkeypatch.setattr(spec, "_fast_greedy", lambda sampling: False)
+    slow = speculative_generate(target, draft, "abc", 40, 3)
+    assert fast.tokens == slow.tokens
+    assert fast.stats.accepted_per_iteration == slow.stats.accepted_per_iteration
+    assert fast.stats.alpha_exact == slow.stats.alpha_exact == fast.stats.alpha
+
+
+def _checkpoints():
+    from ar_lab.train import checkpoint_path, load_checkpoint
+
+    if not (checkpoint_path("course").exists() and checkpoint_path("draft").exists()):
+        pytest.skip("data/course.safetensors or data/draft.safetensors missing (make checkpoints)")
+    return load_checkpoint(checkpoint_path("course"), "cpu"), load_checkpoint(checkpoint_path("draft"), "cpu")
+
+
+def test_greedy_equals_target_greedy_with_the_shipped_checkpoints():
+    from ar_lab.data import corpus_tokens, train_val_split
+
+    target, draft = _checkpoints()
+    _, val = train_val_split(corpus_tokens())
+    g = torch.Generator().manual_seed(7)
+    starts = torch.randint(0, len(val) - 64, (8,), generator=g).tolist()
+    prompts = [val[s : s + int(torch.randint(4, 48, (), generator=g))].tolist() for s in starts]
+    prompts += [encode("The "), encode("def ")]
+    for i, prompt in enumerate(prompts):
+        want = generate(target, prompt, 64).tokens  # EOS stops both alike
+        for gamma in (1, 3, 6) if i % 2 else (2, 4, 8):
+            got = speculative_generate(target, draft, prompt, 64, gamma)
+            assert got.tokens == want, f"prompt {i}, gamma {gamma}: differs at token {_first_diff(got.tokens, want)}"
+
+
+def _first_diff(a, b):
+    return next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
+
+
+def test_self_draft_accepts_everything_and_tracks_its_cache():
+    """Target as its own draft: alpha = 1, gamma + 1 tokens per call. After each full accept the
+    draft must first read its own last proposal and the bonus token; if it skipped either,
+    its proposals would drift from the target's and get rejected."""
+    target = _tiny(0)
+    out = speculative_generate(target, target, "abc", 41, 4)
+    s = out.stats
+    assert s.acceptances == s.tested == s.proposals and s.alpha == 1.0
+    assert s.emitted_per_iteration == [5] * 8 + [1] and s.target_calls == 9  # the last: max_new_tokens cuts gamma
+    assert s.draft_calls == 32 and s.draft_positions == 3 + 3 + 7 * (2 + 3)  # prompt, then 2 new + 3 per iteration
+    assert out.tokens == generate(target, "abc", 41, eos_id=None).tokens
+
+
+def test_useless_draft_still_gives_the_target_text():
+    target = _tiny(0)
+    want = generate(target, "abc", 30, eos_id=None)
+    wrong = ScriptedModel([EOS_ID] * 40, prompt_len=3, block_size=96)  # proposes EOS at every position
+    got = speculative_generate(target, wrong, "abc", 30, 3, eos_id=None)
+    assert got.tokens == want.tokens and got.stats.acceptances == 0 and got.stats.target_calls == 30
+    assert got.stats.tested == got.stats.target_calls - 1  # the last iteration has no room to propose
+
+
+def test_stop_rules_match_generate():
+    prompt = encode("ab")
+    target = ScriptedModel(encode("xyz") + [EOS_ID] + encode("never"), len(prompt))
+    draft = ScriptedModel(encode("xyq") + [EOS_ID] * 10, len(prompt))
+    want = generate(target, prompt, 20)
+    for gamma in (1, 2, 5):
+        got = speculative_generate(target, draft, prompt, 20, gamma)
+        assert got.tokens == want.tokens == encode("xyz") and got.text == "xyz"
+        assert got.stats.stop_reason == want.stats.stop_reason == "eos" and got.stats.produced == 4
+    for n in (1, 2, 3):
+        got = speculative_generate(target, draft, prompt, n, 4)
+        assert got.tokens == generate(target, prompt, n).tokens and got.stats.stop_reason == "max_new_tokens"
+    no_eos = speculative_generate(target, draft, prompt, 8, 3, eos_id=None)
+    assert no_eos.tokens == generate(target, prompt, 8, eos_id=None).tokens and len(no_eos.tokens) == 8
+
+
+def test_sampled_runs_are_seeded_and_counted_consistently():
+    target, draft = _tiny(0), _tiny(1, n_layer=1, n_embd=16)
+    params = SamplingParams(temperature=1.0)
+    runs = [
+        speculative_generate(target, draft, "abc", 50, 3, params, torch.Generator().manual_seed(s)) for s in (1, 1, 2)
+    ]
+    assert runs[0].tokens == runs[1].tokens != runs[2].tokens
+    for out in runs:
+        s = out.stats
+        assert s.produced == sum(s.emitted_per_iteration) == len(out.tokens) + (s.stop_reason == "eos")
+        assert s.target_calls == len(s.accepted_per_iteration) and s.acceptances == sum(s.accepted_per_iteration)
+        assert s.acceptances <= s.tested <= s.proposals == s.draft_calls
+        assert 0 <= s.alpha <= 1 and 0 < s.alpha_exact <= 1
+        assert s.target_time > 0 and s.draft_time > 0 and s.total_time >= s.target_time + s.draft_time
+        assert len(token_sources(s)) == len(out.tokens) + (s.stop_reason == "eos")
+
+
+def test_training_mode_is_restored_and_bad_input_is_explained():
+    target, draft = _tiny(0), _tiny(1, n_layer=1, n_embd=16)
+    target.train()
+    speculative_generate(target, draft, "ab", 5, 2)
+    assert target.training and not draft.training
+    other_vocab = GPT(GPTConfig(vocab_size=100, block_size=96, n_layer=1, n_head=1, n_embd=8))
+    with pytest.raises(ValueError, match="share the vocabulary"):
+        speculative_generate(target, other_vocab, "ab", 5)
+    with pytest.raises(ValueError, match="gamma"):
+        speculative_generate(target, draft, "ab", 5, -1)
+    with pytest.raises(ValueError, match="prompt is empty"):
+        speculative_generate(target, draft, "", 5)
+    short = _tiny(1, n_layer=1, n_embd=16, block_size=8)
+    with pytest.raises(ValueError, match="draft model: .*context window"):
+        speculative_generate(target, short, "abcd", 10)
+    with pytest.raises(TypeError, match="SamplingParams"):
+        speculative_generate(target, draft, "ab", 5, 2, sampling=0.5)
+
+
+# --- the explorer: pure function, then the widget ------------------------------------
+
+
+def test_speculation_view_measures_and_predicts():
+    target, draft = _tiny(0), _tiny(1, n_layer=1, n_embd=16)
+    view = speculation_view(target, draft, "hello", gamma=3, max_new_tokens=24, draft_name="tiny")
+    again = speculation_view(target, draft, "hello", gamma=3, max_new_tokens=24, draft_name="tiny")
+    assert view.same_tokens and view.result.tokens == again.result.tokens and view.alpha == again.alpha
+    assert view.measured_speedup > 0 and view.cost_ratio > 0
+    curves = view.theory()
+    assert curves["gamma"] == list(range(9)) and curves["speedup"][0] == 1.0
+    assert curves["speedup"][3] == pytest.approx(view.predicted_speedup)
+    assert curves["tokens_per_iteration"][3] == pytest.approx(expected_tokens_per_iteration(view.alpha, 3))
+    sampled = speculation_view(target, draft, "hello", 3, SamplingParams(temperature=1.0), seed=5, max_new_tokens=24)
+    assert len(sampled.result.tokens) == len(sampled.baseline.tokens) == 24
+    self_view = speculation_view(target, target, "hello", gamma=2, max_new_tokens=24)
+    assert self_view.alpha == 1.0 and self_view.tokens_per_target_call > 2.5
+    with pytest.raises(ValueError, match="prompt is empty"):
+        speculation_view(target, draft, "")
+
+
+def test_speculation_explorer_widget_headless():
+    pytest.importorskip("ipywidgets")
+    from ar_lab.widgets import speculation_explorer
+
+    target, draft = _tiny(0), _tiny(1, n_layer=1, n_embd=16)
+    w = speculation_explorer(target, {"tiny draft": draft, "the target itself": target}, "hello", 2, 20)
+    assert w.error == "" and w.view.gamma == 2 and w.view.same_tokens and "yes" in w.status.value
+    assert w.image.value[:4] == b"\x89PNG" and "accepted draft token" in w.text.value
+    w.draft.value = "the target itself"
+    assert w.view.alpha == 1.0 and w.view.draft_name == "the target itself"
+    w.gamma.value = 5
+    assert w.view.gamma == 5 and w.view.tokens_per_target_call > 4
+    w.temperature.value = 1.0
+    assert not w.view.sampling.greedy and "T=1" in w.status.value and "plain greedy" not in w.status.value
+    w.prompt.value = ""
+    assert "prompt is empty" in w.error and "prompt is empty" in w.status.value
+    assert w.view.prompt == "hello"
+    w.prompt.value = "abc"
+    assert w.error == "" and w.view.prompt == "abc"
+    with pytest.raises(ValueError, match="at least one draft"):
+        speculation_explorer(target, {})
