@@ -848,8 +848,9 @@ def plot_roofline(
 ):
     """Draw ``result``'s measured roofs (compute roof, bandwidth slope, ridge) and its points on a log-log ``ax``.
 
-    Prefill points are circles, decode points triangles; each is labelled with its
-    prompt length (T=) or batch size (B=).
+    Prefill points are circles, decode points triangles; with ``annotate`` each is
+    labelled with its prompt length (T=) or batch size (B=), and the ridge with its
+    intensity.
     """
     from ar_lab.plots import COLORS
 
@@ -863,14 +864,15 @@ def plot_roofline(
     roof_label = f"roofs of {name}: {format_si(peak, 'FLOP/s')}, {format_si(bw, 'B/s')}"
     ax.plot(xs, [attainable_flops(x, peak, bw) for x in xs], color=roof_color, lw=1.8, label=roof_label)
     ax.axvline(ridge, color=roof_color, ls=":", lw=1)
-    ax.annotate(
-        f"ridge {ridge:.0f} FLOP/B",
-        (ridge, peak),
-        xytext=(4, 5),
-        textcoords="offset points",
-        fontsize=8.5,
-        color=roof_color,
-    )
+    if annotate:
+        ax.annotate(
+            f"ridge {ridge:.0f} FLOP/B",
+            (ridge, peak),
+            xytext=(4, 5),
+            textcoords="offset points",
+            fontsize=8.5,
+            color=roof_color,
+        )
     ax.set_xscale("log")
     ax.set_yscale("log")
     ax.set_xlabel("arithmetic intensity (FLOP per byte moved)")

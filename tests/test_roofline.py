@@ -320,7 +320,14 @@ def test_plot_roofline(tiny_model):
     assert labels == ["roofs of test machine: 50 GFLOP/s, 5 GB/s", "prefill (test machine)", "decode (test machine)"]
     roof = ax.get_lines()[0]
     assert max(roof.get_ydata()) == pytest.approx(50e9)  # flat at the compute peak
+    assert min(roof.get_ydata()) == pytest.approx(min(roof.get_xdata()) * 5e9)  # the bandwidth slope
+    assert sorted(t.get_text() for t in ax.texts) == ["B=1", "B=2", "T=16", "T=4", "ridge 10 FLOP/B"]
+    fig2, ax2 = plt.subplots()
+    rl.plot_roofline(ax2, result, annotate=False)
+    assert len(ax2.texts) == 0  # no labels: for overlaying reference runs
+    assert ax2.get_legend_handles_labels()[1][0] == f"roofs of {result['device']['name']}: 50 GFLOP/s, 5 GB/s"
     plt.close(fig)
+    plt.close(fig2)
 
 
 def test_decode_bandwidth_fraction_pairs_and_restores_threads(tiny_model):
