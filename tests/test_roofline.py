@@ -240,7 +240,8 @@ def test_fastest_threads_restores_the_thread_count(tiny_model):
 def test_build_model_in_place():
     cfg = GPTConfig(block_size=16, n_layer=1, n_head=2, n_embd=16)
     m = rl.build_model(cfg, "cpu", torch.bfloat16)
-    assert next(m.parameters()).dtype == torch.bfloat16 and not m.training
+    assert {p.dtype for p in m.parameters()} == {torch.bfloat16} and not m.training
+    assert torch.get_default_dtype() == torch.float32  # restored
     assert (
         rl.measure_decode(m, 4, repeats=1).cost.weight_bytes == rl.decode_cost(cfg, 4, bytes_per_value=2).weight_bytes
     )
