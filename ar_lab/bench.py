@@ -601,6 +601,265 @@ def sampler_bench(args: argparse.Namespace) -> dict:
 
 BENCHMARKS["sampler"] = (sampler_bench, "batch-1 sampler step vs cached decode step (chapter 06)", _sampler_options)
 
+# --- chapter 07: speculative decoding ------------------------------------------------
+
+
+def _speculative_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--tokens", type=int, default=200, help="new tokens per prompt (default 200)")
+    p.add_argument("--prompts", type=int, default=3, help="prompts from the validation text (default 3)")
+    p.add_argument("--prompt-tokens", type=int, default=32, help="tokens per prompt (default 32)")
+    p.add_argument("--gammas", type=int, nargs="+", default=list(range(1, 9)), help="gamma values (default 1..8)")
+    p.add_argument("--repeats", type=int, default=3, help="interleaved timing repeats; medians are reported")
+    p.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1, as batch-1 decode)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the sampled runs (default 0)")
+
+
+def speculative_benchmark(
+    target=None,
+    draft=None,
+    tokens: int = 200,
+    prompts: int = 3,
+    prompt_tokens: int = 32,
+    gammas: list[int] | None = None,
+    repeats: int = 3,
+    seed: int = 0,
+    modes: dict | None = None,
+    progress: Callable[[str], None] | None = None,
+) -> dict:
+    """Plain cached decoding of the target against speculative decoding with the draft, side by side.
+
+    For each sampler mode (greedy and T = 1 by default) and each repeat, every prompt is
+    decoded plainly (``ar_lab.generate``) and then speculatively at each gamma, all with
+    ``tokens`` new tokens (no EOS stop, so the work compares). The key figure per gamma is
+    the wall-clock speedup (median over repeats of plain time / speculative time), next to
+    the theory's prediction (Leviathan et al., 2023) from the measured acceptance rate alpha
+    and the measured cost ratio c = one draft step / one target step, both measured in the
+    same runs: the draft's mean time per forward pass (its sampling included) inside the
+    speculative runs, over the plain run's time per token. Greedy runs must reproduce the
+    plain tokens exactly.
+    """
+    from ar_lab.data import corpus_tokens, train_val_split
+    from ar_lab.generate import generate
+    from ar_lab.sampling import GREEDY, SamplingParams
+    from ar_lab.speculative import best_gamma, expected_speedup, expected_tokens_per_iteration, speculative_generate
+    from ar_lab.train import checkpoint_path, load_checkpoint
+
+    say = progress or (lambda _m: None)
+    gammas = list(range(1, 9)) if gammas is None else list(gammas)
+    if not gammas or any(not isinstance(g, int) or g < 1 for g in gammas):
+        raise ValueError(f"gammas must be ints >= 1, got {gammas!r}")
+    sizes = {"tokens": tokens, "prompts": prompts, "prompt_tokens": prompt_tokens, "repeats": repeats}
+    for name, value in sizes.items():
+        if not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+    sources = {}
+    for role, model in [("target", target), ("draft", draft)]:
+        sources[role] = "given"
+        if model is None:
+            name = "course" if role == "target" else "draft"
+            path = checkpoint_path(name)
+            if not path.exists():
+                raise FileNotFoundError(f"{path} is missing; run `make checkpoints` (or pass the models)")
+            model, sources[role] = load_checkpoint(path, "cpu"), f"data/{path.name}"
+        if role == "target":
+            target = model.eval()
+        else:
+            draft = model.eval()
+    modes = {"greedy": GREEDY, "T=1": SamplingParams(temperature=1.0)} if modes is None else modes
+
+    # Prompts: evenly spaced windows of the validation text (never trained on), cut at EOS.
+    _, val = train_val_split(corpus_tokens())
+    step = (len(val) - prompt_tokens) // prompts
+    prompt_ids = []
+    for i in range(prompts):
+        window = val[i * step : i * step + prompt_tokens].tolist()
+        window = window[window.index(256) + 1 :] if 256 in window[:-4] else window
+        prompt_ids.append([t for t in window if t != 256] or [32])
+
+    def gen(s):
+        return torch.Generator().manual_seed(s)
+
+    # For reference: one plain decode step of the draft / one of the target, side by side.
+    say("plain decoding of each model")
+    step_times = {"target": [], "draft": []}
+    for r in range(repeats + 1):
+        for role, model in [("target", target), ("draft", draft)]:
+            stats = generate(model, prompt_ids[0], tokens, eos_id=None).stats
+            if r:  # the first round warms up
+                step_times[role].append(stats.mean_tpot)
+    target_step, draft_step = median(step_times["target"]), median(step_times["draft"])
+    c = draft_step / target_step
+
+    results = {}
+    for mode, params in modes.items():
+        plain_times = []
+        zero = {"acceptances": 0, "tested": 0, "produced": 0, "calls": 0, "t_time": 0.0, "d_time": 0.0, "d_calls": 0}
+        runs = {g: {"times": [], **zero} for g in gammas}
+        for r in range(repeats + 1):  # round 0 warms up and is not timed into the results
+            say(f"{mode}: repeat {r}/{repeats}" if r else f"{mode}: warm-up")
+            t_plain, t_spec = 0.0, dict.fromkeys(gammas, 0.0)
+            for k, prompt in enumerate(prompt_ids):
+                plain = generate(target, prompt, tokens, sampling=params, generator=gen(seed + k), eos_id=None)
+                t_plain += plain.stats.total_time
+                for g in gammas:
+                    out = speculative_generate(target, draft, prompt, tokens, g, params, gen(seed + k), eos_id=None)
+                    if params.greedy and out.tokens != plain.tokens:
+                        raise AssertionError(f"greedy speculative decoding (gamma {g}) differs from plain decoding")
+                    t_spec[g] += out.stats.total_time
+                    if r:
+                        s, run = out.stats, runs[g]
+                        run["acceptances"] += s.acceptances
+                        run["tested"] += s.tested
+                        run["produced"] += s.produced
+                        run["calls"] += s.target_calls
+                        run["t_time"] += s.target_time
+                        run["d_time"] += s.draft_time
+                        run["d_calls"] += s.draft_calls
+            if r:
+                plain_times.append(t_plain)
+                for g in gammas:
+                    runs[g]["times"].append(t_spec[g])
+        # One target step: the plain run's time per token; one draft step: its mean forward pass
+        # (with its draw) inside the speculative runs. c is their ratio, for this sampler.
+        plain_step = median(plain_times) / (tokens * len(prompt_ids))
+        draft_in_runs = sum(r["d_time"] for r in runs.values()) / sum(r["d_calls"] for r in runs.values())
+        c_mode = draft_in_runs / plain_step
+        rows = {}
+        for g in gammas:
+            run = runs[g]
+            alpha = run["acceptances"] / run["tested"] if run["tested"] else 0.0
+            speedups = [p / s for p, s in zip(plain_times, run["times"], strict=True)]
+            predicted = expected_speedup(alpha, g, c_mode)
+            measured = median(speedups)
+            verify = run["t_time"] / run["calls"] / plain_step
+            rows[g] = {
+                "alpha": alpha,
+                "tokens_per_target_call": run["produced"] / run["calls"],
+                "expected_tokens_per_iteration": expected_tokens_per_iteration(alpha, g),
+                # the target's side of an iteration (verify pass + distributions) / one plain decode step
+                "verify_cost": verify,
+                "speedup": measured,
+                "speedups": speedups,
+                "predicted_speedup": predicted,
+                "measured_over_predicted": measured / predicted,
+                # the same formula with the measured verify cost in place of one target step
+                "predicted_verify_measured": expected_tokens_per_iteration(alpha, g) / (g * c_mode + verify),
+                "median_s": median(run["times"]),
+            }
+        best = max(gammas, key=lambda g: rows[g]["speedup"])
+        results[mode] = {
+            "plain_median_s": median(plain_times),
+            "plain_step_s": plain_step,
+            "draft_step_s": draft_in_runs,
+            "cost_ratio_c": c_mode,
+            "gammas": rows,
+            "best_gamma_measured": best,
+            "best_gamma_theory": best_gamma(rows[best]["alpha"], c_mode, max(gammas)),
+        }
+    greedy_best = results.get("greedy", {}).get("best_gamma_measured")
+    out = {
+        "benchmark": "speculative",
+        "target": {"source": sources["target"], "parameters": target.num_parameters()},
+        "draft": {"source": sources["draft"], "parameters": draft.num_parameters()},
+        "prompts": len(prompt_ids),
+        "prompt_tokens": [len(p) for p in prompt_ids],
+        "new_tokens": tokens,
+        "repeats": repeats,
+        "machine": machine_info(),
+        "target_step_s": target_step,
+        "draft_step_s": draft_step,
+        "plain_step_ratio": c,
+        "modes": results,
+        "targets": {"greedy_speedup_at_best_gamma": 1.5, "within_of_prediction": 0.15},
+    }
+    if greedy_best is not None:
+        row = results["greedy"]["gammas"][greedy_best]
+        out["greedy_best"] = {
+            "gamma": greedy_best,
+            "speedup": row["speedup"],
+            "predicted": row["predicted_speedup"],
+            "speedup_target_met": row["speedup"] >= 1.5,
+            "prediction_target_met": abs(row["measured_over_predicted"] - 1) <= 0.15,
+        }
+    return out
+
+
+def format_speculative_results(res: dict) -> str:
+    lines = [
+        f"speculative decoding: target {res['target']['source']} ({res['target']['parameters'] / 1e6:.2f} M), "
+        f"draft {res['draft']['source']} ({res['draft']['parameters'] / 1e6:.2f} M); "
+        f"{res['prompts']} prompts x {res['new_tokens']} new tokens, {res['repeats']} repeats; "
+        f"{res['machine']['threads']} thread(s), torch {res['machine']['torch']} on {res['machine']['device']}",
+        f"plain greedy decode step: target {1e3 * res['target_step_s']:.2f} ms, "
+        f"draft {1e3 * res['draft_step_s']:.2f} ms "
+        f"(ratio {res['plain_step_ratio']:.3f})",
+    ]
+    for mode, r in res["modes"].items():
+        lines.append(
+            f"{mode}: plain {1e3 * r['plain_step_s']:.2f} ms/token; draft step in the speculative runs "
+            f"{1e3 * r['draft_step_s']:.3f} ms -> c = {r['cost_ratio_c']:.3f}"
+        )
+    headers = ["mode", "γ", "α", "tokens/call", "theory", "verify", "speedup", "predicted", "meas/pred", "pred (v)"]
+    rows = []
+    for mode, r in res["modes"].items():
+        for g, row in r["gammas"].items():
+            rows.append(
+                [
+                    mode,
+                    g,
+                    f"{row['alpha']:.3f}",
+                    f"{row['tokens_per_target_call']:.2f}",
+                    f"{row['expected_tokens_per_iteration']:.2f}",
+                    f"{row['verify_cost']:.2f}",
+                    f"{row['speedup']:.2f}x",
+                    f"{row['predicted_speedup']:.2f}x",
+                    f"{row['measured_over_predicted']:.2f}",
+                    f"{row['predicted_verify_measured']:.2f}x",
+                ]
+            )
+    lines += ["", format_table(headers, rows), ""]
+    lines.append(
+        "tokens/call: measured tokens per target forward pass; theory: (1 - α^(γ+1)) / (1 - α); verify: the "
+        "target's side of an iteration / one plain step (the theory assumes 1); predicted: "
+        "(1 - α^(γ+1)) / ((1 - α)(γc + 1)); pred (v): the same with the measured verify cost v in place of 1"
+    )
+    for mode, r in res["modes"].items():
+        g = r["best_gamma_measured"]
+        row = r["gammas"][g]
+        lines.append(
+            f"{mode}: best measured γ = {g} ({row['speedup']:.2f}x, predicted {row['predicted_speedup']:.2f}x); "
+            f"theory's best γ for its α and c: {r['best_gamma_theory']}"
+        )
+    if "greedy_best" in res:
+        b = res["greedy_best"]
+        lines.append(
+            f"targets (greedy, best γ): speedup >= 1.5x {'met' if b['speedup_target_met'] else 'NOT met'}; "
+            f"within 15% of the prediction {'met' if b['prediction_target_met'] else 'NOT met'}"
+        )
+    return "\n".join(lines)
+
+
+def speculative_bench(args: argparse.Namespace) -> dict:
+    torch.set_num_threads(args.threads)
+    res = speculative_benchmark(
+        tokens=args.tokens,
+        prompts=args.prompts,
+        prompt_tokens=args.prompt_tokens,
+        gammas=args.gammas,
+        repeats=args.repeats,
+        seed=args.seed,
+        progress=lambda m: print("  " + m, flush=True),
+    )
+    print()
+    print(format_speculative_results(res))
+    return res
+
+
+BENCHMARKS["speculative"] = (
+    speculative_bench,
+    "speculative vs plain decoding, measured against the theory (chapter 07)",
+    _speculative_options,
+)
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -128,17 +128,16 @@ def best_gamma(alpha: float, c: float, max_gamma: int = 64) -> int:
 # --- the pieces of one iteration (small, so tests can swap one for a wrong version) ----
 
 
-def accept(p_x: float, q_x: float, generator: torch.Generator | None) -> bool:
-    """Accept a draft token x with probability min(1, p(x) / q(x)).
+def accepted_count(p_x: torch.Tensor, q_x: torch.Tensor, u: torch.Tensor) -> int:
+    """How many drafts pass, in order, before the first rejection.
 
-    p(x) >= q(x): always, without spending a random number (greedy never does).
+    ``p_x[i]``, ``q_x[i]``: the target's and the draft's probability of draft token x_i;
+    ``u[i]``: a uniform draw in [0, 1). x_i passes if u_i < p(x_i) / q(x_i), which happens
+    with probability min(1, p(x_i) / q(x_i)) (compared as u q < p: no division, and
+    p >= q always passes).
     """
-    if p_x >= q_x:
-        return True
-    if p_x <= 0.0:
-        return False
-    u = float(torch.rand((), generator=generator, dtype=torch.float64))
-    return u * q_x < p_x  # u < p/q, without dividing
+    passed = (u * q_x < p_x).tolist()
+    return passed.index(False) if False in passed else len(passed)
 
 
 def residual_distribution(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
@@ -339,11 +338,13 @@ def speculative_generate(
                             history[i + 1 :, x] = True
                     p = probabilities(logits, sampling, history)  # (g + 1, V)
                     n = 0
-                    for i, x in enumerate(drafts):
-                        stats.alpha_sum += float(acceptance_rate(p[i], qs[i]))
-                        if not accept(float(p[i, x]), float(qs[i][x]), generator):
-                            break
-                        n += 1
+                    if g:
+                        q = torch.stack(qs)  # (g, V)
+                        rows, x = torch.arange(g, device=device), torch.tensor(drafts, device=device)
+                        u = torch.rand(g, generator=generator, device=device, dtype=torch.float64)
+                        n = accepted_count(p[rows, x].double(), q[rows, x].double(), u)
+                        tested = min(g, n + 1)
+                        stats.alpha_sum += float(acceptance_rate(p[:tested], q[:tested]).sum())
                     emitted = finish_iteration(drafts, p, qs, n, generator)
                 _sync(device)
                 stats.target_time += time.perf_counter() - t1

@@ -23,8 +23,8 @@ from ar_lab.generate import generate
 from ar_lab.model import GPT, GPTConfig
 from ar_lab.sampling import SamplingParams, probabilities
 from ar_lab.speculative import (
-    accept,
     acceptance_rate,
+    accepted_count,
     best_gamma,
     expected_speedup,
     expected_tokens_per_iteration,
@@ -144,13 +144,17 @@ def test_accept_then_residual_gives_back_p(pq):
     torch.testing.assert_close(total, p, atol=1e-6, rtol=0)
 
 
-def test_accept_rule_frequency_and_no_coin_when_certain():
+def test_accepted_count_is_the_run_before_the_first_rejection():
+    p_x = torch.tensor([0.5, 0.3, 0.1, 0.9], dtype=torch.float64)
+    q_x = torch.tensor([0.2, 0.3, 0.4, 0.1], dtype=torch.float64)
+    assert accepted_count(p_x, q_x, torch.tensor([0.99, 0.99, 0.2, 0.0], dtype=torch.float64)) == 4
+    assert accepted_count(p_x, q_x, torch.tensor([0.99, 0.99, 0.3, 0.0], dtype=torch.float64)) == 2
+    assert accepted_count(p_x[:0], q_x[:0], p_x[:0]) == 0
+    assert accepted_count(torch.zeros(3), torch.full((3,), 0.5), torch.zeros(3)) == 0  # p = 0: never
     g = torch.Generator().manual_seed(0)
-    state = g.get_state()
-    assert accept(0.5, 0.2, g) and accept(0.3, 0.3, g)  # p >= q: always, no random number spent
-    assert not accept(0.0, 0.4, g) and torch.equal(g.get_state(), state)
-    hits = sum(accept(0.1, 0.4, g) for _ in range(20_000))
-    assert hits / 20_000 == pytest.approx(0.25, abs=0.01)
+    u = torch.rand(20_000, 1, generator=g, dtype=torch.float64)
+    hits = sum(accepted_count(torch.tensor([0.1]), torch.tensor([0.4]), row) for row in u)
+    assert hits / 20_000 == pytest.approx(0.25, abs=0.01)  # min(1, p/q)
 
 
 # --- exactness, statistically: bigram tables with known distributions -------------------
@@ -382,6 +386,15 @@ def test_stop_rules_match_generate():
     assert no_eos.tokens == generate(target, prompt, 8, eos_id=None).tokens and len(no_eos.tokens) == 8
 
 
+def test_gamma_zero_is_plain_sampling_draw_for_draw():
+    """With no drafts, each iteration draws the target's token exactly as generate's sampler does."""
+    target, draft = _tiny(0), _tiny(1, n_layer=1, n_embd=16)
+    params = SamplingParams(temperature=0.9, top_k=50)
+    want = generate(target, "abc", 30, sampling=params, generator=torch.Generator().manual_seed(3), eos_id=None)
+    got = speculative_generate(target, draft, "abc", 30, 0, params, torch.Generator().manual_seed(3), eos_id=None)
+    assert got.tokens == want.tokens and got.stats.draft_calls == 0 and got.stats.target_calls == 30
+
+
 def test_sampled_runs_are_seeded_and_counted_consistently():
     target, draft = _tiny(0), _tiny(1, n_layer=1, n_embd=16)
     params = SamplingParams(temperature=1.0)
@@ -460,3 +473,26 @@ def test_speculation_explorer_widget_headless():
     assert w.error == "" and w.view.prompt == "abc"
     with pytest.raises(ValueError, match="at least one draft"):
         speculation_explorer(target, {})
+
+
+# --- the benchmark ---------------------------------------------------------------------
+
+
+def test_speculative_benchmark_runs_and_reports_ratios():
+    from ar_lab.bench import format_speculative_results, speculative_benchmark
+
+    target, draft = _tiny(0, block_size=128), _tiny(1, n_layer=1, n_embd=16, block_size=128)
+    res = speculative_benchmark(target, draft, tokens=12, prompts=2, prompt_tokens=8, gammas=[1, 3], repeats=1)
+    assert set(res["modes"]) == {"greedy", "T=1"} and res["greedy_best"]["gamma"] in (1, 3)
+    for mode in res["modes"].values():
+        assert set(mode["gammas"]) == {1, 3} and mode["cost_ratio_c"] > 0
+        for g, row in mode["gammas"].items():
+            assert 0 <= row["alpha"] <= 1 and 1 <= row["tokens_per_target_call"] <= g + 1
+            assert row["predicted_speedup"] == pytest.approx(expected_speedup(row["alpha"], g, mode["cost_ratio_c"]))
+            assert row["speedup"] > 0 and row["measured_over_predicted"] == pytest.approx(
+                row["speedup"] / row["predicted_speedup"]
+            )
+    table = format_speculative_results(res)
+    assert "meas/pred" in table and "greedy" in table and "T=1" in table
+    with pytest.raises(ValueError, match="gammas"):
+        speculative_benchmark(target, draft, gammas=[0])
