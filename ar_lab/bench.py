@@ -861,5 +861,140 @@ BENCHMARKS["speculative"] = (
     _speculative_options,
 )
 
+# --- chapter 08: serving (batching, continuous batching, prefix cache) -----------------
+
+
+def _serving_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--requests", type=int, default=32, help="requests in the mixed workload (default 32)")
+    p.add_argument("--max-batch", type=int, default=8, help="slots (rows decoded together), default 8")
+    p.add_argument("--short", type=int, default=16, help="new tokens of a short request (default 16)")
+    p.add_argument("--long", type=int, default=256, help="new tokens of a long request (default 256)")
+    p.add_argument("--long-every", type=int, default=4, help="every n-th request is long (default 4)")
+    p.add_argument("--repeats", type=int, default=2, help="alternating runs of each policy; medians reported")
+    p.add_argument(
+        "--batch-sizes", default="1,2,4,8,16,32", help="batch sizes for the tokens/s sweep (default 1,2,4,8,16,32)"
+    )
+    p.add_argument("--context", type=int, default=128, help="positions in every row during the sweep (default 128)")
+    p.add_argument("--prefix-tokens", type=int, default=800, help="shared static prefix for the TTFT test (800)")
+    p.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1)")
+
+
+def serving_benchmark(
+    model=None,
+    requests: int = 32,
+    max_batch: int = 8,
+    short: int = 16,
+    long: int = 256,
+    long_every: int = 4,
+    repeats: int = 2,
+    batch_sizes: tuple[int, ...] = (1, 2, 4, 8, 16, 32),
+    context: int = 128,
+    prefix_tokens: int = 800,
+) -> dict:
+    """Static vs continuous batching on a mixed workload, tokens/s against batch size, and TTFT
+    with and without a prefix cache; real runs of the model, each comparison side by side."""
+    from ar_lab.data import builtin_corpus
+    from ar_lab.roofline import decode_cost
+    from ar_lab.serving import compare_policies, decode_throughput, mixed_workload, prefix_ttft
+
+    source = "the model passed in"
+    if model is None:
+        model, source = _course_model_or_random()
+    work = mixed_workload(requests, short, long, long_every)
+    reports = compare_policies(model, work, max_batch, repeats=repeats)
+    policies = {}
+    for policy, runs in reports.items():
+        keys = runs[0].summary().keys()
+        policies[policy] = {k: median([r.summary()[k] for r in runs]) if k != "policy" else policy for k in keys}
+    same = sum(
+        a.tokens == b.tokens
+        for a, b in zip(reports["static"][0].results, reports["continuous"][0].results, strict=True)
+    )
+    s, c = policies["static"], policies["continuous"]
+    sweep = decode_throughput(model, list(batch_sizes), context=context, steps=16, repeats=max(3, repeats))
+    base = sweep[0]["tokens_per_s"]
+    for row in sweep:
+        row["x_batch_1"] = row["tokens_per_s"] / base
+        cost = decode_cost(model.config, context + 1, row["batch"])
+        row["weight_bytes_per_token"] = cost.weight_bytes / row["batch"]
+    text = builtin_corpus()
+    prefix = text[: min(prefix_tokens, model.config.block_size - 64)]
+    suffixes = ["\nQ: What does the for statement do?\nA:", "\nQ: How are exceptions raised?\nA:"]
+    prefix_res = prefix_ttft(model, prefix, suffixes, max_new_tokens=8, repeats=max(3, repeats))
+
+    print(
+        f"serving: model {source} ({model.num_parameters() / 1e6:.2f} M parameters); {machine_info()}\n"
+        f"workload: {requests} requests, every {long_every}th wants {long} new tokens, the rest {short}; "
+        f"{max_batch} slots; greedy, no EOS\n"
+    )
+    rows = []
+    for name, label in [
+        ("tokens_per_s", "tokens/s"),
+        ("mean_latency_s", "mean latency s"),
+        ("p90_latency_s", "p90 latency s"),
+        ("mean_ttft_s", "mean TTFT s (queue incl.)"),
+        ("decode_steps", "decode steps"),
+        ("mean_rows", "mean rows per step"),
+        ("seconds", "total s"),
+    ]:
+        rows.append([label, float(s[name]), float(c[name]), f"{c[name] / s[name]:.2f}"])
+    print(format_table(["", "static", "continuous", "continuous / static"], rows))
+    print(f"identical outputs under both policies: {same}/{requests} requests\n")
+    print(f"decode steps with every row at {context} positions (weights read once per step, chapter 05):")
+    print(
+        format_table(
+            ["batch", "ms/step", "tokens/s", "x batch 1", "weight bytes / token"],
+            [
+                [r["batch"], r["step_s"] * 1e3, r["tokens_per_s"], f"{r['x_batch_1']:.2f}", r["weight_bytes_per_token"]]
+                for r in sweep
+            ],
+        )
+    )
+    p = prefix_res
+    print(
+        f"\nprefix cache: {p['prefix_tokens']}-token static prefix + {p['suffix_tokens']} question tokens: "
+        f"TTFT {p['ttft_plain_s'] * 1e3:.1f} ms prefilled whole vs {p['ttft_reused_s'] * 1e3:.1f} ms reused "
+        f"({p['speedup']:.1f}x); identical outputs {p['identical_outputs']}/{p['runs']}; "
+        f"building the prefix cache once: {p['build_s'] * 1e3:.1f} ms"
+    )
+    print(
+        f"\nkey figures: continuous / static batching: {c['tokens_per_s'] / s['tokens_per_s']:.2f}x tokens/s, "
+        f"{s['mean_latency_s'] / c['mean_latency_s']:.2f}x lower mean latency; batch {sweep[-1]['batch']} decodes "
+        f"{sweep[-1]['x_batch_1']:.1f}x the tokens/s of batch 1; prefix cache {p['speedup']:.1f}x faster TTFT"
+    )
+    return {
+        "model": source,
+        "workload": {"requests": requests, "short": short, "long": long, "long_every": long_every},
+        "max_batch": max_batch,
+        "policies": policies,
+        "identical_outputs": same,
+        "batch_sweep": sweep,
+        "prefix": prefix_res,
+        **machine_info(),
+    }
+
+
+def serving_bench(args: argparse.Namespace) -> dict:
+    torch.set_num_threads(args.threads)
+    sizes = tuple(int(b) for b in args.batch_sizes.split(","))
+    return serving_benchmark(
+        requests=args.requests,
+        max_batch=args.max_batch,
+        short=args.short,
+        long=args.long,
+        long_every=args.long_every,
+        repeats=args.repeats,
+        batch_sizes=sizes,
+        context=args.context,
+        prefix_tokens=args.prefix_tokens,
+    )
+
+
+BENCHMARKS["serving"] = (
+    serving_bench,
+    "static vs continuous batching, tokens/s vs batch size, prefix-cache TTFT (chapter 08)",
+    _serving_options,
+)
+
 if __name__ == "__main__":
     sys.exit(main())

@@ -8,6 +8,9 @@ attention reads the filled prefix. Nothing is re-allocated or concatenated per s
 ``truncate(n)`` rolls the cache back to its first n positions (speculative decoding
 uses it to discard rejected draft tokens): the stale entries beyond n are simply
 overwritten by the next write.
+
+``BatchKVCache`` holds several sequences of different lengths in slots, for batched
+serving (chapter 08): each row has its own length, positions and attention mask.
 """
 
 from __future__ import annotations
@@ -54,6 +57,20 @@ class KVCache:
         p = next(model.parameters())
         return cls(cfg.n_layer, batch_size, cfg.kv_heads, max_len, cfg.head_dim, dtype or p.dtype, p.device)
 
+    @classmethod
+    def from_buffers(cls, k: list[torch.Tensor], v: list[torch.Tensor], length: int = 0) -> KVCache:
+        """A cache over existing per-layer buffers (B, H_kv, T_max, D), e.g. views of one slot of a
+        ``BatchKVCache``: writes go straight into them, nothing is copied."""
+        if not k or len(k) != len(v) or any(a.ndim != 4 or a.shape != b.shape for a, b in zip(k, v, strict=True)):
+            raise ValueError("k and v must be equal-length lists of (B, H_kv, T_max, D) buffers of the same shape")
+        self = cls.__new__(cls)
+        self.k, self.v = list(k), list(v)
+        self.batch_size, _, self.max_len, _ = k[0].shape
+        if not 0 <= length <= self.max_len:
+            raise ValueError(f"length must be in 0..{self.max_len}, got {length}")
+        self.length = length
+        return self
+
     def update(self, layer: int, start: int, k: torch.Tensor, v: torch.Tensor):
         """Write k, v (B, H_kv, T, D) at positions start..start+T; return all keys/values so far."""
         end = start + k.shape[2]
@@ -87,6 +104,145 @@ class KVCache:
         return (
             f"KVCache(layers={len(self.k)}, batch={b}, kv_heads={h}, max_len={t}, head_dim={d}, "
             f"length={self.length}, nbytes={self.nbytes:,})"
+        )
+
+
+class BatchKVCache:
+    """Slots for sequences of *different* lengths that are decoded together (serving, chapter 08).
+
+    The buffers are KVCache's, per layer (B_max, H_kv, T_max, D), but every slot (row) has its
+    own length: slot i holds ``lengths[i]`` positions. The slots in use are always the first
+    ``rows``; a forward pass works on exactly those (a view, no gather), and ``remove`` keeps
+    them packed by moving the last used slot into the freed one.
+
+    A forward step through the model (``GPT.forward(idx, cache)`` with idx (rows, T)) puts row
+    i's new tokens at positions ``lengths[i] ..``: ``begin(T)`` gives those positions (for the
+    position embeddings) and the attention mask (row i's query at position p sees keys 0..p,
+    never another row's stale or unused entries); ``update`` writes the new keys/values at them;
+    ``advance(T)`` moves the lengths on.
+
+    A new request is prefilled alone into ``slot(rows)`` (a batch-1 ``KVCache`` over the slot's
+    buffers, so the prompt's keys/values land in place) and then joins with ``add``.
+    """
+
+    def __init__(
+        self,
+        n_layer: int,
+        max_batch: int,
+        n_kv_heads: int,
+        max_len: int,
+        head_dim: int,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+    ) -> None:
+        for name, value in [
+            ("n_layer", n_layer),
+            ("max_batch", max_batch),
+            ("n_kv_heads", n_kv_heads),
+            ("max_len", max_len),
+            ("head_dim", head_dim),
+        ]:
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name} must be a positive int, got {value!r}")
+        shape = (max_batch, n_kv_heads, max_len, head_dim)
+        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_layer)]
+        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_layer)]
+        self.max_batch, self.max_len = max_batch, max_len
+        self.lengths = [0] * max_batch  # positions filled in each slot
+        self.rows = 0  # slots 0..rows-1 are in use
+        self.device = torch.device(device)
+        self._steps = torch.arange(max_len, device=device)  # 0..T_max-1, sliced for positions and masks
+        self._slots = torch.arange(max_batch, device=device)[:, None]  # (B_max, 1) row indices
+        self._end = 0  # keys the current forward step attends over (set by begin)
+
+    @classmethod
+    def for_model(cls, model, max_batch: int, max_len: int | None = None, dtype=None) -> BatchKVCache:
+        """Slots shaped for ``model`` (max_len defaults to its context window)."""
+        cfg = model.config
+        max_len = cfg.block_size if max_len is None else max_len
+        if not isinstance(max_len, int) or not 1 <= max_len <= cfg.block_size:
+            raise ValueError(f"max_len must be an int in 1..{cfg.block_size} (the context window), got {max_len!r}")
+        p = next(model.parameters())
+        return cls(cfg.n_layer, max_batch, cfg.kv_heads, max_len, cfg.head_dim, dtype or p.dtype, p.device)
+
+    @property
+    def batch_size(self) -> int:
+        """Rows a forward step must feed: the slots in use."""
+        return self.rows
+
+    def slot(self, i: int) -> KVCache:
+        """Slot ``i`` as a batch-1 ``KVCache`` (views of the buffers, its current length)."""
+        if not 0 <= i < self.max_batch:
+            raise ValueError(f"slot must be in 0..{self.max_batch - 1}, got {i}")
+        return KVCache.from_buffers(
+            [k[i : i + 1] for k in self.k], [v[i : i + 1] for v in self.v], length=self.lengths[i]
+        )
+
+    def add(self, length: int) -> int:
+        """Put slot ``rows`` (prefilled with ``length`` positions, e.g. through ``slot``) in use; its index."""
+        if self.rows == self.max_batch:
+            raise ValueError(f"all {self.max_batch} slots are in use: remove a finished row first")
+        if not isinstance(length, int) or not 0 <= length <= self.max_len:
+            raise ValueError(f"length must be an int in 0..{self.max_len}, got {length!r}")
+        i = self.rows
+        self.lengths[i] = length
+        self.rows += 1
+        return i
+
+    def remove(self, i: int) -> int | None:
+        """Free row ``i``; the last row in use moves into it. Returns the index that moved (or None)."""
+        if not 0 <= i < self.rows:
+            raise ValueError(f"row must be in use (0..{self.rows - 1}), got {i}")
+        last = self.rows - 1
+        self.rows = last
+        self.lengths[i], moved = self.lengths[last], None
+        if i != last:
+            n = self.lengths[last]  # only the filled positions need to move
+            for buf in self.k + self.v:
+                buf[i, :, :n] = buf[last, :, :n]
+            moved = last
+        self.lengths[last] = 0
+        return moved
+
+    def begin(self, T: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Positions (rows, T) of the next T tokens of each row, and the attention mask (rows, 1, T, keys)."""
+        if self.rows == 0:
+            raise ValueError("no row is in use: add a prefilled slot first")
+        lengths = self.lengths[: self.rows]
+        self._end = max(lengths) + T
+        if self._end > self.max_len:
+            raise ValueError(f"KV cache full: positions up to {self._end} requested, capacity is {self.max_len}")
+        start = torch.tensor(lengths, device=self.device)  # (rows,)
+        positions = start[:, None] + self._steps[:T]  # (rows, T)
+        # Row b's query at position p sees keys 0..p: its own past and itself, nothing beyond.
+        mask = self._steps[: self._end] <= positions[:, :, None]  # (rows, T, keys)
+        return positions, mask[:, None]  # (rows, T), (rows, 1, T, keys): one mask for all heads
+
+    def update(self, layer: int, positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
+        """Write k, v (rows, H_kv, T, D) at each row's ``positions`` (rows, T).
+
+        Returns the keys/values attention reads, (rows, H_kv, keys, D).
+        """
+        rows = self._slots[: self.rows]  # (rows, 1): broadcasts against positions (rows, T)
+        # buf[rows, :, positions] selects (rows, T, H_kv, D): the advanced indices come first.
+        self.k[layer][rows, :, positions] = k.transpose(1, 2)
+        self.v[layer][rows, :, positions] = v.transpose(1, 2)
+        return self.k[layer][: self.rows, :, : self._end], self.v[layer][: self.rows, :, : self._end]
+
+    def advance(self, T: int) -> None:
+        for i in range(self.rows):
+            self.lengths[i] += T
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held by the preallocated buffers (keys and values, all layers, all slots)."""
+        return sum(t.nbytes for t in self.k) + sum(t.nbytes for t in self.v)
+
+    def __repr__(self) -> str:
+        b, h, t, d = self.k[0].shape
+        return (
+            f"BatchKVCache(layers={len(self.k)}, slots={b}, rows={self.rows}, kv_heads={h}, max_len={t}, "
+            f"head_dim={d}, lengths={self.lengths[: self.rows]}, nbytes={self.nbytes:,})"
         )
 
 

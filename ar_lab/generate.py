@@ -51,6 +51,7 @@ class StreamEvent:
     token: int  # the token id just produced
     text: str  # the new text it completes ("" while inside a multi-byte character)
     stats: GenerationStats  # counters so far (the same object throughout the stream)
+    latency: float = 0.0  # seconds this token took: TTFT for the first, its TPOT after (0 for held-back text)
 
 
 @dataclass
@@ -93,6 +94,20 @@ def _check_args(model, prompt: list[int], max_new_tokens: int, stop_strings) -> 
         raise ValueError("stop_strings must be a list of non-empty strings, e.g. ['\\n\\n']")
 
 
+def _check_cache(cache, use_cache: bool, needed: int) -> None:
+    if not use_cache:
+        raise ValueError("a cache was given with use_cache=False: pass use_cache=True to reuse it")
+    if not isinstance(cache, KVCache):
+        raise TypeError(f"cache must be a KVCache, got {type(cache).__name__}")
+    if cache.batch_size != 1:
+        raise ValueError(f"generation runs one sequence: the cache must have batch size 1, got {cache.batch_size}")
+    if cache.max_len < needed:
+        raise ValueError(
+            f"the cache holds {cache.max_len} positions but this generation needs {needed} "
+            "(prompt + new tokens - 1): build it with KVCache.for_model(model, max_len=...)"
+        )
+
+
 def token_steps(
     model,
     prompt: str | Sequence[int],
@@ -101,10 +116,14 @@ def token_steps(
     sampling: SamplingParams = GREEDY,
     generator: torch.Generator | None = None,
     stats: GenerationStats | None = None,
+    cache: KVCache | None = None,
 ) -> Iterator[int]:
     """Yield new token ids one at a time (no stop rule other than the count).
 
     The inner loop, kept lean: the token buffer and the cache are allocated once.
+    ``cache``: a cache of your own that already holds the keys/values of the prompt's first
+    ``cache.length`` tokens (a shared prefix, the earlier turns of a conversation): only the
+    rest of the prompt is prefilled. It is left holding the sequence, for the next call.
     """
     prompt = _prompt_ids(prompt)
     _check_args(model, prompt, max_new_tokens, None)
@@ -112,7 +131,14 @@ def token_steps(
     P, N = len(prompt), max_new_tokens
     buf = torch.empty(1, P + N, dtype=torch.long, device=model.device)  # (1, P + N)
     buf[0, :P] = torch.tensor(prompt)
-    cache = KVCache.for_model(model, max_len=P + N - 1) if use_cache else None
+    skip = 0  # prompt positions whose keys/values the cache already holds
+    if cache is not None:
+        _check_cache(cache, use_cache, P + N - 1)
+        # At least the last prompt token must be fed: its logits give the first new token.
+        cache.truncate(min(cache.length, P - 1))
+        skip = cache.length
+    elif use_cache:
+        cache = KVCache.for_model(model, max_len=P + N - 1)
     history = list(prompt) if sampling.repetition_penalty != 1.0 else ()
     # Greedy without a penalty is the argmax of the raw logits: take it directly rather
     # than have sample() build the one-token distribution every step.
@@ -124,7 +150,7 @@ def token_steps(
             t_last = time.perf_counter()
             for n in range(N):
                 end = P + n  # tokens known so far
-                x = buf[:, end - 1 : end] if (cache is not None and n > 0) else buf[:, :end]
+                x = buf[:, end - 1 : end] if (cache is not None and n > 0) else buf[:, skip:end]
                 logits = model(x, cache)[0, -1]  # (vocab,)
                 token = int(logits.argmax()) if greedy else -1
                 if not greedy or not math.isfinite(logits[token]):
@@ -157,6 +183,7 @@ def stream(
     eos_id: int | None = EOS_ID,
     stop_strings: Sequence[str] | None = None,
     stats: GenerationStats | None = None,
+    cache: KVCache | None = None,
 ) -> Iterator[StreamEvent]:
     """Yield a ``StreamEvent`` per new token; text never splits a UTF-8 character.
 
@@ -164,7 +191,10 @@ def stream(
     text contains one of ``stop_strings`` (text is held back while it could still be
     the start of a stop string, and the stop string itself is never yielded). An event
     with ``token == -1`` carries only such held-back text, released at the end.
-    Pass ``stats`` to have the counters filled in an object of your own.
+    Pass ``stats`` to have the counters filled in an object of your own. Each event's
+    ``latency`` is the model time of its token (TTFT for the first, TPOT after), so a
+    consumer can plot latency against position as the stream goes. ``cache``: see
+    ``token_steps`` (reuse the keys/values of the prompt's start).
     """
     prompt = _prompt_ids(prompt)
     _check_args(model, prompt, max_new_tokens, stop_strings)
@@ -174,9 +204,12 @@ def stream(
     stops = list(stop_strings or [])
     hold = max((len(s) for s in stops), default=1) - 1  # chars that might start a stop string
     pending = ""
-    steps = token_steps(model, prompt, max_new_tokens, use_cache, sampling, generator, stats)
+    steps = token_steps(model, prompt, max_new_tokens, use_cache, sampling, generator, stats, cache)
+    first = True
     try:
         for token in steps:
+            latency = stats.prefill_time if first else stats.decode_times[-1]
+            first = False
             if eos_id is not None and token == eos_id:
                 stats.stop_reason = "eos"
                 break
@@ -184,11 +217,11 @@ def stream(
             hits = [pending.find(s) for s in stops if s in pending]
             if hits:
                 stats.stop_reason = "stop_string"
-                yield StreamEvent(token, pending[: min(hits)], stats)
+                yield StreamEvent(token, pending[: min(hits)], stats, latency)
                 pending = ""
                 return
             cut = max(0, len(pending) - hold)
-            yield StreamEvent(token, pending[:cut], stats)
+            yield StreamEvent(token, pending[:cut], stats, latency)
             pending = pending[cut:]
     finally:
         steps.close()
@@ -206,11 +239,18 @@ def generate(
     generator: torch.Generator | None = None,
     eos_id: int | None = EOS_ID,
     stop_strings: Sequence[str] | None = None,
+    cache: KVCache | None = None,
 ) -> Generation:
-    """Generate up to ``max_new_tokens`` tokens after ``prompt`` (text or token ids)."""
+    """Generate up to ``max_new_tokens`` tokens after ``prompt`` (text or token ids).
+
+    ``cache``: a cache already holding the keys/values of the prompt's first ``cache.length``
+    tokens (see ``token_steps``); only the rest is prefilled.
+    """
     prompt_ids = _prompt_ids(prompt)
     tokens, pieces, stats = [], [], GenerationStats()
-    events = stream(model, prompt_ids, max_new_tokens, use_cache, sampling, generator, eos_id, stop_strings, stats)
+    events = stream(
+        model, prompt_ids, max_new_tokens, use_cache, sampling, generator, eos_id, stop_strings, stats, cache
+    )
     for event in events:
         if event.token >= 0:
             tokens.append(event.token)

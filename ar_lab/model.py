@@ -20,7 +20,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ar_lab.cache import KVCache
+from ar_lab.cache import BatchKVCache, KVCache
 from ar_lab.tokenizer import VOCAB_SIZE
 
 
@@ -75,7 +75,9 @@ class CausalSelfAttention(nn.Module):
         self.split_sizes = [self.n_head, self.n_kv, self.n_kv]  # heads of q, k, v
         self.gqa = self.n_kv != self.n_head
 
-    def forward(self, x: torch.Tensor, cache: KVCache | None, layer: int, start: int) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, cache: KVCache | None, layer: int, start: int, row_mask: torch.Tensor | None = None
+    ) -> torch.Tensor:
         B, T, C = x.shape
         # Heads side by side -> heads as a dimension: (B, T, (H + 2 H_kv) * D) -> (B, H + 2 H_kv, T, D),
         # then q, k, v are consecutive head ranges. One view and one transpose (what einops'
@@ -88,8 +90,9 @@ class CausalSelfAttention(nn.Module):
         # Causal mask: query i (absolute position start + i) sees keys 0..start + i.
         # One new token sees everything cached: no mask needed. A fresh sequence: the
         # standard lower-triangular mask. New tokens after a cached prefix: explicit mask.
-        mask, causal = None, False
-        if T > 1:
+        # Rows of different lengths (a BatchKVCache): the per-row mask built once per step.
+        mask, causal = row_mask, False
+        if T > 1 and mask is None:
             if start == 0:
                 causal = True
             else:
@@ -126,8 +129,10 @@ class Block(nn.Module):
         self.mlp = MLP(cfg)
         self.drop = nn.Dropout(cfg.dropout)
 
-    def forward(self, x: torch.Tensor, cache: KVCache | None, layer: int, start: int) -> torch.Tensor:
-        a = self.attn(self.ln1(x), cache, layer, start)
+    def forward(
+        self, x: torch.Tensor, cache: KVCache | None, layer: int, start: int, row_mask: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        a = self.attn(self.ln1(x), cache, layer, start, row_mask)
         x = x + (self.drop(a) if self.training else a)  # dropout is the identity in eval: skip the call
         m = self.mlp(self.ln2(x))
         return x + (self.drop(m) if self.training else m)
@@ -174,7 +179,9 @@ class GPT(nn.Module):
         """Logits (B, T, vocab) for token ids idx (B, T).
 
         Without a cache, idx is the whole sequence from position 0. With a cache, idx
-        holds only the new tokens; they sit at positions cache.length .. + T.
+        holds only the new tokens; they sit at positions cache.length .. + T. With a
+        ``BatchKVCache`` (rows of different lengths), row i's tokens sit at positions
+        cache.lengths[i] .. + T, and idx must have one row per slot in use.
         """
         if idx.ndim != 2:
             raise ValueError(f"idx must have shape (batch, time), got {tuple(idx.shape)}")
@@ -183,6 +190,8 @@ class GPT(nn.Module):
         B, T = idx.shape
         if T == 0:
             raise ValueError("idx is empty: give at least one token")
+        if isinstance(cache, BatchKVCache):
+            return self._forward_rows(idx, cache)
         start = 0 if cache is None else cache.length
         if start + T > self.config.block_size:
             raise ValueError(
@@ -198,4 +207,24 @@ class GPT(nn.Module):
             x = block(x, cache, layer, start)
         if cache is not None:
             cache.length = start + T
+        return self.lm_head(self.ln_f(x))  # (B, T, vocab)
+
+    def _forward_rows(self, idx: torch.Tensor, cache: BatchKVCache) -> torch.Tensor:
+        """Rows of different lengths: per-row positions and attention mask (serving, chapter 08)."""
+        B, T = idx.shape
+        if cache.rows != B:
+            raise ValueError(f"the cache has {cache.rows} rows in use, got a batch of {B}")
+        longest = max(cache.lengths[:B]) + T
+        if longest > self.config.block_size:
+            raise ValueError(
+                f"{longest} positions exceed the context window of {self.config.block_size} tokens "
+                f"(config.block_size); shorten the prompt or generate fewer tokens"
+            )
+        positions, mask = cache.begin(T)  # (B, T), (B, 1, T, keys)
+        x = self.wte(idx) + self.wpe(positions)  # (B, T, C): each row at its own positions
+        if self.training:
+            x = self.drop(x)
+        for layer, block in enumerate(self.blocks):
+            x = block(x, cache, layer, positions, mask)
+        cache.advance(T)
         return self.lm_head(self.ln_f(x))  # (B, T, vocab)

@@ -1,0 +1,355 @@
+import math
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+from ar_lab.cache import BatchKVCache, KVCache
+from ar_lab.generate import generate, stream
+from ar_lab.model import GPT, GPTConfig
+from ar_lab.sampling import SamplingParams
+from ar_lab.serving import (
+    PrefixCache,
+    Request,
+    StreamSummary,
+    compare_policies,
+    decode_throughput,
+    generate_batch,
+    latency_budget,
+    mixed_workload,
+    reusable_length,
+    serve,
+    simulate,
+    tokens_within,
+)
+
+configs = st.builds(
+    lambda layers, heads, group, d, seed: (
+        GPTConfig(block_size=64, n_layer=layers, n_head=heads, n_kv_heads=heads // group, n_embd=heads * d),
+        seed,
+    ),
+    layers=st.integers(1, 2),
+    heads=st.sampled_from([2, 4]),
+    group=st.sampled_from([1, 2]),  # 1: MHA; 2: GQA (MQA when heads == 2)
+    d=st.sampled_from([4, 8]),
+    seed=st.integers(0, 2**16),
+)
+
+
+def model_for(cfg_seed) -> GPT:
+    cfg, seed = cfg_seed
+    torch.manual_seed(seed)
+    return GPT(cfg).eval()
+
+
+def random_prompts(lengths, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, 256, (n,), generator=g).tolist() for n in lengths]
+
+
+def assert_same_greedy(model, prompt, expected, got):
+    """Tokens equal; if they ever differ, it must be a genuine near-tie of the reference's top two logits
+    (float rounding differs with the batch a row shares), and the comparison stops there."""
+    for i, (a, b) in enumerate(zip(expected, got, strict=True)):
+        if a != b:
+            with torch.no_grad():
+                logits = model(torch.tensor([prompt + expected[:i]]))[0, -1]
+            top2 = logits.topk(2).values
+            assert float(top2[0] - top2[1]) < 1e-4, f"token {i} differs ({a} vs {b}) without a near-tie"
+            return
+
+
+# --- BatchKVCache and the model's per-row path ---------------------------------------------
+
+
+@given(configs, st.lists(st.integers(1, 12), min_size=1, max_size=5), st.integers(1, 3))
+def test_rows_of_different_lengths_give_each_sequence_its_own_logits(cfg_seed, lengths, chunk):
+    """Every row, fed ``chunk`` tokens per step at its own positions, gets the logits of its
+    sequence run alone from position 0 (float tolerance)."""
+    model = model_for(cfg_seed)
+    seqs = random_prompts([n + 3 * chunk for n in lengths], seed=len(lengths))
+    cache = BatchKVCache.for_model(model, max_batch=len(lengths), max_len=max(lengths) + 3 * chunk)
+    with torch.no_grad():
+        for n, s in zip(lengths, seqs, strict=True):  # prefill each prompt alone, straight into its slot
+            slot = cache.slot(cache.rows)
+            model(torch.tensor([s[:n]]), slot)
+            cache.add(slot.length)
+        steps = []
+        for k in range(3):
+            idx = torch.tensor([s[n + k * chunk : n + (k + 1) * chunk] for n, s in zip(lengths, seqs, strict=True)])
+            steps.append(model(idx, cache))  # (rows, chunk, vocab)
+        for row, (n, s) in enumerate(zip(lengths, seqs, strict=True)):
+            full = model(torch.tensor([s]))[0, n:]  # (3 * chunk, vocab)
+            batched = torch.cat([st_[row] for st_ in steps])
+            torch.testing.assert_close(batched, full, atol=1e-5, rtol=1e-4)
+    assert cache.lengths[: cache.rows] == [n + 3 * chunk for n in lengths]
+
+
+@given(configs, st.lists(st.integers(1, 12), min_size=1, max_size=5), st.integers(1, 10))
+def test_batched_greedy_equals_each_alone(cfg_seed, lengths, n_new):
+    model = model_for(cfg_seed)
+    prompts = random_prompts(lengths, seed=sum(lengths))
+    batched = generate_batch(model, prompts, n_new, eos_id=None)
+    for p, g in zip(prompts, batched, strict=True):
+        alone = generate(model, p, n_new, eos_id=None)
+        assert len(g.tokens) == n_new and g.stats.forward_calls == n_new
+        assert_same_greedy(model, p, alone.tokens, g.tokens)
+
+
+def test_batched_greedy_equals_alone_with_per_prompt_lengths_and_eos(tiny_model):
+    prompts = random_prompts([3, 11, 1, 7], seed=3)
+    counts = [5, 12, 2, 9]
+    free = [generate(tiny_model, p, n, eos_id=None).tokens for p, n in zip(prompts, counts, strict=True)]
+    eos = free[1][4]  # a token the second request produces: it must stop there, like generate does
+    batched = generate_batch(tiny_model, prompts, counts, eos_id=eos)
+    for p, n, g in zip(prompts, counts, batched, strict=True):
+        alone = generate(tiny_model, p, n, eos_id=eos)
+        assert g.tokens == alone.tokens and g.text == alone.text
+        assert g.stats.stop_reason == alone.stats.stop_reason
+    assert batched[1].stats.stop_reason == "eos" and len(batched[1].tokens) <= 4
+
+
+def test_batched_sampling_equals_alone_with_the_same_seeds(tiny_model):
+    prompts = random_prompts([2, 9, 5], seed=1)
+    params = SamplingParams(temperature=0.9, top_k=40)
+    seeds = [11, 22, 33]
+    batched = generate_batch(tiny_model, prompts, 12, sampling=params, seeds=seeds, eos_id=None)
+    for p, s, g in zip(prompts, seeds, batched, strict=True):
+        alone = generate(tiny_model, p, 12, sampling=params, generator=torch.Generator().manual_seed(s), eos_id=None)
+        assert g.tokens == alone.tokens
+    assert batched[0].tokens != batched[1].tokens  # really sampled, per request
+
+
+def test_batch_cache_slots_stay_packed():
+    c = BatchKVCache(n_layer=2, max_batch=3, n_kv_heads=1, max_len=8, head_dim=2)
+    for i, n in enumerate([2, 5, 3]):
+        view = c.slot(c.rows)
+        assert view.length == 0 and view.batch_size == 1
+        for buf in view.k + view.v:
+            buf[:, :, :n] = float(i + 1)  # writes through the view land in slot i
+        c.add(n)
+    assert c.rows == 3 and c.lengths == [2, 5, 3]
+    with pytest.raises(ValueError, match="all 3 slots are in use"):
+        c.add(1)
+    assert c.remove(0) == 2  # the last row moves into the freed slot
+    assert c.rows == 2 and c.lengths[:2] == [3, 5]
+    assert torch.all(c.k[1][0, :, :3] == 3.0) and torch.all(c.v[0][1, :, :5] == 2.0)
+    assert c.remove(1) is None and c.rows == 1  # removing the last row moves nothing
+    with pytest.raises(ValueError, match="must be in use"):
+        c.remove(1)
+    positions, mask = c.begin(2)
+    assert positions.tolist() == [[3, 4]]
+    assert mask.shape == (1, 1, 2, 5) and mask[0, 0].tolist() == [[True] * 4 + [False], [True] * 5]
+
+
+def test_batch_cache_errors(tiny_model):
+    c = BatchKVCache.for_model(tiny_model, max_batch=2, max_len=6)
+    with pytest.raises(ValueError, match="0 rows in use, got a batch of 1"):
+        tiny_model(torch.tensor([[1]]), c)
+    with pytest.raises(ValueError, match="no row is in use"):
+        c.begin(1)
+    c.add(5)
+    with pytest.raises(ValueError, match="1 rows in use, got a batch of 2"):
+        tiny_model(torch.tensor([[1], [2]]), c)
+    with pytest.raises(ValueError, match="KV cache full"):
+        tiny_model(torch.tensor([[1, 2]]), c)
+    with pytest.raises(ValueError, match="max_len must be"):
+        BatchKVCache.for_model(tiny_model, max_batch=2, max_len=65)
+    with pytest.raises(ValueError, match="max_batch must be a positive int"):
+        BatchKVCache(1, 0, 1, 4, 2)
+    with pytest.raises(ValueError, match="k and v must be"):
+        KVCache.from_buffers([torch.zeros(1, 1, 4, 2)], [torch.zeros(1, 1, 3, 2)])
+
+
+# --- the scheduler -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("policy", ["static", "continuous"])
+def test_serve_outputs_and_schedule(tiny_model, policy):
+    requests = [
+        Request(p, n) for p, n in zip(random_prompts([4, 9, 2, 6, 3, 5, 1]), [3, 20, 2, 1, 8, 15, 6], strict=True)
+    ]
+    report = serve(tiny_model, requests, max_batch=3, policy=policy, eos_id=None)
+    steps_needed = [r.max_new_tokens - 1 for r in requests]
+    assert [r.finish_step for r in report.results] == simulate(steps_needed, 3, policy)
+    assert report.decode_steps == max(simulate(steps_needed, 3, policy))
+    assert sum(report.step_rows) == sum(steps_needed)  # every decode step gives each row one token
+    assert max(report.step_rows) <= 3
+    assert report.tokens == sum(r.max_new_tokens for r in requests)
+    for req, res in zip(requests, report.results, strict=True):
+        alone = generate(tiny_model, req.prompt, req.max_new_tokens, eos_id=None)
+        assert_same_greedy(tiny_model, list(req.prompt), alone.tokens, res.tokens)
+        assert len(res.token_times) == req.max_new_tokens and res.token_times == sorted(res.token_times)
+        assert res.admitted <= res.ttft <= res.latency <= report.total_time
+    if policy == "static":  # a new batch starts only when every request admitted before it is done
+        for r in report.results:
+            earlier = [e for e in report.results if e.admitted_step < r.admitted_step]
+            assert all(e.finish_step <= r.admitted_step and e.latency <= r.admitted for e in earlier)
+        assert len({r.admitted_step for r in report.results}) == 2  # r0-r2, then r3 (prefill only) + r4-r6
+
+
+def test_continuous_batching_keeps_the_batch_full_and_needs_fewer_steps(tiny_model):
+    requests = mixed_workload(n_requests=8, short=3, long=24, long_every=4)
+    reports = compare_policies(tiny_model, requests, max_batch=4)
+    static, cont = reports["static"][0], reports["continuous"][0]
+    assert cont.decode_steps < static.decode_steps
+    assert cont.mean_rows > static.mean_rows
+    assert [r.tokens for r in cont.results] == [r.tokens for r in static.results]
+    # while a request still waits in the queue, every continuous step runs a full batch
+    last_admission = max(r.admitted_step for r in cont.results)
+    assert last_admission > 0 and all(n == 4 for n in cont.step_rows[:last_admission])
+    assert any(n < 4 for n in static.step_rows[: max(r.admitted_step for r in static.results)])
+
+
+@given(st.lists(st.integers(0, 9), max_size=12), st.integers(1, 4))
+def test_simulate_static_closed_form_and_continuous_never_later(needs, max_batch):
+    static = simulate(needs, max_batch, "static")
+    cont = simulate(needs, max_batch, "continuous")
+    assert all(c <= s for c, s in zip(cont, static, strict=True))
+    # Static, closed form: requests that take a slot form batches of max_batch, in order; a full
+    # batch runs until its longest request is done before anyone else is admitted.
+    offset, batch = 0, []
+    for i, n in enumerate(needs):
+        if len(batch) == max_batch:
+            offset += max(needs[j] for j in batch)
+            batch = []
+        if n > 0:
+            batch.append(i)
+        assert static[i] == offset + n
+    if needs and any(needs):  # continuous: no faster than the work spread over all slots, or the longest
+        assert max(cont) >= max(max(needs), math.ceil(sum(needs) / max_batch))
+    if max_batch == 1:
+        assert cont == static  # one slot: nothing to refill early
+
+
+def test_simulate_by_hand():
+    # two slots; lengths 1, 10, 10: static waits for the long one before admitting the third
+    assert simulate([1, 10, 10], 2, "static") == [1, 10, 20]
+    assert simulate([1, 10, 10], 2, "continuous") == [1, 10, 11]
+    assert simulate([0, 2], 1, "continuous") == [0, 2]  # a prefill-only request never takes the slot
+    with pytest.raises(ValueError, match="policy must be one of"):
+        simulate([1], 1, "dynamic")
+    with pytest.raises(ValueError, match="steps_needed must hold ints >= 0"):
+        simulate([1, -1], 1)
+
+
+def test_serve_rejects_bad_input(tiny_model):
+    with pytest.raises(ValueError, match="non-empty list of Request"):
+        serve(tiny_model, [])
+    with pytest.raises(TypeError, match=r"requests\[0\] must be a Request"):
+        serve(tiny_model, [("hi", 3)])
+    with pytest.raises(ValueError, match="max_new_tokens must be"):
+        serve(tiny_model, [Request("hi", 0)])
+    with pytest.raises(ValueError, match="context window"):
+        serve(tiny_model, [Request("x" * 60, 10)])
+    with pytest.raises(ValueError, match="max_batch must be"):
+        serve(tiny_model, [Request("hi", 2)], max_batch=0)
+    with pytest.raises(ValueError, match="policy must be"):
+        serve(tiny_model, [Request("hi", 2)], policy="fifo")
+    with pytest.raises(ValueError, match="one max_new_tokens and one seed per prompt"):
+        generate_batch(tiny_model, ["a", "b"], [2])
+
+
+# --- prefix cache ----------------------------------------------------------------------------
+
+
+@given(configs, st.integers(1, 30), st.integers(0, 8), st.integers(1, 8))
+def test_prefix_cache_gives_the_same_output_and_prefills_only_the_rest(cfg_seed, prefix_len, suffix_len, n_new):
+    model = model_for(cfg_seed)
+    prefix, suffix = random_prompts([prefix_len, suffix_len], seed=prefix_len)
+    prompt = prefix + suffix
+    pc = PrefixCache(model, prefix)
+    plain = generate(model, prompt, n_new, eos_id=None)
+    reused = generate(model, prompt, n_new, eos_id=None, cache=pc.cache_for(prompt, n_new))
+    assert_same_greedy(model, prompt, plain.tokens, reused.tokens)
+    n = min(prefix_len, len(prompt) - 1)
+    assert pc.reusable(prompt) == n
+    # the prefill fed only the positions after the reused prefix (at least the last prompt token)
+    assert reused.stats.positions_processed == plain.stats.positions_processed - n
+    with torch.no_grad():  # and the first token's logits are those of the full prompt
+        c = pc.cache_for(prompt, 1)
+        first = model(torch.tensor([prompt[n:]]), c)[0, -1]
+        torch.testing.assert_close(first, model(torch.tensor([prompt]))[0, -1], atol=1e-5, rtol=1e-4)
+
+
+def test_reusable_length_rules():
+    assert reusable_length([1, 2, 3], [1, 2, 3, 4, 5]) == 3
+    assert reusable_length([1, 2, 3], [1, 2, 3]) == 2  # the last prompt token must still be fed
+    assert reusable_length([1, 2, 3], [1, 2]) == 1
+    assert reusable_length([1, 2, 3], [1, 9, 3, 4]) == 1  # only the shared start counts
+    assert reusable_length([1, 2, 3], [7, 8]) == 0
+    with pytest.raises(ValueError, match="empty"):
+        reusable_length([1], [])
+
+
+def test_prefix_cache_in_serve_and_shape_errors(tiny_model):
+    prefix = random_prompts([30])[0]
+    requests = [Request(prefix + s, n) for s, n in zip(random_prompts([3, 6, 1], seed=5), [6, 3, 9], strict=True)]
+    pc = PrefixCache(tiny_model, prefix)
+    with_prefix = serve(tiny_model, requests, max_batch=2, prefix=pc, eos_id=None)
+    without = serve(tiny_model, requests, max_batch=2, eos_id=None)
+    assert [r.reused for r in with_prefix.results] == [30, 30, 30]
+    assert [r.reused for r in without.results] == [0, 0, 0]
+    for a, b in zip(without.results, with_prefix.results, strict=True):
+        assert_same_greedy(tiny_model, a.prompt, a.tokens, b.tokens)
+    other = GPT(GPTConfig(block_size=64, n_layer=2, n_head=2, n_embd=32))
+    with pytest.raises(ValueError, match="cannot copy a prefix cache"):
+        pc.copy_into(KVCache.for_model(other, max_len=40), prefix + [1])
+    with pytest.raises(ValueError, match="context window"):
+        PrefixCache(tiny_model, list(range(65)))
+
+
+# --- streaming and the cache= argument of generate ---------------------------------------
+
+
+def test_stream_events_carry_each_tokens_latency(tiny_model):
+    events = list(stream(tiny_model, "héllo wörld", 25, eos_id=None))
+    stats = events[0].stats
+    token_events = [e for e in events if e.token >= 0]
+    assert token_events[0].latency == stats.prefill_time > 0
+    assert [e.latency for e in token_events[1:]] == stats.decode_times
+    assert math.isclose(sum(e.latency for e in events), stats.total_time)
+    s = StreamSummary.from_stats(stats)
+    assert s.tokens == 25 and s.ttft == stats.prefill_time and s.tokens_per_s == pytest.approx(25 / stats.total_time)
+
+
+def test_generate_continues_a_conversation_through_its_cache(tiny_model):
+    """Turn 1, then a long inserted block (a tool result), then turn 2: reusing the cache gives
+    what a fresh run over the whole text gives, and prefills only the inserted tokens."""
+    prompt, inserted = random_prompts([5, 20], seed=9)
+    cache = KVCache.for_model(tiny_model, max_len=50)
+    first = generate(tiny_model, prompt, 8, eos_id=None, cache=cache)
+    assert cache.length == len(prompt) + 8 - 1  # the last new token is not fed yet
+    context = prompt + first.tokens + inserted
+    second = generate(tiny_model, context, 10, eos_id=None, cache=cache)
+    fresh = generate(tiny_model, context, 10, eos_id=None)
+    assert_same_greedy(tiny_model, context, fresh.tokens, second.tokens)
+    assert second.stats.positions_processed == len(inserted) + 1 + 9  # last turn-1 token + inserted, then 9 steps
+    with pytest.raises(ValueError, match="use_cache=False"):
+        generate(tiny_model, prompt, 3, use_cache=False, cache=cache)
+    with pytest.raises(ValueError, match="needs 12"):
+        generate(tiny_model, prompt, 8, cache=KVCache.for_model(tiny_model, max_len=6))
+    with pytest.raises(ValueError, match="batch size 1"):
+        generate(tiny_model, prompt, 3, cache=KVCache.for_model(tiny_model, batch_size=2))
+
+
+# --- figures -----------------------------------------------------------------------------------
+
+
+def test_latency_budget_and_its_inverse():
+    assert latency_budget(0.5, 0.02, 1) == 0.5
+    assert latency_budget(0.5, 0.02, 801) == pytest.approx(16.5)
+    for n in (1, 2, 10, 800):
+        assert tokens_within(latency_budget(0.3, 0.01, n), 0.3, 0.01) == n
+    assert tokens_within(0.1, 0.3, 0.01) == 0
+    with pytest.raises(ValueError, match="n_tokens"):
+        latency_budget(0.1, 0.1, 0)
+
+
+def test_decode_throughput_rows(tiny_model):
+    rows = decode_throughput(tiny_model, [1, 4], context=8, steps=3, repeats=1)
+    assert [r["batch"] for r in rows] == [1, 4]
+    assert all(r["step_s"] > 0 and r["tokens_per_s"] == pytest.approx(r["batch"] / r["step_s"]) for r in rows)
+    with pytest.raises(ValueError, match="context window"):
+        decode_throughput(tiny_model, [1], context=60, steps=10)
