@@ -18,6 +18,7 @@ from ar_lab.serving import (
     generate_batch,
     latency_budget,
     mixed_workload,
+    prefix_ttft,
     reusable_length,
     serve,
     simulate,
@@ -353,3 +354,14 @@ def test_decode_throughput_rows(tiny_model):
     assert all(r["step_s"] > 0 and r["tokens_per_s"] == pytest.approx(r["batch"] / r["step_s"]) for r in rows)
     with pytest.raises(ValueError, match="context window"):
         decode_throughput(tiny_model, [1], context=60, steps=10)
+
+
+def test_prefix_ttft_reports_both_sides_and_equal_outputs(tiny_model):
+    prefix = random_prompts([40])[0]
+    res = prefix_ttft(tiny_model, prefix, [[1, 2, 3], [4, 5]], max_new_tokens=4, repeats=2)
+    assert res["prefix_tokens"] == 40 and res["suffix_tokens"] == [3, 2]
+    assert res["runs"] == 4 and res["identical_outputs"] == 4
+    assert res["ttft_plain_s"] > 0 and res["ttft_reused_s"] > 0
+    assert res["speedup"] == pytest.approx(res["ttft_plain_s"] / res["ttft_reused_s"])
+    with pytest.raises(ValueError, match="at least one suffix"):
+        prefix_ttft(tiny_model, prefix, [])
