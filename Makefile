@@ -12,8 +12,8 @@ PYTEST_ARGS ?=
 help:
 	@echo "make lab          set up and open the course in JupyterLab"
 	@echo "make test         set up and run every test (ruff, unit/property tests, notebooks)"
-	@echo "make checkpoints  retrain the shipped checkpoints in data/ (about 25 minutes)"
-	@echo "make bench        run the benchmarks (python -m ar_lab.bench ...)"
+	@echo "make checkpoints  retrain the shipped checkpoints in data/ (about an hour on 2 cores)"
+	@echo "make bench        run every benchmark (python -m ar_lab.bench decode|roofline|speculative|serving)"
 
 $(BIN)/python:
 	@$(PYTHON) -c 'import sys; sys.exit(0 if sys.version_info >= (3, 10) else "ar_lab needs Python 3.10 or newer")'
@@ -44,6 +44,9 @@ checkpoints: $(COURSE_STAMP)
 
 bench: $(DEV_STAMP)
 	$(BIN)/python -m ar_lab.bench decode
+	$(BIN)/python -m ar_lab.bench roofline --json bench-results/roofline.json
+	$(BIN)/python -m ar_lab.bench speculative
+	$(BIN)/python -m ar_lab.bench serving
 
 clean:
 	rm -rf $(VENV)

@@ -217,7 +217,8 @@ def default_device() -> torch.device:
 # phase a fresh optimizer and schedule, continuing from the previous phase's weights).
 PRESETS: dict[str, tuple[GPTConfig, list[TrainConfig]]] = {
     # The course model: ~3.5 M parameters. Phase 1 trains every position of the
-    # 1,024-token window; phase 2 continues on 512-token windows, cheaper per token.
+    # 1,024-token window; phase 2 continues on 512-token windows, cheaper per token;
+    # phase 3 returns to full windows (without it, positions past 512 lose ~2 nats).
     "course": (
         GPTConfig(block_size=1024, n_layer=4, n_head=4, n_embd=256, dropout=0.0),
         [
@@ -225,6 +226,8 @@ PRESETS: dict[str, tuple[GPTConfig, list[TrainConfig]]] = {
             TrainConfig(
                 steps=600, batch_size=16, block_size=512, lr=1.5e-3, warmup_steps=20, eval_every=100, seed=1338
             ),
+            # Phase 3: back to full windows, so positions 512..1023 fit the weights phase 2 moved.
+            TrainConfig(steps=120, batch_size=8, block_size=1024, lr=6e-4, warmup_steps=10, eval_every=40, seed=1339),
         ],
     ),
     # The draft for speculative decoding: same tokenizer, a fraction of the cost.
@@ -267,6 +270,8 @@ def train_preset(name: str, out: Path | None = None, progress: bool = True, resu
         done = model.checkpoint_record.get("phases", [])
         if model.config != config or model.checkpoint_record.get("preset") != name or not done:
             raise ValueError(f"{resume} is not a partial {name!r} checkpoint of this preset")
+        if len(done) >= len(phases):
+            raise ValueError(f"{resume} has already run all {len(phases)} phases of {name!r}: nothing to resume")
     else:
         torch.manual_seed(phases[0].seed)
         model = GPT(config)

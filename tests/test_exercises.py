@@ -91,3 +91,41 @@ def test_every_exercise_fails_in_the_student_version(path):
     assert results, f"{path.name} has no graded cells"
     passing = [r.grade_id for r in results if r.passed]
     assert not passing, f"{path.name}: these tests pass without the learner's work: {passing}"
+
+
+def test_autograde_full_zero_and_partial_marks(tmp_path):
+    """Three submissions of chapter 00: the solutions, the untouched release, one exercise done."""
+    from ar_lab.exercises import autograde, strip_solutions
+
+    source_path = NOTEBOOKS / "00_start_here.ipynb"
+    source = nbformat.read(source_path, as_version=4)
+    student = student_version(source)
+    partial = student_version(source)
+    solved = next(c for c in source.cells if nbgrader_meta_id(c) == "ch00-to-tokens")
+    for cell in partial.cells:
+        if nbgrader_meta_id(cell) == "ch00-to-tokens":
+            cell.source = solved.source  # this learner did exercise 1 only
+    cheater = student_version(source)
+    for cell in cheater.cells:  # edits a locked test cell to pass: must be undone by the grader
+        if nbgrader_meta_id(cell) == "ch00-tokens-per-char-tests":
+            cell.source = "pass"
+    for name, nb in [("ada", source), ("bob", student), ("cy", partial), ("dee", cheater)]:
+        (tmp_path / "submitted" / name).mkdir(parents=True)
+        nbformat.write(nb, tmp_path / "submitted" / name / source_path.name)
+    graded = {g.student: g for g in autograde(tmp_path / "submitted", NOTEBOOKS, tmp_path / "grades")}
+    total = graded["ada"].max_score
+    assert total > 0 and graded["ada"].score == total
+    assert graded["bob"].score == 0 and not any(r.passed for r in graded["bob"].results)
+    assert 0 < graded["cy"].score < total
+    assert [r.passed for r in graded["cy"].results] == [True, False]
+    assert graded["dee"].score == 0
+    csv_text = (tmp_path / "grades" / "grades.csv").read_text()
+    assert "cy,00_start_here.ipynb,ch00-to-tokens-tests,1.0,1.0" in csv_text
+    feedback = (tmp_path / "grades" / "feedback" / "cy" / "00_start_here.txt").read_text()
+    assert "[passed] ch00-to-tokens-tests" in feedback and "[FAILED] ch00-tokens-per-char-tests" in feedback
+    assert "not implemented yet" in feedback
+    assert strip_solutions(solved.source) != solved.source
+
+
+def nbgrader_meta_id(cell):
+    return cell.get("metadata", {}).get("nbgrader", {}).get("grade_id")
