@@ -20,6 +20,18 @@ from dataclasses import dataclass
 import torch
 
 
+def _buffers(n_layer, batch, n_kv_heads, max_len, head_dim, dtype, device, batch_name="batch_size"):
+    """Per-layer key and value buffers (batch, H_kv, max_len, D), after checking every size."""
+    sizes = [("n_layer", n_layer), (batch_name, batch), ("n_kv_heads", n_kv_heads), ("max_len", max_len)]
+    for name, value in [*sizes, ("head_dim", head_dim)]:
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ValueError(f"{name} must be a positive int, got {value!r}")
+    shape = (batch, n_kv_heads, max_len, head_dim)
+    k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_layer)]
+    v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_layer)]
+    return k, v
+
+
 class KVCache:
     def __init__(
         self,
@@ -31,18 +43,7 @@ class KVCache:
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
     ) -> None:
-        for name, value in [
-            ("n_layer", n_layer),
-            ("batch_size", batch_size),
-            ("n_kv_heads", n_kv_heads),
-            ("max_len", max_len),
-            ("head_dim", head_dim),
-        ]:
-            if not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be a positive int, got {value!r}")
-        shape = (batch_size, n_kv_heads, max_len, head_dim)
-        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_layer)]
-        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_layer)]
+        self.k, self.v = _buffers(n_layer, batch_size, n_kv_heads, max_len, head_dim, dtype, device)
         self.max_len = max_len
         self.batch_size = batch_size
         self.length = 0  # positions filled so far
@@ -135,18 +136,7 @@ class BatchKVCache:
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
     ) -> None:
-        for name, value in [
-            ("n_layer", n_layer),
-            ("max_batch", max_batch),
-            ("n_kv_heads", n_kv_heads),
-            ("max_len", max_len),
-            ("head_dim", head_dim),
-        ]:
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"{name} must be a positive int, got {value!r}")
-        shape = (max_batch, n_kv_heads, max_len, head_dim)
-        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_layer)]
-        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_layer)]
+        self.k, self.v = _buffers(n_layer, max_batch, n_kv_heads, max_len, head_dim, dtype, device, "max_batch")
         self.max_batch, self.max_len = max_batch, max_len
         self.lengths = [0] * max_batch  # positions filled in each slot
         self.rows = 0  # slots 0..rows-1 are in use
