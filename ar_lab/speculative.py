@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -43,7 +43,7 @@ import torch
 from ar_lab.cache import KVCache
 from ar_lab.generate import _check_args, _prompt_ids
 from ar_lab.sampling import GREEDY, SamplingParams, probabilities
-from ar_lab.tokenizer import EOS_ID, decode
+from ar_lab.tokenizer import EOS_ID, decode, encode
 
 # --- the theory ------------------------------------------------------------------------
 
@@ -125,6 +125,28 @@ def best_gamma(alpha: float, c: float, max_gamma: int = 64) -> int:
     return max(range(max_gamma + 1), key=lambda g: (speedups[g], -g))
 
 
+def alpha_for_speedup(speedup: float, gamma: int, c: float, verify_cost: float = 1.0) -> float | None:
+    """The smallest alpha at which (tokens per iteration) / (gamma c + verify_cost) reaches ``speedup``.
+
+    ``verify_cost`` is the verifying pass in target steps (the theory's 1; measure it on a
+    real machine). None if even alpha = 1 falls short. Found by bisection: the expected
+    tokens per iteration grow with alpha.
+    """
+    _check_gamma(gamma), _check_cost(c)
+    if not (speedup > 0 and verify_cost > 0):
+        raise ValueError(f"speedup and verify_cost must be > 0, got {speedup!r} and {verify_cost!r}")
+    need = speedup * (gamma * c + verify_cost)  # tokens per iteration needed
+    if expected_tokens_per_iteration(1.0, gamma) < need:
+        return None
+    if expected_tokens_per_iteration(0.0, gamma) >= need:
+        return 0.0
+    lo, hi = 0.0, 1.0
+    for _ in range(60):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if expected_tokens_per_iteration(mid, gamma) < need else (lo, mid)
+    return hi
+
+
 # --- the pieces of one iteration (small, so tests can swap one for a wrong version) ----
 
 
@@ -198,7 +220,7 @@ class SpeculativeStats:
     draft_positions: int = 0
     target_time: float = 0.0  # seconds in target forward passes (and their distributions)
     draft_time: float = 0.0  # seconds in draft forward passes (and their draws)
-    total_time: float = 0.0  # seconds for the whole call
+    total_time: float = 0.0  # seconds from the first forward pass to the last token (as generate counts)
     stop_reason: str = ""  # "eos" or "max_new_tokens"
 
     @property
@@ -246,6 +268,19 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def steady_clock(device: torch.device | str = "cpu") -> Callable[[], float]:
+    """The clock to time decoding with on ``device``: CPU time of this process when torch
+    computes on the CPU with one thread, else the wall clock.
+
+    One thread's CPU time is the wall-clock time the work takes on a quiet machine, and
+    other processes on a shared machine do not inflate it (they only delay it). On a GPU,
+    or with several threads, only the wall clock measures the work.
+    """
+    if torch.device(device).type == "cpu" and torch.get_num_threads() == 1:
+        return time.process_time
+    return time.perf_counter
+
+
 def speculative_generate(
     target,
     draft,
@@ -255,6 +290,7 @@ def speculative_generate(
     sampling: SamplingParams = GREEDY,
     generator: torch.Generator | None = None,
     eos_id: int | None = EOS_ID,
+    clock: Callable[[], float] = time.perf_counter,
 ) -> SpeculativeGeneration:
     """Generate like ``ar_lab.generate(target, ...)`` with ``draft`` proposing ``gamma`` tokens at a time.
 
@@ -262,8 +298,8 @@ def speculative_generate(
     the same text when greedy); only the speed and ``stats`` differ. Stops at ``eos_id``
     (not included in ``tokens``) or after ``max_new_tokens`` tokens, as ``generate`` does.
     ``gamma = 0`` is plain decoding with the target. Random draws come from ``generator``.
+    ``clock`` times the stats (wall clock by default; see ``steady_clock``).
     """
-    t_start = time.perf_counter()
     prompt_ids = _prompt_ids(prompt)
     gamma = _check_gamma(gamma)
     if not isinstance(sampling, SamplingParams):
@@ -293,12 +329,13 @@ def speculative_generate(
     target.eval(), draft.eval()
     try:
         with torch.inference_mode():
+            t_start = clock()  # as generate's clock: from the first forward pass on
             while stats.produced < N:
                 g = min(gamma, N - stats.produced - 1)  # never propose past max_new_tokens
 
                 # 1. The draft proposes g tokens, one forward pass each. Its cache may lag
                 #    behind seq by two tokens (after a full accept): feed whatever it lacks.
-                t0 = time.perf_counter()
+                t0 = clock()
                 drafts: list[int] = []
                 qs: list[torch.Tensor] = []
                 for i in range(g):
@@ -313,7 +350,7 @@ def speculative_generate(
                         qs.append(q)
                         drafts.append(draw(q, generator))
                 _sync(device)
-                t1 = time.perf_counter()
+                t1 = clock()
                 stats.draft_time += t1 - t0
                 stats.proposals += g
 
@@ -347,7 +384,7 @@ def speculative_generate(
                         stats.alpha_sum += float(acceptance_rate(p[:tested], q[:tested]).sum())
                     emitted = finish_iteration(drafts, p, qs, n, generator)
                 _sync(device)
-                stats.target_time += time.perf_counter() - t1
+                stats.target_time += clock() - t1
                 stats.tested += min(g, n + 1)
                 stats.acceptances += n
                 stats.accepted_per_iteration.append(n)
@@ -370,7 +407,7 @@ def speculative_generate(
         stats.stop_reason = "eos"
     else:
         stats.stop_reason = "max_new_tokens"
-    stats.total_time = time.perf_counter() - t_start
+    stats.total_time = clock() - t_start
     text = decode([t for t in tokens if t < 256])
     return SpeculativeGeneration(prompt_ids, tokens, text, stats)
 
@@ -401,6 +438,9 @@ class SpeculationView:
     seed: int
     result: SpeculativeGeneration
     baseline: object  # ar_lab.generate.Generation: plain cached decoding with the target, same settings
+    baseline_time: float  # seconds for the plain run (the fastest of the repeats)
+    speculative_time: float  # seconds for the speculative run (the fastest of the repeats)
+    clock_name: str = "wall clock"
     max_gamma: int = 8
 
     @property
@@ -413,19 +453,18 @@ class SpeculationView:
 
     @property
     def target_step_time(self) -> float:
-        """Seconds per plain decode step of the target (the baseline's mean after the first token)."""
-        s = self.baseline.stats
-        return s.mean_tpot if s.decode_times else s.total_time
+        """Seconds per token of plain decoding: one target step, as plain decoding pays it."""
+        return self.baseline_time / max(1, len(self.baseline.tokens))
 
     @property
     def cost_ratio(self) -> float:
-        """c: one draft forward pass / one target decode step, both measured in this view."""
+        """c: one draft forward pass (with its pick) / one target step, both measured in this view."""
         return self.result.stats.draft_time_per_call / self.target_step_time if self.gamma else 0.0
 
     @property
     def measured_speedup(self) -> float:
-        """Plain decoding's wall time / speculative decoding's, for the same number of tokens."""
-        return self.baseline.stats.total_time / self.result.stats.total_time
+        """Plain decoding's time / speculative decoding's, for the same number of tokens."""
+        return self.baseline_time / self.speculative_time
 
     @property
     def predicted_speedup(self) -> float:
@@ -456,11 +495,15 @@ def speculation_view(
     max_new_tokens: int = 64,
     draft_name: str = "draft",
     max_gamma: int = 8,
+    repeats: int = 2,
+    clock: Callable[[], float] | None = None,
 ) -> SpeculationView:
     """Run plain and speculative decoding side by side on ``prompt`` and gather what the explorer shows.
 
     Both runs generate exactly ``max_new_tokens`` tokens (no EOS stop, so their times
-    compare) with ``sampling``, each from a generator seeded with ``seed``. The same
+    compare) with ``sampling``, each from a generator seeded with ``seed``. They alternate
+    ``repeats`` times and the fastest run of each is kept (a shared machine's hiccups
+    only ever add time), timed with ``clock`` (default: ``steady_clock``). The same
     arguments give the same tokens and counts; the times are measurements.
     """
     from ar_lab.generate import generate
@@ -469,17 +512,52 @@ def speculation_view(
         raise ValueError("the prompt is empty: type at least one character")
     if not isinstance(max_gamma, int) or max_gamma < max(gamma, 1):
         raise ValueError(f"max_gamma must be an int >= gamma and >= 1, got {max_gamma!r}")
+    if not isinstance(repeats, int) or repeats < 1:
+        raise ValueError(f"repeats must be an int >= 1, got {repeats!r}")
     device = target.device
-    generate(target, prompt, 2, sampling=sampling, generator=torch.Generator(device).manual_seed(seed), eos_id=None)
-    baseline = generate(
-        target,
-        prompt,
-        max_new_tokens,
-        sampling=sampling,
-        generator=torch.Generator(device).manual_seed(seed),
-        eos_id=None,
+    clock = steady_clock(device) if clock is None else clock
+
+    def seeded():
+        return torch.Generator(device).manual_seed(seed)
+
+    generate(target, prompt, 2, sampling=sampling, generator=seeded(), eos_id=None)  # warm-up
+    best: dict[str, tuple[float, object]] = {}
+    for _ in range(repeats):
+        for name in ("plain", "speculative"):
+            t0 = clock()
+            if name == "plain":
+                out = generate(target, prompt, max_new_tokens, sampling=sampling, generator=seeded(), eos_id=None)
+            else:
+                out = speculative_generate(
+                    target, draft, prompt, max_new_tokens, gamma, sampling, seeded(), eos_id=None, clock=clock
+                )
+            _sync(device)
+            seconds = clock() - t0
+            if name not in best or seconds < best[name][0]:
+                best[name] = (seconds, out)
+    clock_name = "CPU time" if clock in (time.process_time, time.thread_time) else "wall clock"
+    (t_plain, baseline), (t_spec, result) = best["plain"], best["speculative"]
+    return SpeculationView(
+        prompt, draft_name, gamma, sampling, seed, result, baseline, t_plain, t_spec, clock_name, max_gamma
     )
-    result = speculative_generate(
-        target, draft, prompt, max_new_tokens, gamma, sampling, torch.Generator(device).manual_seed(seed), eos_id=None
-    )
-    return SpeculationView(prompt, draft_name, gamma, sampling, seed, result, baseline, max_gamma)
+
+
+def benchmark_prompts(n: int = 3, length: int = 32) -> list[list[int]]:
+    """``n`` prompts of up to ``length`` tokens, evenly spaced through the validation text.
+
+    Text the models never trained on; a window that crosses a document boundary starts
+    after its EOS. Chapter 07 and ``python -m ar_lab.bench speculative`` time on these.
+    """
+    from ar_lab.data import corpus_tokens, train_val_split
+
+    if not isinstance(n, int) or n < 1 or not isinstance(length, int) or length < 1:
+        raise ValueError(f"n and length must be ints >= 1, got {n!r} and {length!r}")
+    _, val = train_val_split(corpus_tokens())
+    step = (len(val) - length) // n
+    prompts = []
+    for i in range(n):
+        window = val[i * step : i * step + length].tolist()
+        if EOS_ID in window:
+            window = window[window.index(EOS_ID) + 1 :] or window[: window.index(EOS_ID)]
+        prompts.append([t for t in window if t != EOS_ID] or encode(" "))
+    return prompts

@@ -423,7 +423,8 @@ class SpeculationExplorer:
             f"α = <b>{view.alpha:.2f}</b> ({s.acceptances}/{s.tested} tested drafts accepted), "
             f"<b>{view.tokens_per_target_call:.2f}</b> tokens per target call "
             f"({s.target_calls} calls for {s.produced} tokens), c = {view.cost_ratio:.3f}; "
-            f"speedup measured <b>{view.measured_speedup:.2f}×</b>, theory {view.predicted_speedup:.2f}×.{exact}"
+            f"speedup measured <b>{view.measured_speedup:.2f}×</b> ({view.clock_name}), "
+            f"theory {view.predicted_speedup:.2f}×.{exact}"
         )
         fig, axes = plt.subplots(1, 2, figsize=(10, 3.4))
         plot_speculation_view(axes, view)

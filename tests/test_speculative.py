@@ -11,6 +11,7 @@ passes the distribution test and fails the efficiency test instead.
 
 import itertools
 import math
+import time
 
 import pytest
 import torch
@@ -25,6 +26,7 @@ from ar_lab.sampling import SamplingParams, probabilities
 from ar_lab.speculative import (
     acceptance_rate,
     accepted_count,
+    alpha_for_speedup,
     best_gamma,
     expected_speedup,
     expected_tokens_per_iteration,
@@ -99,6 +101,17 @@ def test_best_gamma_extremes():
     assert best_gamma(0.9, 2.0) == 0  # the draft costs more than the target
     assert best_gamma(1.0, 0.0, max_gamma=20) == 20  # free, always right: as many as allowed
     assert best_gamma(0.95, 0.02) > best_gamma(0.6, 0.02) > 0  # a better draft earns a longer gamma
+
+
+def test_alpha_for_speedup_inverts_the_formula():
+    for speedup, gamma, c, v in [(1.5, 2, 0.2, 1.0), (2.0, 4, 0.1, 1.0), (1.5, 3, 0.19, 1.5), (1.2, 1, 0.0, 1.0)]:
+        a = alpha_for_speedup(speedup, gamma, c, v)
+        assert expected_tokens_per_iteration(a, gamma) / (gamma * c + v) == pytest.approx(speedup, rel=1e-9)
+    assert expected_speedup(alpha_for_speedup(1.5, 2, 0.2), 2, 0.2) == pytest.approx(1.5)  # verify_cost 1
+    assert alpha_for_speedup(3.5, 2, 0.0) is None  # gamma 2 emits at most 3 tokens per call
+    assert alpha_for_speedup(0.5, 2, 0.2) == 0.0  # slower than plain decoding is always reachable
+    with pytest.raises(ValueError, match="verify_cost"):
+        alpha_for_speedup(1.5, 2, 0.2, 0.0)
 
 
 @pytest.mark.parametrize(
@@ -437,9 +450,10 @@ def test_training_mode_is_restored_and_bad_input_is_explained():
 def test_speculation_view_measures_and_predicts():
     target, draft = _tiny(0), _tiny(1, n_layer=1, n_embd=16)
     view = speculation_view(target, draft, "hello", gamma=3, max_new_tokens=24, draft_name="tiny")
-    again = speculation_view(target, draft, "hello", gamma=3, max_new_tokens=24, draft_name="tiny")
+    again = speculation_view(target, draft, "hello", gamma=3, max_new_tokens=24, draft_name="tiny", repeats=1)
     assert view.same_tokens and view.result.tokens == again.result.tokens and view.alpha == again.alpha
-    assert view.measured_speedup > 0 and view.cost_ratio > 0
+    assert view.measured_speedup > 0 and view.cost_ratio > 0 and view.clock_name == "CPU time"
+    assert view.measured_speedup == pytest.approx(view.baseline_time / view.speculative_time)
     curves = view.theory()
     assert curves["gamma"] == list(range(9)) and curves["speedup"][0] == 1.0
     assert curves["speedup"][3] == pytest.approx(view.predicted_speedup)
@@ -450,6 +464,8 @@ def test_speculation_view_measures_and_predicts():
     assert self_view.alpha == 1.0 and self_view.tokens_per_target_call > 2.5
     with pytest.raises(ValueError, match="prompt is empty"):
         speculation_view(target, draft, "")
+    with pytest.raises(ValueError, match="repeats"):
+        speculation_view(target, draft, "hello", repeats=0)
 
 
 def test_speculation_explorer_widget_headless():
@@ -496,3 +512,26 @@ def test_speculative_benchmark_runs_and_reports_ratios():
     assert "meas/pred" in table and "greedy" in table and "T=1" in table
     with pytest.raises(ValueError, match="gammas"):
         speculative_benchmark(target, draft, gammas=[0])
+
+
+def test_benchmark_prompts_are_fixed_validation_windows():
+    from ar_lab.speculative import benchmark_prompts
+
+    a, b = benchmark_prompts(4, 20), benchmark_prompts(4, 20)
+    assert a == b and len(a) == 4 and len({tuple(p) for p in a}) == 4
+    assert all(1 <= len(p) <= 20 and EOS_ID not in p for p in a)
+    with pytest.raises(ValueError, match="n and length"):
+        benchmark_prompts(0)
+
+
+def test_steady_clock_is_cpu_time_only_for_one_cpu_thread():
+    from ar_lab.speculative import steady_clock
+
+    assert steady_clock("cpu") is time.process_time  # the module runs on one thread
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        assert steady_clock("cpu") is time.perf_counter
+    finally:
+        torch.set_num_threads(before)
+    assert steady_clock("cuda") is time.perf_counter
