@@ -1,0 +1,500 @@
+"""The course as a learner sees it: JupyterLab in Chromium, every notebook run from the menu.
+
+One JupyterLab (this interpreter's) serves a temporary copy of notebooks/ on a free
+loopback port; one headless Chromium (the system's: `apt-get install chromium`, never
+a Playwright download) opens each notebook in its own page, clears it, runs
+Run → Run All Cells and waits for the kernel to be idle. A notebook fails on an error
+output, a traceback on stderr, a widget that was not drawn ("Error displaying widget"),
+a browser console error, or a cell that never ran.
+
+The explorers are then driven through the page: keys on slider handles, typing in
+boxes and slider readouts, choosing from drop-downs, clicking radio buttons and
+"Check". Each assertion compares what the page shows with what ar_lab computes (the
+KV-cache sizes), or with a relation that must hold (top-k = 15 keeps 15 tokens; a
+seed changes the samples but not the distribution; a draft identical to the target
+accepts every token). Screenshots of every explorer and quiz go to
+$AR_LAB_SCREENSHOTS (default bench-results/browser/); the path is printed.
+
+Without Chromium or Playwright these tests skip and say how to enable them.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+
+from ar_lab.quiz import questions
+
+pytestmark = pytest.mark.browser
+
+ROOT = Path(__file__).resolve().parent.parent
+NOTEBOOKS = sorted(p.name for p in (ROOT / "notebooks").glob("[0-9][0-9]_*.ipynb"))
+SHOTS = Path(os.environ.get("AR_LAB_SCREENSHOTS", ROOT / "bench-results" / "browser"))
+NOTEBOOK_TIMEOUT_S = 300  # per notebook; each is written to run in < 90 s on a 2-core CPU
+# Notebooks that run at once, each in its own page and kernel (they are CPU-bound and mostly
+# single-threaded, so two share a 2-core CI machine well); each kernel gets cores / JOBS threads.
+JOBS = int(os.environ.get("AR_LAB_BROWSER_JOBS", "2"))
+UPDATE_TIMEOUT_MS = 60_000  # one explorer update (a kernel round trip that may generate text)
+HOW_TO_ENABLE = (
+    "browser tests need Chromium and Playwright: `apt-get install chromium` (Debian/Ubuntu; or set "
+    "AR_LAB_CHROMIUM=/path/to/chrome) and `pip install -r requirements/dev.txt`; "
+    "never `playwright install`, the system browser is used"
+)
+
+# Notebooks whose explorers are driven below: their page (and kernel) stays open after the run.
+EXPLORER_NOTEBOOKS = {"04_kv_cache.ipynb", "06_sampling.ipynb", "07_speculative_decoding.ipynb"}
+
+# Console errors JupyterLab itself may log that say nothing about the course (keep this short,
+# and say why for each): none needed so far with the pinned JupyterLab.
+BENIGN_CONSOLE_ERRORS: list[re.Pattern] = []
+
+
+def _terminal(config, line: str) -> None:
+    """Print past pytest's output capture (the screenshot folder must be seen without -s)."""
+    reporter = config.pluginmanager.get_plugin("terminalreporter")
+    capture = config.pluginmanager.get_plugin("capturemanager")
+    if reporter is None or capture is None:
+        return
+    with capture.global_and_fixture_disabled():
+        reporter.write_line(line)
+
+
+@pytest.fixture(scope="module")
+def lab(pytestconfig):
+    """JupyterLab + Chromium on a temporary copy of the course, shut down after this module's tests."""
+    try:
+        import playwright.sync_api  # noqa: F401
+    except ImportError:
+        pytest.skip(f"Playwright is not installed; {HOW_TO_ENABLE}")
+    from browser.jupyterlab import Lab, find_chromium
+
+    chromium = find_chromium()
+    if chromium is None:
+        pytest.skip(f"no Chromium found; {HOW_TO_ENABLE}")
+    tmp = Path(tempfile.mkdtemp(prefix="ar_lab-browser-"))
+    try:
+        shutil.copytree(ROOT / "notebooks", tmp / "course", ignore=shutil.ignore_patterns(".ipynb_checkpoints"))
+        SHOTS.mkdir(parents=True, exist_ok=True)
+        _terminal(pytestconfig, f"\nbrowser tests: JupyterLab on {tmp / 'course'}, screenshots in {SHOTS}")
+        env = {"AR_LAB_DATA": os.environ.get("AR_LAB_DATA", str(ROOT / "data"))}
+        if JOBS > 1 and "OMP_NUM_THREADS" not in os.environ:
+            env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // JOBS))
+        t0 = time.perf_counter()
+        session = Lab(tmp / "course", tmp / "state", chromium, env, jobs=JOBS)
+        _terminal(pytestconfig, f"browser tests: JupyterLab and Chromium up in {time.perf_counter() - t0:.1f} s")
+        try:
+            yield session
+        finally:
+            session.close()
+            timings = {name: round(s, 1) for name, s in session.timings.items()}
+            (SHOTS / "timings.json").write_text(json.dumps(timings, indent=1) + "\n")
+            _terminal(
+                pytestconfig, f"\nbrowser tests: {time.perf_counter() - t0:.0f} s in all, {JOBS} notebook(s) at once"
+            )
+            _terminal(pytestconfig, f"browser tests: seconds from Run All to idle, per notebook: {timings}")
+            _terminal(pytestconfig, f"browser tests: screenshots in {SHOTS}")
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+@pytest.fixture
+def ran(lab):
+    """ran(name): the open page of notebook ``name`` after a clean Run All; closed after the test.
+
+    Skips when the chapter does not exist yet.
+    """
+    used = []
+
+    def get(name: str):
+        if not (ROOT / "notebooks" / name).exists():
+            pytest.skip(f"notebooks/{name} does not exist yet")
+        used.append(name)
+        nb = lab.notebook(name, NOTEBOOK_TIMEOUT_S)
+        nb.page.bring_to_front()
+        assert nb.run is not None and not nb.run.problems, f"{name} did not run cleanly: {nb.run and nb.run.problems}"
+        return nb
+
+    yield get
+    for name in used:
+        lab.release(name)
+
+
+def our_console_errors(errors: list[str]) -> list[str]:
+    return [e for e in errors if not any(p.search(e) for p in BENIGN_CONSOLE_ERRORS)]
+
+
+def shot(locator, name: str) -> Path:
+    locator.scroll_into_view_if_needed()
+    path = SHOTS / f"{name}.png"
+    locator.screenshot(path=str(path))
+    return path
+
+
+# --- every notebook ------------------------------------------------------------------
+
+
+def selected_notebooks(request) -> list[str]:
+    """The notebooks whose run test was selected (-k may leave some out), in order."""
+    fn = request.node.originalname
+    return [item.callspec.params["name"] for item in request.session.items if item.originalname == fn]
+
+
+@pytest.mark.parametrize("name", NOTEBOOKS)
+def test_notebook_runs_in_jupyterlab_without_errors(lab, name, request):
+    selected = selected_notebooks(request)
+    nb = lab.notebook(name, NOTEBOOK_TIMEOUT_S, ahead=selected[selected.index(name) + 1 :])
+    run = nb.run
+    try:
+        assert not run.problems, f"{name} in JupyterLab:\n" + "\n".join(run.problems)
+        assert run.cells and all(c["count"] is not None for c in run.cells)
+        errors = our_console_errors(nb.console_errors)
+        assert not errors, f"{name}: browser console errors:\n" + "\n".join(errors)
+        quiz = nb.page.locator(".jp-OutputArea-output", has=nb.page.get_by_role("button", name="Check"))
+        if quiz.count():  # the end-of-chapter quiz: answer its first question through the page
+            nb.page.bring_to_front()
+            answer_first_question(nb, quiz.last, chapter=name[:2])
+            errors = our_console_errors(nb.console_errors)
+            assert not errors, f"{name}: browser console errors after the quiz:\n" + "\n".join(errors)
+    finally:
+        if name not in EXPLORER_NOTEBOOKS:
+            lab.release(name)  # its kernel is no longer needed
+
+
+def answer_first_question(nb, quiz, chapter: str) -> None:
+    from playwright.sync_api import expect
+
+    q = questions(chapter)
+    blocks = quiz.locator(".widget-vbox > .widget-vbox")
+    expect(blocks).to_have_count(len(q))
+    first = blocks.first
+    expect(first).to_contain_text(q[0].prompt[:40])
+    feedback = first.locator(".widget-html-content").last
+    first.get_by_role("button", name="Check").click()
+    expect(feedback).to_have_text("Pick an answer first.", timeout=UPDATE_TIMEOUT_MS)
+    wrong = (q[0].answer + 1) % len(q[0].choices)
+    first.locator(".widget-radio-box label").nth(wrong).click()
+    first.get_by_role("button", name="Check").click()
+    expect(feedback).to_contain_text("✘ Not quite", timeout=UPDATE_TIMEOUT_MS)
+    first.locator(".widget-radio-box label").nth(q[0].answer).click()
+    first.get_by_role("button", name="Check").click()
+    expect(feedback).to_contain_text("✔ Right.", timeout=UPDATE_TIMEOUT_MS)
+    expect(quiz).to_contain_text(f"Score: 1 / {len(q)} (1 answered)")
+    shot(quiz, f"quiz_{chapter}")
+
+
+# --- explorers -----------------------------------------------------------------------
+
+
+def widget_output(nb, label: str):
+    """The output area holding a widget whose label reads exactly ``label``."""
+    pattern = re.compile(rf"^\s*{re.escape(label)}\s*$")
+    out = nb.page.locator(".jp-OutputArea-output", has=nb.page.locator(".widget-label", has_text=pattern))
+    assert out.count() >= 1, f"{nb.name}: no widget labelled {label!r} on the page"
+    return out.last
+
+
+def control(output, kind: str, label: str):
+    """The control (".widget-slider", ".widget-text", ".widget-dropdown") labelled ``label`` in ``output``."""
+    pattern = re.compile(rf"^\s*{re.escape(label)}\s*$")
+    return output.locator(kind, has=output.page.locator(".widget-label", has_text=pattern)).first
+
+
+def type_into_readout(slider, value: str) -> None:
+    """Type a value into a slider's editable readout and press Enter."""
+    readout = slider.locator(".widget-readout")
+    readout.click()
+    readout.press("Control+A")
+    readout.press_sequentially(value)
+    readout.press("Enter")
+
+
+def press(slider, key: str, times: int = 1) -> None:
+    """Keyboard on a slider handle (each press is one step, sent to the kernel)."""
+    handle = slider.locator(".noUi-handle")
+    handle.focus()
+    for _ in range(times):
+        handle.press(key)
+
+
+def set_number(box, value: int) -> None:
+    field = box.locator("input")
+    field.fill(str(value))
+    field.press("Enter")
+
+
+def test_kv_cache_calculator_shows_ar_lab_sizes_as_the_controls_change(ran):
+    from playwright.sync_api import expect
+
+    from ar_lab.cache import BYTES_PER_VALUE, KV_PRESETS, AttentionShape, cache_sizes, format_bytes
+
+    nb = ran("04_kv_cache.ipynb")
+    calc = widget_output(nb, "KV heads (GQA)")
+    boxes = {
+        key: control(calc, ".widget-text", label)
+        for key, label in [
+            ("layers", "layers"),
+            ("heads", "query heads"),
+            ("kv", "KV heads (GQA)"),
+            ("head_dim", "head dim"),
+            ("latent", "MLA latent"),
+            ("rope", "MLA RoPE key"),
+            ("seq", "sequence"),
+            ("batch", "batch"),
+        ]
+    }
+    preset = control(calc, ".widget-dropdown", "preset").locator("select")
+    dtype = control(calc, ".widget-dropdown", "dtype").locator("select")
+
+    def row(scheme: str):
+        return calc.locator("table tr", has=nb.page.locator("td:first-child b", has_text=re.compile(f"^{scheme}$")))
+
+    def shown() -> dict[str, str]:
+        """The 'total' column of the table, per scheme."""
+        rows = calc.locator("table tr").all()[1:]
+        return {r.locator("td").nth(0).inner_text().split()[0]: r.locator("td").nth(3).inner_text() for r in rows}
+
+    def expected() -> dict[str, str]:
+        """What ar_lab computes for the numbers the page's boxes hold."""
+        v = {k: int(b.locator("input").input_value()) for k, b in boxes.items()}
+        shape = AttentionShape(v["layers"], v["heads"], v["kv"], v["head_dim"], v["latent"], v["rope"])
+        sizes = cache_sizes(shape, v["seq"], v["batch"], BYTES_PER_VALUE[dtype.input_value()])
+        return {scheme: format_bytes(b) for scheme, b in sizes.items()}
+
+    def settles_on(want: dict[str, str]) -> None:
+        deadline = time.monotonic() + UPDATE_TIMEOUT_MS / 1000
+        while shown() != want and time.monotonic() < deadline:
+            nb.page.wait_for_timeout(100)  # the table is replaced after a kernel round trip
+        assert shown() == want
+
+    # the notebook left it on Llama 3 8B, batch 8 (a later cell sets them from Python)
+    expect(preset).to_have_value("Llama 3 8B")
+    expect(boxes["batch"].locator("input")).to_have_value("8")
+    settles_on(expected())
+    before = shown()
+    shot(calc, "kv_cache_calculator_llama3_8b")
+
+    # fewer KV heads: only the GQA row shrinks, and the preset becomes "custom"
+    kv = int(boxes["kv"].locator("input").input_value())
+    set_number(boxes["kv"], kv // 2)
+    expect(preset).to_have_value("custom", timeout=UPDATE_TIMEOUT_MS)
+    settles_on(expected())
+    after = shown()
+    assert after["GQA"] != before["GQA"] and {k: after[k] for k in ("MHA", "MQA", "MLA")} == {
+        k: before[k] for k in ("MHA", "MQA", "MLA")
+    }
+    assert "◀ this model" in row("GQA").inner_text()
+
+    # float32 instead of bfloat16: twice the bytes in every row
+    dtype.select_option("float32")
+    settles_on(expected())
+    shot(calc, "kv_cache_calculator_custom_float32")
+
+    # a preset loads its published numbers into the boxes
+    preset.select_option("Llama 2 7B")
+    want = KV_PRESETS["Llama 2 7B"]
+    expect(boxes["layers"].locator("input")).to_have_value(str(want.n_layer), timeout=UPDATE_TIMEOUT_MS)
+    expect(boxes["kv"].locator("input")).to_have_value(str(want.n_kv_heads))
+    expect(boxes["seq"].locator("input")).to_have_value(str(want.context))
+    settles_on(expected())
+    assert "◀ this model" in row("MHA").inner_text() and "◀ this model" not in row("GQA").inner_text()
+    shot(calc, "kv_cache_calculator_llama2_7b")
+    assert not our_console_errors(nb.console_errors), nb.console_errors
+
+
+def test_sampler_explorer_responds_to_keyboard_and_typing(ran):
+    from playwright.sync_api import expect
+
+    nb = ran("06_sampling.ipynb")
+    ex = widget_output(nb, "top-k (0 off)")
+    status = ex.locator(".widget-html-content").first
+    samples = ex.locator(".widget-html-content").last
+    image = ex.locator("img.widget-image")
+    top_k, temperature = control(ex, ".widget-slider", "top-k (0 off)"), control(ex, ".widget-slider", "temperature")
+
+    def kept() -> int:
+        return int(re.search(r"(\d+) token\(s\) can be picked", status.inner_text()).group(1))
+
+    def texts() -> list[str]:
+        return samples.locator("pre").all_inner_texts()
+
+    expect(status).to_contain_text("can be picked")
+    shot(ex, "sampler_explorer_initial")
+    all_tokens, src = kept(), image.get_attribute("src")
+
+    type_into_readout(top_k, "20")  # typing in the slider's readout
+    expect(status).to_contain_text("20 token(s) can be picked", timeout=UPDATE_TIMEOUT_MS)
+    nb.wait_idle()
+    assert kept() == 20 < all_tokens
+    expect(image).not_to_have_attribute("src", src, timeout=UPDATE_TIMEOUT_MS)  # the plot was redrawn
+
+    press(top_k, "ArrowLeft", 5)  # keyboard on the handle: top-k 20 -> 15
+    expect(status).to_contain_text("top-k 15", timeout=UPDATE_TIMEOUT_MS)
+    nb.wait_idle()
+    expect(status).to_contain_text("15 token(s) can be picked", timeout=UPDATE_TIMEOUT_MS)
+    assert top_k.locator(".noUi-handle").get_attribute("aria-valuenow").startswith("15")
+    shot(ex, "sampler_explorer_top_k_15")
+
+    # a new seed redraws the samples, not the distribution
+    dist, drawn = status.inner_text(), texts()
+    set_number(control(ex, ".widget-text", "seed"), 7)
+    expect(samples).to_contain_text("(seed 7)", timeout=UPDATE_TIMEOUT_MS)
+    nb.wait_idle()
+    assert status.inner_text() == dist and texts() != drawn
+
+    # temperature to its minimum (Home key): greedy, one token, every sample the same
+    press(temperature, "Home")
+    expect(status).to_contain_text("greedy", timeout=UPDATE_TIMEOUT_MS)
+    nb.wait_idle()
+    assert kept() == 1 and "→ 0.00 bits" in status.inner_text()
+    assert len(set(texts())) == 1, texts()
+
+    # a new prompt typed in the text box: the samples continue it
+    prompt = control(ex, ".widget-text", "prompt").locator("input")
+    prompt.fill("The for statement ")
+    prompt.press("Enter")
+    expect(samples.locator("pre").first.locator("span")).to_have_text("The for statement ", timeout=UPDATE_TIMEOUT_MS)
+    shot(ex, "sampler_explorer_greedy_new_prompt")
+    assert not our_console_errors(nb.console_errors), nb.console_errors
+
+
+def test_speculative_explorer_responds_to_keyboard_and_choices(ran):
+    from playwright.sync_api import expect
+
+    nb = ran("07_speculative_decoding.ipynb")
+    ex = widget_output(nb, "γ")
+    status = ex.locator(".widget-html-content").first
+    gamma = control(ex, ".widget-slider", "γ")
+
+    def numbers() -> dict[str, float]:
+        text = status.inner_text()
+        g = re.search(r"γ = (\d+)", text)
+        a = re.search(r"α = ([\d.]+) \((\d+)/(\d+) tested drafts accepted\)", text)
+        t = re.search(r"([\d.]+) tokens per target call \((\d+) calls for (\d+) tokens\)", text)
+        assert g and a and t, f"unexpected status text: {text!r}"
+        return {
+            "gamma": int(g.group(1)),
+            "alpha": float(a.group(1)),
+            "accepted": int(a.group(2)),
+            "tested": int(a.group(3)),
+            "per_call": float(t.group(1)),
+            "calls": int(t.group(2)),
+            "tokens": int(t.group(3)),
+        }
+
+    def consistent(n: dict[str, float]) -> None:
+        """The status line's own arithmetic: alpha = accepted / tested, tokens per call = tokens / calls."""
+        assert n["alpha"] == pytest.approx(n["accepted"] / n["tested"], abs=0.006), n
+        assert n["per_call"] == pytest.approx(n["tokens"] / n["calls"], abs=0.006), n
+
+    expect(status).to_contain_text("tokens per target call")
+    first = numbers()
+    consistent(first)
+    shot(ex, "speculative_explorer_initial")
+
+    press(gamma, "ArrowRight")  # one more draft token per iteration
+    expect(status).to_contain_text(f"γ = {first['gamma'] + 1}", timeout=UPDATE_TIMEOUT_MS)
+    nb.wait_idle()
+    after = numbers()
+    consistent(after)
+    assert gamma.locator(".noUi-handle").get_attribute("aria-valuenow").startswith(str(first["gamma"] + 1))
+    if "greedy" in status.inner_text():  # speculative decoding is exact: same text as the target alone
+        assert "Same tokens as plain greedy decoding: yes" in status.inner_text()
+
+    draft = control(ex, ".widget-dropdown", "draft").locator("select")
+    # ipywidgets shows option labels with non-breaking spaces
+    options = [o.replace("\xa0", " ") for o in draft.evaluate("select => [...select.options].map(o => o.text)")]
+    if "the target itself" in options:  # a draft identical to the target accepts every draft token
+        draft.select_option(index=options.index("the target itself"))
+        expect(status).to_contain_text("the target itself", timeout=UPDATE_TIMEOUT_MS)
+        nb.wait_idle()
+        same = numbers()
+        consistent(same)
+        assert same["alpha"] == 1.0 and same["accepted"] == same["tested"], same
+    shot(ex, "speculative_explorer_after")
+
+    type_into_readout(control(ex, ".widget-slider", "temperature"), "0.8")
+    expect(status).to_contain_text("T=0.8", timeout=UPDATE_TIMEOUT_MS)
+    nb.wait_idle()
+    consistent(numbers())
+    assert "Same tokens as plain greedy decoding" not in status.inner_text()
+    assert not our_console_errors(nb.console_errors), nb.console_errors
+
+
+# --- notebooks of our own: the quiz widget, and the checks themselves ----------------------
+
+
+def generated_notebook(lab, name: str, sources: list[str]) -> str:
+    """Write a notebook of code cells into the served folder; returns its name."""
+    cells = [
+        {"cell_type": "code", "metadata": {}, "outputs": [], "execution_count": None, "source": src} for src in sources
+    ]
+    kernelspec = {"name": "python3", "display_name": "Python 3 (ipykernel)", "language": "python"}
+    nb = {"cells": cells, "metadata": {"kernelspec": kernelspec}, "nbformat": 4, "nbformat_minor": 5}
+    (lab.root / name).write_text(json.dumps(nb))
+    return name
+
+
+def test_the_checks_catch_an_exception_a_broken_widget_and_a_console_error(lab):
+    """The notebook checks can fail: a notebook with all three faults is reported with each one."""
+    name = generated_notebook(
+        lab,
+        "zz_faults.ipynb",
+        [
+            'print("fine")',
+            "from IPython.display import Javascript\nJavascript(\"console.error('ar_lab deliberate console error')\")",
+            # a widget view whose model the kernel never created: JupyterLab cannot draw it
+            "from IPython.display import display\n"
+            'display({"application/vnd.jupyter.widget-view+json": {"model_id": "0" * 32, "version_major": 2,'
+            ' "version_minor": 0}, "text/plain": "a widget"}, raw=True)',
+            'raise ValueError("deliberate")',
+            'print("never reached")',
+        ],
+    )
+    try:
+        run = lab.notebook(name, 120).run
+        problems = "\n".join(run.problems)
+        assert "raised ValueError: deliberate" in problems, problems
+        assert "shows 'Error displaying widget'" in problems and "no widget was drawn" in problems, problems
+        assert [c["count"] is None for c in run.cells] == [False, False, False, False, True]
+        assert any("ar_lab deliberate console error" in e for e in our_console_errors(run.console_errors))
+    finally:
+        lab.release(name)
+
+
+def test_quiz_widget_in_a_generated_notebook(lab):
+    """Answer a whole quiz through the page: feedback per question and the running score."""
+    from playwright.sync_api import expect
+
+    chapter = "06"
+    q = questions(chapter)
+    name = generated_notebook(lab, "zz_quiz.ipynb", ["from ar_lab.quiz import show", f'show("{chapter}")'])
+    try:
+        nb = lab.notebook(name, 120)
+        assert not nb.run.problems, nb.run.problems
+        quiz = nb.page.locator(".jp-OutputArea-output", has=nb.page.get_by_role("button", name="Check")).last
+        blocks = quiz.locator(".widget-vbox > .widget-vbox")
+        expect(blocks).to_have_count(len(q))
+        score = quiz.locator(".widget-html-content").last
+        expect(score).to_have_text(f"Score: 0 / {len(q)} (0 answered)")
+        right = 0
+        for i, question in enumerate(q):  # right, wrong, right, ...
+            pick = question.answer if i % 2 == 0 else (question.answer + 1) % len(question.choices)
+            block = blocks.nth(i)
+            block.locator(".widget-radio-box label").nth(pick).click()
+            expect(block.locator(".widget-radio-box input").nth(pick)).to_be_checked()
+            block.get_by_role("button", name="Check").click()
+            mark = "✔ Right." if pick == question.answer else "✘ Not quite"
+            expect(block.locator(".widget-html-content").last).to_contain_text(mark, timeout=UPDATE_TIMEOUT_MS)
+            right += pick == question.answer
+            expect(score).to_have_text(f"Score: {right} / {len(q)} ({i + 1} answered)")
+        shot(quiz, f"quiz_generated_{chapter}")
+        assert not our_console_errors(nb.console_errors), nb.console_errors
+    finally:
+        lab.release(name)
