@@ -263,8 +263,10 @@ _PENDING = (
     + """
   const out = [];
   panel(path).content.widgets.forEach((cell, i) => {
-    if (cell.model.type === 'code' && cell.model.executionState === 'running')
-      out.push(i + ': ' + cell.model.sharedModel.getSource().split('\\n')[0].slice(0, 80));
+    if (cell.model.type === 'code' && cell.model.executionState === 'running') {
+      const lines = cell.model.sharedModel.getSource().split('\\n');
+      out.push(i + ': ' + (lines.find(l => l.trim() && !l.startsWith('#')) || '').slice(0, 80));
+    }
   });
   return out;
 }"""
@@ -356,7 +358,8 @@ class NotebookPage:
             if "Timeout" not in type(e).__name__:
                 raise
             busy = self.page.evaluate(_PENDING, self.name)
-            msg = f"{self.name}: Run All did not finish within {timeout_s:.0f} s; still running: {busy}"
+            now = f"cell {busy[0]!r} and {len(busy) - 1} queued" if busy else "nothing (the kernel is busy)"
+            msg = f"{self.name}: Run All did not finish within {timeout_s:.0f} s; still running: {now}"
             raise AssertionError(msg) from e
         seconds = time.perf_counter() - self._run_t0
         state = state.json_value()
