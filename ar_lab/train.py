@@ -233,7 +233,21 @@ PRESETS: dict[str, tuple[GPTConfig, list[TrainConfig]]] = {
     # The draft for speculative decoding: same tokenizer, a fraction of the cost.
     "draft": (
         GPTConfig(block_size=1024, n_layer=1, n_head=2, n_embd=128, dropout=0.0),
-        [TrainConfig(steps=600, batch_size=16, block_size=1024, lr=3e-3, warmup_steps=30, eval_every=100)],
+        [
+            TrainConfig(steps=600, batch_size=16, block_size=1024, lr=3e-3, warmup_steps=30, eval_every=100),
+            # Phase 2: many small full-window steps; lifts greedy acceptance against the course model
+            # from ~0.57 to ~0.82 (chapter 07, python -m ar_lab.bench speculative), ~5 minutes on one thread.
+            TrainConfig(
+                steps=3000,
+                batch_size=2,
+                block_size=1024,
+                lr=1e-3,
+                warmup_steps=20,
+                weight_decay=0.0,
+                eval_every=500,
+                seed=1339,
+            ),
+        ],
     ),
 }
 
