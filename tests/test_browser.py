@@ -143,7 +143,7 @@ def shot(locator, name: str) -> Path:
 def selected_notebooks(request) -> list[str]:
     """The notebooks whose run test was selected (-k may leave some out), in order."""
     fn = request.node.originalname
-    return [item.callspec.params["name"] for item in request.session.items if item.originalname == fn]
+    return [item.callspec.params["name"] for item in request.session.items if getattr(item, "originalname", None) == fn]
 
 
 @pytest.mark.parametrize("name", NOTEBOOKS)
