@@ -30,7 +30,7 @@ $(DEV_STAMP): requirements/dev.txt $(COURSE_STAMP)
 
 lab: $(COURSE_STAMP)
 	$(BIN)/python -m ar_lab.exercises release --out course
-	$(BIN)/jupyter lab course/00_start_here.ipynb
+	$(BIN)/jupyter lab $(if $(filter 0,$(shell id -u)),--allow-root) course/00_start_here.ipynb
 
 lint: $(DEV_STAMP)
 	$(BIN)/ruff check ar_lab tests notebooks
