@@ -138,11 +138,19 @@ class CheckpointError(ValueError):
     """A checkpoint file that cannot be loaded: corrupted, truncated or mismatched."""
 
 
-def save_checkpoint(path: str | Path, model: GPT, record: dict | None = None) -> None:
-    """Write weights + config (+ a JSON-able training record) as safetensors."""
+def save_checkpoint(path: str | Path, model: GPT, record: dict | None = None, dtype: torch.dtype | None = None) -> None:
+    """Write weights + config (+ a JSON-able training record) as safetensors.
+
+    ``dtype`` stores the weights in another precision (the shipped checkpoints use
+    float16 to halve the file); loading always gives the model's float32 parameters.
+    """
     from safetensors.torch import save_file
 
-    state = {k: v.detach().cpu().contiguous() for k, v in model.state_dict().items() if k != "lm_head.weight"}
+    state = {
+        k: v.detach().cpu().to(dtype or v.dtype).contiguous()
+        for k, v in model.state_dict().items()
+        if k != "lm_head.weight"
+    }
     meta = {"format": "ar_lab-gpt-1", "config": json.dumps(model.config.to_dict())}
     if record is not None:
         meta["record"] = json.dumps(record)
@@ -301,6 +309,11 @@ def train_preset(name: str, out: Path | None = None, progress: bool = True, resu
                 "val_curve": [round(v, 4) for v in result.val_loss],
             }
         )
+        last = i == len(phases) - 1
+        if last:  # the shipped file stores float16: describe (and keep) exactly those weights
+            with torch.no_grad():
+                for p in model.parameters():
+                    p.copy_(p.half().float())
         val = evaluate(model, val_tokens, config.block_size, batches=32, seed=123)
         record = {
             "preset": name,
@@ -314,8 +327,10 @@ def train_preset(name: str, out: Path | None = None, progress: bool = True, resu
             "threads": torch.get_num_threads(),
             "phases": done,
         }
-        last = i == len(phases) - 1
-        save_checkpoint(out if last else out.with_name(f"{out.stem}.phase{i + 1}.safetensors"), model, record)
+        if last:
+            save_checkpoint(out, model, record, dtype=torch.float16)
+        else:
+            save_checkpoint(out.with_name(f"{out.stem}.phase{i + 1}.safetensors"), model, record)
     return record
 
 
