@@ -99,9 +99,11 @@ def _decode_options(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--threads",
         type=int,
-        default=1,
-        help="torch CPU threads for every run (default 1: batch-1 decode of a 3.5 M-parameter model "
-        "is a chain of tiny kernels, and on a shared machine extra threads mostly wait for each other)",
+        nargs="+",
+        default=None,
+        help="torch CPU thread counts, each measured in turn (default: 1, then torch's default, all cores). "
+        "Batch-1 decode of a 3.5 M-parameter model is a chain of small kernels: one thread is the steady "
+        "figure on a shared machine; more threads split each weight read across cores",
     )
     p.add_argument("--no-peer", action="store_true", help="skip the transformers reference peer")
 
@@ -164,8 +166,8 @@ def decode_benchmark(
     if threads is not None:
         torch.set_num_threads(threads)
 
-    def ours(use_cache: bool, n: int = N):
-        return generate(model, prompt_ids, n, use_cache=use_cache, eos_id=None)
+    def ours(use_cache: bool, n: int = N, lean: bool = True):
+        return generate(model, prompt_ids, n, use_cache=use_cache, eos_id=None, lean=lean)
 
     hf, ids = None, torch.tensor([prompt_ids])
     if peer:
@@ -208,7 +210,7 @@ def decode_benchmark(
         out = fn()
         return out, time.perf_counter() - w0, time.process_time() - c0
 
-    runs = {"ar_lab cached": {}, "ar_lab uncached": {}}
+    runs = {"ar_lab cached": {}, "ar_lab cached, forward()": {}, "ar_lab uncached": {}}
     if peer:
         runs["transformers generate"] = {}
     runs["weights only (floor)"] = {}
@@ -216,12 +218,14 @@ def decode_benchmark(
         run.update(seconds=[], cpu_seconds=[])
     try:
         say("warm-up")
-        ours(True, min(N, 16)), ours(False, min(N, 16))
+        ours(True, min(N, 16)), ours(True, min(N, 16), lean=False), ours(False, min(N, 16))
         if peer:
             theirs(min(N, 16))
         reference = None
         for r in range(max(repeats, uncached_repeats)):
             plan = [("ar_lab cached", lambda: ours(True))] if r < repeats else []
+            if r < repeats:
+                plan.append(("ar_lab cached, forward()", lambda: ours(True, lean=False)))
             if peer and r < repeats:
                 plan.append(("transformers generate", theirs))
             if r < repeats:
@@ -265,6 +269,7 @@ def decode_benchmark(
         "cached_vs_uncached_cpu": speedup("ar_lab cached", "ar_lab uncached", "median_cpu_s"),
         "ar_lab_vs_transformers": speedup("ar_lab cached", "transformers generate"),
         "ar_lab_vs_transformers_cpu": speedup("ar_lab cached", "transformers generate", "median_cpu_s"),
+        "lean_vs_forward": speedup("ar_lab cached", "ar_lab cached, forward()"),
     }
     if "ar_lab uncached" in runs:
         positions = runs["ar_lab uncached"]["positions"] / runs["ar_lab cached"]["positions"]
@@ -332,6 +337,11 @@ def format_decode_results(res: dict) -> str:
             f"ar_lab vs transformers generate: {r['ar_lab_vs_transformers']:.2f}x the tokens/s "
             f"(CPU time {r['ar_lab_vs_transformers_cpu']:.2f}x); identical tokens; target {target:.0f}x {verdict}"
         )
+    if r.get("lean_vs_forward") is not None:
+        lines.append(
+            f"lean decode step (ar_lab.lean) vs the same steps through GPT.forward(): "
+            f"{r['lean_vs_forward']:.2f}x the tokens/s"
+        )
     if "overhead_transformers_vs_ar_lab" in r:
         over = r["overhead_ms_per_token"]
         lines.append(
@@ -349,18 +359,28 @@ def decode_bench(args: argparse.Namespace) -> dict:
     if peer and not have_transformers():
         print("transformers is not installed: skipping the reference peer (pip install transformers)")
         peer = False
-    res = decode_benchmark(
-        tokens=args.tokens,
-        repeats=args.repeats,
-        uncached_repeats=args.uncached_repeats,
-        prompt=args.prompt,
-        threads=args.threads,
-        peer=peer,
-        progress=lambda m: print("  " + m, flush=True),
-    )
-    print()
-    print(format_decode_results(res))
-    return res
+    threads = args.threads or list(dict.fromkeys([1, torch.get_num_threads()]))
+    if any(t < 1 for t in threads):
+        raise SystemExit(f"--threads must be positive, got {threads}")
+    results = []
+    for i, t in enumerate(threads):
+        print(f"{t} thread(s):")
+        res = decode_benchmark(
+            tokens=args.tokens,
+            repeats=args.repeats,
+            uncached_repeats=args.uncached_repeats if i == 0 else 0,  # the slow run once is enough
+            prompt=args.prompt,
+            threads=t,
+            peer=peer,
+            progress=lambda m: print("  " + m, flush=True),
+        )
+        results.append(res)
+    for res in results:
+        print()
+        print(format_decode_results(res))
+    if len(results) == 1:
+        return results[0]
+    return {"benchmark": "decode", "settings": results}
 
 
 BENCHMARKS["decode"] = (

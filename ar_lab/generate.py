@@ -20,6 +20,8 @@ from dataclasses import dataclass, field
 import torch
 
 from ar_lab.cache import KVCache
+from ar_lab.lean import for_model as lean_for_model
+from ar_lab.model import GPT
 from ar_lab.sampling import GREEDY, SamplingParams, sample
 from ar_lab.tokenizer import EOS_ID, StreamDecoder, encode
 
@@ -117,10 +119,13 @@ def token_steps(
     generator: torch.Generator | None = None,
     stats: GenerationStats | None = None,
     cache: KVCache | None = None,
+    lean: bool = True,
 ) -> Iterator[int]:
     """Yield new token ids one at a time (no stop rule other than the count).
 
-    The inner loop, kept lean: the token buffer and the cache are allocated once.
+    The inner loop, kept lean: the token buffer and the cache are allocated once, and with
+    a cache each decode step of a ``GPT`` runs through ``ar_lab.lean`` (the same arithmetic
+    without nn.Module layers; ``lean=False`` calls ``model.forward`` instead, to compare).
     ``cache``: a cache of your own that already holds the keys/values of the prompt's first
     ``cache.length`` tokens (a shared prefix, the earlier turns of a conversation): only the
     rest of the prompt is prefilled. It is left holding the sequence, for the next call.
@@ -143,6 +148,8 @@ def token_steps(
     # Greedy without a penalty is the argmax of the raw logits: take it directly rather
     # than have sample() build the one-token distribution every step.
     greedy = sampling.greedy and sampling.repetition_penalty == 1.0
+    engine = lean_for_model(model) if (lean and cache is not None and isinstance(model, GPT)) else None
+    token = -1  # the token picked by the previous step
     was_training = model.training
     model.eval()
     try:
@@ -150,16 +157,22 @@ def token_steps(
             t_last = time.perf_counter()
             for n in range(N):
                 end = P + n  # tokens known so far
-                x = buf[:, end - 1 : end] if (cache is not None and n > 0) else buf[:, skip:end]
-                logits = model(x, cache)[0, -1]  # (vocab,)
+                if engine is not None and n > 0:
+                    logits = engine.step(token, cache)  # (vocab,): fed the token picked last step
+                    fed = 1
+                else:
+                    x = buf[:, end - 1 : end] if (cache is not None and n > 0) else buf[:, skip:end]
+                    logits = model(x, cache)[0, -1]  # (vocab,)
+                    fed = x.shape[1]
                 token = int(logits.argmax()) if greedy else -1
                 if not greedy or not math.isfinite(logits[token]):
                     # A NaN or inf would win the argmax: one look at the winner is enough,
                     # and sample() then raises its explanatory error.
                     token = int(sample(logits, sampling, generator, history))
                 stats.forward_calls += 1
-                stats.positions_processed += x.shape[1]
-                buf[0, end] = token
+                stats.positions_processed += fed
+                if engine is None:  # the lean step takes the token itself, not the buffer
+                    buf[0, end] = token
                 if history != ():
                     history.append(token)
                 now = time.perf_counter()  # .item() above has synchronised the device
@@ -184,6 +197,7 @@ def stream(
     stop_strings: Sequence[str] | None = None,
     stats: GenerationStats | None = None,
     cache: KVCache | None = None,
+    lean: bool = True,
 ) -> Iterator[StreamEvent]:
     """Yield a ``StreamEvent`` per new token; text never splits a UTF-8 character.
 
@@ -194,7 +208,7 @@ def stream(
     Pass ``stats`` to have the counters filled in an object of your own. Each event's
     ``latency`` is the model time of its token (TTFT for the first, TPOT after), so a
     consumer can plot latency against position as the stream goes. ``cache``: see
-    ``token_steps`` (reuse the keys/values of the prompt's start).
+    ``token_steps`` (reuse the keys/values of the prompt's start); so is ``lean``.
     """
     prompt = _prompt_ids(prompt)
     _check_args(model, prompt, max_new_tokens, stop_strings)
@@ -204,7 +218,7 @@ def stream(
     stops = list(stop_strings or [])
     hold = max((len(s) for s in stops), default=1) - 1  # chars that might start a stop string
     pending = ""
-    steps = token_steps(model, prompt, max_new_tokens, use_cache, sampling, generator, stats, cache)
+    steps = token_steps(model, prompt, max_new_tokens, use_cache, sampling, generator, stats, cache, lean)
     first = True
     try:
         for token in steps:
@@ -240,16 +254,18 @@ def generate(
     eos_id: int | None = EOS_ID,
     stop_strings: Sequence[str] | None = None,
     cache: KVCache | None = None,
+    lean: bool = True,
 ) -> Generation:
     """Generate up to ``max_new_tokens`` tokens after ``prompt`` (text or token ids).
 
     ``cache``: a cache already holding the keys/values of the prompt's first ``cache.length``
-    tokens (see ``token_steps``); only the rest is prefilled.
+    tokens (see ``token_steps``); only the rest is prefilled. ``lean=False``: every decode step
+    through ``model.forward`` instead of ``ar_lab.lean`` (same tokens; for comparison).
     """
     prompt_ids = _prompt_ids(prompt)
     tokens, pieces, stats = [], [], GenerationStats()
     events = stream(
-        model, prompt_ids, max_new_tokens, use_cache, sampling, generator, eos_id, stop_strings, stats, cache
+        model, prompt_ids, max_new_tokens, use_cache, sampling, generator, eos_id, stop_strings, stats, cache, lean
     )
     for event in events:
         if event.token >= 0:

@@ -42,6 +42,8 @@ import torch
 
 from ar_lab.cache import KVCache
 from ar_lab.generate import _check_args, _prompt_ids
+from ar_lab.lean import for_model as lean_for_model
+from ar_lab.model import GPT
 from ar_lab.sampling import GREEDY, SamplingParams, probabilities
 from ar_lab.tokenizer import EOS_ID, decode, encode
 
@@ -291,6 +293,7 @@ def speculative_generate(
     generator: torch.Generator | None = None,
     eos_id: int | None = EOS_ID,
     clock: Callable[[], float] = time.perf_counter,
+    lean: bool = True,
 ) -> SpeculativeGeneration:
     """Generate like ``ar_lab.generate(target, ...)`` with ``draft`` proposing ``gamma`` tokens at a time.
 
@@ -298,7 +301,9 @@ def speculative_generate(
     the same text when greedy); only the speed and ``stats`` differ. Stops at ``eos_id``
     (not included in ``tokens``) or after ``max_new_tokens`` tokens, as ``generate`` does.
     ``gamma = 0`` is plain decoding with the target. Random draws come from ``generator``.
-    ``clock`` times the stats (wall clock by default; see ``steady_clock``).
+    ``clock`` times the stats (wall clock by default; see ``steady_clock``). Forward passes of a
+    ``GPT`` after the prompt run through ``ar_lab.lean`` (one token: its decode step; the verify
+    pass: its multi-token ``extend``), as ``generate``'s do; ``lean=False`` uses ``model.forward``.
     """
     prompt_ids = _prompt_ids(prompt)
     gamma = _check_gamma(gamma)
@@ -325,6 +330,15 @@ def speculative_generate(
     draft_cache = KVCache.for_model(draft, max_len=P + N - 1)
     fast = _fast_greedy(sampling)
     penalised = sampling.repetition_penalty != 1.0
+    engines = {id(m): lean_for_model(m) if (lean and isinstance(m, GPT)) else None for m in (target, draft)}
+
+    def forward(model, new: list[int], cache: KVCache) -> torch.Tensor:
+        """Logits (len(new), V) of the new tokens after the cached ones."""
+        engine = engines[id(model)]
+        if engine is None or cache.length == 0:  # the prompt: one prefill through forward()
+            return model(torch.tensor([new], device=device), cache)[0]
+        return engine.step(new[0], cache)[None] if len(new) == 1 else engine.extend(new, cache)
+
     modes = (target.training, draft.training)
     target.eval(), draft.eval()
     try:
@@ -340,7 +354,7 @@ def speculative_generate(
                 qs: list[torch.Tensor] = []
                 for i in range(g):
                     new = seq[draft_cache.length :] if i == 0 else drafts[-1:]
-                    logits = draft(torch.tensor([new], device=device), draft_cache)[0, -1]  # (V,)
+                    logits = forward(draft, new, draft_cache)[-1]  # (V,)
                     stats.draft_calls += 1
                     stats.draft_positions += len(new)
                     if fast:
@@ -356,7 +370,7 @@ def speculative_generate(
 
                 # 2. The target scores the g + 1 positions in one forward pass.
                 new = seq[target_cache.length :] + drafts
-                logits = target(torch.tensor([new], device=device), target_cache)[0, -(g + 1) :]  # (g + 1, V)
+                logits = forward(target, new, target_cache)[-(g + 1) :]  # (g + 1, V)
                 stats.target_calls += 1
                 stats.target_positions += len(new)
 

@@ -1,0 +1,182 @@
+"""One sequence with a KV cache, run the way an inference engine runs it: no framework layers.
+
+``GPT.forward`` serves training and every batch shape through ``nn.Module`` calls. For
+one sequence and one new token that generality costs real time: a decode step of the
+course model is some seventy tiny kernels, each paying microseconds of Python and
+dispatch, and the scaled-dot-product kernel sets up tiles for a query of length one.
+On a CPU that overhead is a third of the step (chapter 04 measures it). ``LeanGPT`` does
+the same arithmetic on the model's own weights with direct tensor calls:
+
+- ``step``: one new token. Every weight matrix is applied to one vector (``addmv``), the
+  new key and value are written into the cache in place, and attention over the cache's
+  filled prefix is two batched matrix-vector products with the softmax between. A single
+  query sees every cached position, so there is no mask. Outputs land in buffers
+  allocated once; the softmax scale 1/sqrt(D) is folded into a copy of the query weights.
+- ``extend``: several new tokens after the cached ones (the target's verify pass in
+  speculative decoding, chapter 07). Matrix-matrix products against transposed copies of
+  the weights, made on first use: for a handful of rows, MKL's CPU kernels are markedly
+  faster with the (in, out) layout (measured: 4 to 8 rows cost 1.3x one row's time that
+  way round, 1.6x to 2x the other).
+
+The results equal ``GPT.forward``'s up to float rounding (tests: logits within 1e-5, the
+same greedy tokens). ``for_model(model)`` returns the engine of a model, rebuilt when its
+parameters change (training updates them in place; every in-place update is counted by
+the tensor's version counter, which the check reads). Call it under
+``torch.inference_mode()``, as ``ar_lab.generate`` does.
+"""
+
+from __future__ import annotations
+
+import math
+import weakref
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+
+from ar_lab.cache import KVCache
+from ar_lab.model import GPT
+
+
+class LeanGPT:
+    """The batch-1 cached inference of a ``GPT``: ``step`` (one token) and ``extend`` (several)."""
+
+    def __init__(self, model: GPT) -> None:
+        if not isinstance(model, GPT):
+            raise TypeError(f"LeanGPT runs a GPT, got {type(model).__name__}")
+        cfg = model.config
+        self.config = cfg
+        self.C, self.Hk, self.D = cfg.n_embd, cfg.kv_heads, cfg.head_dim
+        self.G = cfg.n_head // cfg.kv_heads  # query heads per KV head (1: MHA)
+        self.KD = self.Hk * self.D  # width of the keys (and of the values) of one position
+        self.scale = 1.0 / math.sqrt(self.D)
+        self.shape = (self.C,)
+        self.eps = model.ln_f.eps
+        self.wte, self.wpe = model.wte.weight, model.wpe.weight
+        self.ln_f = (model.ln_f.weight, model.ln_f.bias)
+        self.device = self.wte.device
+        # Each block's tensors in call order. The qkv weight and bias are copies whose query rows are
+        # multiplied by the softmax scale 1/sqrt(D) (exact when D is a power of 4, 1/sqrt(D) then being
+        # a power of 2): queries come out scaled, and attention needs no extra kernel for it.
+        self.layers = []
+        with torch.no_grad():
+            for b in model.blocks:
+                wqkv, bqkv = b.attn.qkv.weight.detach().clone(), b.attn.qkv.bias.detach().clone()
+                wqkv[: self.C] *= self.scale
+                bqkv[: self.C] *= self.scale
+                self.layers.append(
+                    (
+                        b.ln1.weight, b.ln1.bias, wqkv, bqkv, b.attn.proj.weight, b.attn.proj.bias,
+                        b.ln2.weight, b.ln2.bias, b.mlp.fc.weight, b.mlp.fc.bias, b.mlp.proj.weight, b.mlp.proj.bias,
+                    )
+                )  # fmt: skip
+        self._transposed: list[tuple[torch.Tensor, ...]] | None = None  # extend's (in, out) weights, made once
+        # step's working memory, allocated once: the fused q|k|v output and the attention output,
+        # with the views the step reads them through.
+        self._qkv = torch.empty(self.C + 2 * self.KD, dtype=self.wte.dtype, device=self.device)
+        self._q = self._qkv[: self.C].view(self.Hk, self.G, self.D)  # query heads grouped by their KV head
+        self._k = self._qkv[self.C : self.C + self.KD].view(self.Hk, self.D)
+        self._v = self._qkv[self.C + self.KD :].view(self.Hk, self.D)
+        self._y = torch.empty(self.Hk, self.G, self.D, dtype=self.wte.dtype, device=self.device)
+        self._checked: KVCache | None = None  # the cache step last checked, and its per-layer (K, V) views
+        self._kv: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    def _check(self, cache: KVCache, T: int) -> int:
+        if not isinstance(cache, KVCache):
+            raise TypeError(f"cache must be a KVCache, got {type(cache).__name__}")
+        if cache.batch_size != 1:
+            raise ValueError(f"LeanGPT runs one sequence: the cache must have batch size 1, got {cache.batch_size}")
+        if len(cache.k) != len(self.layers) or cache.k[0].shape[1:] != (self.Hk, cache.max_len, self.D):
+            raise ValueError(f"{cache!r} is not shaped for this model: build it with KVCache.for_model(model)")
+        end = cache.length + T
+        if end > self.config.block_size:
+            raise ValueError(
+                f"{end} positions exceed the context window of {self.config.block_size} tokens "
+                f"(config.block_size); shorten the prompt or generate fewer tokens"
+            )
+        if end > cache.max_len:
+            raise ValueError(f"KV cache full: positions up to {end} requested, capacity is {cache.max_len}")
+        if cache.k[0].dtype != self.wte.dtype or cache.k[0].device != self.device:
+            raise ValueError(
+                f"the cache holds {cache.k[0].dtype} on {cache.k[0].device}, the model {self.wte.dtype} on "
+                f"{self.device}: build it with KVCache.for_model(model)"
+            )
+        return cache.length
+
+    def step(self, token: int, cache: KVCache) -> torch.Tensor:
+        """Logits (vocab,) after feeding one token at position ``cache.length``; the cache advances by one."""
+        if cache is not self._checked:
+            self._check(cache, 0)
+            self._checked, self._kv = cache, [(k[0], v[0]) for k, v in zip(cache.k, cache.v, strict=True)]
+        pos = cache.length
+        if pos >= cache.max_len or pos >= self.config.block_size:
+            self._check(cache, 1)  # raises the explanatory error
+        C, shape, eps, q, y = self.C, self.shape, self.eps, self._q, self._y
+        L = pos + 1  # keys the new query attends over: all cached positions and its own
+        x = self.wte[token] + self.wpe[pos]  # (C,)
+        for layer, (K, V) in zip(self.layers, self._kv, strict=True):
+            w1, b1, wqkv, bqkv, wp, bp, w2, b2, wf, bf, wm, bm = layer
+            torch.addmv(bqkv, wqkv, torch.layer_norm(x, shape, w1, b1, eps), out=self._qkv)  # q/sqrt(D) | k | v
+            K[:, pos] = self._k  # the new key and value, written in place
+            V[:, pos] = self._v
+            scores = torch.bmm(q, K[:, :L].transpose(1, 2))  # (Hk, G, L)
+            torch.bmm(torch.softmax(scores, -1), V[:, :L], out=y)  # (Hk, G, D)
+            x = torch.addmv(bp, wp, y.view(C)).add_(x)  # attention out (heads side by side) + residual
+            h = F.gelu(torch.addmv(bf, wf, torch.layer_norm(x, shape, w2, b2, eps)), approximate="tanh")
+            x = torch.addmv(bm, wm, h).add_(x)  # MLP out + residual
+        cache.length = L
+        return torch.mv(self.wte, torch.layer_norm(x, shape, *self.ln_f, eps))  # tied output projection
+
+    def _weights_t(self) -> list[tuple[torch.Tensor, ...]]:
+        """(in, out) copies of each layer's four weight matrices and of the output projection, made once."""
+        if self._transposed is None:
+            self._transposed = [tuple(layer[i].t().contiguous() for i in (2, 4, 8, 10)) for layer in self.layers]
+            self._transposed.append((self.wte.t().contiguous(),))
+        return self._transposed
+
+    def extend(self, tokens: Sequence[int] | torch.Tensor, cache: KVCache) -> torch.Tensor:
+        """Logits (T, vocab) after feeding T tokens at positions ``cache.length ..``; the cache advances by T."""
+        idx = torch.as_tensor(tokens, dtype=torch.long, device=self.device)
+        if idx.ndim != 1 or idx.numel() == 0:
+            raise ValueError(f"tokens must be a non-empty 1-D sequence of ids, got shape {tuple(idx.shape)}")
+        T = idx.numel()
+        if T == 1:
+            return self.step(int(idx[0]), cache)[None]
+        pos = self._check(cache, T)
+        C, Hk, G, D, KD, shape, eps = self.C, self.Hk, self.G, self.D, self.KD, self.shape, self.eps
+        L = pos + T
+        x = self.wte[idx] + self.wpe[pos:L]  # (T, C)
+        hidden = torch.ones(T, L, dtype=torch.bool, device=self.device).triu_(pos + 1)  # query i sees keys <= pos + i
+        weights_t = self._weights_t()
+        for (w1, b1, _, bqkv, _, bp, w2, b2, _, bf, _, bm), (wqkv, wp, wf, wm), K, V in zip(
+            self.layers, weights_t[:-1], cache.k, cache.v, strict=True
+        ):
+            K, V = K[0], V[0]  # (Hk, T_max, D)
+            qkv = torch.addmm(bqkv, torch.layer_norm(x, shape, w1, b1, eps), wqkv)  # (T, C + 2 KD)
+            K[:, pos:L] = qkv[:, C : C + KD].view(T, Hk, D).transpose(0, 1)
+            V[:, pos:L] = qkv[:, C + KD :].view(T, Hk, D).transpose(0, 1)
+            q = qkv[:, :C].view(T, Hk, G, D).permute(1, 2, 0, 3).reshape(Hk, G * T, D)  # (Hk, G T, D)
+            scores = torch.bmm(q, K[:, :L].transpose(1, 2)).view(Hk, G, T, L).masked_fill_(hidden, float("-inf"))
+            y = torch.bmm(torch.softmax(scores, -1).view(Hk, G * T, L), V[:, :L])  # (Hk, G T, D)
+            y = y.view(Hk, G, T, D).permute(2, 0, 1, 3).reshape(T, C)  # heads side by side again
+            x = torch.addmm(bp, y, wp).add_(x)
+            h = F.gelu(torch.addmm(bf, torch.layer_norm(x, shape, w2, b2, eps), wf), approximate="tanh")
+            x = torch.addmm(bm, h, wm).add_(x)
+        cache.length = L
+        return torch.mm(torch.layer_norm(x, shape, *self.ln_f, eps), weights_t[-1][0])  # (T, vocab)
+
+
+_ENGINES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> (parameter fingerprint, engine)
+
+
+def for_model(model: GPT) -> LeanGPT:
+    """The ``LeanGPT`` of ``model``, made once and remade after its parameters change."""
+    # Storage and version counter of every parameter: an optimizer step, load_state_dict or .to()
+    # changes one of them, and the transposed copies ``extend`` keeps would then be stale.
+    key = tuple((p.data_ptr(), p._version) for p in model.parameters())
+    hit = _ENGINES.get(model)
+    if hit is not None and hit[0] == key:
+        return hit[1]
+    engine = LeanGPT(model)
+    _ENGINES[model] = (key, engine)
+    return engine
