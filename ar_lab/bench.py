@@ -559,11 +559,13 @@ def sampler_benchmark(model=None, context: int = 128, rounds: int = 30, calls: i
     The key figure is sampler time / decode time: a sampler must not show in decode time.
     """
     from ar_lab.cache import KVCache
+    from ar_lab.lean import for_model as lean_for_model
+    from ar_lab.model import GPT
     from ar_lab.sampling import GREEDY, SamplingParams, sample
 
     source = "the model passed in"
     if model is None:
-        from ar_lab.model import GPT, GPTConfig
+        from ar_lab.model import GPTConfig
         from ar_lab.train import checkpoint_path, load_checkpoint
 
         if checkpoint_path("course").exists():
@@ -579,9 +581,13 @@ def sampler_benchmark(model=None, context: int = 128, rounds: int = 30, calls: i
     with torch.inference_mode():
         model(history[None, :context], cache)  # prefill: the cache now holds `context` positions
 
+        # The decode step ar_lab.generate runs: the lean one for a GPT (ar_lab.lean), else forward().
+        engine = lean_for_model(model) if isinstance(model, GPT) else None
+        token = int(step_in)
+
         def decode_step():
             cache.truncate(context)  # every timed step decodes position `context` again
-            return model(step_in, cache)[0, -1]
+            return engine.step(token, cache) if engine is not None else model(step_in, cache)[0, -1]
 
         logits = decode_step()
     hist = history.tolist()
