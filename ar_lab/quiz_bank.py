@@ -139,6 +139,18 @@ QUIZZES: dict[str, list[dict]] = {
             "answer": 1,
             "why": "Cache bytes = layers × KV heads × head dim × sequence × batch × 2 × bytes per value.",
         },
+        {
+            "q": "A cached batch-1 decode step of the course model through GPT.forward() takes about twice as long as "
+            "reading its weights. Where does most of the rest go?",
+            "choices": [
+                "The arithmetic of the matrix products",
+                "Running one token through layers built for batches: module calls, many tiny kernels",
+                "Copying the KV cache",
+            ],
+            "answer": 1,
+            "why": "Chapter 04 measures it: the same arithmetic as direct tensor calls (ar_lab.lean) gives the same "
+            "tokens with far less time above the weights-only floor; the preallocated cache copies nothing.",
+        },
     ],
     "05": [
         {

@@ -45,14 +45,15 @@ def kv_cache_table_html(shape, seq_len: int, batch_size: int, dtype: str) -> tup
             bar,
         ]
         style = " style='background:#eaf2f8'" if mine else ""
-        rows.append(f"<tr{style}>" + "".join(f"<td style='padding:2px 10px'>{c}</td>" for c in cells) + "</tr>")
+        td = "<td style='padding:2px 10px;white-space:nowrap'>"
+        rows.append(f"<tr{style}>" + "".join(f"{td}{c}</td>" for c in cells) + "</tr>")
     head = ["scheme", "one token, one layer (values)", "per token", "total", "vs MHA", ""]
     caption = f"{shape.n_layer} layers, {seq_len:,} positions × batch {batch_size}, {dtype} ({nbytes} B per value)"
     if shape.source:
         caption += f"; numbers from {html.escape(shape.source)}"
     table = (
         f"<div style='margin:4px 0'>{caption}</div><table><tr>"
-        + "".join(f"<th style='padding:2px 10px;text-align:left'>{h}</th>" for h in head)
+        + "".join(f"<th style='padding:2px 10px;text-align:left;white-space:nowrap'>{h}</th>" for h in head)
         + "</tr>"
         + "".join(rows)
         + "</table>"
@@ -422,7 +423,7 @@ class SpeculationExplorer:
             f"<b>{html.escape(view.draft_name)}</b>, γ = {view.gamma}, {html.escape(view.sampling.label)}: "
             f"α = <b>{view.alpha:.2f}</b> ({s.acceptances}/{s.tested} tested drafts accepted), "
             f"<b>{view.tokens_per_target_call:.2f}</b> tokens per target call "
-            f"({s.target_calls} calls for {s.produced} tokens), c = {view.cost_ratio:.3f}; "
+            f"({s.target_calls} calls for {s.produced} tokens);<br>c = {view.cost_ratio:.3f}; "
             f"speedup measured <b>{view.measured_speedup:.2f}×</b> ({view.clock_name}), "
             f"theory {view.predicted_speedup:.2f}×.{exact}"
         )
