@@ -16,6 +16,7 @@ def test_workflow_runs_make_test_on_push_and_pull_request():
     job = wf["jobs"]["test"]
     assert "ubuntu-latest" in job["strategy"]["matrix"]["os"]
     assert job["runs-on"] == "${{ matrix.os }}" and job["timeout-minutes"] <= 90
+    assert job["env"]["PIP_EXTRA_INDEX_URL"].endswith("/whl/cpu")  # the CPU torch build, not CUDA's
     runs = [step.get("run", "") for step in job["steps"]]
     assert "make test" in runs
     uses = [step.get("uses", "") for step in job["steps"]]
