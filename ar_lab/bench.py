@@ -560,6 +560,7 @@ def sampler_benchmark(model=None, context: int = 128, rounds: int = 30, calls: i
     """
     from ar_lab.cache import KVCache
     from ar_lab.lean import for_model as lean_for_model
+    from ar_lab.lean import supports as lean_supports
     from ar_lab.model import GPT
     from ar_lab.sampling import GREEDY, SamplingParams, sample
 
@@ -582,7 +583,7 @@ def sampler_benchmark(model=None, context: int = 128, rounds: int = 30, calls: i
         model(history[None, :context], cache)  # prefill: the cache now holds `context` positions
 
         # The decode step ar_lab.generate runs: the lean one for a GPT (ar_lab.lean), else forward().
-        engine = lean_for_model(model) if isinstance(model, GPT) else None
+        engine = lean_for_model(model) if lean_supports(model) else None
         token = int(step_in)
 
         def decode_step():

@@ -35,15 +35,18 @@ import torch
 import torch.nn.functional as F
 
 from ar_lab.cache import KVCache
-from ar_lab.model import GPT
+from ar_lab.model import GPT, MLP, Block, CausalSelfAttention
 
 
 class LeanGPT:
     """The batch-1 cached inference of a ``GPT``: ``step`` (one token) and ``extend`` (several)."""
 
     def __init__(self, model: GPT) -> None:
-        if not isinstance(model, GPT):
-            raise TypeError(f"LeanGPT runs a GPT, got {type(model).__name__}")
+        if not supports(model):
+            raise TypeError(
+                f"LeanGPT runs a GPT with the stock blocks and GPT.forward, got {type(model).__name__}: "
+                "call the model itself"
+            )
         cfg = model.config
         self.config = cfg
         self.C, self.Hk, self.D = cfg.n_embd, cfg.kv_heads, cfg.head_dim
@@ -164,6 +167,19 @@ class LeanGPT:
             x = torch.addmm(bm, h, wm).add_(x)
         cache.length = L
         return torch.mm(torch.layer_norm(x, shape, *self.ln_f, eps), weights_t[-1][0])  # (T, vocab)
+
+
+def supports(model) -> bool:
+    """True for a ``GPT`` that runs ``GPT.forward`` with the stock blocks: what ``LeanGPT`` reproduces.
+
+    A subclass with its own ``forward``, or a block swapped for another module (an experiment
+    in a notebook), keeps going through ``forward``, so ``generate`` never silently skips it.
+    """
+    return (
+        isinstance(model, GPT)
+        and type(model).forward is GPT.forward
+        and all(type(b) is Block and type(b.attn) is CausalSelfAttention and type(b.mlp) is MLP for b in model.blocks)
+    )
 
 
 _ENGINES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> (parameter fingerprint, engine)

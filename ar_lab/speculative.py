@@ -43,7 +43,7 @@ import torch
 from ar_lab.cache import KVCache
 from ar_lab.generate import _check_args, _prompt_ids
 from ar_lab.lean import for_model as lean_for_model
-from ar_lab.model import GPT
+from ar_lab.lean import supports as lean_supports
 from ar_lab.sampling import GREEDY, SamplingParams, probabilities
 from ar_lab.tokenizer import EOS_ID, decode, encode
 
@@ -330,7 +330,7 @@ def speculative_generate(
     draft_cache = KVCache.for_model(draft, max_len=P + N - 1)
     fast = _fast_greedy(sampling)
     penalised = sampling.repetition_penalty != 1.0
-    engines = {id(m): lean_for_model(m) if (lean and isinstance(m, GPT)) else None for m in (target, draft)}
+    engines = {id(m): lean_for_model(m) if (lean and lean_supports(m)) else None for m in (target, draft)}
 
     def forward(model, new: list[int], cache: KVCache) -> torch.Tensor:
         """Logits (len(new), V) of the new tokens after the cached ones."""

@@ -113,6 +113,37 @@ def test_engine_is_reused_and_rebuilt_when_weights_change(tiny_model):
     assert generate(tiny_model, "xy", 15, eos_id=None).tokens == generate(other, "xy", 15, eos_id=None).tokens
 
 
+def test_models_with_their_own_forward_or_blocks_are_not_bypassed(tiny_model):
+    """generate must follow what the model computes: a subclass's forward or a swapped block stays in charge."""
+
+    class AlwaysA(GPT):
+        def forward(self, idx, cache=None):
+            logits = super().forward(idx, cache)
+            logits[..., ord("A")] += 1e4  # this model always says "A"
+            return logits
+
+    model = AlwaysA(tiny_model.config).eval()
+    assert not lean.supports(model) and lean.supports(tiny_model)
+    assert generate(model, "xy", 10, eos_id=None).text == "A" * 10
+    with pytest.raises(TypeError, match="stock blocks"):
+        lean.LeanGPT(model)
+
+    class Doubled(torch.nn.Module):  # an experiment: a block whose MLP output is doubled
+        def __init__(self, mlp):
+            super().__init__()
+            self.mlp = mlp
+
+        def forward(self, x):
+            return 2 * self.mlp(x)
+
+    torch.manual_seed(2)
+    swapped = GPT(tiny_model.config).eval()
+    swapped.blocks[0].mlp = Doubled(swapped.blocks[0].mlp)
+    assert not lean.supports(swapped)
+    got = generate(swapped, "hello", 20, eos_id=None).tokens
+    assert got == generate(swapped, "hello", 20, eos_id=None, use_cache=False).tokens
+
+
 def test_engines_do_not_keep_models_alive():
     model = GPT(GPTConfig(block_size=16, n_layer=1, n_head=1, n_embd=8))
     lean.for_model(model)
@@ -126,6 +157,7 @@ def test_bad_input_is_explained(tiny_model):
     engine = lean.for_model(tiny_model)
     with pytest.raises(TypeError, match="runs a GPT"):
         lean.LeanGPT(ScriptedModel([1], 1))
+    assert not lean.supports(ScriptedModel([1], 1))
     with pytest.raises(ValueError, match="batch size 1"):
         engine.step(1, KVCache.for_model(tiny_model, batch_size=2))
     with pytest.raises(TypeError, match="must be a KVCache"):
