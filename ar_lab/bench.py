@@ -639,6 +639,22 @@ def _speculative_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--repeats", type=int, default=3, help="interleaved timing repeats; the fastest run of each counts")
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1, as batch-1 decode)")
     p.add_argument("--seed", type=int, default=0, help="seed of the sampled runs (default 0)")
+    p.add_argument(
+        "--device",
+        default="cpu",
+        help="device for both checkpoints (default cpu; cuda where a GPU is present: there a verify pass "
+        "of a few positions costs about one decode step, the regime the theory assumes)",
+    )
+
+
+def _bench_device(device) -> torch.device:
+    try:
+        device = torch.device(device)
+    except (RuntimeError, TypeError) as e:
+        raise ValueError(f"device must be like 'cpu' or 'cuda', got {device!r} ({e})") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device 'cuda' asked for, but torch sees no CUDA GPU here: use --device cpu")
+    return device
 
 
 def speculative_benchmark(
@@ -652,6 +668,7 @@ def speculative_benchmark(
     seed: int = 0,
     modes: dict | None = None,
     progress: Callable[[str], None] | None = None,
+    device: str | torch.device = "cpu",
 ) -> dict:
     """Plain cached decoding of the target against speculative decoding with the draft, side by side.
 
@@ -687,6 +704,7 @@ def speculative_benchmark(
     for name, value in sizes.items():
         if not isinstance(value, int) or value < 1:
             raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+    device = _bench_device(device)  # for the checkpoints; models passed in stay where they are
     sources = {}
     for role, model in [("target", target), ("draft", draft)]:
         sources[role] = "given"
@@ -695,7 +713,7 @@ def speculative_benchmark(
             path = checkpoint_path(name)
             if not path.exists():
                 raise FileNotFoundError(f"{path} is missing; run `make checkpoints` (or pass the models)")
-            model, sources[role] = load_checkpoint(path, "cpu"), f"data/{path.name}"
+            model, sources[role] = load_checkpoint(path, device), f"data/{path.name}"
         if role == "target":
             target = model.eval()
         else:
@@ -905,6 +923,7 @@ def speculative_bench(args: argparse.Namespace) -> dict:
         repeats=args.repeats,
         seed=args.seed,
         progress=lambda m: print("  " + m, flush=True),
+        device=args.device,
     )
     print()
     print(format_speculative_results(res))

@@ -512,6 +512,11 @@ def test_speculative_benchmark_runs_and_reports_ratios():
     assert "meas/pred" in table and "greedy" in table and "T=1" in table
     with pytest.raises(ValueError, match="gammas"):
         speculative_benchmark(target, draft, gammas=[0])
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="no CUDA GPU"):
+            speculative_benchmark(device="cuda")
+    with pytest.raises(ValueError, match="device must be like"):
+        speculative_benchmark(device="gpu0")
 
 
 def test_benchmark_prompts_are_fixed_validation_windows():
