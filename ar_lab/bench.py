@@ -76,7 +76,10 @@ def main(argv: list[str] | None = None) -> int:
         add_options(p)
     args = parser.parse_args(argv)
     fn = BENCHMARKS[args.name][0]
-    results = fn(args)
+    try:
+        results = fn(args)
+    except (ValueError, FileNotFoundError) as e:  # bad options or a missing checkpoint: say so, no traceback
+        parser.error(f"{args.name}: {e}")
     if args.json is not None:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(results, indent=2))

@@ -515,6 +515,11 @@ def test_speculative_benchmark_runs_and_reports_ratios():
     if not torch.cuda.is_available():
         with pytest.raises(ValueError, match="no CUDA GPU"):
             speculative_benchmark(device="cuda")
+        from ar_lab.bench import main
+
+        with pytest.raises(SystemExit) as stop:  # the command line: the message, no traceback
+            main(["speculative", "--device", "cuda"])
+        assert stop.value.code == 2
     with pytest.raises(ValueError, match="device must be like"):
         speculative_benchmark(device="gpu0")
 
