@@ -111,3 +111,58 @@ def test_preset_phases_resume_gives_the_same_weights(tmp_path, monkeypatch):
         assert torch.equal(p, q), name
     with pytest.raises(ValueError, match="not a partial"):
         train_module.train_preset("course", tmp_path / "x.safetensors", resume=tmp_path / "full.safetensors")
+
+
+def _mean_tv(p_model, q_model, tokens, block=32):
+    g = torch.Generator().manual_seed(5)
+    from ar_lab.data import get_batch
+
+    x, _ = get_batch(tokens, 4, block, g)
+    with torch.no_grad():
+        p, q = p_model(x).softmax(-1), q_model(x).softmax(-1)
+    return float((p - q).abs().sum(-1).mean() / 2)
+
+
+def test_distillation_pulls_the_student_to_the_teacher():
+    """A teacher phase: the loss is KL(teacher || student), so the student's distributions approach the teacher's
+    (training on the text alone, same steps, does not)."""
+    tr, va = train_val_split(corpus_tokens())
+    cfg = GPTConfig(block_size=32, n_layer=1, n_head=2, n_embd=16)
+    torch.manual_seed(0)
+    teacher = GPT(cfg).eval()
+    with torch.no_grad():
+        teacher.wte.weight.mul_(5)  # distributions of its own, nothing the text alone would teach
+    tc = TrainConfig(steps=60, batch_size=4, block_size=32, lr=3e-3, eval_every=30, eval_batches=1)
+    students = {}
+    for distil in (True, False):
+        torch.manual_seed(1)
+        students[distil] = GPT(cfg)
+        before = _mean_tv(teacher, students[distil], va)
+        result = train(students[distil], tr, va, tc, progress=False, teacher=teacher if distil else None)
+    after = {k: _mean_tv(teacher, m, va) for k, m in students.items()}
+    assert after[True] < before / 2, (before, after)
+    assert after[False] > 3 * after[True]
+    assert result.train_loss[-1] < result.train_loss[0]
+    other_vocab = GPT(GPTConfig(vocab_size=300, block_size=32, n_layer=1, n_head=2, n_embd=16))
+    with pytest.raises(ValueError, match="share the vocabulary"):
+        train(students[True], tr, va, tc, progress=False, teacher=other_vocab)
+    with pytest.raises(ValueError, match="checkpoint name"):
+        TrainConfig(teacher=3)
+
+
+def test_preset_with_a_teacher_phase(tmp_path, monkeypatch):
+    from ar_lab import train as train_module
+
+    tiny = GPTConfig(block_size=32, n_layer=1, n_head=2, n_embd=16)
+    phases = [
+        TrainConfig(steps=4, batch_size=2, block_size=32, eval_every=2, eval_batches=1),
+        TrainConfig(steps=4, batch_size=2, block_size=32, eval_every=2, eval_batches=1, seed=3, teacher="tinyteacher"),
+    ]
+    monkeypatch.setitem(train_module.PRESETS, "tinyteacher", (tiny, phases[:1]))
+    monkeypatch.setitem(train_module.PRESETS, "tinystudent", (tiny, phases))
+    monkeypatch.setattr(train_module, "DATA_DIR", tmp_path)
+    with pytest.raises(FileNotFoundError, match="train it first"):
+        train_module.train_preset("tinystudent", tmp_path / "student.safetensors", progress=False)
+    train_module.train_preset("tinyteacher", progress=False)  # writes tmp_path/tinyteacher.safetensors
+    record = train_module.train_preset("tinystudent", tmp_path / "student.safetensors", progress=False)
+    assert record["phases"][1]["teacher"] == "tinyteacher" and "teacher" not in record["phases"][0]
