@@ -227,6 +227,18 @@ QUIZZES: dict[str, list[dict]] = {
             "why": "Accepted prefix length is geometric, capped at γ, plus one token from the target (a correction or "
             "the bonus token).",
         },
+        {
+            "q": "Distilling the shipped draft from the course model made its loss on the text worse (1.49 -> 1.81 "
+            "nats). What happened to the speculative speedup?",
+            "choices": [
+                "It fell: a worse model drafts worse",
+                "It rose: α measures agreement with the target",
+                "Nothing changed",
+            ],
+            "answer": 1,
+            "why": "α = 1 − TV(p, q) compares the draft with the target, not with the text; distillation raised greedy "
+            "α from 0.83 to 0.87 and the best speedup from 1.59x to 1.80x (chapter 07).",
+        },
     ],
     "08": [
         {
