@@ -36,14 +36,15 @@ def test_check_answer_explains_right_and_wrong():
 
 def test_widget_headless():
     quiz = QuizWidget("07")
-    assert quiz.score.value.startswith("<i>Score: 0 / 3")
+    n = len(questions("07"))
+    assert n == len(quiz.questions) == len(quiz.buttons) and quiz.score.value.startswith(f"<i>Score: 0 / {n}")
     q0 = quiz.questions[0]
     quiz.choices[0].value = q0.choices[q0.answer]
     quiz.buttons[0].click()
-    assert "✔" in quiz.feedback[0].value and "Score: 1 / 3 (1 answered)" in quiz.score.value
+    assert "✔" in quiz.feedback[0].value and f"Score: 1 / {n} (1 answered)" in quiz.score.value
     q1 = quiz.questions[1]
     quiz.choices[1].value = q1.choices[(q1.answer + 1) % len(q1.choices)]
     assert quiz.check(1) is False
-    assert "✘" in quiz.feedback[1].value and "Score: 1 / 3 (2 answered)" in quiz.score.value
+    assert "✘" in quiz.feedback[1].value and f"Score: 1 / {n} (2 answered)" in quiz.score.value
     quiz.buttons[2].click()  # nothing picked
     assert "Pick an answer first" in quiz.feedback[2].value
