@@ -42,6 +42,22 @@ def time_call(fn: Callable[[], object], repeats: int = 5, warmup: int = 1, devic
     return times
 
 
+def weights_only_pass(model, steps: int) -> None:
+    """Apply every weight matrix of ``model`` to one vector, ``steps`` times, and nothing else.
+
+    The floor under any batch-1 decoder of the model (no attention, no LayerNorm, no sampling,
+    no Python around it): time it to see what a decode step adds on top. Matrix-vector
+    products, the fastest kernel for one vector (the one ``ar_lab.lean`` uses).
+    """
+    linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    vectors = [torch.randn(m.in_features, device=m.weight.device, dtype=m.weight.dtype) for m in linears]
+    with torch.inference_mode():
+        for _ in range(steps):
+            for m, x in zip(linears, vectors, strict=True):
+                torch.mv(m.weight, x)
+    synchronize(vectors[0].device)
+
+
 def median(values: list[float]) -> float:
     return statistics.median(values)
 
@@ -196,17 +212,10 @@ def decode_benchmark(
             )
         return out[0, P:].tolist()
 
-    # The floor under any batch-1 decoder of this model: every weight matrix applied to one vector,
-    # N times, and nothing else (no attention, no sampling, no Python around it). Both peers pay it;
-    # what they add on top is their own overhead.
-    linears = [mod for mod in model.modules() if isinstance(mod, torch.nn.Linear)]
-    vectors = [torch.randn(mod.in_features, device=model.device) for mod in linears]
-
-    def weights_only() -> None:  # matrix-vector products, the fastest kernel for one vector (as ar_lab.lean)
-        with torch.inference_mode():
-            for _ in range(N):
-                for mod, x in zip(linears, vectors, strict=True):
-                    torch.mv(mod.weight, x)
+    # The floor under any batch-1 decoder of this model; both peers pay it, what they add on top
+    # is their own overhead.
+    def weights_only() -> None:
+        weights_only_pass(model, N)
 
     def timed(fn):
         w0, c0 = time.perf_counter(), time.process_time()
@@ -562,8 +571,7 @@ def sampler_benchmark(model=None, context: int = 128, rounds: int = 30, calls: i
     The key figure is sampler time / decode time: a sampler must not show in decode time.
     """
     from ar_lab.cache import KVCache
-    from ar_lab.lean import for_model as lean_for_model
-    from ar_lab.lean import supports as lean_supports
+    from ar_lab.lean import engine_for
     from ar_lab.model import GPT
     from ar_lab.sampling import GREEDY, SamplingParams, sample
 
@@ -586,7 +594,7 @@ def sampler_benchmark(model=None, context: int = 128, rounds: int = 30, calls: i
         model(history[None, :context], cache)  # prefill: the cache now holds `context` positions
 
         # The decode step ar_lab.generate runs: the lean one for a GPT (ar_lab.lean), else forward().
-        engine = lean_for_model(model) if lean_supports(model) else None
+        engine = engine_for(model)
         token = int(step_in)
 
         def decode_step():

@@ -20,8 +20,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ar_lab.cache import KVCache
-from ar_lab.lean import for_model as lean_for_model
-from ar_lab.lean import supports as lean_supports
+from ar_lab.lean import engine_for
 from ar_lab.sampling import GREEDY, SamplingParams, sample
 from ar_lab.tokenizer import EOS_ID, StreamDecoder, encode
 
@@ -148,7 +147,7 @@ def token_steps(
     # Greedy without a penalty is the argmax of the raw logits: take it directly rather
     # than have sample() build the one-token distribution every step.
     greedy = sampling.greedy and sampling.repetition_penalty == 1.0
-    engine = lean_for_model(model) if (lean and cache is not None and lean_supports(model)) else None
+    engine = engine_for(model) if (lean and cache is not None) else None
     token = -1  # the token picked by the previous step
     was_training = model.training
     model.eval()

@@ -139,12 +139,12 @@ class LeanGPT:
 
     def extend(self, tokens: Sequence[int] | torch.Tensor, cache: KVCache) -> torch.Tensor:
         """Logits (T, vocab) after feeding T tokens at positions ``cache.length ..``; the cache advances by T."""
+        if len(tokens) == 1 and not isinstance(tokens, torch.Tensor):  # one token: the decode step
+            return self.step(int(tokens[0]), cache)[None]
         idx = torch.as_tensor(tokens, dtype=torch.long, device=self.device)
         if idx.ndim != 1 or idx.numel() == 0:
             raise ValueError(f"tokens must be a non-empty 1-D sequence of ids, got shape {tuple(idx.shape)}")
         T = idx.numel()
-        if T == 1:
-            return self.step(int(idx[0]), cache)[None]
         pos = self._check(cache, T)
         C, Hk, G, D, KD, shape, eps = self.C, self.Hk, self.G, self.D, self.KD, self.shape, self.eps
         L = pos + T
@@ -196,3 +196,8 @@ def for_model(model: GPT) -> LeanGPT:
     engine = LeanGPT(model)
     _ENGINES[model] = (key, engine)
     return engine
+
+
+def engine_for(model) -> LeanGPT | None:
+    """``for_model(model)`` when ``supports(model)``, else None (the caller then runs ``model.forward``)."""
+    return for_model(model) if supports(model) else None

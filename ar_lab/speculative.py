@@ -42,8 +42,7 @@ import torch
 
 from ar_lab.cache import KVCache
 from ar_lab.generate import _check_args, _prompt_ids
-from ar_lab.lean import for_model as lean_for_model
-from ar_lab.lean import supports as lean_supports
+from ar_lab.lean import engine_for
 from ar_lab.sampling import GREEDY, SamplingParams, probabilities
 from ar_lab.tokenizer import EOS_ID, decode, encode
 
@@ -330,14 +329,14 @@ def speculative_generate(
     draft_cache = KVCache.for_model(draft, max_len=P + N - 1)
     fast = _fast_greedy(sampling)
     penalised = sampling.repetition_penalty != 1.0
-    engines = {id(m): lean_for_model(m) if (lean and lean_supports(m)) else None for m in (target, draft)}
+    engines = {id(m): engine_for(m) if lean else None for m in (target, draft)}
 
     def forward(model, new: list[int], cache: KVCache) -> torch.Tensor:
         """Logits (len(new), V) of the new tokens after the cached ones."""
         engine = engines[id(model)]
         if engine is None or cache.length == 0:  # the prompt: one prefill through forward()
             return model(torch.tensor([new], device=device), cache)[0]
-        return engine.step(new[0], cache)[None] if len(new) == 1 else engine.extend(new, cache)
+        return engine.extend(new, cache)  # one token goes straight to the decode step
 
     modes = (target.training, draft.training)
     target.eval(), draft.eval()
