@@ -9,11 +9,21 @@ Documents are separated by EOS so the model learns where a text ends.
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import torch
 
 from ar_lab.tokenizer import EOS_ID, encode
+
+
+def data_dir() -> Path:
+    """The folder of the shipped checkpoints and reference measurements.
+
+    ``data/`` beside the package, unless the ``AR_LAB_DATA`` environment variable names
+    another folder (read on every call, so setting it in a running notebook takes effect).
+    """
+    return Path(os.environ.get("AR_LAB_DATA") or Path(__file__).resolve().parent.parent / "data")
 
 
 def builtin_documents() -> list[str]:

@@ -36,6 +36,7 @@ import torch.nn.functional as F
 
 from ar_lab.cache import KVCache
 from ar_lab.model import GPT, MLP, Block, CausalSelfAttention
+from ar_lab.timing import synchronize
 
 
 class LeanGPT:
@@ -201,3 +202,19 @@ def for_model(model: GPT) -> LeanGPT:
 def engine_for(model) -> LeanGPT | None:
     """``for_model(model)`` when ``supports(model)``, else None (the caller then runs ``model.forward``)."""
     return for_model(model) if supports(model) else None
+
+
+def weights_only_pass(model, steps: int) -> None:
+    """Apply every weight matrix of ``model`` to one vector, ``steps`` times, and nothing else.
+
+    The floor under any batch-1 decoder of the model (no attention, no LayerNorm, no sampling,
+    no Python around it): time it to see what a decode step adds on top. Matrix-vector
+    products, the fastest kernel for one vector (the one ``LeanGPT.step`` uses).
+    """
+    linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    vectors = [torch.randn(m.in_features, device=m.weight.device, dtype=m.weight.dtype) for m in linears]
+    with torch.inference_mode():
+        for _ in range(steps):
+            for m, x in zip(linears, vectors, strict=True):
+                torch.mv(m.weight, x)
+    synchronize(vectors[0].device)

@@ -1,0 +1,127 @@
+"""Timing: one place for device sync, timers, the steady clock and a machine description.
+
+Every measurement in the course (benchmarks, chapter 04's timings, chapter 05's roofline,
+chapter 07's speculative speedups) times work through these functions, so they all wait
+for the device the same way and describe the machine the same way.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import os
+import platform
+import statistics
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+
+def default_device() -> torch.device:
+    """``cuda`` when a GPU is present, else the CPU (every notebook runs on either)."""
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def synchronize(device: torch.device | str | None = None) -> None:
+    """Wait until ``device`` has finished the work queued on it (a no-op on the CPU).
+
+    A GPU runs asynchronously: without this, a timer measures how fast Python queued the
+    kernels, not how long they took.
+    """
+    if device is not None and torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def time_call(
+    fn: Callable[[], object], *, repeats: int = 5, warmup: int = 1, device: torch.device | str | None = None
+) -> list[float]:
+    """Seconds per call of ``fn()``, for each of ``repeats`` calls after ``warmup`` calls.
+
+    On CUDA the time is read from CUDA events recorded around the call (GPU time, not
+    launch time); elsewhere from ``time.perf_counter``.
+    """
+    if not isinstance(repeats, int) or isinstance(repeats, bool) or repeats < 1:
+        raise ValueError(f"repeats must be an int >= 1, got {repeats!r}")
+    if not isinstance(warmup, int) or isinstance(warmup, bool) or warmup < 0:
+        raise ValueError(f"warmup must be an int >= 0, got {warmup!r}")
+    on_cuda = device is not None and torch.device(device).type == "cuda"
+    for _ in range(warmup):
+        fn()
+    synchronize(device)
+    times = []
+    for _ in range(repeats):
+        if on_cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) / 1e3)
+        else:
+            t0 = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t0)
+    return times
+
+
+def median(values: list[float]) -> float:
+    return statistics.median(values)
+
+
+def steady_clock(device: torch.device | str = "cpu") -> Callable[[], float]:
+    """The clock to time decoding with on ``device``: CPU time of this process when torch
+    computes on the CPU with one thread, else the wall clock.
+
+    One thread's CPU time is the wall-clock time the work takes on a quiet machine, and
+    other processes on a shared machine do not inflate it (they only delay it). On a GPU,
+    or with several threads, only the wall clock measures the work.
+    """
+    if torch.device(device).type == "cpu" and torch.get_num_threads() == 1:
+        return time.process_time
+    return time.perf_counter
+
+
+def device_name(device: torch.device | str) -> str:
+    """The GPU's name, or the CPU's model name as the operating system reports it."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    name = platform.processor() or platform.machine() or "cpu"
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                name = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return name
+
+
+def machine(device: torch.device | str = "cpu") -> dict:
+    """What a measurement ran on: device, threads, versions and the date (stored with results)."""
+    import ar_lab
+
+    device = torch.device(device)
+    return {
+        "device": {
+            "type": device.type,
+            "name": device_name(device),
+            "threads": torch.get_num_threads(),  # CPU threads the measurements ran with
+            "cpus": os.cpu_count(),
+        },
+        "versions": {
+            "python": platform.python_version(),
+            "torch": torch.__version__,
+            "cuda": torch.version.cuda if device.type == "cuda" else None,
+            "ar_lab": ar_lab.__version__,
+        },
+        "date": _dt.datetime.now(_dt.timezone.utc).replace(microsecond=0).isoformat(),
+    }
+
+
+def machine_line(device: torch.device | str = "cpu") -> str:
+    """``machine()`` in one line, for the header of a benchmark's table."""
+    m = machine(device)
+    d, v = m["device"], m["versions"]
+    return f"{d['name']} ({d['type']}, {d['threads']} of {d['cpus']} threads); torch {v['torch']}, python {v['python']}"
