@@ -3,11 +3,19 @@
 Every checker raises ``CheckFailed`` (an ``AssertionError``, so nbgrader counts it as a
 failed test) with a message a learner can act on, and prints a short confirmation
 when the check passes.
+
+An exercise asks the learner to *write* a piece the package already has. ``own_work``
+runs the learner's code while the package's reference for that exercise (and e.g.
+PyTorch's fused attention, where attention is the exercise) is made to raise, so an
+answer that only calls the reference fails with a message that says to write it out.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+import contextlib
+import importlib
+import sys
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
@@ -15,6 +23,10 @@ import torch
 
 class CheckFailed(AssertionError):
     pass
+
+
+class Delegated(CheckFailed):
+    """The learner's code called the reference implementation the exercise asks them to write."""
 
 
 def _fail(what: str, detail: str, hint: str = "") -> None:
@@ -29,6 +41,99 @@ def _not_implemented(what: str, fn: Callable, *args, **kwargs):
         return fn(*args, **kwargs)
     except NotImplementedError:
         _fail(what, "not implemented yet", "replace `raise NotImplementedError()` with your code")
+
+
+def _resolve(reference: str | Callable) -> tuple[str, Any]:
+    """(dotted name, object) of a reference given as an object or as "package.module.name"."""
+    if not isinstance(reference, str):
+        name = f"{getattr(reference, '__module__', '?')}.{getattr(reference, '__qualname__', repr(reference))}"
+        return name, reference
+    module, _, attr = reference.rpartition(".")
+    try:
+        return reference, getattr(importlib.import_module(module), attr)
+    except (ImportError, AttributeError, ValueError) as e:
+        raise ValueError(f"no reference named {reference!r} to forbid: {e}") from None
+
+
+def _namespaces(extra: Iterable[dict]) -> list[dict]:
+    """The dicts a learner's code can reach a reference through: ar_lab's and torch's modules, the notebook."""
+    names = [n for n in list(sys.modules) if n.split(".")[0] in ("ar_lab", "torch") or n == "__main__"]
+    spaces = [getattr(sys.modules.get(n), "__dict__", None) for n in names]
+    return [s for s in spaces if isinstance(s, dict)] + list(extra)
+
+
+@contextlib.contextmanager
+def forbid(
+    *references: str | Callable, exercise: str = "this exercise", namespaces: Iterable[dict] = ()
+) -> Iterator[list]:
+    """While the block runs, every reference raises ``Delegated`` (a ``CheckFailed``) when called.
+
+    ``references``: functions or classes (for a class, its ``forward``), as objects or dotted
+    names (``"ar_lab.sampling.filter_top_p"``). Every module attribute and notebook name bound
+    to one of them is swapped for a stand-in, and put back on exit. Yields the list of calls
+    made, so a caller that swallowed the error is caught too.
+    """
+    calls: list[str] = []
+    swaps: list[tuple[Any, str, Any, bool]] = []  # (where, name, original, is_dict)
+
+    def stand_in(name: str) -> Callable:
+        def delegated(*args, **kwargs):
+            calls.append(name)
+            raise Delegated(
+                f"{exercise}: your code called `{name}`, a ready-made implementation of what "
+                "the exercise asks you to write: replace that call with your own tensor operations."
+            )
+
+        return delegated
+
+    spaces = _namespaces(namespaces)
+    try:
+        for ref in references:
+            name, obj = _resolve(ref)
+            if isinstance(obj, type):  # a module class: its forward raises (instances made earlier included)
+                swaps.append((obj, "forward", obj.__dict__.get("forward"), False))
+                obj.forward = stand_in(f"{name}.forward")
+                continue
+            fake = stand_in(name)
+            for space in spaces:
+                for key, value in list(space.items()):
+                    if value is obj:
+                        swaps.append((space, key, value, True))
+                        space[key] = fake
+        yield calls
+    finally:
+        for where, key, original, is_dict in reversed(swaps):
+            if is_dict:
+                where[key] = original
+            elif original is None:
+                delattr(where, key)
+            else:
+                setattr(where, key, original)
+    if calls:
+        raise Delegated(
+            f"{exercise}: your code called `{calls[0]}`, a ready-made implementation of what the "
+            "exercise asks you to write (and caught the error): write the computation yourself."
+        )
+
+
+def own_work(what: str, fn: Callable, *args, forbidden: Iterable[str | Callable] = (), **kwargs):
+    """``fn(*args, **kwargs)`` (the learner's code) with the ``forbidden`` references made to raise.
+
+    The learner's own module globals are searched too, so ``from ar_lab.x import f`` in the
+    notebook does not slip past.
+    """
+    forbidden = tuple(forbidden)
+    inner = getattr(fn, "func", getattr(fn, "__wrapped__", fn))  # a functools.partial or a decorated function
+    for ref in forbidden:
+        name, obj = _resolve(ref)
+        if fn is obj or inner is obj:
+            raise Delegated(
+                f"{what}: your answer is `{name}` itself, a ready-made implementation of what the exercise "
+                "asks you to write: write the computation yourself."
+            )
+    extra = [fn.__globals__] if hasattr(fn, "__globals__") else []
+    with forbid(*forbidden, exercise=what, namespaces=extra):
+        return _not_implemented(what, fn, *args, **kwargs)
 
 
 def check_shape(what: str, got: Any, shape: tuple[int, ...], hint: str = "") -> None:
@@ -63,11 +168,18 @@ def check_equal(what: str, got: Any, expected: Any, hint: str = "") -> None:
         _fail(what, f"expected {expected!r}, got {got!r}", hint)
 
 
-def check_cases(name: str, fn: Callable, cases: Iterable[tuple[tuple, Any]], hint: str = "") -> None:
-    """Call ``fn(*args)`` for each (args, expected) case; report the first failing one."""
+def check_cases(
+    name: str, fn: Callable, cases: Iterable[tuple[tuple, Any]], hint: str = "", forbidden: Iterable = ()
+) -> None:
+    """Call ``fn(*args)`` for each (args, expected) case; report the first failing one.
+
+    ``forbidden``: the package's references for this exercise, made to raise while ``fn`` runs
+    (see ``own_work``); compute the expected values before the call, not inside it.
+    """
+    forbidden = tuple(forbidden)
     for args, expected in cases:
         shown = ", ".join(repr(a) if not isinstance(a, torch.Tensor) else f"tensor{tuple(a.shape)}" for a in args)
-        got = _not_implemented(f"{name}({shown})", fn, *args)
+        got = own_work(f"{name}({shown})", fn, *args, forbidden=forbidden)
         if isinstance(expected, torch.Tensor):
             check_close(f"{name}({shown})", got, expected, hint=hint)
         else:

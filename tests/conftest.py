@@ -8,6 +8,13 @@ settings.register_profile("ar_lab", deadline=None, max_examples=30, derandomize=
 settings.load_profile("ar_lab")
 
 
+def pytest_collection_modifyitems(config, items):
+    """Browser tests and notebook cells (nbval) are slow by nature: ``-m "not slow"`` leaves them out."""
+    for item in items:
+        if item.get_closest_marker("browser") or type(item).__name__ == "IPyNbCell":
+            item.add_marker(pytest.mark.slow)
+
+
 @pytest.fixture
 def tiny_model():
     torch.manual_seed(0)

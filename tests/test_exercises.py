@@ -84,6 +84,7 @@ def test_grade_ids_are_unique_across_the_course():
                 seen[gid] = path.name
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("path", WITH_EXERCISES, ids=[p.stem for p in WITH_EXERCISES])
 def test_every_exercise_fails_in_the_student_version(path):
     student = student_version(nbformat.read(path, as_version=4))
@@ -93,6 +94,7 @@ def test_every_exercise_fails_in_the_student_version(path):
     assert not passing, f"{path.name}: these tests pass without the learner's work: {passing}"
 
 
+@pytest.mark.slow
 def test_autograde_full_zero_and_partial_marks(tmp_path):
     """Three submissions of chapter 00: the solutions, the untouched release, one exercise done."""
     from ar_lab.exercises import autograde, strip_solutions

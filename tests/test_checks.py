@@ -1,0 +1,80 @@
+"""The checkers say what is wrong, and an answer that calls the package's reference fails."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from ar_lab import checks
+from ar_lab.checks import CheckFailed, Delegated, check_cases, check_close, forbid, own_work
+from ar_lab.model import MLP, GPTConfig
+from ar_lab.sampling import filter_top_k
+
+SDPA = "torch.nn.functional.scaled_dot_product_attention"
+
+
+def written_attention(q, k, v):
+    T = q.shape[-2]
+    att = (q @ k.transpose(-2, -1)) / q.shape[-1] ** 0.5
+    att = att.masked_fill(torch.triu(torch.ones(T, T, dtype=torch.bool), 1), float("-inf"))
+    return att.softmax(-1) @ v
+
+
+def delegating_attention(q, k, v):
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+
+def test_an_answer_written_out_passes_and_a_delegating_one_fails():
+    q, k, v = torch.randn(3, 1, 2, 5, 4).unbind(0)
+    expected = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    check_close("attention", own_work("attention", written_attention, q, k, v, forbidden=[SDPA]), expected)
+    with pytest.raises(Delegated, match=r"attention: your code called `torch\.nn\.functional\.scaled_dot_product"):
+        own_work("attention", delegating_attention, q, k, v, forbidden=[SDPA])
+    # Everything is put back afterwards.
+    assert torch.allclose(delegating_attention(q, k, v), expected)
+
+
+def test_names_imported_into_the_learners_namespace_are_caught():
+    namespace = {"top_k": filter_top_k}
+    exec("def mine(logits, k):\n    return top_k(logits, k)\n", namespace)
+    with pytest.raises(Delegated, match="filter_top_k"):
+        own_work("top-k", namespace["mine"], torch.randn(10), 3, forbidden=["ar_lab.sampling.filter_top_k"])
+    assert namespace["top_k"] is filter_top_k
+
+
+def test_a_module_class_is_caught_through_its_forward_even_if_the_error_is_swallowed():
+    mlp = MLP(GPTConfig(n_embd=8, n_head=2))
+
+    def swallowing(x):
+        try:
+            return mlp(x)
+        except Exception:
+            return x
+
+    with pytest.raises(Delegated, match="caught the error"):
+        own_work("MLP", swallowing, torch.randn(2, 8), forbidden=[MLP])
+    assert "forward" in vars(MLP) and mlp(torch.randn(2, 8)).shape == (2, 8)
+
+
+def test_check_cases_forbids_too_and_reports_a_stub():
+    cases = [((torch.tensor([1.0, 3.0, 2.0]), 1), torch.tensor([float("-inf"), 3.0, float("-inf")]))]
+    with pytest.raises(Delegated):
+        check_cases("filter_top_k", filter_top_k, cases, forbidden=[filter_top_k])
+
+    def stub(logits, k):
+        raise NotImplementedError()
+
+    with pytest.raises(CheckFailed, match="not implemented yet"):
+        check_cases("filter_top_k", stub, cases, forbidden=[filter_top_k])
+
+    def mine(logits, k):
+        kth = logits.topk(k).values[-1]
+        return logits.masked_fill(logits < kth, float("-inf"))
+
+    check_cases("filter_top_k", mine, cases, forbidden=[filter_top_k])
+
+
+def test_an_unknown_reference_is_a_clear_error():
+    with pytest.raises(ValueError, match="no reference named 'ar_lab.sampling.nope'"):
+        with forbid("ar_lab.sampling.nope"):
+            pass
+    assert checks.Delegated.__mro__[1] is CheckFailed  # nbgrader counts it as a failed test (AssertionError)

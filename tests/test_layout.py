@@ -1,0 +1,182 @@
+"""The package's layout rules (DESIGN.md), read from the source with ``ast``.
+
+No import cycle inside ``ar_lab``; no module imports another module's ``_private`` name;
+no module much over 450 lines; no function over ~80 lines outside data tables.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parent.parent / "ar_lab"
+MAX_MODULE_LINES = 450
+MAX_FUNCTION_LINES = 80
+# Modules that are data tables rather than logic (the quiz questions).
+DATA_TABLES = {"ar_lab.quiz_bank"}
+
+
+def module_name(path: Path, package: Path = PACKAGE) -> str:
+    parts = path.relative_to(package.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def modules(package: Path = PACKAGE) -> dict[str, Path]:
+    return {module_name(p, package): p for p in sorted(package.rglob("*.py"))}
+
+
+def resolve(current: str, node: ast.ImportFrom, is_package: bool) -> str:
+    """The absolute module an ``ImportFrom`` names (relative imports resolved)."""
+    if node.level == 0:
+        return node.module or ""
+    base = current.split(".")
+    if not is_package:
+        base = base[:-1]
+    base = base[: len(base) - (node.level - 1)]
+    return ".".join(base + ([node.module] if node.module else []))
+
+
+def imports(package: Path = PACKAGE) -> dict[str, list[tuple[str, str | None, int]]]:
+    """module -> [(imported module, imported name or None, line)] for imports inside the package."""
+    mods = modules(package)
+    root = package.name
+    out: dict[str, list[tuple[str, str | None, int]]] = {}
+    for name, path in mods.items():
+        tree = ast.parse(path.read_text(), str(path))
+        found = []
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import):
+                found += [(a.name, None, node.lineno) for a in node.names if a.name.split(".")[0] == root]
+            elif isinstance(node, ast.ImportFrom):
+                target = resolve(name, node, path.name == "__init__.py")
+                if target.split(".")[0] != root:
+                    continue
+                for a in node.names:
+                    sub = f"{target}.{a.name}"
+                    found.append((sub, None, node.lineno) if sub in mods else (target, a.name, node.lineno))
+        out[name] = found
+    return out
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Every elementary cycle's first sighting, by depth-first search (enough to name one)."""
+    found, state, stack = [], {}, []
+
+    def visit(node: str) -> None:
+        state[node] = "open"
+        stack.append(node)
+        for nxt in sorted(graph.get(node, ())):
+            if state.get(nxt) == "open":
+                found.append(stack[stack.index(nxt) :] + [nxt])
+            elif nxt not in state:
+                visit(nxt)
+        stack.pop()
+        state[node] = "done"
+
+    for node in sorted(graph):
+        if node not in state:
+            visit(node)
+    return found
+
+
+def import_graph(package: Path = PACKAGE) -> dict[str, set[str]]:
+    """module -> modules it imports, where importing ``a.b`` also runs the package ``a``'s ``__init__``
+    only if ``a`` is a subpackage (its own edge), as Python does."""
+    mods = modules(package)
+    graph: dict[str, set[str]] = {m: set() for m in mods}
+    for mod, found in imports(package).items():
+        for target, _name, _line in found:
+            if target in mods and target != mod:
+                graph[mod].add(target)
+    return graph
+
+
+def private_imports(package: Path = PACKAGE) -> list[str]:
+    bad = []
+    for mod, found in imports(package).items():
+        for target, name, line in found:
+            if name is not None and name.startswith("_") and not name.startswith("__") and target != mod:
+                bad.append(f"{mod}:{line} imports {target}.{name}")
+    return bad
+
+
+def long_functions(package: Path = PACKAGE, limit: int = MAX_FUNCTION_LINES) -> list[str]:
+    bad = []
+    for mod, path in modules(package).items():
+        if mod in DATA_TABLES:
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                n = node.end_lineno - node.lineno + 1
+                if n > limit:
+                    bad.append(f"{mod}.{node.name} ({n} lines, line {node.lineno})")
+    return bad
+
+
+def long_modules(package: Path = PACKAGE, limit: int = MAX_MODULE_LINES) -> list[str]:
+    return [
+        f"{mod} ({n} lines)"
+        for mod, path in modules(package).items()
+        if mod not in DATA_TABLES and (n := len(path.read_text().splitlines())) > limit
+    ]
+
+
+def test_no_import_cycle_inside_the_package():
+    found = cycles(import_graph())
+    assert not found, "import cycles: " + "; ".join(" -> ".join(c) for c in found)
+
+
+def test_no_module_imports_another_modules_private_names():
+    bad = private_imports()
+    assert not bad, "private names imported across modules: " + "; ".join(bad)
+
+
+def test_no_module_over_the_size_limit():
+    bad = long_modules()
+    assert not bad, f"modules over {MAX_MODULE_LINES} lines (split them by idea): " + ", ".join(bad)
+
+
+def test_no_function_over_the_length_limit():
+    bad = long_functions()
+    assert not bad, f"functions over {MAX_FUNCTION_LINES} lines (name their phases): " + ", ".join(bad)
+
+
+# --- the checks themselves catch what they are for --------------------------------------
+
+
+def write_package(root: Path, files: dict[str, str]) -> Path:
+    pkg = root / "pkg"
+    for rel, text in files.items():
+        (pkg / rel).parent.mkdir(parents=True, exist_ok=True)
+        (pkg / rel).write_text(text)
+    return pkg
+
+
+def test_the_checks_find_a_planted_cycle_a_private_import_and_long_code(tmp_path):
+    pkg = write_package(
+        tmp_path,
+        {
+            "__init__.py": "",
+            "a.py": "from pkg.b import helper\n",
+            "b.py": "from pkg import c\n",
+            "c.py": "from pkg.a import helper as h\nfrom pkg.d import _secret\n",
+            "d.py": "def _secret():\n    pass\n\n\ndef long():\n" + "    x = 1\n" * 90,
+            "sub/__init__.py": "",
+            "sub/e.py": "from ..d import _secret\n",
+        },
+    )
+    found = cycles(import_graph(pkg))
+    assert found and set(found[0]) == {"pkg.a", "pkg.b", "pkg.c"}
+    assert private_imports(pkg) == ["pkg.c:2 imports pkg.d._secret", "pkg.sub.e:1 imports pkg.d._secret"]
+    assert long_functions(pkg) == ["pkg.d.long (91 lines, line 5)"]
+    assert long_modules(pkg, limit=50) == ["pkg.d (95 lines)"]
+
+
+@pytest.mark.parametrize("text", ["from pkg.d import helper\n", "import pkg.d\n", "from pkg import d\n"])
+def test_the_checks_pass_a_clean_package(tmp_path, text):
+    pkg = write_package(tmp_path, {"__init__.py": "", "a.py": text, "d.py": "def helper():\n    pass\n"})
+    assert cycles(import_graph(pkg)) == []
+    assert private_imports(pkg) == []
+    assert long_functions(pkg) == []
