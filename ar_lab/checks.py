@@ -43,16 +43,26 @@ def _not_implemented(what: str, fn: Callable, *args, **kwargs):
         _fail(what, "not implemented yet", "replace `raise NotImplementedError()` with your code")
 
 
-def _resolve(reference: str | Callable) -> tuple[str, Any]:
-    """(dotted name, object) of a reference given as an object or as "package.module.name"."""
+def _resolve(reference: str | Callable) -> tuple[str, Any, Any]:
+    """(dotted name, object, owning class or None) of a reference: an object, or a dotted name
+    such as ``"ar_lab.sampling.filter_top_p"`` or ``"ar_lab.cache.KVCache.update"``."""
     if not isinstance(reference, str):
         name = f"{getattr(reference, '__module__', '?')}.{getattr(reference, '__qualname__', repr(reference))}"
-        return name, reference
-    module, _, attr = reference.rpartition(".")
-    try:
-        return reference, getattr(importlib.import_module(module), attr)
-    except (ImportError, AttributeError, ValueError) as e:
-        raise ValueError(f"no reference named {reference!r} to forbid: {e}") from None
+        return name, reference, None
+    parts = reference.split(".")
+    for cut in range(len(parts) - 1, 0, -1):  # the longest importable module prefix, then attributes
+        try:
+            obj = importlib.import_module(".".join(parts[:cut]))
+        except ImportError:
+            continue
+        owner = None
+        try:
+            for attr in parts[cut:]:
+                owner, obj = obj, getattr(obj, attr)
+        except AttributeError as e:
+            raise ValueError(f"no reference named {reference!r} to forbid: {e}") from None
+        return reference, obj, owner if isinstance(owner, type) else None
+    raise ValueError(f"no reference named {reference!r} to forbid: no module to import")
 
 
 def _namespaces(extra: Iterable[dict]) -> list[dict]:
@@ -68,10 +78,11 @@ def forbid(
 ) -> Iterator[list]:
     """While the block runs, every reference raises ``Delegated`` (a ``CheckFailed``) when called.
 
-    ``references``: functions or classes (for a class, its ``forward``), as objects or dotted
-    names (``"ar_lab.sampling.filter_top_p"``). Every module attribute and notebook name bound
-    to one of them is swapped for a stand-in, and put back on exit. Yields the list of calls
-    made, so a caller that swallowed the error is caught too.
+    ``references``: functions, methods or classes (a class: its constructor and ``forward``), as
+    objects or dotted names (``"ar_lab.sampling.filter_top_p"``, ``"ar_lab.cache.KVCache.update"``).
+    Every module attribute and notebook name bound to a function is swapped for a stand-in; a
+    method is swapped on its class. All is put back on exit. Yields the list of calls made, so a
+    caller that swallowed the error is caught too.
     """
     calls: list[str] = []
     swaps: list[tuple[Any, str, Any, bool]] = []  # (where, name, original, is_dict)
@@ -89,10 +100,14 @@ def forbid(
     spaces = _namespaces(namespaces)
     try:
         for ref in references:
-            name, obj = _resolve(ref)
-            if isinstance(obj, type):  # a module class: its forward raises (instances made earlier included)
-                swaps.append((obj, "forward", obj.__dict__.get("forward"), False))
-                obj.forward = stand_in(f"{name}.forward")
+            name, obj, owner = _resolve(ref)
+            # A class: making one, and its forward (instances made earlier included). A method: on its class.
+            targets = [(obj, m) for m in ("__init__", "forward") if hasattr(obj, m)] if isinstance(obj, type) else []
+            targets += [(owner, name.rsplit(".", 1)[1])] if owner is not None else []
+            for cls, method in targets:
+                swaps.append((cls, method, cls.__dict__.get(method), False))
+                setattr(cls, method, stand_in(f"{name}.{method}" if cls is obj else name))
+            if targets:
                 continue
             fake = stand_in(name)
             for space in spaces:
@@ -125,7 +140,7 @@ def own_work(what: str, fn: Callable, *args, forbidden: Iterable[str | Callable]
     forbidden = tuple(forbidden)
     inner = getattr(fn, "func", getattr(fn, "__wrapped__", fn))  # a functools.partial or a decorated function
     for ref in forbidden:
-        name, obj = _resolve(ref)
+        name, obj, _ = _resolve(ref)
         if fn is obj or inner is obj:
             raise Delegated(
                 f"{what}: your answer is `{name}` itself, a ready-made implementation of what the exercise "

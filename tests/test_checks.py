@@ -78,3 +78,21 @@ def test_an_unknown_reference_is_a_clear_error():
         with forbid("ar_lab.sampling.nope"):
             pass
     assert checks.Delegated.__mro__[1] is CheckFailed  # nbgrader counts it as a failed test (AssertionError)
+
+
+def test_a_method_and_a_constructor_can_be_forbidden():
+    from ar_lab.cache import KVCache
+
+    cache = KVCache(1, 1, 1, 4, 2)
+
+    def via_method(k):
+        return cache.update(0, 0, k, k)[0]
+
+    def via_constructor(k):
+        return KVCache(1, 1, 1, 4, 2).update(0, 0, k, k)[0]
+
+    k = torch.ones(1, 1, 1, 2)
+    for fn in (via_method, via_constructor):
+        with pytest.raises(Delegated, match="KVCache"):
+            own_work("cache write", fn, k, forbidden=["ar_lab.cache.KVCache.update", KVCache])
+    assert torch.equal(via_constructor(k), k) and "update" in vars(KVCache) and "__init__" in vars(KVCache)
