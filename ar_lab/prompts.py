@@ -110,14 +110,15 @@ def eval_mode(*models: torch.nn.Module) -> Iterator[None]:
     Enter it per step in a generator, never across a ``yield``: a paused generator must
     leave the notebook as it was (training mode, gradients on).
     """
-    modes = [m.training for m in models]
-    for m, training in zip(models, modes, strict=True):
-        if training:
-            m.eval()
+    # Only a model in training mode is switched (the check is cheap enough to run every step);
+    # then every submodule's own flag is recorded, so a child kept in eval mode stays so.
+    saved = [[(sub, sub.training) for sub in m.modules()] for m in models if m.training]
+    for flags in saved:
+        flags[0][0].eval()
     try:
         with torch.inference_mode():
             yield
     finally:
-        for m, training in zip(models, modes, strict=True):
-            if training:
-                m.train(True)
+        for flags in saved:
+            for sub, training in flags:
+                sub.training = training

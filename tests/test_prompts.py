@@ -1,0 +1,112 @@
+"""The shared prompt checks, eval_mode, the timing helpers and the data folder."""
+
+import time
+
+import pytest
+import torch
+
+from ar_lab import timing
+from ar_lab.data import data_dir
+from ar_lab.model import GPT, GPTConfig
+from ar_lab.prompts import check_prompt, checked_prompt, eval_mode, prompt_batch, prompt_ids, stop_list
+from ar_lab.tokenizer import encode
+
+
+@pytest.fixture
+def model():
+    torch.manual_seed(0)
+    return GPT(GPTConfig(block_size=16, n_layer=1, n_head=2, n_embd=8))
+
+
+def test_prompt_ids_accepts_text_lists_and_integer_tensors():
+    assert prompt_ids("hé") == encode("hé")
+    assert prompt_ids([1, 2]) == [1, 2] and prompt_ids((3,)) == [3]
+    assert prompt_ids(torch.tensor([4, 5])) == [4, 5]
+
+
+@pytest.mark.parametrize(
+    "bad, error, message",
+    [
+        ([1.7], TypeError, "token ids must be integers, got 1.7"),
+        ([True], TypeError, "token ids must be integers"),
+        (torch.tensor([1.0]), TypeError, "1-D integer token ids"),
+        (b"hi", TypeError, "text or a list of token ids"),
+        (iter([1]), TypeError, "text or a list of token ids"),
+        ("", ValueError, "the prompt is empty"),
+        ([], ValueError, "the prompt is empty"),
+    ],
+)
+def test_prompt_ids_rejects_what_would_silently_go_wrong(bad, error, message):
+    with pytest.raises(error, match=message):
+        prompt_ids(bad)
+
+
+def test_the_window_and_vocabulary_checks_say_what_to_do(model):
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        check_prompt(model, [300], 1)
+    with pytest.raises(ValueError, match="shorten it to at most 16 tokens"):
+        check_prompt(model, [1] * 17, 1)
+    with pytest.raises(ValueError, match="ask for at most 7 new tokens"):
+        check_prompt(model, [1] * 10, 8)
+    check_prompt(model, [1] * 10, 7)  # 10 + 7 - 1 = 16 positions: fits exactly
+    with pytest.raises(ValueError, match="max_new_tokens must be an int >= 1"):
+        checked_prompt(model, "a", 0)
+
+
+def test_stop_list_takes_sequences_once_and_refuses_iterators():
+    assert stop_list(None) == () and stop_list(["\n\n", "x"]) == ("\n\n", "x")
+    for bad in ("\n", ["", "x"], [3], (s for s in ["x"])):
+        with pytest.raises(ValueError, match="stop_strings must be a list of non-empty strings"):
+            stop_list(bad)
+
+
+def test_prompt_batch_needs_equal_lengths(model):
+    assert prompt_batch(model, ["ab", [1, 2]], 3).tolist() == [encode("ab"), [1, 2]]
+    with pytest.raises(ValueError, match="same number of tokens"):
+        prompt_batch(model, ["a", "ab"], 3)
+    with pytest.raises(ValueError, match="non-empty list of prompts"):
+        prompt_batch(model, "ab", 3)
+
+
+def test_eval_mode_restores_every_flag_and_gradients(model):
+    model.train()
+    model.blocks[0].attn.eval()  # a child deliberately in eval mode stays so
+    with eval_mode(model):
+        assert not model.training and not model.blocks[0].mlp.training
+        assert torch.is_inference_mode_enabled()
+    assert model.training and model.blocks[0].mlp.training and not model.blocks[0].attn.training
+    assert torch.is_grad_enabled() and not torch.is_inference_mode_enabled()
+    with pytest.raises(RuntimeError, match="boom"), eval_mode(model):
+        raise RuntimeError("boom")
+    assert model.training
+
+
+def test_time_call_counts_calls_and_checks_its_options():
+    calls = []
+    times = timing.time_call(lambda: calls.append(time.sleep(0.001)), repeats=3, warmup=2)
+    assert len(calls) == 5 and len(times) == 3 and all(t >= 0.001 for t in times)
+    with pytest.raises(ValueError, match="repeats must be an int >= 1"):
+        timing.time_call(lambda: None, repeats=0)
+
+
+def test_machine_description_and_steady_clock():
+    m = timing.machine("cpu")
+    assert m["device"]["type"] == "cpu" and m["versions"]["torch"] == torch.__version__
+    assert m["device"]["threads"] == torch.get_num_threads()
+    assert timing.device_name("cpu") in timing.machine_line("cpu")
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        assert timing.steady_clock("cpu") is time.process_time  # one thread: its CPU time is the work
+        torch.set_num_threads(2)
+        assert timing.steady_clock("cpu") is time.perf_counter
+        assert timing.steady_clock("cuda") is time.perf_counter
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_data_dir_follows_ar_lab_data_at_call_time(monkeypatch, tmp_path):
+    monkeypatch.delenv("AR_LAB_DATA", raising=False)
+    assert (data_dir() / "course.safetensors").exists()
+    monkeypatch.setenv("AR_LAB_DATA", str(tmp_path))
+    assert data_dir() == tmp_path
