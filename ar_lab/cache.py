@@ -87,9 +87,6 @@ class KVCache:
             raise ValueError(f"can truncate to 0..{self.length} positions, got {n}")
         self.length = n
 
-    def reset(self) -> None:
-        self.length = 0
-
     @property
     def nbytes(self) -> int:
         """Bytes held by the preallocated buffers (keys and values, all layers)."""

@@ -1,10 +1,16 @@
 """The autoregressive loop: predict, pick, append, repeat until EOS or the cap.
 
-One loop serves every use: ``stream`` yields text as tokens are produced, and
-``generate`` runs the stream to the end and returns the tokens, the text and the
-counters. ``use_cache=False`` feeds the whole sequence every step (what a model
-without a KV cache must do); ``use_cache=True`` feeds the prompt once (prefill) and
-then one token per step (decode).
+One loop serves every use: ``token_steps`` yields token ids, ``stream`` turns them into
+text as they are produced, and ``generate`` runs the stream to the end and returns the
+tokens, the text and the counters. ``use_cache=False`` feeds the whole sequence every
+step (what a model without a KV cache must do); ``use_cache=True`` feeds the prompt once
+(prefill) and then one token per step (decode). ``sample_batch`` runs the same loop on
+several prompts at once, one batched forward per step, and ``sampler_view`` gathers what
+the chapter-06 explorer shows (the sampler's distribution and a few continuations).
+
+The public functions check their arguments once (``ar_lab.prompts``) and hand checked
+token ids to private loops. Each model step runs inside ``eval_mode`` on its own, so a
+paused ``stream`` leaves the model in the mode it was in and gradients on.
 
 Counters are instrumentation, not formulas: ``positions_processed`` adds up the
 sequence length of every forward call actually made.
@@ -21,8 +27,9 @@ import torch
 
 from ar_lab.cache import KVCache
 from ar_lab.lean import engine_for
-from ar_lab.sampling import GREEDY, SamplingParams, sample
-from ar_lab.tokenizer import EOS_ID, StreamDecoder, encode
+from ar_lab.prompts import check_prompt, checked_prompt, eval_mode, prompt_batch, prompt_ids, stop_list
+from ar_lab.sampling import GREEDY, SamplingParams, entropy_bits, probabilities, sample
+from ar_lab.tokenizer import EOS_ID, N_BYTES, StreamDecoder, decode
 
 
 @dataclass
@@ -63,36 +70,7 @@ class Generation:
     stats: GenerationStats
 
 
-def _prompt_ids(prompt: str | Sequence[int]) -> list[int]:
-    ids = encode(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
-    if not ids:
-        raise ValueError("the prompt is empty: give at least one token (e.g. a character of text)")
-    return ids
-
-
-def _check_args(model, prompt: list[int], max_new_tokens: int, stop_strings) -> None:
-    if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool) or max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
-    vocab, window = model.config.vocab_size, model.config.block_size
-    bad = [t for t in prompt if not 0 <= t < vocab]
-    if bad:
-        raise ValueError(f"prompt holds token id {bad[0]}, outside the vocabulary [0, {vocab - 1}]")
-    # The last new token is never fed back, so the model sees at most P + N - 1 positions.
-    if len(prompt) > window:
-        raise ValueError(
-            f"the prompt has {len(prompt)} tokens but the context window holds {window}; "
-            f"shorten it to at most {window} tokens"
-        )
-    if len(prompt) + max_new_tokens - 1 > window:
-        raise ValueError(
-            f"a {len(prompt)}-token prompt plus {max_new_tokens} new tokens needs "
-            f"{len(prompt) + max_new_tokens - 1} positions, more than the context window of {window}; "
-            f"ask for at most {window - len(prompt) + 1} new tokens"
-        )
-    if stop_strings is not None and (
-        isinstance(stop_strings, str) or not all(isinstance(s, str) and s for s in stop_strings)
-    ):
-        raise ValueError("stop_strings must be a list of non-empty strings, e.g. ['\\n\\n']")
+# --- checks, once per public call ------------------------------------------------------
 
 
 def _check_cache(cache, use_cache: bool, needed: int) -> None:
@@ -109,10 +87,112 @@ def _check_cache(cache, use_cache: bool, needed: int) -> None:
         )
 
 
+def _check_sampling(sampling, name: str = "sampling") -> None:
+    if not isinstance(sampling, SamplingParams):
+        raise TypeError(f"{name} must be a SamplingParams, got {type(sampling).__name__}")
+
+
+def _checked_ids(model, prompt, max_new_tokens: int, use_cache: bool, sampling, cache) -> list[int]:
+    """The prompt's token ids, with every option of ``token_steps`` checked against ``model``."""
+    ids = checked_prompt(model, prompt, max_new_tokens)
+    _check_sampling(sampling)
+    if cache is not None:
+        _check_cache(cache, use_cache, len(ids) + max_new_tokens - 1)
+    return ids
+
+
+# --- the loops (arguments already checked) ----------------------------------------------
+
+
+def _steps(
+    model, prompt: list[int], N: int, use_cache: bool, sampling, generator, stats, cache, lean: bool
+) -> Iterator[int]:
+    """``token_steps`` on checked arguments: the loop itself."""
+    P = len(prompt)
+    buf = torch.empty(1, P + N, dtype=torch.long, device=model.device)  # (1, P + N)
+    buf[0, :P] = torch.tensor(prompt)
+    skip = 0  # prompt positions whose keys/values the cache already holds
+    if cache is not None:
+        # At least the last prompt token must be fed: its logits give the first new token.
+        cache.truncate(min(cache.length, P - 1))
+        skip = cache.length
+    elif use_cache:
+        cache = KVCache.for_model(model, max_len=P + N - 1)
+    history = list(prompt) if sampling.repetition_penalty != 1.0 else ()
+    # Greedy without a penalty is the argmax of the raw logits: take it directly rather
+    # than have sample() build the one-token distribution every step.
+    greedy = sampling.greedy and sampling.repetition_penalty == 1.0
+    engine = engine_for(model) if (lean and cache is not None) else None
+    token = -1  # the token picked by the previous step
+    t_last = time.perf_counter()
+    for n in range(N):
+        end = P + n  # tokens known so far
+        with eval_mode(model):  # per step: nothing is held across the yield below
+            if engine is not None and n > 0:
+                logits = engine.step(token, cache)  # (vocab,): fed the token picked last step
+                fed = 1
+            else:
+                x = buf[:, end - 1 : end] if (cache is not None and n > 0) else buf[:, skip:end]
+                logits = model(x, cache)[0, -1]  # (vocab,)
+                fed = x.shape[1]
+            token = int(logits.argmax()) if greedy else -1
+            if not greedy or not math.isfinite(logits[token]):
+                # A NaN or inf would win the argmax: one look at the winner is enough,
+                # and sample() then raises its explanatory error.
+                token = int(sample(logits, sampling, generator, history))
+        stats.forward_calls += 1
+        stats.positions_processed += fed
+        if engine is None:  # the lean step takes the token itself, not the buffer
+            buf[0, end] = token
+        if history != ():
+            history.append(token)
+        now = time.perf_counter()  # int() above has synchronised the device
+        if n == 0:
+            stats.prefill_time = now - t_last
+        else:
+            stats.decode_times.append(now - t_last)
+        yield token
+        t_last = time.perf_counter()  # time spent by the consumer is not counted
+
+
+def _events(steps: Iterator[int], stats, eos_id, stops: tuple[str, ...]) -> Iterator[StreamEvent]:
+    """``stream`` on checked arguments: token ids -> text, with the stop rules."""
+    stats.stop_reason = "max_new_tokens"
+    decoder = StreamDecoder()
+    hold = max((len(s) for s in stops), default=1) - 1  # chars that might start a stop string
+    pending = ""
+    first = True
+    try:
+        for token in steps:
+            latency = stats.prefill_time if first else stats.decode_times[-1]
+            first = False
+            if eos_id is not None and token == eos_id:
+                stats.stop_reason = "eos"
+                break
+            pending += decoder.feed(token) if token < N_BYTES else ""
+            hits = [pending.find(s) for s in stops if s in pending]
+            if hits:
+                stats.stop_reason = "stop_string"
+                yield StreamEvent(token, pending[: min(hits)], stats, latency)
+                return
+            cut = max(0, len(pending) - hold)
+            yield StreamEvent(token, pending[:cut], stats, latency)
+            pending = pending[cut:]
+    finally:
+        steps.close()
+    pending += decoder.flush()
+    if pending:
+        yield StreamEvent(-1, pending, stats)  # held-back text released at the end
+
+
+# --- the public entry points --------------------------------------------------------------
+
+
 def token_steps(
     model,
     prompt: str | Sequence[int],
     max_new_tokens: int,
+    *,
     use_cache: bool = True,
     sampling: SamplingParams = GREEDY,
     generator: torch.Generator | None = None,
@@ -128,67 +208,18 @@ def token_steps(
     ``cache``: a cache of your own that already holds the keys/values of the prompt's first
     ``cache.length`` tokens (a shared prefix, the earlier turns of a conversation): only the
     rest of the prompt is prefilled. It is left holding the sequence, for the next call.
+    Arguments are checked here, before the first token is asked for.
     """
-    prompt = _prompt_ids(prompt)
-    _check_args(model, prompt, max_new_tokens, None)
+    ids = _checked_ids(model, prompt, max_new_tokens, use_cache, sampling, cache)
     stats = GenerationStats() if stats is None else stats
-    P, N = len(prompt), max_new_tokens
-    buf = torch.empty(1, P + N, dtype=torch.long, device=model.device)  # (1, P + N)
-    buf[0, :P] = torch.tensor(prompt)
-    skip = 0  # prompt positions whose keys/values the cache already holds
-    if cache is not None:
-        _check_cache(cache, use_cache, P + N - 1)
-        # At least the last prompt token must be fed: its logits give the first new token.
-        cache.truncate(min(cache.length, P - 1))
-        skip = cache.length
-    elif use_cache:
-        cache = KVCache.for_model(model, max_len=P + N - 1)
-    history = list(prompt) if sampling.repetition_penalty != 1.0 else ()
-    # Greedy without a penalty is the argmax of the raw logits: take it directly rather
-    # than have sample() build the one-token distribution every step.
-    greedy = sampling.greedy and sampling.repetition_penalty == 1.0
-    engine = engine_for(model) if (lean and cache is not None) else None
-    token = -1  # the token picked by the previous step
-    was_training = model.training
-    model.eval()
-    try:
-        with torch.inference_mode():
-            t_last = time.perf_counter()
-            for n in range(N):
-                end = P + n  # tokens known so far
-                if engine is not None and n > 0:
-                    logits = engine.step(token, cache)  # (vocab,): fed the token picked last step
-                    fed = 1
-                else:
-                    x = buf[:, end - 1 : end] if (cache is not None and n > 0) else buf[:, skip:end]
-                    logits = model(x, cache)[0, -1]  # (vocab,)
-                    fed = x.shape[1]
-                token = int(logits.argmax()) if greedy else -1
-                if not greedy or not math.isfinite(logits[token]):
-                    # A NaN or inf would win the argmax: one look at the winner is enough,
-                    # and sample() then raises its explanatory error.
-                    token = int(sample(logits, sampling, generator, history))
-                stats.forward_calls += 1
-                stats.positions_processed += fed
-                if engine is None:  # the lean step takes the token itself, not the buffer
-                    buf[0, end] = token
-                if history != ():
-                    history.append(token)
-                now = time.perf_counter()  # .item() above has synchronised the device
-                if n == 0:
-                    stats.prefill_time = now - t_last
-                else:
-                    stats.decode_times.append(now - t_last)
-                yield token
-                t_last = time.perf_counter()  # time spent by the consumer is not counted
-    finally:
-        model.train(was_training)
+    return _steps(model, ids, max_new_tokens, use_cache, sampling, generator, stats, cache, lean)
 
 
 def stream(
     model,
     prompt: str | Sequence[int],
     max_new_tokens: int = 200,
+    *,
     use_cache: bool = True,
     sampling: SamplingParams = GREEDY,
     generator: torch.Generator | None = None,
@@ -201,52 +232,27 @@ def stream(
     """Yield a ``StreamEvent`` per new token; text never splits a UTF-8 character.
 
     Stops at EOS (unless ``eos_id`` is None), after ``max_new_tokens``, or once the
-    text contains one of ``stop_strings`` (text is held back while it could still be
-    the start of a stop string, and the stop string itself is never yielded). An event
-    with ``token == -1`` carries only such held-back text, released at the end.
-    Pass ``stats`` to have the counters filled in an object of your own. Each event's
-    ``latency`` is the model time of its token (TTFT for the first, TPOT after), so a
-    consumer can plot latency against position as the stream goes. ``cache``: see
-    ``token_steps`` (reuse the keys/values of the prompt's start); so is ``lean``.
+    text contains one of ``stop_strings`` (a list, tuple or set of non-empty strings;
+    text is held back while it could still be the start of a stop string, and the stop
+    string itself is never yielded). An event with ``token == -1`` carries only such
+    held-back text, released at the end. Pass ``stats`` to have the counters filled in
+    an object of your own. Each event's ``latency`` is the model time of its token (TTFT
+    for the first, TPOT after), so a consumer can plot latency against position as the
+    stream goes. ``cache``: see ``token_steps`` (reuse the keys/values of the prompt's
+    start); so is ``lean``. Arguments are checked here, before the first event is asked for.
     """
-    prompt = _prompt_ids(prompt)
-    _check_args(model, prompt, max_new_tokens, stop_strings)
+    ids = _checked_ids(model, prompt, max_new_tokens, use_cache, sampling, cache)
+    stops = stop_list(stop_strings)
     stats = GenerationStats() if stats is None else stats
-    stats.stop_reason = "max_new_tokens"
-    decoder = StreamDecoder()
-    stops = list(stop_strings or [])
-    hold = max((len(s) for s in stops), default=1) - 1  # chars that might start a stop string
-    pending = ""
-    steps = token_steps(model, prompt, max_new_tokens, use_cache, sampling, generator, stats, cache, lean)
-    first = True
-    try:
-        for token in steps:
-            latency = stats.prefill_time if first else stats.decode_times[-1]
-            first = False
-            if eos_id is not None and token == eos_id:
-                stats.stop_reason = "eos"
-                break
-            pending += decoder.feed(token) if token < 256 else ""
-            hits = [pending.find(s) for s in stops if s in pending]
-            if hits:
-                stats.stop_reason = "stop_string"
-                yield StreamEvent(token, pending[: min(hits)], stats, latency)
-                pending = ""
-                return
-            cut = max(0, len(pending) - hold)
-            yield StreamEvent(token, pending[:cut], stats, latency)
-            pending = pending[cut:]
-    finally:
-        steps.close()
-    pending += decoder.flush()
-    if pending:
-        yield StreamEvent(-1, pending, stats)  # held-back text released at the end
+    steps = _steps(model, ids, max_new_tokens, use_cache, sampling, generator, stats, cache, lean)
+    return _events(steps, stats, eos_id, stops)
 
 
 def generate(
     model,
     prompt: str | Sequence[int],
     max_new_tokens: int = 200,
+    *,
     use_cache: bool = True,
     sampling: SamplingParams = GREEDY,
     generator: torch.Generator | None = None,
@@ -261,13 +267,142 @@ def generate(
     tokens (see ``token_steps``); only the rest is prefilled. ``lean=False``: every decode step
     through ``model.forward`` instead of ``ar_lab.lean`` (same tokens; for comparison).
     """
-    prompt_ids = _prompt_ids(prompt)
-    tokens, pieces, stats = [], [], GenerationStats()
-    events = stream(
-        model, prompt_ids, max_new_tokens, use_cache, sampling, generator, eos_id, stop_strings, stats, cache, lean
-    )
-    for event in events:
+    ids = _checked_ids(model, prompt, max_new_tokens, use_cache, sampling, cache)
+    stops = stop_list(stop_strings)
+    stats = GenerationStats()
+    steps = _steps(model, ids, max_new_tokens, use_cache, sampling, generator, stats, cache, lean)
+    tokens, pieces = [], []
+    for event in _events(steps, stats, eos_id, stops):
         if event.token >= 0:
             tokens.append(event.token)
         pieces.append(event.text)
-    return Generation(prompt_ids, tokens, "".join(pieces), stats)
+    return Generation(ids, tokens, "".join(pieces), stats)
+
+
+# --- sampling many continuations at once ---------------------------------------------
+
+
+def _sample_rows(model, idx: torch.Tensor, N: int, sampling, generator, use_cache: bool) -> torch.Tensor:
+    """The batched loop on checked prompts ``idx`` (B, P): returns all B x N new tokens."""
+    B, P = idx.shape
+    buf = torch.empty(B, P + N, dtype=torch.long, device=idx.device)  # (B, P + N)
+    buf[:, :P] = idx
+    cache = KVCache.for_model(model, batch_size=B, max_len=P + N - 1) if use_cache else None
+    seen = None
+    if sampling.repetition_penalty != 1.0:
+        seen = torch.zeros(B, model.config.vocab_size, dtype=torch.bool, device=idx.device)
+        seen.scatter_(1, idx, True)
+    with eval_mode(model):  # not a generator: one block for the whole loop
+        for n in range(N):
+            end = P + n
+            x = buf[:, end - 1 : end] if (cache is not None and n > 0) else buf[:, :end]
+            logits = model(x, cache)[:, -1]  # (B, vocab)
+            token = sample(logits, sampling, generator, seen if seen is not None else ())  # (B,)
+            buf[:, end] = token
+            if seen is not None:
+                seen.scatter_(1, token[:, None], True)
+    return buf[:, P:]
+
+
+def sample_batch(
+    model,
+    prompts: Sequence[str | Sequence[int]],
+    max_new_tokens: int,
+    *,
+    sampling: SamplingParams = SamplingParams(),
+    generator: torch.Generator | None = None,
+    eos_id: int | None = EOS_ID,
+    use_cache: bool = True,
+) -> list[list[int]]:
+    """Continue each of several equal-length prompts at once (one batched forward per step).
+
+    Row i is what ``generate(model, prompts[i], ..., sampling=sampling)`` would do (the
+    repetition penalty sees each row's own prompt and tokens); the random draws of all
+    rows come from the one ``generator``. The default ``sampling`` draws from the model's
+    own distribution (T = 1). Each list stops before its first EOS.
+    """
+    _check_sampling(sampling)
+    idx = prompt_batch(model, prompts, max_new_tokens)  # (B, P)
+    out = []
+    for row in _sample_rows(model, idx, max_new_tokens, sampling, generator, use_cache).tolist():
+        if eos_id is not None and eos_id in row:
+            row = row[: row.index(eos_id)]
+        out.append(row)
+    return out
+
+
+# --- what the chapter-06 explorer shows ----------------------------------------------
+
+
+@dataclass
+class SamplerView:
+    """One state of the sampler explorer: the distribution before and after, and samples."""
+
+    prompt: str
+    params: SamplingParams
+    seed: int
+    before: torch.Tensor  # (vocab,) the model's own next-token distribution (T = 1, no filters)
+    after: torch.Tensor  # (vocab,) the distribution the sampler draws from
+    continuations: list[str] = field(default_factory=list)
+
+    @property
+    def kept(self) -> torch.Tensor:
+        """(vocab,) bool: tokens the sampler can pick."""
+        return self.after > 0
+
+    @property
+    def n_kept(self) -> int:
+        return int(self.kept.sum())
+
+    @property
+    def kept_mass(self) -> float:
+        """How much of the model's own probability the kept set holds."""
+        return float(self.before[self.kept].sum())
+
+    @property
+    def entropy_before(self) -> float:
+        return float(entropy_bits(self.before))
+
+    @property
+    def entropy_after(self) -> float:
+        return float(entropy_bits(self.after))
+
+
+def sampler_view(
+    model,
+    prompt: str,
+    params: SamplingParams,
+    *,
+    seed: int = 0,
+    n_samples: int = 4,
+    max_new_tokens: int = 40,
+) -> SamplerView:
+    """Everything the explorer draws for one setting (a pure function of its arguments).
+
+    ``n_samples`` continuations are drawn in one batch from a generator seeded with
+    ``seed``, so the same arguments always give the same view. A prompt longer than the
+    context window keeps its end: that is what predicts the next token.
+    """
+    if not isinstance(prompt, str) or not prompt:
+        raise ValueError("the prompt is empty: type at least one character")
+    if not isinstance(n_samples, int) or isinstance(n_samples, bool) or n_samples < 0:
+        raise ValueError(f"n_samples must be an int >= 0, got {n_samples!r}")
+    if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool) or max_new_tokens < 0:
+        raise ValueError(f"max_new_tokens must be an int >= 0, got {max_new_tokens!r}")
+    _check_sampling(params, "params")
+    window = model.config.block_size
+    ids = prompt_ids(prompt)[-window:]
+    check_prompt(model, ids, 1)
+    with eval_mode(model):
+        logits = model(torch.tensor([ids], device=model.device))[0, -1].float()  # (vocab,)
+    history = ids if params.repetition_penalty != 1.0 else ()
+    before = torch.softmax(logits, dim=-1)
+    after = probabilities(logits, params, history)
+    texts = []
+    if n_samples and max_new_tokens:
+        max_new = min(max_new_tokens, window - len(ids) + 1)
+        g = torch.Generator(device=model.device).manual_seed(int(seed))
+        idx = torch.tensor([ids] * n_samples, dtype=torch.long, device=model.device)  # (n_samples, P)
+        rows = _sample_rows(model, idx, max_new, params, g, use_cache=True).tolist()
+        texts = [decode(r) for r in rows]
+    return SamplerView(prompt, params, int(seed), before.cpu(), after.cpu(), texts)

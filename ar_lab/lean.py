@@ -4,7 +4,7 @@
 one sequence and one new token that generality costs real time: a decode step of the
 course model is some seventy tiny kernels, each paying microseconds of Python and
 dispatch, and the scaled-dot-product kernel sets up tiles for a query of length one.
-On a CPU that overhead is a third of the step (chapter 04 measures it). ``LeanGPT`` does
+On a CPU that overhead is a large share of the step (chapter 04 measures it). ``LeanGPT`` does
 the same arithmetic on the model's own weights with direct tensor calls:
 
 - ``step``: one new token. Every weight matrix is applied to one vector (``addmv``), the
@@ -15,8 +15,7 @@ the same arithmetic on the model's own weights with direct tensor calls:
 - ``extend``: several new tokens after the cached ones (the target's verify pass in
   speculative decoding, chapter 07). Matrix-matrix products against transposed copies of
   the weights, made on first use: for a handful of rows, MKL's CPU kernels are markedly
-  faster with the (in, out) layout (measured: 4 to 8 rows cost 1.3x one row's time that
-  way round, 1.6x to 2x the other).
+  faster with the (in, out) layout than with nn.Linear's (out, in).
 
 The results equal ``GPT.forward``'s up to float rounding (tests: logits within 1e-5, the
 same greedy tokens). ``for_model(model)`` returns the engine of a model, rebuilt when its
@@ -30,6 +29,7 @@ from __future__ import annotations
 import math
 import weakref
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -37,6 +37,32 @@ import torch.nn.functional as F
 from ar_lab.cache import KVCache
 from ar_lab.model import GPT, MLP, Block, CausalSelfAttention
 from ar_lab.timing import synchronize
+
+
+class LayerWeights(NamedTuple):
+    """One block's tensors, in the order a decode step uses them (C = n_embd, KD = KV heads x D)."""
+
+    ln1_weight: torch.Tensor  # (C,)
+    ln1_bias: torch.Tensor  # (C,)
+    qkv_weight: torch.Tensor  # (C + 2 KD, C): a copy whose query rows are scaled by 1/sqrt(D)
+    qkv_bias: torch.Tensor  # (C + 2 KD,): scaled the same way
+    attn_proj_weight: torch.Tensor  # (C, C)
+    attn_proj_bias: torch.Tensor  # (C,)
+    ln2_weight: torch.Tensor  # (C,)
+    ln2_bias: torch.Tensor  # (C,)
+    fc_weight: torch.Tensor  # (4C, C)
+    fc_bias: torch.Tensor  # (4C,)
+    mlp_proj_weight: torch.Tensor  # (C, 4C)
+    mlp_proj_bias: torch.Tensor  # (C,)
+
+
+class TransposedWeights(NamedTuple):
+    """(in, out) copies of one block's four weight matrices: what ``extend``'s matrix products read."""
+
+    qkv: torch.Tensor  # (C, C + 2 KD)
+    attn_proj: torch.Tensor  # (C, C)
+    fc: torch.Tensor  # (C, 4C)
+    mlp_proj: torch.Tensor  # (4C, C)
 
 
 class LeanGPT:
@@ -59,22 +85,33 @@ class LeanGPT:
         self.wte, self.wpe = model.wte.weight, model.wpe.weight
         self.ln_f = (model.ln_f.weight, model.ln_f.bias)
         self.device = self.wte.device
-        # Each block's tensors in call order. The qkv weight and bias are copies whose query rows are
-        # multiplied by the softmax scale 1/sqrt(D) (exact when D is a power of 4, 1/sqrt(D) then being
-        # a power of 2): queries come out scaled, and attention needs no extra kernel for it.
-        self.layers = []
+        # Each block's tensors. The qkv weight and bias are copies whose query rows are multiplied by the
+        # softmax scale 1/sqrt(D) (exact when D is a power of 4, 1/sqrt(D) then being a power of 2):
+        # queries come out scaled, and attention needs no extra kernel for it.
+        self.layers: list[LayerWeights] = []
         with torch.no_grad():
             for b in model.blocks:
                 wqkv, bqkv = b.attn.qkv.weight.detach().clone(), b.attn.qkv.bias.detach().clone()
                 wqkv[: self.C] *= self.scale
                 bqkv[: self.C] *= self.scale
                 self.layers.append(
-                    (
-                        b.ln1.weight, b.ln1.bias, wqkv, bqkv, b.attn.proj.weight, b.attn.proj.bias,
-                        b.ln2.weight, b.ln2.bias, b.mlp.fc.weight, b.mlp.fc.bias, b.mlp.proj.weight, b.mlp.proj.bias,
+                    LayerWeights(
+                        ln1_weight=b.ln1.weight,
+                        ln1_bias=b.ln1.bias,
+                        qkv_weight=wqkv,
+                        qkv_bias=bqkv,
+                        attn_proj_weight=b.attn.proj.weight,
+                        attn_proj_bias=b.attn.proj.bias,
+                        ln2_weight=b.ln2.weight,
+                        ln2_bias=b.ln2.bias,
+                        fc_weight=b.mlp.fc.weight,
+                        fc_bias=b.mlp.fc.bias,
+                        mlp_proj_weight=b.mlp.proj.weight,
+                        mlp_proj_bias=b.mlp.proj.bias,
                     )
-                )  # fmt: skip
-        self._transposed: list[tuple[torch.Tensor, ...]] | None = None  # extend's (in, out) weights, made once
+                )
+        # extend's (in, out) weights per block, and the output projection's, made on first use.
+        self._transposed: tuple[list[TransposedWeights], torch.Tensor] | None = None
         # step's working memory, allocated once: the fused q|k|v output and the attention output,
         # with the views the step reads them through.
         self._qkv = torch.empty(self.C + 2 * self.KD, dtype=self.wte.dtype, device=self.device)
@@ -118,24 +155,33 @@ class LeanGPT:
         C, shape, eps, q, y = self.C, self.shape, self.eps, self._q, self._y
         L = pos + 1  # keys the new query attends over: all cached positions and its own
         x = self.wte[token] + self.wpe[pos]  # (C,)
-        for layer, (K, V) in zip(self.layers, self._kv, strict=True):
-            w1, b1, wqkv, bqkv, wp, bp, w2, b2, wf, bf, wm, bm = layer
-            torch.addmv(bqkv, wqkv, torch.layer_norm(x, shape, w1, b1, eps), out=self._qkv)  # q/sqrt(D) | k | v
+        for w, (K, V) in zip(self.layers, self._kv, strict=True):
+            h = torch.layer_norm(x, shape, w.ln1_weight, w.ln1_bias, eps)
+            torch.addmv(w.qkv_bias, w.qkv_weight, h, out=self._qkv)  # q/sqrt(D) | k | v
             K[:, pos] = self._k  # the new key and value, written in place
             V[:, pos] = self._v
             scores = torch.bmm(q, K[:, :L].transpose(1, 2))  # (Hk, G, L)
             torch.bmm(torch.softmax(scores, -1), V[:, :L], out=y)  # (Hk, G, D)
-            x = torch.addmv(bp, wp, y.view(C)).add_(x)  # attention out (heads side by side) + residual
-            h = F.gelu(torch.addmv(bf, wf, torch.layer_norm(x, shape, w2, b2, eps)), approximate="tanh")
-            x = torch.addmv(bm, wm, h).add_(x)  # MLP out + residual
+            x = torch.addmv(w.attn_proj_bias, w.attn_proj_weight, y.view(C)).add_(x)  # heads side by side + residual
+            h = torch.layer_norm(x, shape, w.ln2_weight, w.ln2_bias, eps)
+            h = F.gelu(torch.addmv(w.fc_bias, w.fc_weight, h), approximate="tanh")
+            x = torch.addmv(w.mlp_proj_bias, w.mlp_proj_weight, h).add_(x)  # MLP out + residual
         cache.length = L
         return torch.mv(self.wte, torch.layer_norm(x, shape, *self.ln_f, eps))  # tied output projection
 
-    def _weights_t(self) -> list[tuple[torch.Tensor, ...]]:
+    def _weights_t(self) -> tuple[list[TransposedWeights], torch.Tensor]:
         """(in, out) copies of each layer's four weight matrices and of the output projection, made once."""
         if self._transposed is None:
-            self._transposed = [tuple(layer[i].t().contiguous() for i in (2, 4, 8, 10)) for layer in self.layers]
-            self._transposed.append((self.wte.t().contiguous(),))
+            layers = [
+                TransposedWeights(
+                    qkv=w.qkv_weight.t().contiguous(),
+                    attn_proj=w.attn_proj_weight.t().contiguous(),
+                    fc=w.fc_weight.t().contiguous(),
+                    mlp_proj=w.mlp_proj_weight.t().contiguous(),
+                )
+                for w in self.layers
+            ]
+            self._transposed = (layers, self.wte.t().contiguous())  # (C, vocab): the tied output projection
         return self._transposed
 
     def extend(self, tokens: Sequence[int] | torch.Tensor, cache: KVCache) -> torch.Tensor:
@@ -151,23 +197,23 @@ class LeanGPT:
         L = pos + T
         x = self.wte[idx] + self.wpe[pos:L]  # (T, C)
         hidden = torch.ones(T, L, dtype=torch.bool, device=self.device).triu_(pos + 1)  # query i sees keys <= pos + i
-        weights_t = self._weights_t()
-        for (w1, b1, _, bqkv, _, bp, w2, b2, _, bf, _, bm), (wqkv, wp, wf, wm), K, V in zip(
-            self.layers, weights_t[:-1], cache.k, cache.v, strict=True
-        ):
+        layers_t, out_t = self._weights_t()
+        for w, wt, K, V in zip(self.layers, layers_t, cache.k, cache.v, strict=True):
             K, V = K[0], V[0]  # (Hk, T_max, D)
-            qkv = torch.addmm(bqkv, torch.layer_norm(x, shape, w1, b1, eps), wqkv)  # (T, C + 2 KD)
+            h = torch.layer_norm(x, shape, w.ln1_weight, w.ln1_bias, eps)  # (T, C)
+            qkv = torch.addmm(w.qkv_bias, h, wt.qkv)  # (T, C + 2 KD)
             K[:, pos:L] = qkv[:, C : C + KD].view(T, Hk, D).transpose(0, 1)
             V[:, pos:L] = qkv[:, C + KD :].view(T, Hk, D).transpose(0, 1)
             q = qkv[:, :C].view(T, Hk, G, D).permute(1, 2, 0, 3).reshape(Hk, G * T, D)  # (Hk, G T, D)
             scores = torch.bmm(q, K[:, :L].transpose(1, 2)).view(Hk, G, T, L).masked_fill_(hidden, float("-inf"))
             y = torch.bmm(torch.softmax(scores, -1).view(Hk, G * T, L), V[:, :L])  # (Hk, G T, D)
             y = y.view(Hk, G, T, D).permute(2, 0, 1, 3).reshape(T, C)  # heads side by side again
-            x = torch.addmm(bp, y, wp).add_(x)
-            h = F.gelu(torch.addmm(bf, torch.layer_norm(x, shape, w2, b2, eps), wf), approximate="tanh")
-            x = torch.addmm(bm, h, wm).add_(x)
+            x = torch.addmm(w.attn_proj_bias, y, wt.attn_proj).add_(x)
+            h = torch.layer_norm(x, shape, w.ln2_weight, w.ln2_bias, eps)
+            h = F.gelu(torch.addmm(w.fc_bias, h, wt.fc), approximate="tanh")
+            x = torch.addmm(w.mlp_proj_bias, h, wt.mlp_proj).add_(x)
         cache.length = L
-        return torch.mm(torch.layer_norm(x, shape, *self.ln_f, eps), weights_t[-1][0])  # (T, vocab)
+        return torch.mm(torch.layer_norm(x, shape, *self.ln_f, eps), out_t)  # (T, vocab)
 
 
 def supports(model) -> bool:

@@ -1,10 +1,11 @@
-"""The course's plotting style and the few plot helpers several chapters share."""
+"""The course's plotting style and the plot helpers the chapters share (chapter 05's roofline among them)."""
 
 from __future__ import annotations
 
 import matplotlib as mpl
 import torch
 
+from ar_lab.roofline import attainable_flops, format_si, ridge_point
 from ar_lab.tokenizer import EOS_ID
 
 # One palette for the whole course: the same idea keeps the same colour.
@@ -67,3 +68,81 @@ def plot_distribution(ax, probs: torch.Tensor, top: int = 20, kept: torch.Tensor
     if title:
         ax.set_title(title)
     return ax
+
+
+def plot_roofline(
+    ax,
+    result: dict,
+    *,
+    label: str | None = None,
+    color: str | None = None,
+    roof_color: str = "black",
+    points: bool = True,
+    annotate: bool = True,
+):
+    """Draw ``result``'s measured roofs (compute roof, bandwidth slope, ridge) and its points on a log-log ``ax``.
+
+    ``result`` is what ``ar_lab.measure.run_roofline`` returns (or ``load_result``
+    reads). Prefill points are circles, decode points triangles; with ``annotate``
+    each is labelled with its prompt length (T=) or batch size (B=), and the ridge
+    with its intensity.
+    """
+    peak, bw = result["peaks"]["matmul_flops_per_s"], result["peaks"]["bandwidth_bytes_per_s"]
+    ridge = ridge_point(peak, bw)
+    intensities = [p["intensity"] for p in result["points"]] or [ridge]
+    lo = min(min(intensities), ridge) / 4
+    hi = max(max(intensities), ridge) * 4
+    xs = [lo * (hi / lo) ** (i / 200) for i in range(201)]
+    name = label or result["device"]["name"]
+    roof_label = f"roofs of {name}: {format_si(peak, 'FLOP/s')}, {format_si(bw, 'B/s')}"
+    ax.plot(xs, [attainable_flops(x, peak, bw) for x in xs], color=roof_color, lw=1.8, label=roof_label)
+    ax.axvline(ridge, color=roof_color, ls=":", lw=1)
+    if annotate:
+        ax.annotate(
+            f"ridge {ridge:.0f} FLOP/B",
+            (ridge, peak),
+            xytext=(4, 5),
+            textcoords="offset points",
+            fontsize=8.5,
+            color=roof_color,
+        )
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlabel("arithmetic intensity (FLOP per byte moved)")
+    ax.set_ylabel("achieved FLOP/s")
+    if points:
+        for phase, marker in (("prefill", "o"), ("decode", "^")):
+            pts = [p for p in result["points"] if p["phase"] == phase]
+            if pts:
+                _roofline_points(ax, pts, phase, marker, color or COLORS[phase], name, annotate)
+    return ax
+
+
+def _roofline_points(ax, pts: list[dict], phase: str, marker: str, color: str, name: str, annotate: bool) -> None:
+    """One phase's measured points, each labelled T= (prompt length) or B= (batch; L= context if several)."""
+    ax.scatter(
+        [p["intensity"] for p in pts],
+        [p["flops_per_s"] for p in pts],
+        marker=marker,
+        s=40,
+        color=color,
+        zorder=3,
+        label=f"{phase} ({name})",
+    )
+    if not annotate:
+        return
+    several_contexts = len({q["context"] for q in pts}) > 1
+    for p in pts:
+        text = f"T={p['tokens']}" if phase == "prefill" else f"B={p['batch']}"
+        if phase == "decode" and several_contexts:
+            text += f", L={p['context']}"
+        offset = (-6, 6) if phase == "prefill" else (6, -11)  # prefill labels above, decode below
+        ax.annotate(
+            text,
+            (p["intensity"], p["flops_per_s"]),
+            xytext=offset,
+            textcoords="offset points",
+            fontsize=7.5,
+            color=color,
+            ha="right" if phase == "prefill" else "left",
+        )

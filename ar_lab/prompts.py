@@ -53,10 +53,15 @@ def stop_list(stop_strings) -> tuple[str, ...]:
     return stops
 
 
+def positive_int(name: str, value, minimum: int = 1) -> int:
+    """``value`` if it is an int (not a bool) >= ``minimum``; else a ValueError naming ``name``."""
+    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
+        raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
+    return value
+
+
 def check_budget(max_new_tokens) -> int:
-    if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool) or max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
-    return max_new_tokens
+    return positive_int("max_new_tokens", max_new_tokens)
 
 
 def check_prompt(model, ids: list[int], max_new_tokens: int) -> None:
@@ -110,15 +115,29 @@ def eval_mode(*models: torch.nn.Module) -> Iterator[None]:
     Enter it per step in a generator, never across a ``yield``: a paused generator must
     leave the notebook as it was (training mode, gradients on).
     """
-    # Only a model in training mode is switched (the check is cheap enough to run every step);
-    # then every submodule's own flag is recorded, so a child kept in eval mode stays so.
+    # Only a model in training mode is switched (the check is cheap enough to run every step).
+    # Then every submodule's own flag is recorded, so a child kept in eval mode stays so; the
+    # flags are set directly (what Module.train does, without its recursion through children()).
     saved = [[(sub, sub.training) for sub in m.modules()] for m in models if m.training]
     for flags in saved:
-        flags[0][0].eval()
+        _set_modes(flags, False)
     try:
         with torch.inference_mode():
             yield
     finally:
         for flags in saved:
-            for sub, training in flags:
-                sub.training = training
+            _set_modes(flags, None)
+
+
+def _set_modes(flags: list[tuple[torch.nn.Module, bool]], mode: bool | None) -> None:
+    """Set each module's training flag to ``mode`` (None: back to its recorded flag).
+
+    ``flags`` lists parents before children (``Module.modules`` order), so a module with its own
+    ``train()`` may recurse: its children are set again right after it.
+    """
+    for sub, training in flags:
+        target = training if mode is None else mode
+        if type(sub).train is torch.nn.Module.train:
+            sub.training = target
+        else:
+            sub.train(target)

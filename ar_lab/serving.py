@@ -15,11 +15,12 @@ serve many, each tested against plain ``generate``:
   *continuous* batching (refill a slot as soon as its request finishes), recording when
   each token of each request appears. ``simulate`` gives the same schedules counted in
   decode steps.
-- **Prefix (prompt) caching**: ``PrefixCache`` computes the keys/values of a shared static
-  prefix (a long system prompt) once; each request copies them and prefills only the rest.
+- **Prefix (prompt) caching** lives in ``ar_lab.prefix_cache``: ``serve(..., prefix=...)``
+  copies a shared prefix's keys/values into each request, which prefills only the rest.
 
 A new request is always prefilled alone (batch 1), straight into its slot's buffers, and
-joins the running batch for decoding.
+joins the running batch for decoding. ``ar_lab.serving_measure`` holds the workloads and
+measurements chapter 08 and ``python -m ar_lab.bench serving`` run.
 """
 
 from __future__ import annotations
@@ -33,8 +34,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ar_lab.cache import BatchKVCache, KVCache
-from ar_lab.generate import Generation, GenerationStats, _check_args, _prompt_ids, generate
+from ar_lab.cache import BatchKVCache
+from ar_lab.generate import Generation, GenerationStats
+from ar_lab.prefix_cache import PrefixCache
+from ar_lab.prompts import checked_prompt, eval_mode
 from ar_lab.sampling import GREEDY, SamplingParams, sample
 from ar_lab.tokenizer import EOS_ID, decode
 
@@ -91,87 +94,6 @@ def tokens_within(budget: float, ttft: float, tpot: float) -> int:
     if budget < ttft:
         return 0
     return 1 + math.floor((budget - ttft) / tpot + 1e-9)
-
-
-# --- prefix (prompt) cache -------------------------------------------------------------
-
-
-def common_prefix_length(a: Sequence[int], b: Sequence[int]) -> int:
-    n = 0
-    for x, y in zip(a, b, strict=False):
-        if x != y:
-            break
-        n += 1
-    return n
-
-
-def reusable_length(cached: Sequence[int], prompt: Sequence[int]) -> int:
-    """Prompt positions whose keys/values can be taken from a cache of ``cached`` tokens.
-
-    The positions the two share from the start, but never the whole prompt: its last
-    token must still go through the model, because its logits give the first new token.
-    """
-    if len(prompt) == 0:
-        raise ValueError("the prompt is empty")
-    return min(common_prefix_length(cached, prompt), len(prompt) - 1)
-
-
-class PrefixCache:
-    """The keys/values of a shared static prefix (e.g. a long system prompt), computed once.
-
-    ``copy_into(cache, prompt)`` puts the reusable part into a request's own cache, so its
-    prefill only has to process the rest of the prompt. Keys and values of a position
-    depend only on the tokens up to it, so the outputs are the same as without reuse
-    (up to float rounding); only the time to first token changes.
-    """
-
-    def __init__(self, model, prefix: str | Sequence[int]) -> None:
-        self.tokens = _prompt_ids(prefix)
-        if len(self.tokens) > model.config.block_size:
-            raise ValueError(
-                f"the prefix has {len(self.tokens)} tokens but the context window holds {model.config.block_size}"
-            )
-        self.cache = KVCache.for_model(model, max_len=len(self.tokens))
-        was_training = model.training
-        model.eval()
-        try:
-            with torch.inference_mode():
-                t0 = time.perf_counter()
-                model(torch.tensor([self.tokens], device=model.device), self.cache)
-                self.build_time = time.perf_counter() - t0  # paid once, not per request
-        finally:
-            model.train(was_training)
-
-    def __len__(self) -> int:
-        return len(self.tokens)
-
-    def reusable(self, prompt: str | Sequence[int]) -> int:
-        return reusable_length(self.tokens, _prompt_ids(prompt))
-
-    def copy_into(self, cache: KVCache, prompt: str | Sequence[int]) -> int:
-        """Copy the reusable keys/values into ``cache`` (batch 1); returns how many positions."""
-        n = self.reusable(prompt)
-        src = self.cache.k[0]
-        if cache.batch_size != 1 or len(cache.k) != len(self.cache.k) or cache.k[0].shape[1::2] != src.shape[1::2]:
-            raise ValueError(
-                f"cannot copy a prefix cache of shape {tuple(src.shape)} per layer into one of "
-                f"{tuple(cache.k[0].shape)}: it must be batch 1, with the same layers, KV heads and head size"
-            )
-        if cache.max_len < n:
-            raise ValueError(f"the cache holds {cache.max_len} positions, the reusable prefix {n}")
-        for dst, s in zip(cache.k + cache.v, self.cache.k + self.cache.v, strict=True):
-            dst[:, :, :n] = s[:, :, :n]
-        cache.length = n
-        return n
-
-    def cache_for(self, prompt: str | Sequence[int], max_new_tokens: int) -> KVCache:
-        """A fresh cache for one request (``generate(..., cache=...)``), the prefix already in it."""
-        ids = _prompt_ids(prompt)
-        src = self.cache.k[0]
-        _, h, _, d = src.shape
-        cache = KVCache(len(self.cache.k), 1, h, len(ids) + max_new_tokens - 1, d, src.dtype, src.device)
-        self.copy_into(cache, ids)
-        return cache
 
 
 # --- requests and the scheduler ----------------------------------------------------------
@@ -289,15 +211,107 @@ def _check_requests(model, requests) -> list[list[int]]:
     for i, r in enumerate(requests):
         if not isinstance(r, Request):
             raise TypeError(f"requests[{i}] must be a Request(prompt, max_new_tokens), got {type(r).__name__}")
-        ids = _prompt_ids(r.prompt)
-        _check_args(model, ids, r.max_new_tokens, None)
-        prompts.append(ids)
+        prompts.append(checked_prompt(model, r.prompt, r.max_new_tokens))
     return prompts
+
+
+def _check_schedule(max_batch: int, policy: str) -> None:
+    if policy not in POLICIES:
+        raise ValueError(f"policy must be one of {POLICIES}, got {policy!r}")
+    if not isinstance(max_batch, int) or isinstance(max_batch, bool) or max_batch < 1:
+        raise ValueError(f"max_batch must be an int >= 1, got {max_batch!r}")
+
+
+class _Server:
+    """The state of one ``serve`` run: the slots and who decodes in them, each request's result, the timings."""
+
+    def __init__(self, model, requests, prompts, slots: int, *, prefix, sampling, eos_id, clock) -> None:
+        self.model, self.prompts, self.prefix, self.sampling, self.eos_id = model, prompts, prefix, sampling, eos_id
+        self.clock, self.t0, self.slots = clock, 0.0, slots
+        max_len = max(len(p) + r.max_new_tokens - 1 for p, r in zip(prompts, requests, strict=True))
+        self.cache = BatchKVCache.for_model(model, max_batch=slots, max_len=max_len)
+        device = model.device
+        self.results = [RequestResult(r, p) for r, p in zip(requests, prompts, strict=True)]
+        self.greedy = sampling.greedy and sampling.repetition_penalty == 1.0
+        self.penalised = sampling.repetition_penalty != 1.0
+        self.generators = [
+            None if r.seed is None or self.greedy else torch.Generator(device=device).manual_seed(r.seed)
+            for r in requests
+        ]
+        self.rows: list[int] = []  # rows[i]: the request decoding in slot i
+        self.last = torch.zeros(slots, dtype=torch.long, device=device)  # each row's newest token: the next input
+        self.step_times: list[float] = []
+        self.step_rows: list[int] = []
+        self.prefill_times: list[float] = []
+
+    def pick(self, logits: torch.Tensor, j: int) -> int:
+        """Request j's next token from its logits (vocab,)."""
+        if self.greedy and math.isfinite(float(logits.max())):
+            return int(logits.argmax())
+        res = self.results[j]
+        history = res.prompt + res.tokens if self.penalised else ()
+        return int(sample(logits, self.sampling, self.generators[j], history))
+
+    def record(self, j: int, token: int, now: float) -> bool:
+        """Add request j's new token; True when the request is finished."""
+        res = self.results[j]
+        res.token_times.append(now)
+        if self.eos_id is not None and token == self.eos_id:
+            res.stop_reason = "eos"
+            return True
+        res.tokens.append(token)
+        if len(res.token_times) == res.request.max_new_tokens:
+            res.stop_reason = "max_new_tokens"
+            return True
+        return False
+
+    def admit(self, j: int) -> None:
+        """Prefill request j alone, straight into the next free slot; it joins the batch unless already done."""
+        res, ids, cache = self.results[j], self.prompts[j], self.cache
+        slot = cache.slot(cache.rows)  # a batch-1 view of the next free slot: the prefill writes in place
+        slot.length = 0
+        res.reused = self.prefix.copy_into(slot, ids) if self.prefix is not None else 0
+        start = self.clock()
+        res.admitted, res.admitted_step = start - self.t0, len(self.step_times)
+        logits = self.model(torch.tensor([ids[res.reused :]], device=self.model.device), slot)[0, -1]
+        token = self.pick(logits, j)
+        now = self.clock()
+        res.prefill_time = now - start
+        self.prefill_times.append(res.prefill_time)
+        res.finish_step = len(self.step_times)
+        if not self.record(j, token, now - self.t0):
+            self.last[cache.add(slot.length)] = token
+            self.rows.append(j)
+
+    def decode_step(self) -> None:
+        """One batched forward step: one more token for every row; finished rows leave their slots."""
+        n, rows = len(self.rows), self.rows
+        start = self.clock()
+        logits = self.model(self.last[:n, None], self.cache)[:, -1]  # (n, vocab): one token for every row
+        if self.greedy and bool(torch.isfinite(logits).all()):
+            tokens = logits.argmax(dim=-1)
+            new = tokens.tolist()
+        else:
+            new = [self.pick(logits[i], j) for i, j in enumerate(rows)]
+            tokens = torch.tensor(new, device=self.model.device)
+        now = self.clock()
+        self.step_times.append(now - start)
+        self.step_rows.append(n)
+        self.last[:n] = tokens
+        done = [i for i, (j, t) in enumerate(zip(rows, new, strict=True)) if self.record(j, t, now - self.t0)]
+        for i in reversed(done):  # highest first: the row moved into i is never a finished one
+            self.results[rows[i]].finish_step = len(self.step_times)
+            moved = self.cache.remove(i)
+            if moved is not None:
+                self.last[i] = self.last[moved]
+            rows[i] = rows[-1]
+            rows.pop()
 
 
 def serve(
     model,
     requests: Sequence[Request],
+    *,
     max_batch: int = 8,
     policy: str = "continuous",
     prefix: PrefixCache | None = None,
@@ -314,108 +328,41 @@ def serve(
     (reusing ``prefix``'s keys/values where its prompt starts with them), which gives its
     first token; then every decode step gives one more token to every row.
     """
-    if policy not in POLICIES:
-        raise ValueError(f"policy must be one of {POLICIES}, got {policy!r}")
-    if not isinstance(max_batch, int) or isinstance(max_batch, bool) or max_batch < 1:
-        raise ValueError(f"max_batch must be an int >= 1, got {max_batch!r}")
+    _check_schedule(max_batch, policy)
     if not isinstance(sampling, SamplingParams):
         raise TypeError(f"sampling must be a SamplingParams, got {type(sampling).__name__}")
     prompts = _check_requests(model, requests)
-    slots = min(max_batch, len(requests))
-    max_len = max(len(p) + r.max_new_tokens - 1 for p, r in zip(prompts, requests, strict=True))
-    cache = BatchKVCache.for_model(model, max_batch=slots, max_len=max_len)
-    device = model.device
-    results = [RequestResult(r, p) for r, p in zip(requests, prompts, strict=True)]
-    greedy = sampling.greedy and sampling.repetition_penalty == 1.0
-    generators = [
-        None if r.seed is None or greedy else torch.Generator(device=device).manual_seed(r.seed) for r in requests
-    ]
-    penalised = sampling.repetition_penalty != 1.0
+    server = _Server(
+        model,
+        requests,
+        prompts,
+        min(max_batch, len(requests)),
+        prefix=prefix,
+        sampling=sampling,
+        eos_id=eos_id,
+        clock=clock,
+    )
     queue = deque(range(len(requests)))
-    rows: list[int] = []  # rows[i]: the request decoding in slot i
-    last = torch.zeros(slots, dtype=torch.long, device=device)  # each row's newest token: the next input
-    step_times: list[float] = []
-    step_rows: list[int] = []
-    prefill_times: list[float] = []
-
-    def pick(logits: torch.Tensor, j: int) -> int:  # logits (vocab,) of request j
-        if greedy and math.isfinite(float(logits.max())):
-            return int(logits.argmax())
-        res = results[j]
-        return int(sample(logits, sampling, generators[j], res.prompt + res.tokens if penalised else ()))
-
-    def record(j: int, token: int, now: float) -> bool:
-        """Add request j's new token; True when the request is finished."""
-        res = results[j]
-        res.token_times.append(now)
-        if eos_id is not None and token == eos_id:
-            res.stop_reason = "eos"
-            return True
-        res.tokens.append(token)
-        if len(res.token_times) == res.request.max_new_tokens:
-            res.stop_reason = "max_new_tokens"
-            return True
-        return False
-
-    def admit(j: int, t0: float) -> None:
-        res, ids = results[j], prompts[j]
-        slot = cache.slot(cache.rows)  # a batch-1 view of the next free slot: the prefill writes in place
-        slot.length = 0
-        res.reused = prefix.copy_into(slot, ids) if prefix is not None else 0
-        start = clock()
-        res.admitted, res.admitted_step = start - t0, len(step_times)
-        logits = model(torch.tensor([ids[res.reused :]], device=device), slot)[0, -1]
-        token = pick(logits, j)
-        now = clock()
-        res.prefill_time = now - start
-        prefill_times.append(res.prefill_time)
-        res.finish_step = len(step_times)
-        if not record(j, token, now - t0):
-            last[cache.add(slot.length)] = token
-            rows.append(j)
-
-    was_training = model.training
-    model.eval()
-    try:
-        with torch.inference_mode():
-            t0 = clock()
-            while queue or rows:
-                if policy == "continuous" or not rows:
-                    while queue and len(rows) < slots:
-                        admit(queue.popleft(), t0)
-                    if not rows:
-                        continue
-                n = len(rows)
-                start = clock()
-                logits = model(last[:n, None], cache)[:, -1]  # (n, vocab): one token for every row
-                if greedy and bool(torch.isfinite(logits).all()):
-                    tokens = logits.argmax(dim=-1)
-                    new = tokens.tolist()
-                else:
-                    new = [pick(logits[i], j) for i, j in enumerate(rows)]
-                    tokens = torch.tensor(new, device=device)
-                now = clock()
-                step_times.append(now - start)
-                step_rows.append(n)
-                last[:n] = tokens
-                done = [i for i, (j, t) in enumerate(zip(rows, new, strict=True)) if record(j, t, now - t0)]
-                for i in reversed(done):  # highest first: the row moved into i is never a finished one
-                    results[rows[i]].finish_step = len(step_times)
-                    moved = cache.remove(i)
-                    if moved is not None:
-                        last[i] = last[moved]
-                    rows[i] = rows[-1]
-                    rows.pop()
-            total = clock() - t0
-    finally:
-        model.train(was_training)
-    return ServeReport(policy, max_batch, results, total, step_times, step_rows, prefill_times)
+    with eval_mode(model):
+        server.t0 = clock()
+        while queue or server.rows:
+            if policy == "continuous" or not server.rows:
+                while queue and len(server.rows) < server.slots:
+                    server.admit(queue.popleft())
+                if not server.rows:
+                    continue
+            server.decode_step()
+        total = clock() - server.t0
+    return ServeReport(
+        policy, max_batch, server.results, total, server.step_times, server.step_rows, server.prefill_times
+    )
 
 
 def generate_batch(
     model,
     prompts: Sequence[str | Sequence[int]],
     max_new_tokens: int | Sequence[int],
+    *,
     sampling: SamplingParams = GREEDY,
     seeds: Sequence[int] | None = None,
     eos_id: int | None = EOS_ID,
@@ -460,10 +407,7 @@ def simulate(steps_needed: Sequence[int], max_batch: int, policy: str = "continu
     when no request is running; continuous: free slots are refilled before every step.
     This is ``serve``'s schedule: ``serve(...).results[i].finish_step`` is the same number.
     """
-    if policy not in POLICIES:
-        raise ValueError(f"policy must be one of {POLICIES}, got {policy!r}")
-    if not isinstance(max_batch, int) or isinstance(max_batch, bool) or max_batch < 1:
-        raise ValueError(f"max_batch must be an int >= 1, got {max_batch!r}")
+    _check_schedule(max_batch, policy)
     if any(not isinstance(s, int) or isinstance(s, bool) or s < 0 for s in steps_needed):
         raise ValueError(f"steps_needed must hold ints >= 0, got {list(steps_needed)}")
     queue = deque(range(len(steps_needed)))
@@ -487,136 +431,3 @@ def simulate(steps_needed: Sequence[int], max_batch: int, policy: str = "continu
                 finish[i] = step
                 del left[i]
     return finish
-
-
-# --- workloads and measurements ------------------------------------------------------------
-
-PROMPTS = [
-    "The for statement",
-    "A list comprehension",
-    "def ",
-    "Exceptions are raised when",
-    "The with statement",
-    "class ",
-    "import ",
-    "A dictionary maps",
-    "The return value of",
-    "Strings are immutable",
-    "The while loop",
-    "Keyword arguments",
-]
-
-
-def mixed_workload(n_requests: int = 12, short: int = 8, long: int = 96, long_every: int = 4) -> list[Request]:
-    """Requests of mixed lengths: every ``long_every``-th wants ``long`` new tokens, the rest ``short``.
-
-    Prompts cycle through a fixed list of short Python-docs openings of different lengths.
-    """
-    for name, v in [("n_requests", n_requests), ("short", short), ("long", long), ("long_every", long_every)]:
-        if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-            raise ValueError(f"{name} must be an int >= 1, got {v!r}")
-    return [
-        Request(PROMPTS[i % len(PROMPTS)], long if i % long_every == long_every - 1 else short, name=f"r{i}")
-        for i in range(n_requests)
-    ]
-
-
-def compare_policies(
-    model, requests: Sequence[Request], max_batch: int, repeats: int = 1, eos_id: int | None = None
-) -> dict[str, list[ServeReport]]:
-    """``serve`` the same requests under both policies, alternating, ``repeats`` times each
-    (so a load change on the machine hits both alike)."""
-    if not isinstance(repeats, int) or repeats < 1:
-        raise ValueError(f"repeats must be an int >= 1, got {repeats!r}")
-    reports: dict[str, list[ServeReport]] = {p: [] for p in POLICIES}
-    for _ in range(repeats):
-        for policy in POLICIES:
-            reports[policy].append(serve(model, requests, max_batch, policy, eos_id=eos_id))
-    return reports
-
-
-def decode_throughput(
-    model, batch_sizes: Sequence[int], context: int = 64, steps: int = 16, repeats: int = 3
-) -> list[dict]:
-    """Tokens/s of batched decode steps at each batch size, every row at ``context`` positions.
-
-    The cache is filled with random keys/values (timing depends on shapes, not contents);
-    each repeat runs ``steps`` decode steps per batch size, interleaved across batch sizes so
-    a load change on the machine hits them alike. Medians are reported.
-    """
-    if not batch_sizes or any(not isinstance(b, int) or b < 1 for b in batch_sizes):
-        raise ValueError(f"batch_sizes must be ints >= 1, got {list(batch_sizes)}")
-    if not isinstance(context, int) or context < 1 or context + steps > model.config.block_size:
-        raise ValueError(f"context + steps must fit in the context window ({model.config.block_size})")
-    model.eval()
-    g = torch.Generator(device=model.device).manual_seed(0)
-    caches, inputs = {}, {}
-    for b in batch_sizes:
-        c = BatchKVCache.for_model(model, max_batch=b, max_len=context + steps)
-        for buf in c.k + c.v:
-            buf.normal_(generator=g)
-        for _ in range(b):
-            c.add(context)
-        caches[b] = c
-        inputs[b] = torch.randint(0, model.config.vocab_size, (b, 1), generator=g, device=model.device)
-    times: dict[int, list[float]] = {b: [] for b in batch_sizes}
-    with torch.inference_mode():
-        for r in range(repeats + 1):  # the first round warms up
-            for b in batch_sizes:
-                c = caches[b]
-                c.lengths[:b] = [context] * b
-                t0 = time.perf_counter()
-                for _ in range(steps):
-                    model(inputs[b], c)
-                if c.device.type == "cuda":
-                    torch.cuda.synchronize()
-                if r:
-                    times[b].append((time.perf_counter() - t0) / steps)
-    out = []
-    for b in batch_sizes:
-        step = statistics.median(times[b])
-        out.append({"batch": b, "step_s": step, "tokens_per_s": b / step})
-    return out
-
-
-def prefix_ttft(
-    model,
-    prefix: str | Sequence[int],
-    suffixes: Sequence[str | Sequence[int]],
-    max_new_tokens: int = 8,
-    repeats: int = 3,
-) -> dict:
-    """Time to first token for prefix + each suffix, prefilled whole vs reusing a ``PrefixCache``.
-
-    The reuse side is charged for building its cache (allocate + copy the prefix) as well as
-    its prefill; building the prefix cache itself is paid once (``build_s``). Runs alternate,
-    medians are reported, and the tokens of both sides are compared.
-    """
-    if not suffixes:
-        raise ValueError("give at least one suffix (the part of each prompt after the shared prefix)")
-    if not isinstance(repeats, int) or repeats < 1:
-        raise ValueError(f"repeats must be an int >= 1, got {repeats!r}")
-    pc = PrefixCache(model, prefix)
-    prompts = [pc.tokens + _prompt_ids(s) for s in suffixes]
-    plain_t, reuse_t, same = [], [], []
-    for _ in range(repeats):
-        for p in prompts:
-            plain = generate(model, p, max_new_tokens, eos_id=None)
-            t0 = time.perf_counter()
-            cache = pc.cache_for(p, max_new_tokens)
-            copy = time.perf_counter() - t0
-            reused = generate(model, p, max_new_tokens, eos_id=None, cache=cache)
-            plain_t.append(plain.stats.prefill_time)
-            reuse_t.append(copy + reused.stats.prefill_time)
-            same.append(plain.tokens == reused.tokens)
-    plain_s, reuse_s = statistics.median(plain_t), statistics.median(reuse_t)
-    return {
-        "prefix_tokens": len(pc),
-        "suffix_tokens": [len(p) - len(pc) for p in prompts],
-        "ttft_plain_s": plain_s,
-        "ttft_reused_s": reuse_s,
-        "speedup": plain_s / reuse_s,
-        "build_s": pc.build_time,
-        "identical_outputs": sum(same),
-        "runs": len(same),
-    }

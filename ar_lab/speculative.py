@@ -29,6 +29,8 @@ The theory (Leviathan et al., 2023, section 3): with a per-token acceptance
 probability alpha = sum_x min(p(x), q(x)) = 1 - TV(p, q), an iteration emits
 (1 - alpha^(gamma+1)) / (1 - alpha) tokens on average, and if a draft step costs c
 target steps, the expected wall-clock speedup is that divided by (gamma c + 1).
+
+``ar_lab.speculative_view`` measures all of this on real prompts (chapter 07's explorer).
 """
 
 from __future__ import annotations
@@ -41,10 +43,11 @@ from dataclasses import dataclass, field
 import torch
 
 from ar_lab.cache import KVCache
-from ar_lab.generate import _check_args, _prompt_ids
 from ar_lab.lean import engine_for
+from ar_lab.prompts import check_prompt, eval_mode, prompt_ids
 from ar_lab.sampling import GREEDY, SamplingParams, probabilities
-from ar_lab.tokenizer import EOS_ID, decode, encode
+from ar_lab.timing import synchronize
+from ar_lab.tokenizer import EOS_ID, N_BYTES, decode
 
 # --- the theory ------------------------------------------------------------------------
 
@@ -225,10 +228,6 @@ class SpeculativeStats:
     stop_reason: str = ""  # "eos" or "max_new_tokens"
 
     @property
-    def iterations(self) -> int:
-        return self.target_calls
-
-    @property
     def alpha(self) -> float:
         """Measured acceptance rate: accepted / tested draft tokens (the theory's alpha)."""
         return self.acceptances / self.tested if self.tested else float("nan")
@@ -239,17 +238,8 @@ class SpeculativeStats:
         return self.alpha_sum / self.tested if self.tested else float("nan")
 
     @property
-    def kept_fraction(self) -> float:
-        """Accepted / proposed: drafts after a rejection are proposed but never tested."""
-        return self.acceptances / self.proposals if self.proposals else float("nan")
-
-    @property
     def tokens_per_target_call(self) -> float:
         return self.produced / self.target_calls if self.target_calls else float("nan")
-
-    @property
-    def target_time_per_call(self) -> float:
-        return self.target_time / self.target_calls if self.target_calls else float("nan")
 
     @property
     def draft_time_per_call(self) -> float:
@@ -264,22 +254,135 @@ class SpeculativeGeneration:
     stats: SpeculativeStats
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+class Speculation:
+    """The state of one speculative generation: both models, their caches, the text so far, the counters.
 
-
-def steady_clock(device: torch.device | str = "cpu") -> Callable[[], float]:
-    """The clock to time decoding with on ``device``: CPU time of this process when torch
-    computes on the CPU with one thread, else the wall clock.
-
-    One thread's CPU time is the wall-clock time the work takes on a quiet machine, and
-    other processes on a shared machine do not inflate it (they only delay it). On a GPU,
-    or with several threads, only the wall clock measures the work.
+    ``iteration`` runs one draft-then-verify round; ``speculative_generate`` loops it.
     """
-    if torch.device(device).type == "cpu" and torch.get_num_threads() == 1:
-        return time.process_time
-    return time.perf_counter
+
+    def __init__(
+        self, target, draft, prompt: list[int], max_new_tokens: int, gamma: int, *, sampling, generator, clock, lean
+    ):
+        self.target, self.draft, self.sampling, self.generator, self.clock = target, draft, sampling, generator, clock
+        self.seq = list(prompt)  # prompt + tokens emitted so far
+        self.stats = SpeculativeStats(gamma=gamma)
+        # Neither model ever needs the last emitted token's keys: at most P + N - 1 positions.
+        max_len = len(prompt) + max_new_tokens - 1
+        self.target_cache = KVCache.for_model(target, max_len=max_len)
+        self.draft_cache = KVCache.for_model(draft, max_len=max_len)
+        self.engines = {id(m): engine_for(m) if lean else None for m in (target, draft)}
+        self.fast = _fast_greedy(sampling)
+        self.penalised = sampling.repetition_penalty != 1.0
+        self.device = target.device
+
+    def forward(self, model, new: list[int], cache: KVCache) -> torch.Tensor:
+        """Logits (len(new), V) of the new tokens after the cached ones."""
+        engine = self.engines[id(model)]
+        if engine is None or cache.length == 0:  # the prompt: one prefill through forward()
+            return model(torch.tensor([new], device=self.device), cache)[0]
+        return engine.extend(new, cache)  # one token goes straight to the decode step
+
+    def propose(self, g: int) -> tuple[list[int], list[torch.Tensor]]:
+        """The draft's g tokens, one forward pass each, and the distributions q they were drawn from.
+
+        The draft's cache may lag behind the text by two tokens (after a full accept): the first
+        pass feeds whatever it lacks.
+        """
+        drafts: list[int] = []
+        qs: list[torch.Tensor] = []
+        for i in range(g):
+            new = self.seq[self.draft_cache.length :] if i == 0 else drafts[-1:]
+            logits = self.forward(self.draft, new, self.draft_cache)[-1]  # (V,)
+            self.stats.draft_calls += 1
+            self.stats.draft_positions += len(new)
+            if self.fast:
+                drafts.append(int(logits.argmax()))
+            else:
+                q = probabilities(logits, self.sampling, self.seq + drafts if self.penalised else ())
+                qs.append(q)
+                drafts.append(draw(q, self.generator))
+        self.stats.proposals += g
+        return drafts, qs
+
+    def verify(self, drafts: list[int], qs: list[torch.Tensor]) -> tuple[int, list[int]]:
+        """The target scores the g + 1 positions in one forward pass and accepts drafts in order.
+
+        Returns how many drafts were accepted and the tokens the iteration emits.
+        """
+        g, stats = len(drafts), self.stats
+        new = self.seq[self.target_cache.length :] + drafts
+        logits = self.forward(self.target, new, self.target_cache)[-(g + 1) :]  # (g + 1, V)
+        stats.target_calls += 1
+        stats.target_positions += len(new)
+        if self.fast:
+            best = logits.argmax(dim=-1).tolist()  # the target's greedy token at each position
+            n = next((i for i in range(g) if drafts[i] != best[i]), g)
+            stats.alpha_sum += n  # one-hot p and q: sum min(p, q) is 1 if they agree, else 0
+            return n, drafts[:n] + [best[n]]
+        p = probabilities(logits, self.sampling, self._history(drafts))  # (g + 1, V)
+        n = 0
+        if g:
+            q = torch.stack(qs)  # (g, V)
+            rows, x = torch.arange(g, device=self.device), torch.tensor(drafts, device=self.device)
+            u = torch.rand(g, generator=self.generator, device=self.device, dtype=torch.float64)
+            n = accepted_count(p[rows, x].double(), q[rows, x].double(), u)
+            tested = min(g, n + 1)
+            stats.alpha_sum += float(acceptance_rate(p[:tested], q[:tested]).sum())
+        return n, finish_iteration(drafts, p, qs, n, self.generator)
+
+    def _history(self, drafts: list[int]) -> torch.Tensor | tuple:
+        """What the repetition penalty sees at each of the g + 1 positions: row i, the text and drafts[:i]."""
+        if not self.penalised:
+            return ()
+        history = torch.zeros(len(drafts) + 1, self.target.config.vocab_size, dtype=torch.bool, device=self.device)
+        history[:, self.seq] = True
+        for i, x in enumerate(drafts):
+            history[i + 1 :, x] = True
+        return history  # (g + 1, V)
+
+    def iteration(self, g: int, eos_id: int | None) -> None:
+        """One round: the draft proposes g tokens, the target verifies them, the text grows by 1 to g + 1."""
+        stats, clock = self.stats, self.clock
+        t0 = clock()
+        drafts, qs = self.propose(g)
+        synchronize(self.device)
+        t1 = clock()
+        stats.draft_time += t1 - t0
+        n, emitted = self.verify(drafts, qs)
+        synchronize(self.device)
+        stats.target_time += clock() - t1
+        stats.tested += min(g, n + 1)
+        stats.acceptances += n
+        stats.accepted_per_iteration.append(n)
+        # Emit; roll both caches back to tokens that stay (each keeps at most len(seq) - 1).
+        if eos_id is not None and eos_id in emitted:
+            emitted = emitted[: emitted.index(eos_id) + 1]
+        self.seq += emitted
+        stats.produced += len(emitted)
+        stats.emitted_per_iteration.append(len(emitted))
+        self.target_cache.truncate(min(self.target_cache.length, len(self.seq) - 1))
+        self.draft_cache.truncate(min(self.draft_cache.length, len(self.seq) - 1))
+
+
+def _check_pair(target, draft, prompt, max_new_tokens: int, gamma: int, sampling) -> list[int]:
+    """The prompt's ids, after checking every argument of ``speculative_generate`` once."""
+    ids = prompt_ids(prompt)
+    _check_gamma(gamma)
+    if not isinstance(sampling, SamplingParams):
+        raise TypeError(f"sampling must be a SamplingParams, got {type(sampling).__name__}")
+    if draft.config.vocab_size != target.config.vocab_size:
+        raise ValueError(
+            f"draft and target must share the vocabulary: draft has {draft.config.vocab_size} tokens, "
+            f"target {target.config.vocab_size}"
+        )
+    if draft.device != target.device:
+        raise ValueError(f"draft is on {draft.device}, target on {target.device}: put both on one device")
+    check_prompt(target, ids, max_new_tokens)
+    try:
+        check_prompt(draft, ids, max_new_tokens)
+    except ValueError as e:
+        raise ValueError(f"draft model: {e}") from None
+    return ids
 
 
 def speculative_generate(
@@ -288,6 +391,7 @@ def speculative_generate(
     prompt: str | Sequence[int],
     max_new_tokens: int = 200,
     gamma: int = 4,
+    *,
     sampling: SamplingParams = GREEDY,
     generator: torch.Generator | None = None,
     eos_id: int | None = EOS_ID,
@@ -300,129 +404,30 @@ def speculative_generate(
     the same text when greedy); only the speed and ``stats`` differ. Stops at ``eos_id``
     (not included in ``tokens``) or after ``max_new_tokens`` tokens, as ``generate`` does.
     ``gamma = 0`` is plain decoding with the target. Random draws come from ``generator``.
-    ``clock`` times the stats (wall clock by default; see ``steady_clock``). Forward passes of a
-    ``GPT`` after the prompt run through ``ar_lab.lean`` (one token: its decode step; the verify
-    pass: its multi-token ``extend``), as ``generate``'s do; ``lean=False`` uses ``model.forward``.
+    ``clock`` times the stats (wall clock by default; see ``ar_lab.timing.steady_clock``). Forward
+    passes of a ``GPT`` after the prompt run through ``ar_lab.lean`` (one token: its decode step; the
+    verify pass: its multi-token ``extend``), as ``generate``'s do; ``lean=False`` uses ``model.forward``.
     """
-    prompt_ids = _prompt_ids(prompt)
-    gamma = _check_gamma(gamma)
-    if not isinstance(sampling, SamplingParams):
-        raise TypeError(f"sampling must be a SamplingParams, got {type(sampling).__name__}")
-    if draft.config.vocab_size != target.config.vocab_size:
-        raise ValueError(
-            f"draft and target must share the vocabulary: draft has {draft.config.vocab_size} tokens, "
-            f"target {target.config.vocab_size}"
-        )
-    if draft.device != target.device:
-        raise ValueError(f"draft is on {draft.device}, target on {target.device}: put both on one device")
-    _check_args(target, prompt_ids, max_new_tokens, None)
-    try:
-        _check_args(draft, prompt_ids, max_new_tokens, None)
-    except ValueError as e:
-        raise ValueError(f"draft model: {e}") from None
-
-    P, N, V, device = len(prompt_ids), max_new_tokens, target.config.vocab_size, target.device
-    stats = SpeculativeStats(gamma=gamma)
-    seq = list(prompt_ids)  # prompt + tokens emitted so far
-    # Neither model ever needs the last emitted token's keys: at most P + N - 1 positions.
-    target_cache = KVCache.for_model(target, max_len=P + N - 1)
-    draft_cache = KVCache.for_model(draft, max_len=P + N - 1)
-    fast = _fast_greedy(sampling)
-    penalised = sampling.repetition_penalty != 1.0
-    engines = {id(m): engine_for(m) if lean else None for m in (target, draft)}
-
-    def forward(model, new: list[int], cache: KVCache) -> torch.Tensor:
-        """Logits (len(new), V) of the new tokens after the cached ones."""
-        engine = engines[id(model)]
-        if engine is None or cache.length == 0:  # the prompt: one prefill through forward()
-            return model(torch.tensor([new], device=device), cache)[0]
-        return engine.extend(new, cache)  # one token goes straight to the decode step
-
-    modes = (target.training, draft.training)
-    target.eval(), draft.eval()
-    try:
-        with torch.inference_mode():
-            t_start = clock()  # as generate's clock: from the first forward pass on
-            while stats.produced < N:
-                g = min(gamma, N - stats.produced - 1)  # never propose past max_new_tokens
-
-                # 1. The draft proposes g tokens, one forward pass each. Its cache may lag
-                #    behind seq by two tokens (after a full accept): feed whatever it lacks.
-                t0 = clock()
-                drafts: list[int] = []
-                qs: list[torch.Tensor] = []
-                for i in range(g):
-                    new = seq[draft_cache.length :] if i == 0 else drafts[-1:]
-                    logits = forward(draft, new, draft_cache)[-1]  # (V,)
-                    stats.draft_calls += 1
-                    stats.draft_positions += len(new)
-                    if fast:
-                        drafts.append(int(logits.argmax()))
-                    else:
-                        q = probabilities(logits, sampling, seq + drafts if penalised else ())
-                        qs.append(q)
-                        drafts.append(draw(q, generator))
-                _sync(device)
-                t1 = clock()
-                stats.draft_time += t1 - t0
-                stats.proposals += g
-
-                # 2. The target scores the g + 1 positions in one forward pass.
-                new = seq[target_cache.length :] + drafts
-                logits = forward(target, new, target_cache)[-(g + 1) :]  # (g + 1, V)
-                stats.target_calls += 1
-                stats.target_positions += len(new)
-
-                # 3. Accept drafts in order; the first rejection ends the iteration.
-                if fast:
-                    best = logits.argmax(dim=-1).tolist()  # the target's greedy token at each position
-                    n = next((i for i in range(g) if drafts[i] != best[i]), g)
-                    emitted = drafts[:n] + [best[n]]
-                    stats.alpha_sum += n  # one-hot p and q: sum min(p, q) is 1 if they agree, else 0
-                else:
-                    history: torch.Tensor | tuple = ()
-                    if penalised:  # row i has seen seq and the drafts before it
-                        history = torch.zeros(g + 1, V, dtype=torch.bool, device=device)
-                        history[:, seq] = True
-                        for i, x in enumerate(drafts):
-                            history[i + 1 :, x] = True
-                    p = probabilities(logits, sampling, history)  # (g + 1, V)
-                    n = 0
-                    if g:
-                        q = torch.stack(qs)  # (g, V)
-                        rows, x = torch.arange(g, device=device), torch.tensor(drafts, device=device)
-                        u = torch.rand(g, generator=generator, device=device, dtype=torch.float64)
-                        n = accepted_count(p[rows, x].double(), q[rows, x].double(), u)
-                        tested = min(g, n + 1)
-                        stats.alpha_sum += float(acceptance_rate(p[:tested], q[:tested]).sum())
-                    emitted = finish_iteration(drafts, p, qs, n, generator)
-                _sync(device)
-                stats.target_time += clock() - t1
-                stats.tested += min(g, n + 1)
-                stats.acceptances += n
-                stats.accepted_per_iteration.append(n)
-
-                # 4. Emit; roll both caches back to tokens that stay (each keeps at most L' - 1).
-                if eos_id is not None and eos_id in emitted:
-                    emitted = emitted[: emitted.index(eos_id) + 1]
-                seq += emitted
-                stats.produced += len(emitted)
-                stats.emitted_per_iteration.append(len(emitted))
-                target_cache.truncate(min(target_cache.length, len(seq) - 1))
-                draft_cache.truncate(min(draft_cache.length, len(seq) - 1))
-                if eos_id is not None and seq[-1] == eos_id:
-                    break
-    finally:
-        target.train(modes[0]), draft.train(modes[1])
-    tokens = seq[P:]
+    ids = _check_pair(target, draft, prompt, max_new_tokens, gamma, sampling)
+    run = Speculation(
+        target, draft, ids, max_new_tokens, gamma, sampling=sampling, generator=generator, clock=clock, lean=lean
+    )
+    stats = run.stats
+    with eval_mode(target, draft):
+        t_start = clock()  # as generate's clock: from the first forward pass on
+        while stats.produced < max_new_tokens:
+            run.iteration(min(gamma, max_new_tokens - stats.produced - 1), eos_id)  # never past max_new_tokens
+            if eos_id is not None and run.seq[-1] == eos_id:
+                break
+    tokens = run.seq[len(ids) :]
     if eos_id is not None and tokens and tokens[-1] == eos_id:
         tokens.pop()
         stats.stop_reason = "eos"
     else:
         stats.stop_reason = "max_new_tokens"
     stats.total_time = clock() - t_start
-    text = decode([t for t in tokens if t < 256])
-    return SpeculativeGeneration(prompt_ids, tokens, text, stats)
+    text = decode([t for t in tokens if t < N_BYTES])
+    return SpeculativeGeneration(ids, tokens, text, stats)
 
 
 def token_sources(stats: SpeculativeStats) -> list[str]:
@@ -435,142 +440,3 @@ def token_sources(stats: SpeculativeStats) -> list[str]:
     for n, emitted in zip(stats.accepted_per_iteration, stats.emitted_per_iteration, strict=True):
         sources += (["draft"] * n + ["target"])[:emitted]
     return sources
-
-
-# --- what the chapter-07 explorer shows --------------------------------------------------
-
-
-@dataclass
-class SpeculationView:
-    """One setting of the explorer: a speculative run, the plain run it is timed against, the theory."""
-
-    prompt: str
-    draft_name: str
-    gamma: int
-    sampling: SamplingParams
-    seed: int
-    result: SpeculativeGeneration
-    baseline: object  # ar_lab.generate.Generation: plain cached decoding with the target, same settings
-    baseline_time: float  # seconds for the plain run (the fastest of the repeats)
-    speculative_time: float  # seconds for the speculative run (the fastest of the repeats)
-    clock_name: str = "wall clock"
-    max_gamma: int = 8
-
-    @property
-    def alpha(self) -> float:
-        return self.result.stats.alpha
-
-    @property
-    def tokens_per_target_call(self) -> float:
-        return self.result.stats.tokens_per_target_call
-
-    @property
-    def target_step_time(self) -> float:
-        """Seconds per token of plain decoding: one target step, as plain decoding pays it."""
-        return self.baseline_time / max(1, len(self.baseline.tokens))
-
-    @property
-    def cost_ratio(self) -> float:
-        """c: one draft forward pass (with its pick) / one target step, both measured in this view."""
-        return self.result.stats.draft_time_per_call / self.target_step_time if self.gamma else 0.0
-
-    @property
-    def measured_speedup(self) -> float:
-        """Plain decoding's time / speculative decoding's, for the same number of tokens."""
-        return self.baseline_time / self.speculative_time
-
-    @property
-    def predicted_speedup(self) -> float:
-        return expected_speedup(min(max(self.alpha, 0.0), 1.0), self.gamma, self.cost_ratio)
-
-    @property
-    def same_tokens(self) -> bool:
-        return self.result.tokens == self.baseline.tokens
-
-    def theory(self) -> dict[str, list[float]]:
-        """The curves over gamma = 0..max_gamma for the measured alpha and c."""
-        a, c = min(max(self.alpha, 0.0), 1.0), self.cost_ratio
-        gammas = list(range(self.max_gamma + 1))
-        return {
-            "gamma": gammas,
-            "tokens_per_iteration": [expected_tokens_per_iteration(a, g) for g in gammas],
-            "speedup": [expected_speedup(a, g, c) for g in gammas],
-        }
-
-
-def speculation_view(
-    target,
-    draft,
-    prompt: str,
-    gamma: int = 4,
-    sampling: SamplingParams = GREEDY,
-    seed: int = 0,
-    max_new_tokens: int = 64,
-    draft_name: str = "draft",
-    max_gamma: int = 8,
-    repeats: int = 2,
-    clock: Callable[[], float] | None = None,
-) -> SpeculationView:
-    """Run plain and speculative decoding side by side on ``prompt`` and gather what the explorer shows.
-
-    Both runs generate exactly ``max_new_tokens`` tokens (no EOS stop, so their times
-    compare) with ``sampling``, each from a generator seeded with ``seed``. They alternate
-    ``repeats`` times and the fastest run of each is kept (a shared machine's hiccups
-    only ever add time), timed with ``clock`` (default: ``steady_clock``). The same
-    arguments give the same tokens and counts; the times are measurements.
-    """
-    from ar_lab.generate import generate
-
-    if not isinstance(prompt, str) or not prompt:
-        raise ValueError("the prompt is empty: type at least one character")
-    if not isinstance(max_gamma, int) or max_gamma < max(gamma, 1):
-        raise ValueError(f"max_gamma must be an int >= gamma and >= 1, got {max_gamma!r}")
-    if not isinstance(repeats, int) or repeats < 1:
-        raise ValueError(f"repeats must be an int >= 1, got {repeats!r}")
-    device = target.device
-    clock = steady_clock(device) if clock is None else clock
-
-    def seeded():
-        return torch.Generator(device).manual_seed(seed)
-
-    generate(target, prompt, 2, sampling=sampling, generator=seeded(), eos_id=None)  # warm-up
-    best: dict[str, tuple[float, object]] = {}
-    for _ in range(repeats):
-        for name in ("plain", "speculative"):
-            t0 = clock()
-            if name == "plain":
-                out = generate(target, prompt, max_new_tokens, sampling=sampling, generator=seeded(), eos_id=None)
-            else:
-                out = speculative_generate(
-                    target, draft, prompt, max_new_tokens, gamma, sampling, seeded(), eos_id=None, clock=clock
-                )
-            _sync(device)
-            seconds = clock() - t0
-            if name not in best or seconds < best[name][0]:
-                best[name] = (seconds, out)
-    clock_name = "CPU time" if clock in (time.process_time, time.thread_time) else "wall clock"
-    (t_plain, baseline), (t_spec, result) = best["plain"], best["speculative"]
-    return SpeculationView(
-        prompt, draft_name, gamma, sampling, seed, result, baseline, t_plain, t_spec, clock_name, max_gamma
-    )
-
-
-def benchmark_prompts(n: int = 3, length: int = 32) -> list[list[int]]:
-    """``n`` prompts of up to ``length`` tokens, evenly spaced through the validation text.
-
-    Text the models never trained on; a window that crosses a document boundary starts
-    after its EOS. Chapter 07 and ``python -m ar_lab.bench speculative`` time on these.
-    """
-    from ar_lab.data import corpus_tokens, train_val_split
-
-    if not isinstance(n, int) or n < 1 or not isinstance(length, int) or length < 1:
-        raise ValueError(f"n and length must be ints >= 1, got {n!r} and {length!r}")
-    _, val = train_val_split(corpus_tokens())
-    step = (len(val) - length) // n
-    prompts = []
-    for i in range(n):
-        window = val[i * step : i * step + length].tolist()
-        if EOS_ID in window:
-            window = window[window.index(EOS_ID) + 1 :] or window[: window.index(EOS_ID)]
-        prompts.append([t for t in window if t != EOS_ID] or encode(" "))
-    return prompts

@@ -17,6 +17,8 @@ from pathlib import Path
 
 import torch
 
+from ar_lab.prompts import positive_int
+
 
 def default_device() -> torch.device:
     """``cuda`` when a GPU is present, else the CPU (every notebook runs on either)."""
@@ -41,10 +43,8 @@ def time_call(
     On CUDA the time is read from CUDA events recorded around the call (GPU time, not
     launch time); elsewhere from ``time.perf_counter``.
     """
-    if not isinstance(repeats, int) or isinstance(repeats, bool) or repeats < 1:
-        raise ValueError(f"repeats must be an int >= 1, got {repeats!r}")
-    if not isinstance(warmup, int) or isinstance(warmup, bool) or warmup < 0:
-        raise ValueError(f"warmup must be an int >= 0, got {warmup!r}")
+    positive_int("repeats", repeats)
+    positive_int("warmup", warmup, minimum=0)
     on_cuda = device is not None and torch.device(device).type == "cuda"
     for _ in range(warmup):
         fn()
@@ -98,10 +98,19 @@ def device_name(device: torch.device | str) -> str:
     return name
 
 
+def _version() -> str | None:
+    """This package's installed version (read from its metadata: importing ``ar_lab`` here would
+    make a cycle, since every module imports this one)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("ar_lab")
+    except PackageNotFoundError:
+        return None
+
+
 def machine(device: torch.device | str = "cpu") -> dict:
     """What a measurement ran on: device, threads, versions and the date (stored with results)."""
-    import ar_lab
-
     device = torch.device(device)
     return {
         "device": {
@@ -114,14 +123,15 @@ def machine(device: torch.device | str = "cpu") -> dict:
             "python": platform.python_version(),
             "torch": torch.__version__,
             "cuda": torch.version.cuda if device.type == "cuda" else None,
-            "ar_lab": ar_lab.__version__,
+            "ar_lab": _version(),
         },
         "date": _dt.datetime.now(_dt.timezone.utc).replace(microsecond=0).isoformat(),
     }
 
 
-def machine_line(device: torch.device | str = "cpu") -> str:
-    """``machine()`` in one line, for the header of a benchmark's table."""
-    m = machine(device)
+def machine_line(described: dict | torch.device | str = "cpu") -> str:
+    """``machine()`` in one line, for the header of a benchmark's table: of a stored description
+    (a dict ``machine`` returned), or of this machine running on a device."""
+    m = described if isinstance(described, dict) else machine(described)
     d, v = m["device"], m["versions"]
     return f"{d['name']} ({d['type']}, {d['threads']} of {d['cpus']} threads); torch {v['torch']}, python {v['python']}"

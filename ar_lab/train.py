@@ -13,7 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -22,11 +22,10 @@ import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
-from ar_lab.data import corpus_tokens, get_batch, train_val_split
+from ar_lab.data import corpus_tokens, data_dir, get_batch, train_val_split
 from ar_lab.model import GPT, GPTConfig
-
-# Where the shipped checkpoints live; AR_LAB_DATA points the course at another folder.
-DATA_DIR = Path(os.environ.get("AR_LAB_DATA", Path(__file__).resolve().parent.parent / "data"))
+from ar_lab.prompts import eval_mode
+from ar_lab.timing import default_device
 
 
 @dataclass
@@ -73,20 +72,17 @@ def lr_at(step: int, tc: TrainConfig) -> float:
     return tc.lr * (tc.min_lr_ratio + (1 - tc.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
 
 
-@torch.no_grad()
 def evaluate(
     model: GPT, tokens: torch.Tensor, block_size: int, batches: int = 8, batch_size: int = 8, seed: int = 0
 ) -> float:
     """Mean next-token cross-entropy (nats) on random windows of ``tokens``, seeded."""
     g = torch.Generator().manual_seed(seed)
-    was_training = model.training
-    model.eval()
     losses = []
-    for _ in range(batches):
-        x, y = get_batch(tokens, batch_size, block_size, g)
-        x, y = x.to(model.device), y.to(model.device)
-        losses.append(F.cross_entropy(model(x).flatten(0, 1), y.flatten()).item())
-    model.train(was_training)
+    with eval_mode(model):
+        for _ in range(batches):
+            x, y = get_batch(tokens, batch_size, block_size, g)
+            x, y = x.to(model.device), y.to(model.device)
+            losses.append(F.cross_entropy(model(x).flatten(0, 1), y.flatten()).item())
     return sum(losses) / len(losses)
 
 
@@ -241,18 +237,14 @@ def load_checkpoint(path: str | Path, device: str | torch.device | None = None) 
     return model.to(default_device() if device is None else device).eval()
 
 
-def default_device() -> torch.device:
-    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-
-
 # --- the shipped checkpoints -------------------------------------------------------
 
 # Each preset: the model config and one or more training phases, run in order (each
 # phase a fresh optimizer and schedule, continuing from the previous phase's weights).
 PRESETS: dict[str, tuple[GPTConfig, list[TrainConfig]]] = {
-    # The course model: ~3.5 M parameters. Phase 1 trains every position of the
-    # 1,024-token window; phase 2 continues on 512-token windows, cheaper per token;
-    # phase 3 returns to full windows (without it, positions past 512 lose ~2 nats).
+    # The course model. Phase 1 trains every position of the 1,024-token window; phase 2
+    # continues on 512-token windows, cheaper per token; phase 3 returns to full windows
+    # (without it, positions past 512 are predicted markedly worse than earlier ones).
     "course": (
         GPTConfig(block_size=1024, n_layer=4, n_head=4, n_embd=256, dropout=0.0),
         [
@@ -269,8 +261,8 @@ PRESETS: dict[str, tuple[GPTConfig, list[TrainConfig]]] = {
         GPTConfig(block_size=1024, n_layer=1, n_head=2, n_embd=128, dropout=0.0),
         [
             TrainConfig(steps=600, batch_size=16, block_size=1024, lr=3e-3, warmup_steps=30, eval_every=100),
-            # Phase 2: many small full-window steps; lifts greedy acceptance against the course model
-            # from ~0.57 to ~0.82 (chapter 07, python -m ar_lab.bench speculative), ~5 minutes on one thread.
+            # Phase 2: many small full-window steps, which raise the draft's greedy acceptance rate
+            # against the course model (python -m ar_lab.bench speculative measures it).
             TrainConfig(
                 steps=3000,
                 batch_size=2,
@@ -281,8 +273,8 @@ PRESETS: dict[str, tuple[GPTConfig, list[TrainConfig]]] = {
                 eval_every=500,
                 seed=1339,
             ),
-            # Phase 3: distillation from the course model (forward KL to its next-token distributions),
-            # the draft's real job: greedy acceptance ~0.84 -> ~0.88 in ~7 minutes on one thread.
+            # Phase 3: distillation from the course model (forward KL to its next-token distributions):
+            # a draft is judged on agreeing with its target, not on predicting the text.
             TrainConfig(
                 steps=1500,
                 batch_size=2,
@@ -302,29 +294,27 @@ PRESETS: dict[str, tuple[GPTConfig, list[TrainConfig]]] = {
 def checkpoint_path(name: str) -> Path:
     if name not in PRESETS:
         raise ValueError(f"unknown checkpoint {name!r}; choose one of {sorted(PRESETS)}")
-    return DATA_DIR / f"{name}.safetensors"
+    return data_dir() / f"{name}.safetensors"
 
 
 def load_pretrained(name: str = "course", device=None) -> GPT:
     """Load a shipped checkpoint ("course" or "draft") on ``device`` (default: cuda if present)."""
     path = checkpoint_path(name)
     if not path.exists():
-        raise FileNotFoundError(f"{path} is missing; run `make checkpoints` to train it (about 20 minutes)")
+        raise FileNotFoundError(f"{path} is missing; run `make checkpoints` to train it")
     return load_checkpoint(path, device)
 
 
-def train_preset(name: str, out: Path | None = None, progress: bool = True, resume: Path | None = None) -> dict:
-    """Train a preset on the built-in corpus and save it; returns its record.
+def _starting_point(name: str, resume: Path | None) -> tuple[GPT, list[dict]]:
+    """The model a preset's training starts from and the records of the phases it has done.
 
-    ``resume``: a checkpoint this function wrote after some of the preset's phases
-    (its record lists them); training continues with the remaining phases, giving the
-    same result as running them all.
+    A fresh seeded model, or the partial checkpoint ``resume`` (its record lists its phases).
+    Checks everything a run needs before any training: the resume file, and the teacher of
+    every remaining distillation phase.
     """
     if name not in PRESETS:
         raise ValueError(f"unknown preset {name!r}; choose one of {sorted(PRESETS)}")
     config, phases = PRESETS[name]
-    train_tokens, val_tokens = train_val_split(corpus_tokens())
-    out = Path(out or checkpoint_path(name))
     done: list[dict] = []
     if resume is not None:
         model = load_checkpoint(resume, "cpu")
@@ -337,27 +327,36 @@ def train_preset(name: str, out: Path | None = None, progress: bool = True, resu
         torch.manual_seed(phases[0].seed)
         model = GPT(config)
     for i, tc in enumerate(phases[len(done) :], start=len(done)):
-        teacher = None
-        if tc.teacher is not None:
-            teacher_path = checkpoint_path(tc.teacher)
-            if not teacher_path.exists():
-                raise FileNotFoundError(
-                    f"phase {i + 1} of {name!r} distils from {teacher_path}, which is missing: "
-                    f"train it first (python -m ar_lab.train --preset {tc.teacher})"
-                )
-            teacher = load_checkpoint(teacher_path, "cpu")
+        if tc.teacher is not None and not checkpoint_path(tc.teacher).exists():
+            raise FileNotFoundError(
+                f"phase {i + 1} of {name!r} distils from {checkpoint_path(tc.teacher)}, which is missing: "
+                f"train it first (python -m ar_lab.train --preset {tc.teacher})"
+            )
+    return model, done
+
+
+def _phase_record(tc: TrainConfig, result: TrainResult) -> dict:
+    return {
+        **({"teacher": tc.teacher} if tc.teacher else {}),
+        "steps": tc.steps,
+        "batch_size": tc.batch_size,
+        "block_size": tc.block_size,
+        "tokens": tc.steps * tc.batch_size * tc.block_size,
+        "seconds": round(result.seconds, 1),
+        "val_curve": [round(v, 4) for v in result.val_loss],
+    }
+
+
+def _train_phases(name: str, start: tuple[GPT, list[dict]], out: Path | None, progress: bool) -> dict:
+    """Run the phases of preset ``name`` that ``start`` has not done; save after each; the last record."""
+    config, phases = PRESETS[name]
+    model, done = start
+    train_tokens, val_tokens = train_val_split(corpus_tokens())
+    out = Path(out or checkpoint_path(name))
+    for i, tc in enumerate(phases[len(done) :], start=len(done)):
+        teacher = load_checkpoint(checkpoint_path(tc.teacher), "cpu") if tc.teacher is not None else None
         result = train(model, train_tokens, val_tokens, tc, progress=progress, teacher=teacher)
-        done.append(
-            {
-                **({"teacher": tc.teacher} if tc.teacher else {}),
-                "steps": tc.steps,
-                "batch_size": tc.batch_size,
-                "block_size": tc.block_size,
-                "tokens": tc.steps * tc.batch_size * tc.block_size,
-                "seconds": round(result.seconds, 1),
-                "val_curve": [round(v, 4) for v in result.val_loss],
-            }
-        )
+        done.append(_phase_record(tc, result))
         last = i == len(phases) - 1
         if last:  # the shipped file stores float16: describe (and keep) exactly those weights
             with torch.no_grad():
@@ -383,6 +382,16 @@ def train_preset(name: str, out: Path | None = None, progress: bool = True, resu
     return record
 
 
+def train_preset(name: str, out: Path | None = None, progress: bool = True, resume: Path | None = None) -> dict:
+    """Train a preset on the built-in corpus and save it; returns its record.
+
+    ``resume``: a checkpoint this function wrote after some of the preset's phases
+    (its record lists them); training continues with the remaining phases, giving the
+    same result as running them all.
+    """
+    return _train_phases(name, _starting_point(name, resume), out, progress)
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description="Train the course checkpoints reproducibly.")
     parser.add_argument("--preset", choices=sorted(PRESETS), required=True)
@@ -392,8 +401,15 @@ def main(argv: list[str] | None = None) -> None:
     )
     parser.add_argument("--resume", type=Path, default=None, help="continue from a partial checkpoint (NAME.phaseK)")
     args = parser.parse_args(argv)
-    torch.set_num_threads(args.threads)
-    record = train_preset(args.preset, args.out, resume=args.resume)
+    try:
+        if args.threads < 1:
+            raise ValueError(f"--threads must be >= 1, got {args.threads}")
+        torch.set_num_threads(args.threads)
+        start = _starting_point(args.preset, args.resume)
+    except (FileNotFoundError, ValueError) as e:  # a mistake in the command: its message, no traceback
+        print(f"{parser.prog}: error: {e}", file=sys.stderr)
+        raise SystemExit(2) from None
+    record = _train_phases(args.preset, start, args.out, progress=True)
     print(json.dumps({k: v for k, v in record.items() if k != "phases"}, indent=2))
 
 

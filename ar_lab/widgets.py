@@ -7,6 +7,14 @@ can set ``.value`` on its controls headlessly and read what it shows.
 
 from __future__ import annotations
 
+
+class _Shown:
+    """Shows its ``widget`` when left last in a notebook cell."""
+
+    def _repr_mimebundle_(self, **kwargs):
+        return self.widget._repr_mimebundle_(**kwargs)
+
+
 # --- chapter 04: KV-cache size calculator --------------------------------------------
 
 
@@ -61,7 +69,7 @@ def kv_cache_table_html(shape, seq_len: int, batch_size: int, dtype: str) -> tup
     return sizes, table
 
 
-class KVCacheCalculator:
+class KVCacheCalculator(_Shown):
     """Preset, layers, heads, KV heads, head dim, MLA latent/RoPE sizes, sequence, batch and dtype
     -> the KV cache size of MHA, GQA, MQA and MLA side by side.
 
@@ -166,9 +174,6 @@ class KVCacheCalculator:
         self.error = ""
         self.output.value = table
 
-    def _repr_mimebundle_(self, **kwargs):
-        return self.widget._repr_mimebundle_(**kwargs)
-
 
 def kv_cache_calculator(preset: str = "Llama 2 7B", dtype: str = "bfloat16") -> KVCacheCalculator:
     """Build the chapter-04 calculator (display it by leaving it last in a cell)."""
@@ -205,10 +210,10 @@ def plot_sampler_view(ax, view, top: int = 20, legend: bool = True):
     return ax
 
 
-class SamplerExplorer:
+class SamplerExplorer(_Shown):
     """Prompt, temperature, top-k, top-p, min-p and seed -> the next-token distribution and samples.
 
-    Every change calls ``ar_lab.sampling.sampler_view`` (a pure function) and redraws.
+    Every change calls ``ar_lab.generate.sampler_view`` (a pure function) and redraws.
     ``view`` holds the last result and ``error`` the last message for invalid input
     (shown in the widget instead of raising), so tests can drive the controls headlessly.
     """
@@ -234,8 +239,7 @@ class SamplerExplorer:
         controls = [self.prompt, self.temperature, self.top_k, self.top_p, self.min_p, self.seed]
         for c in controls:
             c.observe(lambda _change: self.update(), names="value")
-        left = W.VBox(controls)
-        self.widget = W.VBox([left, self.status, self.image, self.samples])
+        self.widget = W.VBox([W.VBox(controls), self.status, self.image, self.samples])
         self.update()
 
     @property
@@ -256,11 +260,16 @@ class SamplerExplorer:
 
         import matplotlib.pyplot as plt
 
-        from ar_lab.sampling import sampler_view
+        from ar_lab.generate import sampler_view
 
         try:
             view = sampler_view(
-                self.model, self.prompt.value, self.params, int(self.seed.value), self.n_samples, self.max_new_tokens
+                self.model,
+                self.prompt.value,
+                self.params,
+                seed=int(self.seed.value),
+                n_samples=self.n_samples,
+                max_new_tokens=self.max_new_tokens,
             )
         except ValueError as e:
             self.error = str(e)
@@ -286,9 +295,6 @@ class SamplerExplorer:
             for text in view.continuations
         )
         self.samples.value = f"<div>{len(view.continuations)} samples (seed {view.seed}):</div>{rows}"
-
-    def _repr_mimebundle_(self, **kwargs):
-        return self.widget._repr_mimebundle_(**kwargs)
 
 
 def sampler_explorer(model, prompt: str = "The ", n_samples: int = 4, max_new_tokens: int = 40) -> SamplerExplorer:
@@ -337,12 +343,12 @@ def speculation_text_html(view) -> str:
 
     from ar_lab.plots import COLORS
     from ar_lab.speculative import token_sources
+    from ar_lab.tokenizer import N_BYTES
 
-    colors = {"draft": COLORS["draft"], "target": COLORS["target"]}
     spans = []
     for token, source in zip(view.result.tokens, token_sources(view.result.stats), strict=False):
-        piece = html.escape(bytes([token]).decode("utf-8", errors="replace")) if token < 256 else "⟨EOS⟩"
-        spans.append(f"<span style='color:{colors[source]}'>{piece}</span>")
+        piece = html.escape(bytes([token]).decode("utf-8", errors="replace")) if token < N_BYTES else "⟨EOS⟩"
+        spans.append(f"<span style='color:{COLORS[source]}'>{piece}</span>")
     legend = (
         f"<span style='color:{COLORS['draft']}'>■ accepted draft token</span> &nbsp; "
         f"<span style='color:{COLORS['target']}'>■ token drawn by the target (residual or bonus)</span>"
@@ -354,11 +360,11 @@ def speculation_text_html(view) -> str:
     )
 
 
-class SpeculationExplorer:
+class SpeculationExplorer(_Shown):
     """γ, temperature, draft model and prompt -> measured α, tokens per target call and speedup,
     beside the theory's curves.
 
-    Every change calls ``ar_lab.speculative.speculation_view`` (plain and speculative decoding
+    Every change calls ``ar_lab.speculative_view.speculation_view`` (plain and speculative decoding
     of the same prompt, timed side by side) and redraws. ``view`` holds the last result and
     ``error`` the message for invalid input, so tests can drive the controls headlessly.
     """
@@ -396,19 +402,19 @@ class SpeculationExplorer:
         import matplotlib.pyplot as plt
 
         from ar_lab.sampling import SamplingParams
-        from ar_lab.speculative import speculation_view
+        from ar_lab.speculative_view import speculation_view
 
         try:
             view = speculation_view(
                 self.target,
                 self.drafts[self.draft.value],
                 self.prompt.value,
-                int(self.gamma.value),
-                SamplingParams(temperature=float(self.temperature.value)),
-                int(self.seed.value),
-                self.max_new_tokens,
-                self.draft.value,
-                self.max_gamma,
+                gamma=int(self.gamma.value),
+                sampling=SamplingParams(temperature=float(self.temperature.value)),
+                seed=int(self.seed.value),
+                max_new_tokens=self.max_new_tokens,
+                draft_name=self.draft.value,
+                max_gamma=self.max_gamma,
             )
         except ValueError as e:
             self.error = str(e)
@@ -435,9 +441,6 @@ class SpeculationExplorer:
         plt.close(fig)
         self.image.value = buf.getvalue()
         self.text.value = speculation_text_html(view)
-
-    def _repr_mimebundle_(self, **kwargs):
-        return self.widget._repr_mimebundle_(**kwargs)
 
 
 def speculation_explorer(

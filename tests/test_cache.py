@@ -20,6 +20,7 @@ configs = st.builds(
 )
 
 
+@pytest.mark.slow
 @given(configs, st.integers(1, 20), st.integers(1, 6), st.data())
 def test_cached_equals_uncached(cfg_seed, prompt_len, chunk, data):
     """Feeding a sequence in chunks through the cache gives the full-sequence logits."""

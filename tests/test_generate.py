@@ -1,13 +1,17 @@
+"""The decode loop (token_steps, stream, generate), batched sampling and the explorer's view."""
+
 import pytest
 import torch
 
-from ar_lab.generate import generate, stream, token_steps
+import ar_lab.prompts
+from ar_lab.generate import generate, sample_batch, sampler_view, stream, token_steps
 from ar_lab.model import GPT, GPTConfig
-from ar_lab.sampling import SamplingParams
+from ar_lab.sampling import GREEDY, SamplingParams, probabilities
 from ar_lab.tokenizer import EOS_ID, encode
 from tests.conftest import ScriptedModel
 
 
+@pytest.mark.slow
 def test_headline_count_500500_vs_1000():
     """1,000 tokens from a 1-token prompt: 500,500 positions uncached, 1,000 cached."""
     torch.manual_seed(0)
@@ -105,3 +109,164 @@ def test_token_steps_restores_training_mode(tiny_model):
     tiny_model.train()
     list(token_steps(tiny_model, "ab", 3))
     assert tiny_model.training
+
+
+# --- options: keyword-only, checked once, at the call -----------------------------------
+
+
+def test_options_after_the_budget_are_keyword_only(tiny_model):
+    for call in (generate, stream, token_steps):
+        with pytest.raises(TypeError, match="positional"):
+            call(tiny_model, "a", 3, False)
+    with pytest.raises(TypeError, match="positional"):
+        sample_batch(tiny_model, ["a"], 3, GREEDY)
+    with pytest.raises(TypeError, match="positional"):
+        sampler_view(tiny_model, "a", GREEDY, 1)
+
+
+def test_arguments_are_checked_at_the_call_not_at_the_first_token(tiny_model):
+    for call in (stream, token_steps):
+        with pytest.raises(ValueError, match="prompt is empty"):
+            call(tiny_model, "", 5)  # no next(): the call itself raises
+    with pytest.raises(ValueError, match="stop_strings"):
+        stream(tiny_model, "a", 3, stop_strings="\n")
+    with pytest.raises(TypeError, match="sampling must be a SamplingParams, got float"):
+        generate(tiny_model, "a", 3, sampling=0.5)
+    with pytest.raises(TypeError, match="sampling must be a SamplingParams"):
+        sample_batch(tiny_model, ["a"], 3, sampling=0.5)
+
+
+def test_the_prompt_is_parsed_and_checked_once_per_call(tiny_model, monkeypatch):
+    calls = []
+    for name in ("prompt_ids", "check_prompt"):
+        real = getattr(ar_lab.prompts, name)
+        monkeypatch.setattr(ar_lab.prompts, name, lambda *a, _real=real, _name=name: calls.append(_name) or _real(*a))
+    generate(tiny_model, "hello", 4)
+    assert calls == ["prompt_ids", "check_prompt"]
+    calls.clear()
+    list(stream(tiny_model, "hello", 4))
+    list(token_steps(tiny_model, "hello", 4))
+    assert calls == ["prompt_ids", "check_prompt"] * 2
+
+
+def test_stop_strings_take_a_list_tuple_or_set_but_not_a_one_shot_iterator():
+    model = ScriptedModel(encode("hello\n\nworld"), 1)
+    assert generate(model, "Q", 20, stop_strings=("lo\n",)).text == "hel"
+    assert generate(model, "Q", 20, stop_strings={"\n\n"}).text == "hello"
+    with pytest.raises(ValueError, match="stop_strings must be a list of non-empty strings"):
+        generate(model, "Q", 20, stop_strings=(s for s in ["\n\n"]))  # was consumed and ignored
+    with pytest.raises(ValueError, match="stop_strings must be a list of non-empty strings"):
+        generate(model, "Q", 20, stop_strings=["\n", ""])
+
+
+# --- a paused generator leaves the notebook as it was -----------------------------------
+
+
+def test_a_paused_stream_leaves_training_mode_and_gradients_on(tiny_model):
+    whole = generate(tiny_model, "ab", 6, eos_id=None).tokens
+    tiny_model.train()
+    runs = {
+        "stream": stream(tiny_model, "ab", 6, eos_id=None),
+        "token_steps": token_steps(tiny_model, "ab", 6),
+    }
+    for name, steps in runs.items():
+        first = next(steps)
+        assert tiny_model.training, name
+        assert torch.is_grad_enabled() and not torch.is_inference_mode_enabled(), name
+        tiny_model.zero_grad()
+        tiny_model(torch.tensor([[1, 2, 3]])).sum().backward()  # a training step during the pause works
+        assert tiny_model.wte.weight.grad is not None and tiny_model.wte.weight.grad.abs().sum() > 0
+        rest = list(steps)
+        tokens = [e.token for e in [first, *rest] if e.token >= 0] if name == "stream" else [first, *rest]
+        assert tokens == whole, name  # the pause changed nothing in the generation
+        assert tiny_model.training, name
+
+
+def test_sampler_view_runs_the_model_in_eval_mode():
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(block_size=64, n_layer=2, n_head=4, n_embd=32, dropout=0.5)).eval()
+    want = sampler_view(model, "hello", SamplingParams(), seed=1, n_samples=2, max_new_tokens=5)
+    model.train()
+    got = sampler_view(model, "hello", SamplingParams(), seed=1, n_samples=2, max_new_tokens=5)
+    assert model.training  # restored
+    assert torch.equal(got.before, want.before) and got.continuations == want.continuations
+
+
+# --- sampling continuations in a batch -----------------------------------------------
+
+
+def test_sample_batch_matches_generate_row_by_row(tiny_model):
+    prompts = ["abc", "xyz"]
+    out = sample_batch(tiny_model, prompts, 8, sampling=GREEDY, eos_id=None)
+    assert out == [generate(tiny_model, p, 8, eos_id=None).tokens for p in prompts]
+    params = SamplingParams(temperature=1.0, top_k=20)
+    options = dict(sampling=params, eos_id=None)
+    a = sample_batch(tiny_model, prompts, 8, generator=torch.Generator().manual_seed(0), **options)
+    b = sample_batch(tiny_model, prompts, 8, generator=torch.Generator().manual_seed(0), use_cache=False, **options)
+    assert a == b  # same draws, cached or not
+    with pytest.raises(ValueError, match="same number of tokens"):
+        sample_batch(tiny_model, ["a", "bc"], 3)
+    with pytest.raises(ValueError, match="non-empty list"):
+        sample_batch(tiny_model, "abc", 3)
+
+
+def test_sample_batch_stops_each_row_at_eos():
+    model = ScriptedModel([ord("h"), ord("i"), 256, ord("x")], prompt_len=2)
+    assert sample_batch(model, ["ab", "cd"], 4, sampling=GREEDY) == [[104, 105], [104, 105]]
+    assert sample_batch(model, ["ab"], 4, sampling=GREEDY, eos_id=None) == [[104, 105, 256, 120]]
+
+
+# --- the explorer: pure function, then the widget ------------------------------------
+
+
+def test_sampler_view_is_a_pure_function_of_its_arguments(tiny_model):
+    params = SamplingParams(temperature=1.0, top_k=10)
+    a = sampler_view(tiny_model, "hello", params, seed=3, n_samples=3, max_new_tokens=8)
+    b = sampler_view(tiny_model, "hello", params, seed=3, n_samples=3, max_new_tokens=8)
+    c = sampler_view(tiny_model, "hello", params, seed=4, n_samples=3, max_new_tokens=8)
+    assert a.continuations == b.continuations and a.continuations != c.continuations
+    assert len(a.continuations) == 3 and torch.equal(a.after, b.after)
+    assert a.n_kept == 10 and 0 < a.kept_mass < 1 and a.entropy_after < a.entropy_before
+    torch.testing.assert_close(a.after, probabilities(a.before.log(), params), atol=1e-6, rtol=1e-5)
+    nucleus = sampler_view(tiny_model, "hello", SamplingParams(top_p=0.5), n_samples=0)
+    assert nucleus.kept_mass >= 0.5 - 1e-6 and nucleus.continuations == []
+    greedy = sampler_view(tiny_model, "hello", GREEDY, seed=1, n_samples=3, max_new_tokens=6)
+    assert greedy.n_kept == 1 and len(set(greedy.continuations)) == 1 and greedy.entropy_after == 0.0
+    with pytest.raises(ValueError, match="prompt is empty"):
+        sampler_view(tiny_model, "", params)
+
+
+@pytest.mark.slow
+def test_sampler_explorer_widget_headless(tiny_model):
+    pytest.importorskip("ipywidgets")
+    from ar_lab.widgets import sampler_explorer
+
+    w = sampler_explorer(tiny_model, prompt="hello", n_samples=2, max_new_tokens=5)
+    assert w.view.n_kept == tiny_model.config.vocab_size and w.error == ""
+    assert w.image.value[:4] == b"\x89PNG" and w.samples.value.count("<pre") == 2
+    w.top_k.value = 20
+    assert w.view.n_kept == 20 and w.view.params.top_k == 20
+    w.top_k.value = 3
+    assert w.view.n_kept == 3
+    w.top_k.value = 0  # 0 switches top-k off
+    w.top_p.value = 0.3
+    kept_p = w.view.n_kept
+    assert w.view.kept_mass >= 0.3 - 1e-6
+    w.temperature.value = 0.3  # colder: the same mass needs fewer tokens
+    assert w.view.n_kept < kept_p
+    w.min_p.value = 1.0
+    assert w.view.n_kept == 1
+    before = list(w.view.continuations)
+    w.min_p.value, w.top_p.value, w.temperature.value = 0.0, 1.0, 1.5
+    w.seed.value = 1
+    first = list(w.view.continuations)
+    w.seed.value = 2
+    w.seed.value = 1
+    assert w.view.continuations == first != before
+    w.prompt.value = ""
+    assert "prompt is empty" in w.error and "prompt is empty" in w.status.value
+    assert w.view.prompt == "hello"  # the last good view stays
+    w.prompt.value = "abc"
+    assert w.error == "" and w.view.prompt == "abc"
+    w.temperature.value = 0.0
+    assert w.view.n_kept == 1 and "greedy" in w.status.value

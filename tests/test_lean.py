@@ -40,6 +40,7 @@ def _pair(cfg: GPTConfig, seed: int, prefix: int):
     return model, a, b
 
 
+@pytest.mark.slow
 @given(cfg=configs(), seed=st.integers(0, 10_000), prefix=st.integers(1, 30), steps=st.integers(1, 6))
 def test_step_equals_forward(cfg, seed, prefix, steps):
     model, a, b = _pair(cfg, seed, prefix)
@@ -79,6 +80,7 @@ def test_generate_lean_gives_forward_tokens(prompt, n):
     assert lean_run.stats.positions_processed == plain.stats.positions_processed == len(prompt) + n - 1
 
 
+@pytest.mark.slow
 def test_sampled_generation_and_speculative_match_forward(tiny_model):
     params = SamplingParams(temperature=0.9, top_k=40)
     runs = [
@@ -180,3 +182,14 @@ def test_bad_input_is_explained(tiny_model):
         assert window.length == 60  # a refused call changes nothing
         with pytest.raises(ValueError, match="non-empty 1-D"):
             engine.extend([], window)
+
+
+def test_layer_weights_are_the_blocks_own_by_name(tiny_model):
+    """Each field of a layer's weights is the block tensor it names; only the query rows of qkv are scaled."""
+    engine = lean.for_model(tiny_model)
+    C = tiny_model.config.n_embd
+    for w, b in zip(engine.layers, tiny_model.blocks, strict=True):
+        assert w.ln1_weight is b.ln1.weight and w.ln2_bias is b.ln2.bias and w.attn_proj_bias is b.attn.proj.bias
+        assert w.fc_weight is b.mlp.fc.weight and w.mlp_proj_weight is b.mlp.proj.weight
+        torch.testing.assert_close(w.qkv_weight[:C], b.attn.qkv.weight[:C] * engine.scale)
+        torch.testing.assert_close(w.qkv_bias[C:], b.attn.qkv.bias[C:])  # keys and values: unscaled

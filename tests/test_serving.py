@@ -8,22 +8,18 @@ from hypothesis import strategies as st
 from ar_lab.cache import BatchKVCache, KVCache
 from ar_lab.generate import generate, stream
 from ar_lab.model import GPT, GPTConfig
+from ar_lab.prefix_cache import PrefixCache, reusable_length
 from ar_lab.sampling import SamplingParams
 from ar_lab.serving import (
-    PrefixCache,
     Request,
     StreamSummary,
-    compare_policies,
-    decode_throughput,
     generate_batch,
     latency_budget,
-    mixed_workload,
-    prefix_ttft,
-    reusable_length,
     serve,
     simulate,
     tokens_within,
 )
+from ar_lab.serving_measure import compare_policies, decode_throughput, mixed_workload, prefix_ttft
 
 configs = st.builds(
     lambda layers, heads, group, d, seed: (
@@ -64,6 +60,7 @@ def assert_same_greedy(model, prompt, expected, got):
 # --- BatchKVCache and the model's per-row path ---------------------------------------------
 
 
+@pytest.mark.slow
 @given(configs, st.lists(st.integers(1, 12), min_size=1, max_size=5), st.integers(1, 3))
 def test_rows_of_different_lengths_give_each_sequence_its_own_logits(cfg_seed, lengths, chunk):
     """Every row, fed ``chunk`` tokens per step at its own positions, gets the logits of its
@@ -87,6 +84,7 @@ def test_rows_of_different_lengths_give_each_sequence_its_own_logits(cfg_seed, l
     assert cache.lengths[: cache.rows] == [n + 3 * chunk for n in lengths]
 
 
+@pytest.mark.slow
 @given(configs, st.lists(st.integers(1, 12), min_size=1, max_size=5), st.integers(1, 10))
 def test_batched_greedy_equals_each_alone(cfg_seed, lengths, n_new):
     model = model_for(cfg_seed)
@@ -312,7 +310,7 @@ def test_stream_events_carry_each_tokens_latency(tiny_model):
     assert [e.latency for e in token_events[1:]] == stats.decode_times
     assert math.isclose(sum(e.latency for e in events), stats.total_time)
     s = StreamSummary.from_stats(stats)
-    assert s.tokens == 25 and s.ttft == stats.prefill_time and s.tokens_per_s == pytest.approx(25 / stats.total_time)
+    assert s.tokens == 25 and s.ttft == stats.prefill_time
 
 
 def test_generate_continues_a_conversation_through_its_cache(tiny_model):
@@ -351,7 +349,7 @@ def test_latency_budget_and_its_inverse():
 def test_decode_throughput_rows(tiny_model):
     rows = decode_throughput(tiny_model, [1, 4], context=8, steps=3, repeats=1)
     assert [r["batch"] for r in rows] == [1, 4]
-    assert all(r["step_s"] > 0 and r["tokens_per_s"] == pytest.approx(r["batch"] / r["step_s"]) for r in rows)
+    assert all(r["step_s"] > 0 for r in rows)
     with pytest.raises(ValueError, match="context window"):
         decode_throughput(tiny_model, [1], context=60, steps=10)
 
@@ -362,6 +360,15 @@ def test_prefix_ttft_reports_both_sides_and_equal_outputs(tiny_model):
     assert res["prefix_tokens"] == 40 and res["suffix_tokens"] == [3, 2]
     assert res["runs"] == 4 and res["identical_outputs"] == 4
     assert res["ttft_plain_s"] > 0 and res["ttft_reused_s"] > 0
-    assert res["speedup"] == pytest.approx(res["ttft_plain_s"] / res["ttft_reused_s"])
     with pytest.raises(ValueError, match="at least one suffix"):
         prefix_ttft(tiny_model, prefix, [])
+
+
+def test_serving_leaves_the_model_as_it_was(tiny_model):
+    """Every inference path restores training mode and gradients, whatever the model was in."""
+    tiny_model.train()
+    serve(tiny_model, [Request("ab", 3), Request("xyz", 2)], max_batch=2, eos_id=None)
+    generate_batch(tiny_model, ["ab"], 2)
+    PrefixCache(tiny_model, "abc")
+    decode_throughput(tiny_model, [1, 2], context=4, steps=2, repeats=1)
+    assert tiny_model.training and torch.is_grad_enabled() and not torch.is_inference_mode_enabled()

@@ -20,6 +20,7 @@ from ar_lab.train import (
 )
 
 
+@pytest.mark.slow
 def test_training_lowers_the_loss():
     tr, va = train_val_split(corpus_tokens())
     torch.manual_seed(0)
@@ -123,6 +124,7 @@ def _mean_tv(p_model, q_model, tokens, block=32):
     return float((p - q).abs().sum(-1).mean() / 2)
 
 
+@pytest.mark.slow
 def test_distillation_pulls_the_student_to_the_teacher():
     """A teacher phase: the loss is KL(teacher || student), so the student's distributions approach the teacher's
     (training on the text alone, same steps, does not)."""
@@ -160,9 +162,37 @@ def test_preset_with_a_teacher_phase(tmp_path, monkeypatch):
     ]
     monkeypatch.setitem(train_module.PRESETS, "tinyteacher", (tiny, phases[:1]))
     monkeypatch.setitem(train_module.PRESETS, "tinystudent", (tiny, phases))
-    monkeypatch.setattr(train_module, "DATA_DIR", tmp_path)
+    monkeypatch.setenv("AR_LAB_DATA", str(tmp_path))
     with pytest.raises(FileNotFoundError, match="train it first"):
         train_module.train_preset("tinystudent", tmp_path / "student.safetensors", progress=False)
+    assert not list(tmp_path.iterdir())  # the missing teacher was found before any phase ran
     train_module.train_preset("tinyteacher", progress=False)  # writes tmp_path/tinyteacher.safetensors
+    assert (tmp_path / "tinyteacher.safetensors").exists()  # checkpoint_path follows AR_LAB_DATA
     record = train_module.train_preset("tinystudent", tmp_path / "student.safetensors", progress=False)
     assert record["phases"][1]["teacher"] == "tinyteacher" and "teacher" not in record["phases"][0]
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--preset", "draft", "--threads", "0"], "--threads must be >= 1, got 0"),
+        (["--preset", "draft", "--resume", "nowhere/draft.phase1.safetensors"], "no checkpoint at nowhere"),
+    ],
+)
+def test_command_line_mistakes_give_one_line_and_exit_2(argv, message, capsys):
+    from ar_lab.train import main
+
+    with pytest.raises(SystemExit) as stop:
+        main(argv)
+    err = capsys.readouterr().err
+    assert stop.value.code == 2 and message in err and err.count("\n") == 1, err
+
+
+def test_resume_from_a_finished_checkpoint_gives_one_line(tmp_path, tiny_model, capsys):
+    from ar_lab.train import main
+
+    save_checkpoint(tmp_path / "x.safetensors", tiny_model, {"preset": "draft"})
+    with pytest.raises(SystemExit) as stop:
+        main(["--preset", "draft", "--resume", str(tmp_path / "x.safetensors")])
+    err = capsys.readouterr().err
+    assert stop.value.code == 2 and "is not a partial 'draft' checkpoint" in err and err.count("\n") == 1, err

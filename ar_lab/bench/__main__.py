@@ -1,0 +1,51 @@
+"""The command line: ``python -m ar_lab.bench NAME [options] [--json PATH]``.
+
+Each benchmark module gives ``add_options(parser)`` (its options) and ``run(args)`` (measure,
+print the report, return the results); ``--json PATH`` also writes the results, with the
+command that produced them. Bad options, a missing checkpoint or an unknown device end
+with a one-line message and exit status 2, never a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+import sys
+from pathlib import Path
+
+from ar_lab.bench import decode, roofline, sampler, serving, speculative
+
+# name -> (module with add_options and run, one-line help)
+BENCHMARKS = {
+    "decode": (decode, "KV cache vs recomputation, and ar_lab vs transformers generate (chapter 04)"),
+    "roofline": (roofline, "prefill vs decode on a measured roofline (chapter 05)"),
+    "sampler": (sampler, "batch-1 sampler step vs cached decode step (chapter 06)"),
+    "speculative": (speculative, "speculative vs plain decoding, measured against the theory (chapter 07)"),
+    "serving": (serving, "static vs continuous batching, tokens/s vs batch size, prefix-cache TTFT (chapter 08)"),
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    parser = argparse.ArgumentParser(prog="python -m ar_lab.bench", description="Side-by-side benchmarks.")
+    sub = parser.add_subparsers(dest="name", required=True)
+    for name, (module, help_text) in BENCHMARKS.items():
+        p = sub.add_parser(name, help=help_text)
+        p.add_argument("--json", type=Path, default=None, help="also write the results to this JSON file")
+        module.add_options(p)
+    args = parser.parse_args(argv)
+    try:
+        results = BENCHMARKS[args.name][0].run(args)
+    except (ValueError, FileNotFoundError) as e:  # bad options or a missing checkpoint: say so, no traceback
+        parser.error(f"{args.name}: {e}")
+    results["command"] = shlex.join(["python", "-m", "ar_lab.bench", *argv])
+    if args.json is not None:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(results, indent=2))
+        print(f"results written to {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

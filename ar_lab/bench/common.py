@@ -1,0 +1,66 @@
+"""What the benchmarks start from: the course model (or a stand-in), and their arguments checked once."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import torch
+
+
+def course_model_or_random():
+    """``(model, source)``: the course checkpoint on CPU, or ``GPTConfig()`` with seeded random
+    weights while it is missing.
+
+    Decode timing depends on the shapes, not on what the weights learned.
+    """
+    from ar_lab.model import GPT, GPTConfig
+    from ar_lab.train import checkpoint_path, load_checkpoint
+
+    path = checkpoint_path("course")
+    if path.exists():
+        return load_checkpoint(path, "cpu").eval(), f"data/{path.name}"
+    torch.manual_seed(0)
+    return GPT(GPTConfig()).eval(), f"random init (data/{path.name} not found)"
+
+
+def checked_device(device) -> torch.device:
+    """``device`` as a ``torch.device`` the benchmarks can run on (the CPU or a CUDA GPU here)."""
+    try:
+        device = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise ValueError(f"device must be like 'cpu' or 'cuda', got {device!r}") from None
+    if device.type not in ("cpu", "cuda"):
+        raise ValueError(
+            f"device must be like 'cpu' or 'cuda', got {str(device)!r} (the benchmarks run on a CPU or a CUDA GPU)"
+        )
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device 'cuda' asked for, but torch sees no CUDA GPU here: use --device cpu")
+    return device
+
+
+def checked_count(name: str, value, minimum: int = 1) -> int:
+    """``value`` if it is an int >= ``minimum`` (a size, a number of repeats), else a ValueError naming it."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
+    return value
+
+
+def checked_threads(threads) -> list[int]:
+    """``threads`` (an int or a list of ints) as a list of thread counts, each >= 1."""
+    counts = [threads] if isinstance(threads, int) else list(threads)
+    if not counts or any(isinstance(t, bool) or not isinstance(t, int) or t < 1 for t in counts):
+        raise ValueError(f"--threads must be positive ints, got {threads}")
+    return counts
+
+
+@contextlib.contextmanager
+def torch_threads(threads: int) -> Iterator[None]:
+    """Run the block with ``threads`` torch CPU threads (checked), restoring the count after it."""
+    (threads,) = checked_threads(threads)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)

@@ -1,0 +1,309 @@
+"""Chapter 04's benchmark: KV cache vs recomputation, and ar_lab vs transformers ``generate``.
+
+Batch-1 greedy decode, every run of a repeat side by side: ar_lab cached (the lean step),
+the same steps through ``GPT.forward()``, uncached, Hugging Face ``transformers``
+``generate`` on the same weights (its own KV cache), and the weights-only floor every
+batch-1 decoder of the model pays. All runs must produce exactly the same tokens.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from collections.abc import Callable
+
+import torch
+
+from ar_lab.bench.common import checked_count, checked_threads, course_model_or_random
+from ar_lab.bench.table import format_table
+from ar_lab.timing import machine, median
+
+CACHED, FORWARD, UNCACHED, PEER, FLOOR = (
+    "ar_lab cached",
+    "ar_lab cached, forward()",
+    "ar_lab uncached",
+    "transformers generate",
+    "weights only (floor)",
+)
+TARGET_VS_TRANSFORMERS = 3.0  # ar_lab's tokens/s over transformers', the course's goal
+
+
+def add_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--tokens", type=int, default=1000, help="new tokens per generation (default 1000)")
+    p.add_argument("--repeats", type=int, default=3, help="timed repeats of each run; medians are reported")
+    p.add_argument(
+        "--uncached-repeats", type=int, default=None, help="repeats of the slow uncached run (default: --repeats)"
+    )
+    p.add_argument("--prompt", default="Python ", help="prompt text (default 'Python ')")
+    p.add_argument(
+        "--threads",
+        type=int,
+        nargs="+",
+        default=None,
+        help="torch CPU thread counts, each measured in turn (default: 1, then torch's default, all cores). "
+        "Batch-1 decode of a 3.5 M-parameter model is a chain of small kernels: one thread is the steady "
+        "figure on a shared machine; more threads split each weight read across cores",
+    )
+    p.add_argument("--no-peer", action="store_true", help="skip the transformers reference peer")
+
+
+def _transformers_peer(model, prompt_ids: list[int]) -> Callable[[int], list[int]]:
+    """``theirs(n)``: n greedy tokens from transformers' ``generate`` on ``model``'s weights."""
+    from ar_lab.prompts import eval_mode
+    from ar_lab.reference import to_hf_gpt2
+    from ar_lab.tokenizer import EOS_ID
+
+    hf = to_hf_gpt2(model)
+    try:
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.set_verbosity_error()
+    except ImportError:  # pragma: no cover - logging moved
+        pass
+    ids = torch.tensor([prompt_ids])
+
+    def theirs(n: int) -> list[int]:
+        with eval_mode(hf):
+            out = hf.generate(
+                ids,
+                attention_mask=torch.ones_like(ids),
+                max_new_tokens=n,
+                do_sample=False,
+                eos_token_id=None,  # never stop early: exactly n tokens, like eos_id=None for ours
+                pad_token_id=EOS_ID,
+            )
+        return out[0, len(prompt_ids) :].tolist()
+
+    return theirs
+
+
+def _runners(model, prompt_ids: list[int], n: int, peer: bool) -> dict[str, Callable[[int], object]]:
+    """name -> ``fn(n)``, in the order each repeat runs them (the uncached one last)."""
+    from ar_lab.generate import generate
+    from ar_lab.lean import weights_only_pass
+
+    def ours(use_cache: bool, lean: bool = True) -> Callable[[int], object]:
+        return lambda k: generate(model, prompt_ids, k, use_cache=use_cache, eos_id=None, lean=lean)
+
+    runners = {CACHED: ours(True), FORWARD: ours(True, lean=False)}
+    if peer:
+        runners[PEER] = _transformers_peer(model, prompt_ids)
+    # The floor under any batch-1 decoder of this model; both peers pay it, what they add on top
+    # is their own overhead. It produces no tokens.
+    runners[FLOOR] = lambda k: weights_only_pass(model, k)
+    runners[UNCACHED] = ours(False)
+    return runners
+
+
+def _timed_repeats(runners: dict, n: int, repeats: int, uncached_repeats: int, say: Callable[[str], None]) -> dict:
+    """Wall-clock and CPU seconds of every run, interleaved within each repeat (a load change on
+    the machine hits all of them alike); every run must produce the same tokens."""
+    runs = {name: {"seconds": [], "cpu_seconds": []} for name in [CACHED, FORWARD, UNCACHED, PEER, FLOOR]}
+    say("warm-up")
+    for name, fn in runners.items():
+        if name != FLOOR:
+            fn(min(n, 16))
+    reference = None
+    for r in range(max(repeats, uncached_repeats)):
+        for name, fn in runners.items():
+            if r >= (uncached_repeats if name == UNCACHED else repeats):
+                continue
+            say(f"repeat {r + 1}: {name}")
+            w0, c0 = time.perf_counter(), time.process_time()
+            out = fn(n)
+            wall, cpu = time.perf_counter() - w0, time.process_time() - c0
+            if out is not None:  # the floor produces no tokens
+                got = out if isinstance(out, list) else out.tokens
+                if not isinstance(out, list):
+                    runs[name]["positions"] = out.stats.positions_processed
+                    runs[name]["forward_calls"] = out.stats.forward_calls
+                if reference is None:
+                    reference = got
+                elif got != reference:
+                    first = next(i for i, (a, b) in enumerate(zip(got, reference, strict=False)) if a != b)
+                    raise AssertionError(f"{name} produced different tokens (first difference at new token {first})")
+            runs[name]["seconds"].append(wall)
+            runs[name]["cpu_seconds"].append(cpu)
+    return runs
+
+
+def _with_medians(runs: dict, n: int) -> dict:
+    """The runs that ran, each with its median wall and CPU seconds and tokens/s."""
+    out = {}
+    for name, run in runs.items():
+        if run["seconds"]:
+            run["median_s"] = median(run["seconds"])
+            run["median_cpu_s"] = median(run["cpu_seconds"])
+            run["tokens_per_s"] = n / run["median_s"]
+            out[name] = run
+    return out
+
+
+def _ratios(runs: dict, n: int) -> dict:
+    """The key figures: speedups between runs, and each run's time per token above the floor."""
+
+    def speedup(a: str, b: str, key: str = "median_s") -> float | None:
+        return runs[b][key] / runs[a][key] if a in runs and b in runs else None
+
+    ratios = {
+        "cached_vs_uncached": speedup(CACHED, UNCACHED),
+        "cached_vs_uncached_cpu": speedup(CACHED, UNCACHED, "median_cpu_s"),
+        "ar_lab_vs_transformers": speedup(CACHED, PEER),
+        "ar_lab_vs_transformers_cpu": speedup(CACHED, PEER, "median_cpu_s"),
+        "lean_vs_forward": speedup(CACHED, FORWARD),
+    }
+    if UNCACHED in runs:
+        ratios["positions_uncached_vs_cached"] = runs[UNCACHED]["positions"] / runs[CACHED]["positions"]
+    # Time per token above the floor: what each implementation adds to the unavoidable weight reads.
+    floor = runs.get(FLOOR)
+    if floor is not None:
+        ratios["floor_ms_per_token"] = 1000 * floor["median_s"] / n
+        over = {k: 1000 * (runs[k]["median_s"] - floor["median_s"]) / n for k in runs if k != FLOOR}
+        ratios["overhead_ms_per_token"] = over
+        if PEER in over and over[CACHED] > 0:
+            ratios["overhead_transformers_vs_ar_lab"] = over[PEER] / over[CACHED]
+    return ratios
+
+
+def decode_benchmark(
+    model=None,
+    tokens: int = 1000,
+    repeats: int = 3,
+    uncached_repeats: int | None = None,
+    prompt: str = "Python ",
+    *,
+    threads: int | None = 1,
+    peer: bool = True,
+    progress: Callable[[str], None] | None = None,
+) -> dict:
+    """Batch-1 greedy decode of ``tokens`` new tokens: ar_lab cached, ar_lab uncached and
+    transformers' ``generate`` (same weights, its own KV cache), measured side by side.
+
+    Runs are interleaved within each repeat so a load change on the machine hits all of
+    them alike; wall-clock and process CPU seconds are both kept. The transformers run
+    must produce exactly ar_lab's tokens (``AssertionError`` otherwise). ``threads``: torch
+    CPU threads for the runs (None: leave as is); restored afterwards.
+    """
+    from ar_lab.prompts import checked_prompt, eval_mode
+
+    checked_count("tokens", tokens)
+    checked_count("repeats", repeats)
+    uncached_repeats = checked_count("uncached_repeats", repeats if uncached_repeats is None else uncached_repeats, 0)
+    if threads is not None:
+        checked_threads(threads)
+    say = progress or (lambda _m: None)
+    source = "given"
+    if model is None:
+        model, source = course_model_or_random()
+    prompt_ids = checked_prompt(model, prompt, tokens)
+    runners = _runners(model, prompt_ids, tokens, peer)
+    old_threads = torch.get_num_threads()
+    if threads is not None:
+        torch.set_num_threads(threads)
+    try:
+        with eval_mode(model):
+            runs = _timed_repeats(runners, tokens, repeats, uncached_repeats, say)
+        ran_on = machine(model.device)
+    finally:
+        torch.set_num_threads(old_threads)
+    P = len(prompt_ids)
+    if peer:  # transformers' cache also feeds the prompt once, then one token per step
+        runs[PEER]["positions"] = P + tokens - 1
+    runs = _with_medians(runs, tokens)
+    return {
+        "benchmark": "decode",
+        "model": {"source": source, "parameters": model.num_parameters(), **model.config.to_dict()},
+        "prompt_tokens": P,
+        "new_tokens": tokens,
+        "repeats": repeats,
+        "uncached_repeats": uncached_repeats,
+        "threads": threads if threads is not None else old_threads,
+        "machine": ran_on,
+        "runs": runs,
+        "ratios": _ratios(runs, tokens),
+        "target_ar_lab_vs_transformers": TARGET_VS_TRANSFORMERS,
+    }
+
+
+def format_decode_results(res: dict) -> str:
+    """The printed table: medians per run, then the key ratios."""
+    N = res["new_tokens"]
+    rows = []
+    for name, run in res["runs"].items():
+        rows.append(
+            [
+                name,
+                f"{run['positions']:,}" if "positions" in run else "-",
+                f"{run['median_s']:.3f}",
+                f"{run['median_cpu_s']:.3f}",
+                f"{run['tokens_per_s']:,.0f}",
+                f"{1000 * run['median_s'] / N:.2f}",
+                f"{len(run['seconds'])}",
+            ]
+        )
+    headers = ["run", "positions", "median s", "median CPU s", "tokens/s", "ms/token", "repeats"]
+    r, m = res["ratios"], res["machine"]
+    lines = [
+        f"decode: batch 1, greedy, {res['prompt_tokens']}-token prompt + {N:,} new tokens; "
+        f"model {res['model']['source']} ({res['model']['parameters'] / 1e6:.2f} M parameters); "
+        f"{res['threads']} thread(s); torch {m['versions']['torch']} on {m['device']['name']}",
+        "",
+        format_table(headers, rows),
+        "",
+    ]
+    if r["cached_vs_uncached"] is not None:
+        lines.append(
+            f"KV cache: {r['cached_vs_uncached']:.1f}x faster than recomputing "
+            f"(CPU time {r['cached_vs_uncached_cpu']:.1f}x) "
+            f"while processing {r['positions_uncached_vs_cached']:.0f}x fewer positions"
+        )
+    if r["ar_lab_vs_transformers"] is not None:
+        target = res["target_ar_lab_vs_transformers"]
+        verdict = "met" if r["ar_lab_vs_transformers"] >= target else "NOT met"
+        lines.append(
+            f"ar_lab vs transformers generate: {r['ar_lab_vs_transformers']:.2f}x the tokens/s "
+            f"(CPU time {r['ar_lab_vs_transformers_cpu']:.2f}x); identical tokens; target {target:.0f}x {verdict}"
+        )
+    if r.get("lean_vs_forward") is not None:
+        lines.append(
+            f"lean decode step (ar_lab.lean) vs the same steps through GPT.forward(): "
+            f"{r['lean_vs_forward']:.2f}x the tokens/s"
+        )
+    if "overhead_transformers_vs_ar_lab" in r:
+        over = r["overhead_ms_per_token"]
+        lines.append(
+            f"above the weights-only floor ({r['floor_ms_per_token']:.2f} ms/token, paid by both): ar_lab adds "
+            f"{over[CACHED]:.2f} ms/token, transformers {over[PEER]:.2f} "
+            f"({r['overhead_transformers_vs_ar_lab']:.1f}x)"
+        )
+    return "\n".join(lines)
+
+
+def run(args: argparse.Namespace) -> dict:
+    """The command: each thread count in turn (the slow uncached run only in the first), then the tables."""
+    from ar_lab.reference import have_transformers
+
+    peer = not args.no_peer
+    if peer and not have_transformers():
+        print("transformers is not installed: skipping the reference peer (pip install transformers)")
+        peer = False
+    threads = checked_threads(args.threads or list(dict.fromkeys([1, torch.get_num_threads()])))
+    results = []
+    for i, t in enumerate(threads):
+        print(f"{t} thread(s):")
+        res = decode_benchmark(
+            tokens=args.tokens,
+            repeats=args.repeats,
+            uncached_repeats=args.uncached_repeats if i == 0 else 0,  # the slow run once is enough
+            prompt=args.prompt,
+            threads=t,
+            peer=peer,
+            progress=lambda m: print("  " + m, flush=True),
+        )
+        results.append(res)
+    for res in results:
+        print()
+        print(format_decode_results(res))
+    if len(results) == 1:
+        return results[0]
+    return {"benchmark": "decode", "settings": results}

@@ -1,0 +1,171 @@
+"""Chapter 08's benchmark: static vs continuous batching, tokens/s vs batch size, prefix-cache TTFT.
+
+Real runs of the model, each comparison side by side in one process.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from ar_lab.bench.common import course_model_or_random, torch_threads
+from ar_lab.bench.table import format_table
+from ar_lab.timing import machine, machine_line, median
+
+# Questions after the shared prefix in the TTFT test.
+SUFFIXES = ["\nQ: What does the for statement do?\nA:", "\nQ: How are exceptions raised?\nA:"]
+
+# policy summary key -> row label of the printed table
+POLICY_ROWS = [
+    ("tokens_per_s", "tokens/s"),
+    ("mean_latency_s", "mean latency s"),
+    ("p90_latency_s", "p90 latency s"),
+    ("mean_ttft_s", "mean TTFT s (queue incl.)"),
+    ("decode_steps", "decode steps"),
+    ("mean_rows", "mean rows per step"),
+    ("seconds", "total s"),
+]
+
+
+def add_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--requests", type=int, default=32, help="requests in the mixed workload (default 32)")
+    p.add_argument("--max-batch", type=int, default=8, help="slots (rows decoded together), default 8")
+    p.add_argument("--short", type=int, default=16, help="new tokens of a short request (default 16)")
+    p.add_argument("--long", type=int, default=256, help="new tokens of a long request (default 256)")
+    p.add_argument("--long-every", type=int, default=4, help="every n-th request is long (default 4)")
+    p.add_argument("--repeats", type=int, default=2, help="alternating runs of each policy; medians reported")
+    p.add_argument(
+        "--batch-sizes", default="1,2,4,8,16,32", help="batch sizes for the tokens/s sweep (default 1,2,4,8,16,32)"
+    )
+    p.add_argument("--context", type=int, default=128, help="positions in every row during the sweep (default 128)")
+    p.add_argument("--prefix-tokens", type=int, default=800, help="shared static prefix for the TTFT test (800)")
+    p.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1)")
+
+
+def _policies(model, work, max_batch: int, repeats: int) -> tuple[dict, int]:
+    """Median summary of each policy, and how many requests got identical outputs under both."""
+    from ar_lab.serving_measure import compare_policies
+
+    reports = compare_policies(model, work, max_batch, repeats=repeats)
+    policies = {}
+    for policy, runs in reports.items():
+        keys = runs[0].summary().keys()
+        policies[policy] = {k: median([r.summary()[k] for r in runs]) if k != "policy" else policy for k in keys}
+    same = sum(
+        a.tokens == b.tokens
+        for a, b in zip(reports["static"][0].results, reports["continuous"][0].results, strict=True)
+    )
+    return policies, same
+
+
+def _batch_sweep(model, batch_sizes, context: int, repeats: int) -> list[dict]:
+    """Tokens/s of decode steps at each batch size, against batch 1 and with the weight bytes per token."""
+    from ar_lab.roofline import decode_cost
+    from ar_lab.serving_measure import decode_throughput
+
+    sweep = decode_throughput(model, list(batch_sizes), context=context, steps=16, repeats=max(3, repeats))
+    base = sweep[0]["tokens_per_s"]
+    for row in sweep:
+        row["x_batch_1"] = row["tokens_per_s"] / base
+        cost = decode_cost(model.config, context + 1, row["batch"])
+        row["weight_bytes_per_token"] = cost.weight_bytes / row["batch"]
+    return sweep
+
+
+def serving_benchmark(
+    model=None,
+    *,
+    requests: int = 32,
+    max_batch: int = 8,
+    short: int = 16,
+    long: int = 256,
+    long_every: int = 4,
+    repeats: int = 2,
+    batch_sizes: tuple[int, ...] = (1, 2, 4, 8, 16, 32),
+    context: int = 128,
+    prefix_tokens: int = 800,
+) -> dict:
+    """Static vs continuous batching on a mixed workload, tokens/s against batch size, and TTFT
+    with and without a prefix cache; real runs of the model, each comparison side by side.
+    Print the result with ``format_serving_results``."""
+    from ar_lab.data import builtin_corpus
+    from ar_lab.serving_measure import mixed_workload, prefix_ttft
+
+    source = "the model passed in"
+    if model is None:
+        model, source = course_model_or_random()
+    work = mixed_workload(requests, short, long, long_every)
+    policies, same = _policies(model, work, max_batch, repeats)
+    sweep = _batch_sweep(model, batch_sizes, context, repeats)
+    prefix = builtin_corpus()[: min(prefix_tokens, model.config.block_size - 64)]
+    prefix_res = prefix_ttft(model, prefix, SUFFIXES, max_new_tokens=8, repeats=max(3, repeats))
+    return {
+        "benchmark": "serving",
+        "model": source,
+        "parameters": model.num_parameters(),
+        "workload": {"requests": requests, "short": short, "long": long, "long_every": long_every},
+        "max_batch": max_batch,
+        "policies": policies,
+        "identical_outputs": same,
+        "context": context,
+        "batch_sweep": sweep,
+        "prefix": prefix_res,
+        "machine": machine(model.device),
+    }
+
+
+def format_serving_results(res: dict) -> str:
+    """The printed report: both policies side by side, the batch sweep, the prefix cache, the key figures."""
+    w, s, c = res["workload"], res["policies"]["static"], res["policies"]["continuous"]
+    sweep, p = res["batch_sweep"], res["prefix"]
+    rows = [[label, float(s[key]), float(c[key]), f"{c[key] / s[key]:.2f}"] for key, label in POLICY_ROWS]
+    sweep_rows = [
+        [r["batch"], r["step_s"] * 1e3, r["tokens_per_s"], f"{r['x_batch_1']:.2f}", r["weight_bytes_per_token"]]
+        for r in sweep
+    ]
+    return "\n".join(
+        [
+            f"serving: model {res['model']} ({res['parameters'] / 1e6:.2f} M parameters); "
+            f"{machine_line(res['machine'])}",
+            f"workload: {w['requests']} requests, every {w['long_every']}th wants {w['long']} new tokens, "
+            f"the rest {w['short']}; {res['max_batch']} slots; greedy, no EOS",
+            "",
+            format_table(["", "static", "continuous", "continuous / static"], rows),
+            f"identical outputs under both policies: {res['identical_outputs']}/{w['requests']} requests",
+            "",
+            f"decode steps with every row at {res['context']} positions (weights read once per step, chapter 05):",
+            format_table(["batch", "ms/step", "tokens/s", "x batch 1", "weight bytes / token"], sweep_rows),
+            "",
+            f"prefix cache: {p['prefix_tokens']}-token static prefix + {p['suffix_tokens']} question tokens: "
+            f"TTFT {p['ttft_plain_s'] * 1e3:.1f} ms prefilled whole vs {p['ttft_reused_s'] * 1e3:.1f} ms reused "
+            f"({p['speedup']:.1f}x); identical outputs {p['identical_outputs']}/{p['runs']}; "
+            f"building the prefix cache once: {p['build_s'] * 1e3:.1f} ms",
+            "",
+            f"key figures: continuous / static batching: {c['tokens_per_s'] / s['tokens_per_s']:.2f}x tokens/s, "
+            f"{s['mean_latency_s'] / c['mean_latency_s']:.2f}x lower mean latency; batch {sweep[-1]['batch']} "
+            f"decodes {sweep[-1]['x_batch_1']:.1f}x the tokens/s of batch 1; prefix cache {p['speedup']:.1f}x "
+            "faster TTFT",
+        ]
+    )
+
+
+def run(args: argparse.Namespace) -> dict:
+    try:
+        sizes = tuple(int(b) for b in args.batch_sizes.split(","))
+    except ValueError:
+        raise ValueError(
+            f"--batch-sizes must be ints separated by commas, e.g. 1,2,4, got {args.batch_sizes!r}"
+        ) from None
+    with torch_threads(args.threads):
+        res = serving_benchmark(
+            requests=args.requests,
+            max_batch=args.max_batch,
+            short=args.short,
+            long=args.long,
+            long_every=args.long_every,
+            repeats=args.repeats,
+            batch_sizes=sizes,
+            context=args.context,
+            prefix_tokens=args.prefix_tokens,
+        )
+    print(format_serving_results(res))
+    return res

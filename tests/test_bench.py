@@ -1,0 +1,107 @@
+"""The benchmark command line and the small benchmarks, run with tiny sizes (structure, not speed)."""
+
+import json
+import sys
+
+import pytest
+import torch
+
+from ar_lab.bench.__main__ import main
+from ar_lab.bench.common import checked_device, torch_threads
+from ar_lab.bench.sampler import format_sampler_results, sampler_benchmark
+from ar_lab.bench.serving import format_serving_results, serving_benchmark
+from ar_lab.bench.table import format_table
+from ar_lab.model import GPT, GPTConfig
+
+
+def test_format_table_right_aligns_and_rounds_floats():
+    table = format_table(["name", "x"], [["a", 1234.5678], ["bcd", 0.5], ["e", 12]])
+    lines = ["name         x", "----  --------", "   a  1.23e+03", " bcd       0.5", "   e        12"]
+    assert table.splitlines() == lines
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["roofline", "--device", "mps"],
+        ["roofline", "--device", "banana"],
+        ["speculative", "--device", "banana"],
+        ["speculative", "--gammas", "0"],
+        ["sampler", "--threads", "0"],
+        ["decode", "--threads", "0"],
+        ["serving", "--batch-sizes", "1,two"],
+    ],
+)
+def test_bad_options_end_with_one_message_and_status_2(args, capsys):
+    threads = torch.get_num_threads()
+    with pytest.raises(SystemExit) as stop:
+        main(args)
+    assert stop.value.code == 2
+    err = capsys.readouterr().err
+    assert err.splitlines()[-1].startswith(f"python -m ar_lab.bench: error: {args[0]}: ")
+    assert "Traceback" not in err
+    assert torch.get_num_threads() == threads
+
+
+def test_checked_device():
+    assert checked_device("cpu") == torch.device("cpu")
+    for bad in ["mps", "banana", "cuda:x"]:
+        with pytest.raises(ValueError, match="device must be like 'cpu' or 'cuda'"):
+            checked_device(bad)
+
+
+def test_torch_threads_restores_the_count():
+    before = torch.get_num_threads()
+    with torch_threads(1):
+        assert torch.get_num_threads() == 1
+    assert torch.get_num_threads() == before
+    with pytest.raises(ValueError, match="--threads must be positive"):
+        with torch_threads(0):
+            pass
+
+
+def test_main_records_the_arguments_it_parsed(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(sys, "argv", ["pytest", "something", "else"])
+    path = tmp_path / "sampler.json"
+    args = ["sampler", "--context", "8", "--rounds", "1", "--calls", "1", "--json", str(path)]
+    assert main(args) == 0
+    res = json.loads(path.read_text())
+    assert res["command"] == "python -m ar_lab.bench " + " ".join(args)
+    assert "sampler: greedy" in capsys.readouterr().out
+
+
+@pytest.fixture
+def model_128():
+    torch.manual_seed(0)
+    return GPT(GPTConfig(block_size=128, n_layer=2, n_head=2, n_embd=32)).eval()
+
+
+def test_sampler_benchmark_returns_data_and_prints_nothing(model_128, capsys):
+    res = sampler_benchmark(model_128, context=16, rounds=2, calls=2)
+    assert capsys.readouterr().out == ""
+    assert res["context"] == 16 and res["parameters"] == model_128.num_parameters()
+    assert len(res["samplers"]) == 6 and "greedy" in res["samplers"]
+    for s in res["samplers"].values():
+        assert s["ratio_to_decode_step"] == pytest.approx(s["seconds"] / res["decode_step_seconds"])
+    assert json.loads(json.dumps(res)) == res
+    table = format_sampler_results(res)
+    assert "x decode step" in table and "sampler: all + repetition penalty 1.2" in table
+    with pytest.raises(ValueError, match="context window of 128"):
+        sampler_benchmark(model_128, context=128)
+    with pytest.raises(ValueError, match="rounds must be"):
+        sampler_benchmark(model_128, rounds=0)
+
+
+def test_serving_benchmark_returns_data_and_prints_nothing(model_128, capsys):
+    res = serving_benchmark(
+        model_128, requests=4, max_batch=2, short=2, long=4, repeats=1, batch_sizes=(1, 2), context=16, prefix_tokens=32
+    )
+    assert capsys.readouterr().out == ""
+    assert set(res["policies"]) == {"static", "continuous"} and res["workload"]["requests"] == 4
+    one, two = res["batch_sweep"]
+    assert (one["batch"], two["batch"]) == (1, 2) and one["x_batch_1"] == 1.0
+    assert two["weight_bytes_per_token"] == pytest.approx(one["weight_bytes_per_token"] / 2)  # read once per step
+    assert res["prefix"]["prefix_tokens"] == 32 and res["prefix"]["runs"] == 2 * 3
+    assert json.loads(json.dumps(res)) == res
+    report = format_serving_results(res)
+    assert "continuous / static" in report and "prefix cache: 32-token static prefix" in report

@@ -1,0 +1,263 @@
+import json
+import statistics
+
+import matplotlib
+import pytest
+import torch
+
+from ar_lab import measure, peaks
+from ar_lab.model import GPTConfig
+from ar_lab.plots import plot_roofline
+from ar_lab.roofline import decode_cost, forward_cost, prefill_cost
+
+matplotlib.use("Agg")
+
+
+# --- the roofs -----------------------------------------------------------------------
+
+
+def test_peaks_are_measured():
+    mm = peaks.measure_matmul_peak("cpu", size=128, repeats=2)
+    assert mm["size"] == 128 and len(mm["times"]) == 2 and mm["flops_per_s"] > 1e6
+    assert mm["flops_per_s"] == pytest.approx(2 * 128**3 / min(mm["times"]))  # the roof is the fastest repeat
+    assert mm["flops_per_s_median"] == pytest.approx(2 * 128**3 / statistics.median(mm["times"]))
+    bw = peaks.measure_bandwidth("cpu", nbytes=6 * 2**20, repeats=2)
+    assert bw["kernel"] in ("copy", "add", "read", "matvec") and bw["bytes_per_s"] == max(bw["by_kernel"].values())
+    assert bw["buffer_bytes"] == 6 * 2**20 and bw["bytes_per_s"] > 1e6
+    assert set(bw["times"]) == {"copy", "add", "read", "matvec"}
+    for k, times in bw["times"].items():  # the roof is the fastest repeat; the median is kept beside it
+        assert bw["by_kernel"][k] == pytest.approx(6 * 2**20 / min(times))  # 6 MiB: 4096 divides it
+        assert bw["by_kernel_median"][k] == pytest.approx(6 * 2**20 / statistics.median(times))
+    with pytest.raises(ValueError, match="too small"):
+        peaks.measure_bandwidth("cpu", nbytes=8)
+    assert peaks.default_dtype("cpu") == torch.float32 and peaks.default_dtype("cuda") == torch.bfloat16
+    both = peaks.measure_peaks("cpu", matmul_size=64, buffer_bytes=2**20)
+    assert both["matmul_size"] == 64 and both["bandwidth_buffer_bytes"] <= 2**20
+    assert both["bandwidth_bytes_per_s"] == both["bandwidth_by_kernel"][both["bandwidth_kernel"]]
+
+
+# --- passes of a model ---------------------------------------------------------------
+
+
+class Recorder(torch.nn.Module):
+    """Wraps a model; records (new tokens, cached positions, cache holds data, training) of every forward call."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.model, self.config, self.calls = model, model.config, []
+
+    @property
+    def device(self):
+        return self.model.device
+
+    def num_parameters(self):
+        return self.model.num_parameters()
+
+    def forward(self, idx, cache=None):
+        n = cache.length
+        filled = n == 0 or bool(cache.k[-1][:, :, :n].abs().min() > 0) and bool(cache.v[0][:, :, :n].abs().min() > 0)
+        self.calls.append((tuple(idx.shape), n, filled, self.training))
+        return self.model(idx, cache)
+
+
+def test_measure_prefill_and_decode_run_the_pass_they_claim(tiny_model):
+    rec = Recorder(tiny_model)
+    p = measure.measure_prefill(rec, 20, batch=2, repeats=3)
+    assert rec.calls == [((2, 20), 0, True, False)] * 4  # warm-up + 3, each into an empty cache, in eval mode
+    assert p.cost == prefill_cost(tiny_model.config, 20, 2) and len(p.times) == 3
+    rec.calls.clear()
+    d = measure.measure_decode(rec, 30, batch=3, repeats=4)
+    assert rec.calls == [((3, 1), 29, True, False)] * 6  # every step is the same step at context 30 (2 warm-ups)
+    assert d.cost == decode_cost(tiny_model.config, 30, 3)
+    assert d.flops_per_s == pytest.approx(d.cost.flops / d.seconds)
+    assert d.bytes_per_s == pytest.approx(d.cost.bytes / d.seconds)
+    rec.calls.clear()
+    v = measure.measure_forward(rec, tokens=5, past=10, repeats=2)  # e.g. verifying 4 draft tokens + 1
+    assert rec.calls == [((1, 5), 10, True, False)] * 3
+    assert v.cost == forward_cost(tiny_model.config, 1, 5, 10) and v.cost.context == 15
+    with pytest.raises(ValueError, match="exceed the context window"):
+        measure.measure_decode(tiny_model, 65)
+
+
+def test_measuring_restores_the_model_mode(tiny_model):
+    rec = Recorder(tiny_model).train()
+    measure.measure_decode(rec, 8, repeats=1)
+    assert rec.training and all(not training for *_, training in rec.calls)  # ran in eval, handed back in train
+    rec.calls.clear()
+    fn, *_ = measure.prepare_forward(rec, 1, 7)
+    fn()
+    assert rec.training and rec.calls[-1][-1] is False  # the prepared pass too
+    tiny_model.eval()
+    measure.measure_decode(tiny_model, 8, repeats=1)
+    assert not tiny_model.training
+
+
+def test_fastest_threads_restores_the_thread_count(tiny_model):
+    before = torch.get_num_threads()
+    out = measure.fastest_threads(tiny_model, 8, [1, before], repeats=1)
+    assert set(out["seconds"]) == {1, before} and out["seconds"][out["best"]] == min(out["seconds"].values())
+    assert torch.get_num_threads() == before
+    with pytest.raises(ValueError, match="threads must be an int >= 1"):
+        measure.fastest_threads(tiny_model, 8, [0])
+    assert torch.get_num_threads() == before
+
+
+def test_build_model_in_place():
+    cfg = GPTConfig(block_size=16, n_layer=1, n_head=2, n_embd=16)
+    m = measure.build_model(cfg, "cpu", torch.bfloat16)
+    assert {p.dtype for p in m.parameters()} == {torch.bfloat16} and not m.training
+    assert torch.get_default_dtype() == torch.float32  # restored
+    assert (
+        measure.measure_decode(m, 4, repeats=1).cost.weight_bytes == decode_cost(cfg, 4, bytes_per_value=2).weight_bytes
+    )
+
+
+def test_cuda_graph_is_ignored_on_cpu(tiny_model):
+    p = measure.measure_decode(tiny_model, 8, repeats=1, cuda_graph=True)
+    assert p.mode == "eager" and p.note == "" and p.to_dict()["mode"] == "eager" and "note" not in p.to_dict()
+
+
+# --- the full run and the results on disk --------------------------------------------
+
+PEAKS = {"matmul_flops_per_s": 50e9, "bandwidth_bytes_per_s": 5e9, "matmul_size": 0, "bandwidth_kernel": "read"}
+
+
+def test_run_roofline_result_round_trips(tiny_model, tmp_path):
+    result = measure.run_roofline(tiny_model, [4, 16], [1, 2], 8, [12], peaks=PEAKS, repeats=1)
+    assert result["schema"] == measure.SCHEMA and result["dtype"] == "float32"
+    assert result["device"]["type"] == "cpu" and result["versions"]["torch"] == torch.__version__
+    assert result["ridge_point"] == 10
+    phases = [(p["phase"], p["batch"], p["tokens"], p["context"]) for p in result["points"]]
+    assert phases == [
+        ("prefill", 1, 4, 4),
+        ("prefill", 1, 16, 16),
+        ("decode", 1, 1, 8),
+        ("decode", 2, 1, 8),
+        ("decode", 1, 1, 12),
+    ]
+    k = result["key_figures"]
+    assert k["decode_context"] == 8 and k["prefill_tokens"] == 16
+    assert k["decode_bandwidth_fraction"] == pytest.approx(result["points"][2]["bytes_per_s"] / 5e9)
+    assert k["prefill_compute_fraction"] == pytest.approx(result["points"][1]["flops_per_s"] / 50e9)
+    path = tmp_path / "roofline_x.json"
+    path.write_text(json.dumps(result))
+    assert measure.load_result(path) == result
+    rows = measure.summary_rows(result)
+    assert len(rows) == 5 and len(rows[0]) == len(measure.SUMMARY_HEADERS)
+    p = result["points"][2]  # decode at batch 1: on the bandwidth slope, the roof is intensity x 5 GB/s
+    assert rows[2][:5] == ["decode", 1, 1, 8, round(p["seconds"] * 1e3, 2)]
+    assert rows[2][-1] == f"{p['flops_per_s'] / (p['intensity'] * 5e9):.0%}"
+
+
+def test_load_result_rejects_what_it_cannot_plot(tmp_path, tiny_model):
+    bad = tmp_path / "roofline_bad.json"
+    bad.write_text("{not json")
+    with pytest.raises(ValueError, match="not valid JSON"):
+        measure.load_result(bad)
+    bad.write_text(json.dumps({"schema": measure.SCHEMA}))
+    with pytest.raises(ValueError, match="missing"):
+        measure.load_result(bad)
+    good = measure.run_roofline(tiny_model, [4], [1], 4, peaks=PEAKS, repeats=1)
+    bad.write_text(json.dumps({**good, "schema": "something/9"}))
+    with pytest.raises(ValueError, match="schema"):
+        measure.load_result(bad)
+    bad.write_text(json.dumps({**good, "peaks": {**PEAKS, "bandwidth_bytes_per_s": 0}}))
+    with pytest.raises(ValueError, match="bandwidth_bytes_per_s must be a positive"):
+        measure.load_result(bad)
+    bad.write_text(json.dumps({**good, "points": [{"phase": "decode"}]}))
+    with pytest.raises(ValueError, match="point 0 has no"):
+        measure.load_result(bad)
+
+
+def test_reference_files_by_device(tmp_path, tiny_model, monkeypatch):
+    res = measure.run_roofline(tiny_model, [4], [1], 4, peaks=PEAKS, repeats=1)
+    (tmp_path / "roofline_cpu.json").write_text(json.dumps(res))
+    gpu = {**res, "device": {"type": "cuda", "name": "Some GPU", "threads": 1}}
+    (tmp_path / "roofline_gpu.json").write_text(json.dumps(gpu))
+    (tmp_path / "other.json").write_text("{}")
+    assert [p.name for p in measure.reference_files(tmp_path)] == ["roofline_cpu.json", "roofline_gpu.json"]
+    assert [p.name for p in measure.reference_files(tmp_path, "cuda")] == ["roofline_gpu.json"]
+    monkeypatch.setenv("AR_LAB_DATA", str(tmp_path))  # the default folder is read at call time
+    assert [p.name for p in measure.reference_files(device_type="cpu")] == ["roofline_cpu.json"]
+
+
+def test_shipped_references_load():
+    paths = measure.reference_files()
+    assert paths  # the repository ships at least the CPU reference
+    for path in paths:
+        result = measure.load_result(path)
+        assert result["points"], path
+        assert result["device"]["type"] in ("cpu", "cuda")
+
+
+def test_plot_roofline(tiny_model):
+    import matplotlib.pyplot as plt
+
+    result = measure.run_roofline(tiny_model, [4, 16], [1, 2], 8, peaks=PEAKS, repeats=1)
+    fig, ax = plt.subplots()
+    plot_roofline(ax, result, label="test machine")
+    assert ax.get_xscale() == "log" and ax.get_yscale() == "log"
+    labels = ax.get_legend_handles_labels()[1]
+    assert labels == ["roofs of test machine: 50 GFLOP/s, 5 GB/s", "prefill (test machine)", "decode (test machine)"]
+    roof = ax.get_lines()[0]
+    assert max(roof.get_ydata()) == pytest.approx(50e9)  # flat at the compute peak
+    assert min(roof.get_ydata()) == pytest.approx(min(roof.get_xdata()) * 5e9)  # the bandwidth slope
+    assert sorted(t.get_text() for t in ax.texts) == ["B=1", "B=2", "T=16", "T=4", "ridge 10 FLOP/B"]
+    fig2, ax2 = plt.subplots()
+    plot_roofline(ax2, result, annotate=False)
+    assert len(ax2.texts) == 0  # no labels: for overlaying reference runs
+    assert ax2.get_legend_handles_labels()[1][0] == f"roofs of {result['device']['name']}: 50 GFLOP/s, 5 GB/s"
+    plt.close(fig)
+    plt.close(fig2)
+
+
+# --- the decode step beside the bandwidth kernel -------------------------------------
+
+
+def test_decode_bandwidth_fraction_pairs_and_restores_threads(tiny_model):
+    before = torch.get_num_threads()
+    out = measure.decode_bandwidth_fraction(tiny_model, 8, pairs=3, threads=[2, 1], buffer_bytes=2**20)
+    assert list(out["by_variant"]) == ["1 thread", "2 threads"] and out["best"] in out["by_variant"]
+    assert out["kernel"] == max(out["kernel_rates"], key=out["kernel_rates"].get)
+    assert out["decode_bytes"] == decode_cost(tiny_model.config, 8).bytes
+    for name, v in out["by_variant"].items():
+        assert len(v["pairs"]) == 3 and v["mode"] == "eager" and v["threads"] == (1 if name == "1 thread" else 2)
+        fr = [
+            out["decode_bytes"] / p["decode_seconds"] / (out["kernel_bytes"] / p["probe_seconds"]) for p in v["pairs"]
+        ]
+        assert v["pair_range"] == [pytest.approx(min(fr)), pytest.approx(max(fr))]
+        assert v["pair_quartiles"] == pytest.approx(statistics.quantiles(fr, n=4, method="inclusive"))
+        step_rate = out["decode_bytes"] / statistics.median(p["decode_seconds"] for p in v["pairs"])
+        probe_rate = out["kernel_bytes"] / statistics.median(p["probe_seconds"] for p in v["pairs"])
+        assert v["fraction"] == pytest.approx(step_rate / probe_rate)  # bytes/s at the median times, side by side
+        fastest_probe = min(p["probe_seconds"] for p in v["pairs"])
+        assert v["of_roof"] == pytest.approx(step_rate / (out["kernel_bytes"] / fastest_probe))
+    best = max(v["fraction"] for v in out["by_variant"].values())
+    assert out["fraction"] == out["by_variant"][out["best"]]["fraction"] == best
+    assert out["best_threads"] == out["by_variant"][out["best"]]["threads"] and out["cuda_graph"] is False
+    assert torch.get_num_threads() == before
+    with pytest.raises(ValueError, match="pairs must be an int >= 1"):
+        measure.decode_bandwidth_fraction(tiny_model, 8, pairs=0)
+
+
+def test_decode_bandwidth_fraction_restores_threads_when_a_step_fails(tiny_model):
+    before = torch.get_num_threads()
+    other = 2 if before == 1 else 1
+    with pytest.raises(ValueError, match="exceed the context window"):  # preparing the step at context 65 fails
+        measure.decode_bandwidth_fraction(tiny_model, 65, pairs=1, threads=[other], buffer_bytes=2**20)
+    assert torch.get_num_threads() == before
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_measurements_use_bf16():
+    cfg = GPTConfig(block_size=64, n_layer=2, n_head=4, n_embd=64)
+    m = measure.build_model(cfg)
+    assert m.device.type == "cuda" and next(m.parameters()).dtype == torch.bfloat16
+    d = measure.measure_decode(m, 16, 2, repeats=2)
+    assert d.cost.weight_bytes == decode_cost(cfg, 16, 2, bytes_per_value=2).weight_bytes and d.seconds > 0
+    g = measure.measure_decode(m, 16, 2, repeats=2, cuda_graph=True)
+    assert g.mode == "cuda graph", g.note
+    out = measure.decode_bandwidth_fraction(m, 16, pairs=2, buffer_bytes=2**26)
+    assert list(out["by_variant"]) == ["eager", "cuda graph"]
+    assert out["by_variant"]["cuda graph"]["mode"] == "cuda graph"
+    assert peaks.measure_bandwidth(nbytes=2**26, repeats=2)["bytes_per_s"] > 1e9
