@@ -4,8 +4,8 @@ Every checker raises ``CheckFailed`` (an ``AssertionError``, so nbgrader counts 
 failed test) with a message a learner can act on, and prints a short confirmation
 when the check passes.
 
-An exercise asks the learner to *write* a piece the package already has. ``own_work``
-runs the learner's code while the package's reference for that exercise (and e.g.
+An exercise asks the learner to *write* a piece the package already has. ``no_delegation``
+(and ``own_work``) run the learner's code while the package's reference for that exercise (and e.g.
 PyTorch's fused attention, where attention is the exercise) is made to raise, so an
 answer that only calls the reference fails with a message that says to write it out.
 """
@@ -72,23 +72,70 @@ def _namespaces(extra: Iterable[dict]) -> list[dict]:
     return [s for s in spaces if isinstance(s, dict)] + list(extra)
 
 
-@contextlib.contextmanager
-def forbid(
-    *references: str | Callable, exercise: str = "this exercise", namespaces: Iterable[dict] = ()
-) -> Iterator[list]:
-    """While the block runs, every reference raises ``Delegated`` (a ``CheckFailed``) when called.
+def _codes(obj: Any) -> set:
+    """Every code object of a learner's function, class or object (nested functions and methods included)."""
+    obj = getattr(obj, "func", obj)  # a functools.partial
+    obj = getattr(obj, "__func__", obj)  # a bound method
+    if not isinstance(obj, type) and not hasattr(obj, "__code__"):
+        obj = type(obj)  # an instance (e.g. the learner's nn.Module): its class's methods
+    if not isinstance(obj, type):
+        found, todo = set(), [obj.__code__]
+        while todo:
+            code = todo.pop()
+            found.add(code)
+            todo += [c for c in code.co_consts if hasattr(c, "co_code") and c not in found]
+        return found
+    found = set()
+    for klass in obj.__mro__:
+        if klass.__module__.split(".")[0] in ("builtins", "torch", "ar_lab"):
+            continue  # library classes it builds on are not the learner's code
+        for value in vars(klass).values():
+            value = getattr(value, "fget", None) or getattr(value, "__func__", None) or value
+            if hasattr(value, "__code__"):
+                found |= _codes(value)
+    return found
 
-    ``references``: functions, methods or classes (a class: its constructor and ``forward``), as
-    objects or dotted names (``"ar_lab.sampling.filter_top_p"``, ``"ar_lab.cache.KVCache.update"``).
-    Every module attribute and notebook name bound to a function is swapped for a stand-in; a
-    method is swapped on its class. All is put back on exit. Yields the list of calls made, so a
-    caller that swallowed the error is caught too.
+
+def _learner_on_stack(codes: set) -> bool:
+    frame = sys._getframe(2)
+    while frame is not None:
+        if frame.f_code in codes:
+            return True
+        frame = frame.f_back
+    return False
+
+
+@contextlib.contextmanager
+def no_delegation(
+    *learner: Callable, forbid: Iterable[str | Callable] = (), exercise: str = "this exercise", namespaces=()
+) -> Iterator[list]:
+    """While the block runs, the ``forbid`` references raise ``Delegated`` when the learner's code calls them.
+
+    ``learner``: the learner's functions or classes (their code, nested functions and methods
+    included, counts as theirs); with none, every call raises. ``forbid``: functions, methods or
+    classes (a class: its constructor and ``forward``), as objects or dotted names
+    (``"ar_lab.sampling.filter_top_p"``, ``"ar_lab.cache.KVCache.update"``). Every module
+    attribute and notebook name bound to a forbidden function is swapped for a stand-in that
+    calls the original unless the learner's code is on the call stack, so the test's own
+    reference values can be computed inside the block. All is put back on exit. A learner
+    whose code caught the error is caught too.
     """
+    codes = set().union(*(_codes(f) for f in learner)) if learner else None
+    forbid = [_resolve(ref) for ref in forbid]
+    for name, obj, _ in forbid:
+        for f in learner:
+            if f is obj or getattr(f, "func", getattr(f, "__wrapped__", f)) is obj:
+                raise Delegated(
+                    f"{exercise}: your answer is `{name}` itself, a ready-made implementation of what the "
+                    "exercise asks you to write: write the computation yourself."
+                )
     calls: list[str] = []
     swaps: list[tuple[Any, str, Any, bool]] = []  # (where, name, original, is_dict)
 
-    def stand_in(name: str) -> Callable:
+    def stand_in(name: str, original: Callable) -> Callable:
         def delegated(*args, **kwargs):
+            if codes is not None and not _learner_on_stack(codes):
+                return original(*args, **kwargs)
             calls.append(name)
             raise Delegated(
                 f"{exercise}: your code called `{name}`, a ready-made implementation of what "
@@ -99,18 +146,15 @@ def forbid(
 
     spaces = _namespaces(namespaces)
     try:
-        for ref in references:
-            name, obj, owner = _resolve(ref)
+        for name, obj, owner in forbid:
             # A class: making one, and its forward (instances made earlier included). A method: on its class.
             targets = [(obj, m) for m in ("__init__", "forward") if hasattr(obj, m)] if isinstance(obj, type) else []
             targets += [(owner, name.rsplit(".", 1)[1])] if owner is not None else []
             for cls, method in targets:
                 swaps.append((cls, method, cls.__dict__.get(method), False))
-                setattr(cls, method, stand_in(f"{name}.{method}" if cls is obj else name))
-            if targets:
-                continue
-            fake = stand_in(name)
-            for space in spaces:
+                setattr(cls, method, stand_in(f"{name}.{method}" if cls is obj else name, getattr(cls, method)))
+            fake = stand_in(name, obj)
+            for space in spaces if not targets else ():
                 for key, value in list(space.items()):
                     if value is obj:
                         swaps.append((space, key, value, True))
@@ -132,22 +176,11 @@ def forbid(
 
 
 def own_work(what: str, fn: Callable, *args, forbidden: Iterable[str | Callable] = (), **kwargs):
-    """``fn(*args, **kwargs)`` (the learner's code) with the ``forbidden`` references made to raise.
-
-    The learner's own module globals are searched too, so ``from ar_lab.x import f`` in the
-    notebook does not slip past.
-    """
-    forbidden = tuple(forbidden)
-    inner = getattr(fn, "func", getattr(fn, "__wrapped__", fn))  # a functools.partial or a decorated function
-    for ref in forbidden:
-        name, obj, _ = _resolve(ref)
-        if fn is obj or inner is obj:
-            raise Delegated(
-                f"{what}: your answer is `{name}` itself, a ready-made implementation of what the exercise "
-                "asks you to write: write the computation yourself."
-            )
+    """``fn(*args, **kwargs)`` (the learner's code) with the ``forbidden`` references made to raise
+    (see ``no_delegation``). The learner's own module globals are searched too, so
+    ``from ar_lab.x import f`` in the notebook does not slip past."""
     extra = [fn.__globals__] if hasattr(fn, "__globals__") else []
-    with forbid(*forbidden, exercise=what, namespaces=extra):
+    with no_delegation(fn, forbid=forbidden, exercise=what, namespaces=extra):
         return _not_implemented(what, fn, *args, **kwargs)
 
 

@@ -5,7 +5,7 @@ import torch
 import torch.nn.functional as F
 
 from ar_lab import checks
-from ar_lab.checks import CheckFailed, Delegated, check_cases, check_close, forbid, own_work
+from ar_lab.checks import CheckFailed, Delegated, check_cases, check_close, no_delegation, own_work
 from ar_lab.model import MLP, GPTConfig
 from ar_lab.sampling import filter_top_k
 
@@ -75,7 +75,7 @@ def test_check_cases_forbids_too_and_reports_a_stub():
 
 def test_an_unknown_reference_is_a_clear_error():
     with pytest.raises(ValueError, match="no reference named 'ar_lab.sampling.nope'"):
-        with forbid("ar_lab.sampling.nope"):
+        with no_delegation(forbid=["ar_lab.sampling.nope"]):
             pass
     assert checks.Delegated.__mro__[1] is CheckFailed  # nbgrader counts it as a failed test (AssertionError)
 
@@ -96,3 +96,37 @@ def test_a_method_and_a_constructor_can_be_forbidden():
         with pytest.raises(Delegated, match="KVCache"):
             own_work("cache write", fn, k, forbidden=["ar_lab.cache.KVCache.update", KVCache])
     assert torch.equal(via_constructor(k), k) and "update" in vars(KVCache) and "__init__" in vars(KVCache)
+
+
+def test_inside_the_block_the_test_may_call_the_reference_and_the_learner_may_not():
+    q, k, v = torch.randn(3, 1, 2, 5, 4).unbind(0)
+    with no_delegation(written_attention, forbid=[SDPA], exercise="attention"):
+        expected = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # the test's own reference: allowed
+        check_close("attention", written_attention(q, k, v), expected)
+    with pytest.raises(Delegated, match="attention"):
+        with no_delegation(delegating_attention, forbid=[SDPA], exercise="attention"):
+            delegating_attention(q, k, v)
+
+
+def test_a_learners_module_class_and_nested_helpers_count_as_theirs():
+    cfg = GPTConfig(n_embd=8, n_head=2)
+    reference = MLP(cfg)
+
+    class MyMLP(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.inner = MLP(cfg)  # built before the check: allowed
+
+        def forward(self, x):
+            def helper(y):
+                return self.inner(y)  # the package's MLP, called from the learner's code
+
+            return helper(x)
+
+    mine = MyMLP()
+    x = torch.randn(2, 8)
+    with pytest.raises(Delegated, match="MLP"):
+        with no_delegation(MyMLP, forbid=[MLP], exercise="the MLP"):
+            reference(x)  # the test's own call passes
+            mine(x)
+    assert mine(x).shape == (2, 8)  # restored afterwards
