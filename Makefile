@@ -7,13 +7,15 @@ COURSE_STAMP := $(VENV)/.course-installed
 DEV_STAMP := $(VENV)/.dev-installed
 PYTEST_ARGS ?=
 
-.PHONY: lab test lint checkpoints bench clean help
+.PHONY: lab test test-fast lint checkpoints bench clean help grading-course
 
 help:
 	@echo "make lab          set up and open the course in JupyterLab"
 	@echo "make test         set up and run every test (ruff, unit/property tests, notebooks)"
+	@echo "make test-fast    ruff and the tests not marked slow (no notebooks, no browser): under 2 minutes"
 	@echo "make checkpoints  retrain the shipped checkpoints in data/ (about an hour on 2 cores)"
-	@echo "make bench        run every benchmark (python -m ar_lab.bench decode|roofline|speculative|serving)"
+	@echo "make bench        run every benchmark (python -m ar_lab.bench decode|roofline|sampler|speculative|serving)"
+	@echo "make grading-course DIR=grading [CHAPTER=06]  lay out an nbgrader course folder (INSTRUCTORS.md)"
 
 $(BIN)/python:
 	@$(PYTHON) -c 'import sys; sys.exit(0 if sys.version_info >= (3, 10) else "ar_lab needs Python 3.10 or newer")'
@@ -38,6 +40,9 @@ lint: $(DEV_STAMP)
 test: lint
 	$(BIN)/python -m pytest tests notebooks --nbval-lax --nbval-current-env $(PYTEST_ARGS)
 
+test-fast: lint
+	$(BIN)/python -m pytest tests -m "not slow" $(PYTEST_ARGS)
+
 checkpoints: $(COURSE_STAMP)
 	$(BIN)/python -m ar_lab.train --preset course
 	$(BIN)/python -m ar_lab.train --preset draft
@@ -45,8 +50,14 @@ checkpoints: $(COURSE_STAMP)
 bench: $(DEV_STAMP)
 	$(BIN)/python -m ar_lab.bench decode
 	$(BIN)/python -m ar_lab.bench roofline --json bench-results/roofline.json
+	$(BIN)/python -m ar_lab.bench sampler
 	$(BIN)/python -m ar_lab.bench speculative
 	$(BIN)/python -m ar_lab.bench serving
+
+grading-course:
+	@test -n "$(DIR)" || { echo "usage: make grading-course DIR=folder [CHAPTER=06]"; exit 2; }
+	@$(MAKE) --no-print-directory $(DEV_STAMP)
+	$(BIN)/python -m ar_lab.exercises course "$(DIR)" $(foreach c,$(CHAPTER),--chapter $(c))
 
 clean:
 	rm -rf $(VENV)
