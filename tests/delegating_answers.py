@@ -1,0 +1,117 @@
+"""Answers that only call the package's reference (or PyTorch's ready-made kernel) for each exercise.
+
+Each would pass its graded test if nothing stopped it; ``tests/test_delegation.py`` proves that
+``ar_lab.checks.no_delegation`` makes every one of them fail. Keyed by the solution cell's grade_id.
+"""
+
+DELEGATING = {
+    "ch00-to-tokens": """
+def to_tokens(text):
+    from ar_lab.tokenizer import encode
+    return encode(text)
+""",
+    "ch00-tokens-per-char": """
+def tokens_per_char(text):
+    from ar_lab.tokenizer import encode
+    return len(encode(text)) / len(text)
+""",
+    "ch01-next-token-distribution": """
+def next_token_distribution(counts, token, smoothing=0.1):
+    from ar_lab.bigram import BigramModel
+    return BigramModel(counts, smoothing=smoothing).log_probs[token].exp()
+""",
+    "ch01-sequence-log-prob": """
+def sequence_log_prob(log_probs, tokens):
+    from ar_lab.bigram import BigramModel
+    lp = BigramModel(log_probs.exp(), smoothing=0.0)(torch.tensor([tokens]))[0]
+    return float(lp[torch.arange(len(tokens) - 1), torch.tensor(tokens[1:], dtype=torch.long)].sum())
+""",
+    "ch01-generate-loop": """
+def my_generate(model, prompt, max_new_tokens, eos_id=EOS_ID):
+    return ar_lab.generate(model, prompt, max_new_tokens, use_cache=False, eos_id=eos_id).tokens
+""",
+    "ch02-attention": """
+def attention(q, k, v, mask=None):
+    return F.scaled_dot_product_attention(q[None], k[None], v[None], attn_mask=mask)[0]
+""",
+    "ch02-multi-head": """
+def multi_head_attention(x, W_qkv, b_qkv, W_proj, b_proj, n_head):
+    T, C = x.shape
+    q, k, v = (rearrange(t, "t (h d) -> h t d", h=n_head) for t in (x @ W_qkv.T + b_qkv).split(C, dim=-1))
+    y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    return rearrange(y, "h t d -> t (h d)") @ W_proj.T + b_proj
+""",
+    "ch03-param-count": """
+def gpt_param_count(cfg):
+    return GPT(cfg).num_parameters()
+""",
+    "ch03-cross-entropy": """
+def cross_entropy(logits, targets):
+    return F.cross_entropy(logits, targets)
+""",
+    "ch04-positions": """
+def positions_processed(P, N, use_cache):
+    from ar_lab.generate import generate
+    from ar_lab.model import GPT, GPTConfig
+    m = GPT(GPTConfig(block_size=P + N, n_layer=1, n_head=1, n_embd=8))
+    return generate(m, [0] * P, N, use_cache=use_cache, eos_id=None).stats.positions_processed
+""",
+    "ch04-cache-write": """
+def cache_write(k_buf, v_buf, start, k, v):
+    from ar_lab.cache import KVCache
+    return KVCache.from_buffers([k_buf], [v_buf]).update(0, start, k, v)
+""",
+    "ch04-scheme-bytes": """
+def kv_bytes_per_token(scheme, n_layer, n_head, n_kv_heads, head_dim, latent_dim, rope_dim, bytes_per_value):
+    from ar_lab.cache import AttentionShape, cache_sizes
+    shape = AttentionShape(n_layer, n_head, n_kv_heads, head_dim, latent_dim, rope_dim)
+    return cache_sizes(shape, 1, 1, bytes_per_value)[scheme]
+""",
+    "ch05-decode-intensity": """
+def decode_intensity(cfg, context, batch=1, bytes_per_value=4):
+    return rl.decode_cost(cfg, context, batch, bytes_per_value).intensity
+""",
+    "ch05-predict-tpot": """
+def predict_tpot(n_params, bytes_per_param, bandwidth, kv_cache_bytes=0.0):
+    return rl.approx_tpot(n_params, bandwidth, bytes_per_param) + kv_cache_bytes / bandwidth
+""",
+    "ch06-temperature": """
+from ar_lab.sampling import GREEDY_EPS
+
+
+def my_temperature_probabilities(logits, temperature):
+    return probabilities(logits, SamplingParams(temperature=temperature))
+""",
+    "ch06-top-p": """
+def my_top_p_keep(probs, p):
+    return filter_top_p(probs.log(), p) > float("-inf")
+""",
+    "ch06-ngrams": """
+def my_repeated_ngram_fraction(tokens, n):
+    return repeated_ngram_fraction(tokens, n)
+""",
+    "ch07-accept": """
+def my_accept_step(p, q, drafts, u):
+    rows = torch.arange(len(drafts))
+    n = accepted_count(p[rows, drafts].double(), q[rows, drafts].double(), u.double())
+    return n, (residual_distribution(p[n], q[n]) if n < len(drafts) else p[n])
+""",
+    "ch07-expected-tokens": """
+def my_expected_tokens(alpha, gamma):
+    return expected_tokens_per_iteration(alpha, gamma)
+""",
+    "ch08-row-mask": """
+def my_row_mask(lengths, T):
+    c = BatchKVCache(n_layer=1, max_batch=len(lengths), n_kv_heads=1, max_len=max(lengths) + T, head_dim=1)
+    for n in lengths:
+        c.add(n)
+    return c.begin(T)[1]
+""",
+    "ch08-continuous": """
+def my_continuous_finish(steps_needed, max_batch):
+    return simulate(steps_needed, max_batch, "continuous")
+""",
+}
+
+# Exercises with no reference in the package to delegate to (their graded tests need no guard).
+NO_REFERENCE = {"ch02-causal-mask"}

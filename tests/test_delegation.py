@@ -1,0 +1,61 @@
+"""No graded exercise can be passed by calling the package (or PyTorch's ready-made kernel).
+
+Every graded test runs the learner's code inside ``ar_lab.checks.no_delegation``, which makes
+the package's reference for that exercise raise when the learner's code calls it. Here each
+chapter is executed with every solution replaced by an answer that only delegates
+(``tests/delegating_answers.py``): every graded test must fail, and say why. The source
+versions passing and the student versions failing are proven by nbval and test_exercises.
+"""
+
+import sys
+from pathlib import Path
+
+import nbformat
+import pytest
+
+from ar_lab.exercises import execute, grade, graded_cells, nbgrader_meta
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from delegating_answers import DELEGATING, NO_REFERENCE  # noqa: E402
+
+NOTEBOOKS = Path(__file__).resolve().parent.parent / "notebooks"
+WITH_EXERCISES = [p for p in sorted(NOTEBOOKS.glob("*.ipynb")) if graded_cells(nbformat.read(p, as_version=4))]
+
+
+def solutions(nb) -> list:
+    return [c for c in nb.cells if nbgrader_meta(c).get("solution") and c.cell_type == "code"]
+
+
+def test_every_exercise_has_a_delegating_answer_or_no_reference():
+    ids = {nbgrader_meta(c)["grade_id"] for p in WITH_EXERCISES for c in solutions(nbformat.read(p, as_version=4))}
+    assert ids == set(DELEGATING) | NO_REFERENCE, (
+        f"exercises without a delegating answer: {sorted(ids - set(DELEGATING) - NO_REFERENCE)}; "
+        f"answers for no exercise: {sorted(set(DELEGATING) | NO_REFERENCE) - ids}"
+    )
+
+
+def test_every_graded_test_runs_the_learners_code_under_no_delegation():
+    unguarded = []
+    for path in WITH_EXERCISES:
+        for cell in nbformat.read(path, as_version=4).cells:
+            gid = nbgrader_meta(cell).get("grade_id", "")
+            if nbgrader_meta(cell).get("grade") and gid.removesuffix("-tests") not in NO_REFERENCE:
+                if "with no_delegation(" not in cell.source:
+                    unguarded.append(gid)
+    assert not unguarded, f"graded tests that a delegating answer could pass: {unguarded}"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("path", WITH_EXERCISES, ids=[p.stem for p in WITH_EXERCISES])
+def test_a_delegating_answer_fails_every_graded_test(path):
+    nb = nbformat.read(path, as_version=4)
+    for cell in solutions(nb):
+        gid = nbgrader_meta(cell)["grade_id"]
+        if gid in DELEGATING:
+            cell.source = DELEGATING[gid].strip()
+    results = {r.grade_id: r for r in grade(execute(nb, path.parent))}
+    guarded = {gid: r for gid, r in results.items() if gid.removesuffix("-tests") not in NO_REFERENCE}
+    passing = [gid for gid, r in guarded.items() if r.passed]
+    assert not passing, f"{path.name}: a delegating answer passes {passing}"
+    unexplained = {gid: r.error[:200] for gid, r in guarded.items() if "ready-made implementation" not in r.error}
+    assert not unexplained, f"{path.name}: these failed without naming the delegation: {unexplained}"
