@@ -1,0 +1,47 @@
+"""Claims a notebook makes about its own outputs, checked where they are made.
+
+A sentence under a plot is only as good as the measurement beside it. Two tools keep them
+together: ``say`` renders Markdown from the values a cell just measured (so a quoted figure
+is the figure), and ``claim`` asserts a comparative statement right after its measurement,
+with bounds wide enough for a noisy 2-core machine. When a claim stops being true, the cell
+raises ``ClaimFailed`` naming it, and the notebook tests (nbval) fail on that cell.
+"""
+
+from __future__ import annotations
+
+import math
+
+
+class ClaimFailed(AssertionError):
+    """A notebook's sentence no longer matches what its cell measured."""
+
+
+def claim(name: str, holds: bool, measured: str = "") -> None:
+    """Raise ``ClaimFailed`` unless ``holds``; ``name`` quotes the claim, ``measured`` what was seen."""
+    if not isinstance(holds, bool):
+        holds = bool(holds)  # numpy / torch booleans
+    if not holds:
+        raise ClaimFailed(
+            f"the notebook claims: {name!r}, but the measurement says otherwise"
+            + (f" ({measured})" if measured else "")
+            + ". Re-run the cell; if it still fails, the text around it needs rewriting."
+        )
+
+
+def say(text: str) -> None:
+    """Show ``text`` (Markdown, usually an f-string of measured values) as the cell's output."""
+    from IPython.display import Markdown, display
+
+    display(Markdown(text))
+
+
+def magnitude(x: float) -> str:
+    """A positive number as a power of ten for prose: 6.2e5 -> '6 × 10⁵', 1.2e-3 -> '1 × 10⁻³'."""
+    if not (isinstance(x, (int, float)) and math.isfinite(x) and x > 0):
+        raise ValueError(f"magnitude needs a finite positive number, got {x!r}")
+    exponent = math.floor(math.log10(x))
+    mantissa = round(x / 10**exponent)
+    if mantissa == 10:
+        mantissa, exponent = 1, exponent + 1
+    superscript = str(exponent).translate(str.maketrans("-0123456789", "⁻⁰¹²³⁴⁵⁶⁷⁸⁹"))
+    return f"{mantissa} × 10{superscript}"
