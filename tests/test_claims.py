@@ -22,3 +22,43 @@ def test_magnitude_refuses_what_has_none():
     for bad in (0, -1.0, float("nan"), float("inf"), "1"):
         with pytest.raises(ValueError, match="finite positive"):
             magnitude(bad)
+
+
+@pytest.mark.slow
+def test_a_planted_false_claim_fails_the_notebook_tests_with_its_name(tmp_path):
+    """Break the bound of a claim in a copy of chapter 01 (cut after that cell): nbval, as make test runs
+    it, fails on that cell and names the claim; the unbroken copy passes."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    import nbformat
+
+    source = Path(__file__).resolve().parent.parent / "notebooks" / "01_the_autoregressive_loop.ipynb"
+    nb = nbformat.read(source, as_version=4)
+    name = "the plausible order is far more likely than the scrambled one"
+    at = next(i for i, c in enumerate(nb.cells) if name in c.source)
+    nb.cells = nb.cells[: at + 1]
+    nbformat.write(nb, tmp_path / "honest.ipynb")
+    assert "ratio > 100," in nb.cells[at].source
+    nb.cells[at].source = nb.cells[at].source.replace("ratio > 100,", "ratio > 1e12,")
+    nbformat.write(nb, tmp_path / "planted.ipynb")
+
+    def nbval(path):
+        cmd = [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-q",
+            "-p",
+            "no:cacheprovider",
+            str(path),
+            "--nbval-lax",
+            "--nbval-current-env",
+        ]
+        return subprocess.run(cmd, capture_output=True, text=True, cwd=source.parent, timeout=600)
+
+    honest, planted = nbval(tmp_path / "honest.ipynb"), nbval(tmp_path / "planted.ipynb")
+    assert honest.returncode == 0, honest.stdout[-2000:]
+    assert planted.returncode != 0
+    assert "ClaimFailed" in planted.stdout and name in planted.stdout, planted.stdout[-2000:]
