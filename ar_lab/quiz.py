@@ -1,14 +1,17 @@
 """End-of-chapter self-checks: multiple-choice and true/false questions with explanations.
 
-The questions live in ``ar_lab.quiz_bank``; ``check_answer`` is the pure logic the
+The questions live in ``ar_lab.quiz_bank``; ``questions`` builds them, with the choices
+of every multiple-choice question in a fixed order of their own (``display_order``), so
+that the right answer's position carries no hint; ``check_answer`` is the pure logic the
 widget calls (and tests call directly); ``show(chapter)`` builds the widget.
 """
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass
 
-from ar_lab.quiz_bank import QUIZZES
+from ar_lab.quiz_bank import QUIZZES, TF
 
 
 @dataclass(frozen=True)
@@ -19,12 +22,37 @@ class Question:
     explanation: str
 
 
+def display_order(prompt: str, choices: list[str]) -> list[int]:
+    """The order in which a question's choices are shown: indices into ``choices``.
+
+    True/false keeps its order. Any other question gets a permutation drawn from the
+    SHA-256 of its prompt (read as digits of a mixed-radix number), the same on every
+    machine and in every run (Python's ``hash`` is salted per process), so authors may
+    write the right answer anywhere and the shown positions still spread evenly.
+    """
+    rest = list(range(len(choices)))
+    if list(choices) == TF:
+        return rest
+    seed = int.from_bytes(hashlib.sha256(prompt.encode("utf-8")).digest(), "big")
+    order = []
+    while rest:
+        seed, k = divmod(seed, len(rest))
+        order.append(rest.pop(k))
+    return order
+
+
+def _question(d: dict) -> Question:
+    order = display_order(d["q"], d["choices"])
+    choices = tuple(d["choices"][i] for i in order)
+    return Question(d["q"], choices, order.index(d["answer"]), d["why"])
+
+
 def questions(chapter: str) -> list[Question]:
-    """The quiz of a chapter ("00" … "08")."""
+    """The quiz of a chapter ("00" … "08"), choices in their shown order."""
     chapter = f"{int(chapter):02d}" if str(chapter).isdigit() else str(chapter)
     if chapter not in QUIZZES:
         raise ValueError(f"no quiz for chapter {chapter!r}; chapters with quizzes: {sorted(QUIZZES)}")
-    return [Question(d["q"], tuple(d["choices"]), d["answer"], d["why"]) for d in QUIZZES[chapter]]
+    return [_question(d) for d in QUIZZES[chapter]]
 
 
 def check_answer(question: Question, choice: int | None) -> tuple[bool, str]:

@@ -1,8 +1,14 @@
 """Self-check questions, one short quiz per chapter (shown by ``ar_lab.quiz.show``).
 
-Each question: the prompt, the choices, the index of the right one, and an
-explanation shown after an attempt (right or wrong). True/false questions have the
-choices ["True", "False"].
+Each question: the prompt, the choices, the index of the right one *in the list as
+written here*, and an explanation shown after an attempt (right or wrong).
+True/false questions have the choices ["True", "False"] and are shown in that order;
+``ar_lab.quiz.questions`` shows the choices of every other question in a fixed order
+derived from its prompt, so where an answer is written here says nothing about where
+it appears. Write wrong choices that a learner could believe, about as long as the
+right one: ``tests/test_quiz.py`` fails if the key becomes guessable by position or
+by length. (If a new question tips the positions over the limit, list its choices
+here in another order: the shown order is a fixed permutation of the written one.)
 """
 
 TF = ["True", "False"]
@@ -18,11 +24,11 @@ QUIZZES: dict[str, list[dict]] = {
         {
             "q": "A test cell fails with 'not implemented yet'. What should you do?",
             "choices": [
-                "Edit the test cell",
-                "Replace `raise NotImplementedError()` in the exercise cell above with your code",
-                "Skip the rest of the notebook",
+                "Replace the `raise NotImplementedError()` line in the exercise cell above",
+                "Edit the test cell so that it calls ar_lab's own version of the function",
+                "Restart the kernel and run all cells: the error comes from running out of order",
             ],
-            "answer": 1,
+            "answer": 0,
             "why": "Test cells are locked; the exercise cell above holds the stub to replace. Later cells use "
             "ar_lab's own version, so the rest of the chapter still runs.",
         },
@@ -37,11 +43,11 @@ QUIZZES: dict[str, list[dict]] = {
         {
             "q": "Why is decoding sequential?",
             "choices": [
-                "Because GPUs cannot run positions in parallel",
-                "Because the input of step t+1 contains the token picked at step t, which does not exist earlier",
-                "Because the causal mask forbids parallel computation",
+                "The input of step t+1 contains the token picked at step t, which does not exist earlier",
+                "Processors cannot run the positions of one sequence in parallel, so each needs a pass",
+                "The causal mask forbids computing any position before every earlier one has been computed",
             ],
-            "answer": 1,
+            "answer": 0,
             "why": "Each new token depends on the previous one, so steps cannot overlap. Training is parallel "
             "because the whole text is known in advance; the causal mask is what makes that parallel pass honest.",
         },
@@ -54,39 +60,49 @@ QUIZZES: dict[str, list[dict]] = {
         },
         {
             "q": "A loop generates 50 tokens and then the model picks EOS. What happens?",
-            "choices": ["It continues to max_new_tokens", "It stops; EOS is not part of the text", "It restarts"],
+            "choices": [
+                "It keeps going to max_new_tokens",
+                "It stops; EOS is not part of the text",
+                "It stops and keeps EOS in the text",
+            ],
             "answer": 1,
-            "why": "EOS (id 256 here) ends the text. ar_lab.generate reports stop_reason='eos'.",
+            "why": "EOS (id 256 here) ends the text and is not returned with it. ar_lab.generate reports "
+            "stop_reason='eos'.",
         },
         {
             "q": "Why do we add log-probabilities instead of multiplying probabilities?",
-            "choices": ["It is faster", "Products of many numbers below 1 underflow to 0.0", "Logs are more accurate"],
+            "choices": [
+                "Adding is faster than multiplying, and decoding is limited by arithmetic",
+                "A product of hundreds of probabilities below 1 underflows to 0.0",
+                "The model outputs log-probabilities, so exponentiating them wastes time",
+            ],
             "answer": 1,
-            "why": "A product of hundreds of probabilities falls below the smallest float; a sum of logs does not.",
+            "why": "A product of hundreds of probabilities falls below the smallest float; a sum of logs does not. "
+            "(The model outputs logits, and speed has nothing to do with it.)",
         },
     ],
     "02": [
         {
             "q": "What does the causal mask do during training?",
             "choices": [
-                "Hides random tokens to regularise",
-                "Stops each position from attending to later positions",
-                "Removes padding",
+                "It hides a random share of the tokens for the model to fill in",
+                "It stops each position from attending to later positions",
+                "It zeroes the attention paid to padding in a batch of short texts",
             ],
             "answer": 1,
             "why": "Scores of future positions become -inf, so their weights are 0: training sees only the past, "
-            "exactly as generation will.",
+            "exactly as generation will. Hiding random tokens is BERT's objective; a padding mask is another mask.",
         },
         {
             "q": "Why divide attention scores by √d?",
             "choices": [
-                "To keep the softmax from becoming nearly one-hot as the head size grows",
-                "To normalise the values",
-                "To make the mask work",
+                "To keep the softmax from going nearly one-hot as the head size grows",
+                "To scale each value vector to unit length before the weighted sum",
+                "To make the scores of future positions small enough for the mask to work",
             ],
             "answer": 0,
             "why": "Dot products of d-dimensional vectors grow like √d; dividing keeps the scores' scale independent "
-            "of d and the softmax trainable.",
+            "of d and the softmax trainable. The mask sets future scores to -inf, whatever their scale.",
         },
         {
             "q": "In multi-query attention (MQA) all query heads share one key/value head.",
@@ -98,18 +114,19 @@ QUIZZES: dict[str, list[dict]] = {
     "03": [
         {
             "q": "The loss of a freshly initialised course model is close to:",
-            "choices": ["0", "ln 257 ≈ 5.55 nats", "1 nat"],
+            "choices": ["1/257 ≈ 0.0039 nats", "ln 257 ≈ 5.55 nats", "log₂ 257 ≈ 8.01 nats"],
             "answer": 1,
-            "why": "An untrained model spreads probability almost evenly over 257 tokens: −ln(1/257) = ln 257.",
+            "why": "An untrained model spreads probability almost evenly over 257 tokens: −ln(1/257) = ln 257. "
+            "(log₂ 257 is the same loss in bits.)",
         },
         {
             "q": "Weight tying means:",
             "choices": [
-                "All layers share weights",
                 "The output layer reuses the token-embedding matrix",
-                "Keys and values share weights",
+                "Every block shares one set of attention and MLP weights",
+                "The key and value projections share one weight matrix",
             ],
-            "answer": 1,
+            "answer": 0,
             "why": "GPT-2 ties the output projection to the token embedding, saving V × C parameters.",
         },
         {
@@ -135,36 +152,65 @@ QUIZZES: dict[str, list[dict]] = {
         },
         {
             "q": "Which change shrinks the KV cache without shrinking the number of query heads?",
-            "choices": ["More layers", "Grouped-query attention (fewer KV heads)", "A longer context"],
-            "answer": 1,
-            "why": "Cache bytes = layers × KV heads × head dim × sequence × batch × 2 × bytes per value.",
-        },
-        {
-            "q": "A cached batch-1 decode step of the course model through GPT.forward() takes about twice as long as "
-            "reading its weights. Where does most of the rest go?",
             "choices": [
-                "The arithmetic of the matrix products",
-                "Running one token through layers built for batches: module calls, many tiny kernels",
-                "Copying the KV cache",
+                "Tying the output layer to the token embedding",
+                "Grouped-query attention: fewer KV heads per layer",
+                "A longer context window at the same batch size",
             ],
             "answer": 1,
-            "why": "Chapter 04 measures it: the same arithmetic as direct tensor calls (ar_lab.lean) gives the same "
-            "tokens with far less time above the weights-only floor; the preallocated cache copies nothing.",
+            "why": "Cache bytes = layers × KV heads × head dim × sequence × batch × 2 × bytes per value. Weight tying "
+            "saves parameters, not cache; a longer context grows the cache.",
+        },
+        {
+            "q": "ar_lab.lean runs the same arithmetic as a cached GPT.forward() decode step and gives the same "
+            "tokens in less time. What does it leave out?",
+            "choices": [
+                "The attention over cached positions, which a one-token step can skip",
+                "Pushing one token through layers built for batches: module calls, bookkeeping",
+                "The copy of the whole KV cache that GPT.forward() makes at every step",
+            ],
+            "answer": 1,
+            "why": "Chapter 04 measures both above a weights-only floor: direct tensor calls keep every product, the "
+            "attention over the cache included, and drop the per-layer machinery (nn.Module calls, shape "
+            "bookkeeping, an attention kernel set up for batches). The preallocated cache copies nothing either way.",
         },
     ],
     "05": [
         {
             "q": "Decode at batch size 1 is usually limited by:",
-            "choices": ["Arithmetic (FLOP/s)", "Memory bandwidth: all weights are read for one token", "Disk"],
+            "choices": [
+                "Arithmetic: a token costs 2 FLOPs for every weight",
+                "Memory bandwidth: every weight is read for one token",
+                "The sampler: a softmax over the vocabulary every step",
+            ],
             "answer": 1,
             "why": "One token does ~2 FLOPs per weight but reads every weight once: arithmetic intensity ~1 FLOP/byte "
-            "(fp16), far below the ridge point.",
+            "(fp16), far below the ridge point. Picking the token is a small share of a step.",
         },
         {
             "q": "The first token of a long prompt is slow, later tokens fast. Which fix targets this?",
-            "choices": ["Caching the static prompt prefix", "A faster sampler", "Beam search"],
+            "choices": [
+                "Caching the static prompt prefix, so only what follows it is prefilled",
+                "Quantising the weights to int8 to halve their bytes",
+                "Speculative decoding with a small draft model",
+            ],
             "answer": 0,
-            "why": "TTFT is prefill (compute-bound on the prompt): a prefix cache or a shorter prompt cuts it.",
+            "why": "TTFT is prefill (compute-bound on the prompt): a prefix cache or a shorter prompt cuts it. "
+            "Fewer bytes per weight and speculative decoding speed up the later tokens, the memory-bound decode.",
+        },
+        {
+            "q": "Why do time to first token (TTFT) and tokens per second need different fixes?",
+            "choices": [
+                "Prefill reads the whole prompt from memory and is bandwidth-bound; decode is bound by FLOP/s",
+                "Prefill is limited by FLOP/s; each decode step by the bytes it must read from memory",
+                "TTFT is mostly tokenizing and queueing; only the later tokens depend on the model",
+            ],
+            "answer": 1,
+            "why": "Prefill runs the whole prompt in one parallel pass, each weight read serving every prompt token: "
+            "compute-bound, so TTFT falls with more FLOP/s, a cached prompt prefix or a shorter prompt. A decode "
+            "step reads all the weights and the KV cache for one token per sequence: memory-bound, so tokens per "
+            "second rise with fewer bytes per token (quantised weights, batching, speculative decoding, a smaller "
+            "KV cache).",
         },
         {
             "q": "Batching more requests into one decode step moves it toward the compute roof.",
@@ -176,27 +222,33 @@ QUIZZES: dict[str, list[dict]] = {
             "q": "'Generate 800 tokens' takes about the same time as processing an 800-token prompt.",
             "choices": TF,
             "answer": 1,
-            "why": "Latency = TTFT + (N − 1) × TPOT; 799 sequential decode steps each read all the weights, while a prompt "
-            "is processed in one parallel pass.",
+            "why": "Latency = TTFT + (N − 1) × TPOT; 799 sequential decode steps each read all the weights, while a "
+            "prompt is processed in one parallel pass.",
         },
     ],
     "06": [
         {
             "q": "Top-p with p = 0.9 keeps:",
             "choices": [
-                "Tokens with probability ≥ 0.9",
-                "The smallest set of most likely tokens whose mass reaches 0.9, including the one that crosses it",
-                "The 90 % least likely tokens",
+                "Every token whose own probability is at least 0.9, or the top token if none is",
+                "The fewest most likely tokens whose mass reaches 0.9, the crossing token included",
+                "The most likely tokens whose total mass stays below 0.9, without the crossing token",
             ],
             "answer": 1,
             "why": "Nucleus sampling (Holtzman et al., 2020) keeps the head of the sorted distribution up to and "
-            "including the token that makes the cumulative mass reach p.",
+            "including the token that makes the cumulative mass reach p; without that token, p = 0.5 on a "
+            "0.6-probability token would keep nothing.",
         },
         {
             "q": "Temperature 0 means:",
-            "choices": ["Uniform sampling", "Greedy: always the most likely token", "An error"],
+            "choices": [
+                "Uniform sampling over the whole vocabulary",
+                "Greedy: always the most likely token",
+                "An error: the logits would be divided by zero",
+            ],
             "answer": 1,
-            "why": "As T → 0 the softmax puts all mass on the argmax; ar_lab treats T below a small epsilon as greedy.",
+            "why": "As T → 0 the softmax puts all mass on the argmax; ar_lab treats T below a small epsilon as greedy "
+            "instead of dividing by it. Uniform sampling is the other end, T → ∞.",
         },
         {
             "q": "Changing the sampler changes the model's forward pass.",
@@ -215,25 +267,38 @@ QUIZZES: dict[str, list[dict]] = {
         },
         {
             "q": "When a draft token x is rejected, the replacement is drawn from:",
-            "choices": ["The target distribution p", "norm(max(0, p − q))", "The draft distribution q"],
+            "choices": ["The target distribution p", "The residual norm(max(0, p − q))", "The draft distribution q"],
             "answer": 1,
             "why": "Resampling from the residual corrects exactly for the mass the draft over-proposed "
             "(Leviathan et al., 2023; Chen et al., 2023).",
         },
         {
             "q": "With acceptance rate α and γ drafts, the expected tokens per target call is:",
-            "choices": ["γ·α", "(1 − α^(γ+1)) / (1 − α)", "1 / (1 − α)"],
-            "answer": 1,
-            "why": "Accepted prefix length is geometric, capped at γ, plus one token from the target (a correction or "
-            "the bonus token).",
+            "choices": ["1 + α + α² + … + α^γ", "1 + γ·α", "1 + α + α² + … + α^(γ+1)"],
+            "answer": 0,
+            "why": "The accepted prefix stops at the first rejection, so at least k drafts pass with probability α^k "
+            "(k ≤ γ), plus one token from the target (a correction or the bonus token): the sum is "
+            "(1 − α^(γ+1)) / (1 − α).",
         },
         {
-            "q": "Distilling the shipped draft from the course model made its loss on the text worse (1.49 -> 1.81 "
-            "nats). What happened to the speculative speedup?",
+            "q": "All γ drafts of an iteration pass the acceptance test. What else does the iteration emit?",
             "choices": [
-                "It fell: a worse model drafts worse",
-                "It rose: α measures agreement with the target",
-                "Nothing changed",
+                "Nothing more: the target's one pass scored only the γ drafted positions",
+                "A bonus token, drawn from the target's next distribution",
+                "One more draft token, kept without a test because the previous γ all passed",
+            ],
+            "answer": 1,
+            "why": "The verifying pass scores γ + 1 positions: the γ drafts and the one after them. When every draft "
+            "passes, p at that last position is already computed, so a token is drawn from it: γ + 1 tokens for one "
+            "target call. Skipping it wastes a token per iteration; drawing it from another row breaks exactness.",
+        },
+        {
+            "q": "Distilling the shipped draft from the course model made the draft's own loss on the text worse. "
+            "What happened to the speculative speedup?",
+            "choices": [
+                "It fell: a draft that predicts the text worse guesses fewer tokens right",
+                "It rose: α measures agreement with the target, not with the text",
+                "Nothing changed: the speedup depends only on how cheap the draft is",
             ],
             "answer": 1,
             "why": "α = 1 − TV(p, q) compares the draft with the target, not with the text; distillation raised greedy "
@@ -243,9 +308,14 @@ QUIZZES: dict[str, list[dict]] = {
     "08": [
         {
             "q": "Streams that slow down as they go are most likely caused by:",
-            "choices": ["The sampler", "Context growth: each token attends to more positions", "Prompt caching"],
+            "choices": [
+                "The sampler: top-p sorts more candidates as the text grows",
+                "Context growth: every new token attends to all the positions before it",
+                "Prompt caching: the cached prefix is copied at every step",
+            ],
             "answer": 1,
-            "why": "Per-token attention cost grows with the context; plot per-token latency against position.",
+            "why": "Per-token attention cost grows with the context; plot per-token latency against position. The "
+            "vocabulary a sampler sorts never grows, and a cached prefix is copied once per request.",
         },
         {
             "q": "Continuous batching admits new requests as others finish instead of waiting for the whole batch.",
