@@ -106,13 +106,13 @@ def gpu_scenario(
 # --- drawing ------------------------------------------------------------------------
 
 
-def plot_gpu_roof(ax, spec: GPUSpec, weight_dtype: str = "bf16", *, lo=0.3, hi=3e4, color="black", label=None):
+def plot_gpu_roof(ax, spec: GPUSpec, weight_dtype: str = "bf16", *, lo=0.3, hi=3e4, color="black", label=None, ls="-"):
     """The datasheet roofline of ``spec`` (compute roof for ``weight_dtype``), its ridge marked and labelled."""
     peak = spec.peak_flops(weight_dtype)
     xs = [lo * (hi / lo) ** (i / 200) for i in range(201)]
     roof = "fp32" if weight_dtype == "fp32" else "16-bit tensor"
     text = label or f"{spec.name} datasheet: {format_si(peak, 'FLOP/s')} {roof}, {format_si(spec.bandwidth, 'B/s')}"
-    ax.plot(xs, [attainable_flops(x, peak, spec.bandwidth) for x in xs], color=color, lw=1.8, label=text)
+    ax.plot(xs, [attainable_flops(x, peak, spec.bandwidth) for x in xs], color=color, lw=1.8, ls=ls, label=text)
     ridge = peak / spec.bandwidth
     ax.axvline(ridge, color=color, ls=":", lw=1)
     ax.annotate(f"ridge {ridge:.0f} FLOP/B", (ridge, peak), xytext=(4, 5), textcoords="offset points", fontsize=8.5)
@@ -216,11 +216,23 @@ def plot_decode_intensity(ax, shape, spec: GPUSpec, contexts: Sequence[int], wei
 # --- measured beside predicted -------------------------------------------------------
 
 
+def compact_legend(ax, **kwargs):
+    """One legend entry per roofline drawn on ``ax`` (its line's label), the point markers explained once."""
+    from matplotlib.lines import Line2D
+
+    roofs = [line for line in ax.get_lines() if not line.get_label().startswith("_")]
+    markers = [
+        Line2D([], [], ls="", marker="o", color=COLORS["theory"], label="circles: prefill"),
+        Line2D([], [], ls="", marker="^", color=COLORS["theory"], label="triangles: decode"),
+    ]
+    return ax.legend(handles=roofs + markers, **kwargs)
+
+
 def result_label(result: dict) -> str:
     """A measured result's device as a legend says it: name, dtype and, on a CPU, the thread count."""
     d = result["device"]
     threads = f", {d['threads']} thread{'s' if d['threads'] != 1 else ''}" if d["type"] == "cpu" else ""
-    return f"{d['name']} ({result['dtype']}{threads})"
+    return f"{d['name']}, {result['dtype']}{threads}"
 
 
 def spec_comparison(result: dict, spec: GPUSpec | None = None) -> dict:
@@ -286,7 +298,7 @@ def plot_measured_vs_spec(ax, result: dict, spec: GPUSpec | None = None):
 
     comparison = spec_comparison(result, spec)
     spec = comparison["spec"]
-    plot_roofline(ax, result, label=f"{result_label(result)}, measured", annotate=False)
+    plot_roofline(ax, result, label=f"{result_label(result)}, measured", annotate=False)  # "roofs of ..."
     if spec is not None:
         xs = [p["intensity"] for p in result["points"]]
         plot_gpu_roof(ax, spec, comparison["dtype"], lo=min(xs) / 4, hi=max(xs) * 40, color=COLORS["theory"])

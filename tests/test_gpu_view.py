@@ -103,7 +103,7 @@ def test_a_committed_gpu_json_is_compared_with_its_datasheet(tmp_path, tiny_mode
     fig, ax = plt.subplots()
     gv.plot_measured_vs_spec(ax, result)
     labels = ax.get_legend_handles_labels()[1]
-    assert labels[0].startswith("roofs of NVIDIA H100 80GB HBM3 (bfloat16), measured")
+    assert labels[0].startswith("roofs of NVIDIA H100 80GB HBM3, bfloat16, measured")
     assert any(lab.startswith("H100 SXM datasheet") for lab in labels)
     assert "decode predicted from the datasheet" in labels
     plt.close(fig)
@@ -121,10 +121,10 @@ def test_an_untabulated_gpu_is_compared_with_its_measured_roofs_only(tmp_path, t
 
 def test_result_label_names_the_cpu_threads():
     cpu = {"device": {"type": "cpu", "name": "Xeon", "threads": 1, "cpus": 2}, "dtype": "float32"}
-    assert gv.result_label(cpu) == "Xeon (float32, 1 thread)"
+    assert gv.result_label(cpu) == "Xeon, float32, 1 thread"
     cpu["device"]["threads"] = 2
-    assert gv.result_label(cpu) == "Xeon (float32, 2 threads)"
-    assert gv.result_label(json.loads(measure.reference_files()[0].read_text())).endswith("1 thread)")
+    assert gv.result_label(cpu) == "Xeon, float32, 2 threads"
+    assert gv.result_label(json.loads(measure.reference_files()[0].read_text())).endswith("float32, 1 thread")
 
 
 def test_measure_gpu_runs_the_same_path_on_a_cpu():
