@@ -324,7 +324,7 @@ def plot_measured_vs_spec(ax, result: dict, spec: GPUSpec | None = None):
 # weights from memory (far beyond the L2 cache) rather than waiting on kernel launches.
 GPU_CONFIGS = {
     40e9: GPTConfig(block_size=4096, n_layer=32, n_head=32, n_embd=4096),  # 6.4 B parameters, 13 GB in bf16
-    12e9: GPTConfig(block_size=4096, n_layer=24, n_head=16, n_embd=2048),  # 1.3 B parameters, 2.6 GB in bf16
+    12e9: GPTConfig(block_size=4096, n_layer=24, n_head=16, n_embd=2048),  # 1.2 B parameters, 2.4 GB in bf16
 }
 
 
@@ -348,15 +348,19 @@ def measure_gpu(
     **run_options,
 ) -> dict:
     """Measure this device's roofs and prefill/decode points of a random-init model (``measure.run_roofline``'s
-    result). On CUDA the model is ``measure_config(memory)`` in bf16 and every pass replays as a CUDA graph."""
+    result). On CUDA the model is ``measure_config(memory)`` in bf16, every pass replays as a CUDA graph, and
+    batches whose weights + KV cache would take more than 60 % of the memory are left out."""
     import torch
 
     from ar_lab.measure import build_model, run_roofline
 
     device = torch.device(device)
     cuda = device.type == "cuda"
-    if cfg is None:
-        cfg = measure_config(torch.cuda.get_device_properties(device).total_memory if cuda else 0)
+    memory = torch.cuda.get_device_properties(device).total_memory if cuda else 0
+    cfg = measure_config(memory) if cfg is None else cfg
+    if cuda:
+        shape = lc.from_gpt_config(cfg)
+        batches = [b for b in batches if lc.memory_needed(shape, context, b) <= 0.6 * memory] or [1]
     model = build_model(cfg, device)
     try:
         return run_roofline(
