@@ -15,7 +15,9 @@ from ar_lab.gpu_view import Scenario
 
 
 def format_time(seconds: float) -> str:
-    """Seconds as a reader wants them: "8.3 ms", "1,992.7 ms" or "65 µs"."""
+    """Seconds as a reader wants them: "2.50 s", "8.3 ms" or "65 µs"."""
+    if seconds >= 1:
+        return f"{seconds:,.2f} s"
     return f"{seconds * 1e3:,.1f} ms" if seconds >= 1e-3 else f"{seconds * 1e6:,.0f} µs"
 
 
