@@ -216,7 +216,8 @@ QUIZZES: dict[str, list[dict]] = {
             "q": "Batching more requests into one decode step moves it toward the compute roof.",
             "choices": TF,
             "answer": 0,
-            "why": "The weights are read once for the whole batch, so FLOPs per byte grow with the batch size.",
+            "why": "The weights are read once for the whole batch, so FLOPs per byte grow with the batch size; but "
+            "each sequence reads its own KV cache, so at long contexts the intensity levels off below a GPU's ridge.",
         },
         {
             "q": "'Generate 800 tokens' takes about the same time as processing an 800-token prompt.",

@@ -49,7 +49,12 @@ HOW_TO_ENABLE = (
 )
 
 # Notebooks whose explorers are driven below: their page (and kernel) stays open after the run.
-EXPLORER_NOTEBOOKS = {"04_kv_cache.ipynb", "06_sampling.ipynb", "07_speculative_decoding.ipynb"}
+EXPLORER_NOTEBOOKS = {
+    "04_kv_cache.ipynb",
+    "05_prefill_vs_decode.ipynb",
+    "06_sampling.ipynb",
+    "07_speculative_decoding.ipynb",
+}
 
 # Console errors JupyterLab itself may log that say nothing about the course (keep this short,
 # and say why for each): none needed so far with the pinned JupyterLab.
@@ -305,6 +310,63 @@ def test_kv_cache_calculator_shows_ar_lab_sizes_as_the_controls_change(ran):
     settles_on(expected())
     assert "◀ this model" in row("MHA").inner_text() and "◀ this model" not in row("GQA").inner_text()
     shot(calc, "kv_cache_calculator_llama2_7b")
+    assert not our_console_errors(nb.console_errors), nb.console_errors
+
+
+def test_gpu_explorer_shows_ar_lab_predictions_as_the_controls_change(ran):
+    from playwright.sync_api import expect
+
+    from ar_lab.gpu_explorer import format_time
+    from ar_lab.gpu_view import gpu_scenario
+
+    nb = ran("05_prefill_vs_decode.ipynb")
+    ex = widget_output(nb, "decode context")
+    status = ex.locator(".widget-html-content").first
+    image = ex.locator("img.widget-image")
+    gpu = control(ex, ".widget-dropdown", "GPU").locator("select")
+    dtype = control(ex, ".widget-dropdown", "weights").locator("select")
+    model = control(ex, ".widget-dropdown", "model").locator("select")
+    boxes = {k: control(ex, ".widget-text", k) for k in ("batch", "prompt tokens", "decode context")}
+
+    def expected():
+        """What ar_lab predicts for the values the page's controls hold."""
+        v = {k: int(b.locator("input").input_value()) for k, b in boxes.items()}
+        names = [" ".join(x.input_value().split()) for x in (gpu, model, dtype)]  # labels use non-breaking spaces
+        return gpu_scenario(*names, v["batch"], v["prompt tokens"], v["decode context"])
+
+    def shows(s) -> None:
+        """The status line settles on the scenario's verdict and TPOT (after a kernel round trip)."""
+        expect(status).to_contain_text("fits" if s.fits else "does not fit", timeout=UPDATE_TIMEOUT_MS)
+        expect(status).to_contain_text(format_time(s.tpot), timeout=UPDATE_TIMEOUT_MS)
+        nb.wait_idle()
+
+    # the notebook leaves it on the seed's example: Llama-2-13B on an H100, bf16, batch 1
+    expect(gpu).to_have_value("H100 SXM")
+    first = expected()
+    assert first.fits and first.model.name == "Llama-2-13B"
+    shows(first)
+    shot(ex, "gpu_explorer_h100_llama2_13b")
+    src = image.get_attribute("src")
+
+    gpu.select_option("T4")  # 26 GB of bf16 weights on a 16 GB card
+    s = expected()
+    assert not s.fits
+    expect(status).to_contain_text("the bf16 weights alone take", timeout=UPDATE_TIMEOUT_MS)
+    shows(s)
+    expect(image).not_to_have_attribute("src", src, timeout=UPDATE_TIMEOUT_MS)  # the plot was redrawn
+    shot(ex, "gpu_explorer_t4_does_not_fit")
+
+    dtype.select_option("int4")  # a quarter of the bytes: now it fits
+    s = expected()
+    assert s.fits
+    shows(s)
+
+    set_number(boxes["batch"], 64)  # 64 caches of 2,500 positions do not fit beside the weights
+    s = expected()
+    assert not s.fits and s.weights < s.gpu.memory
+    expect(status).to_contain_text(f"at most {s.placement.max_batch} sequence(s) fit", timeout=UPDATE_TIMEOUT_MS)
+    shows(s)
+    shot(ex, "gpu_explorer_t4_int4_batch_64")
     assert not our_console_errors(nb.console_errors), nb.console_errors
 
 
