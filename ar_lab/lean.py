@@ -37,8 +37,10 @@ import weakref
 from collections.abc import Sequence
 from typing import NamedTuple
 
+import numpy as np
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 from ar_lab.cache import KVCache
 from ar_lab.model import GPT, MLP, Block, CausalSelfAttention
@@ -127,13 +129,17 @@ def _no_grad_needed() -> None:
 
 
 class LeanGPT:
-    """The batch-1 cached inference of a ``GPT``: ``step`` (one token) and ``extend`` (several)."""
+    """The batch-1 cached inference of a ``GPT``: ``step`` (one token) and ``extend`` (several).
+
+    It reads the model's parameters at every call (no copies) and keeps its working memory per
+    thread, so several threads may use one engine, each with its own cache.
+    """
 
     def __init__(self, model: GPT) -> None:
         if not supports(model):
             raise TypeError(
-                f"LeanGPT runs a GPT with the stock blocks and GPT.forward, got {type(model).__name__}: "
-                "call the model itself"
+                f"LeanGPT runs a GPT with the stock modules and GPT.forward (see lean.supports), got "
+                f"{type(model).__name__}: call the model itself"
             )
         cfg = model.config
         self.config = cfg
@@ -260,18 +266,36 @@ class LeanGPT:
 
 
 def supports(model) -> bool:
-    """True for a ``GPT`` that runs ``GPT.forward`` with the stock blocks: what ``LeanGPT`` reproduces.
+    """True for a ``GPT`` that runs ``GPT.forward`` with the stock modules: what ``LeanGPT`` reproduces.
 
-    A subclass with its own ``forward``, a block swapped for another module (an experiment
-    in a notebook), or an output projection no longer tied to the token embedding keeps going
-    through ``forward``, so ``generate`` never silently skips it.
+    A subclass with its own ``forward``, a module swapped for another or subclassed (an experiment
+    in a notebook, a parametrized weight), or an output projection no longer tied to the token
+    embedding keeps going through ``forward``, so ``generate`` never silently skips it.
     """
+    if not (isinstance(model, GPT) and type(model).forward is GPT.forward):
+        return False
+    head, eps = model.lm_head, model.ln_f.eps
     return (
-        isinstance(model, GPT)
-        and type(model).forward is GPT.forward
-        and model.lm_head.weight is model.wte.weight
-        and model.lm_head.bias is None
-        and all(type(b) is Block and type(b.attn) is CausalSelfAttention and type(b.mlp) is MLP for b in model.blocks)
+        type(head) is nn.Linear
+        and head.weight is model.wte.weight
+        and head.bias is None
+        and type(model.wte) is nn.Embedding
+        and type(model.wpe) is nn.Embedding
+        and type(model.ln_f) is nn.LayerNorm
+        and all(_stock_block(b, eps) for b in model.blocks)
+    )
+
+
+def _stock_block(b, eps: float) -> bool:
+    if type(b) is not Block or type(b.attn) is not CausalSelfAttention or type(b.mlp) is not MLP:
+        return False
+    ln1, ln2, attn, mlp = b.ln1, b.ln2, b.attn, b.mlp
+    linears = (attn.qkv, attn.proj, mlp.fc, mlp.proj)
+    return (
+        all(type(m) is nn.Linear for m in linears)
+        and type(ln1) is nn.LayerNorm
+        and type(ln2) is nn.LayerNorm
+        and ln1.eps == ln2.eps == eps  # the step normalises every layer with one epsilon
     )
 
 
@@ -305,8 +329,18 @@ def _matrices(model: GPT) -> list[torch.Tensor]:
     return [*out, model.wte.weight]
 
 
+_BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}  # an integer dtype of each width
+
+
 def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return a.shape == b.shape and a.dtype == b.dtype and a.device == b.device and bool(torch.equal(a, b))
+    """``a`` and ``b`` hold the same values, bit for bit (a NaN weight is equal to itself)."""
+    if a.shape != b.shape or a.dtype != b.dtype or a.device != b.device:
+        return False
+    bits = _BITS.get(a.element_size())
+    if a.device.type != "cpu" or bits is None or not (a.is_contiguous() and b.is_contiguous()):
+        return bool(torch.equal(a, b))
+    # numpy compares two integer arrays at memory speed (torch.equal takes longer on a CPU)
+    return bool(np.array_equal(a.detach().view(bits).numpy(), b.view(bits).numpy()))
 
 
 def transposed_copies(model: GPT) -> Transposed:

@@ -190,6 +190,9 @@ def test_transposed_copies_are_shared_until_the_weights_change(tiny_model):
     assert second.layers[1].fc[0, 0] == block.mlp.fc.weight[0, 0]
     with pytest.raises(TypeError, match="a GPT that LeanGPT runs"):
         lean.transposed_copies(ScriptedModel([1], 1))
+    block.mlp.fc.weight.data[0, 1] = float("nan")  # compared bit for bit: a NaN equals itself
+    third = lean.transposed_copies(tiny_model)
+    assert third is not second and lean.transposed_copies(tiny_model) is third
 
 
 def test_models_with_their_own_forward_or_blocks_are_not_bypassed(tiny_model):
@@ -204,7 +207,7 @@ def test_models_with_their_own_forward_or_blocks_are_not_bypassed(tiny_model):
     model = AlwaysA(tiny_model.config).eval()
     assert not lean.supports(model) and lean.supports(tiny_model)
     assert generate(model, "xy", 10, eos_id=None).text == "A" * 10
-    with pytest.raises(TypeError, match="stock blocks"):
+    with pytest.raises(TypeError, match="stock modules"):
         lean.LeanGPT(model)
 
     class Doubled(torch.nn.Module):  # an experiment: a block whose MLP output is doubled
@@ -287,10 +290,49 @@ def test_steps_record_their_tokens_and_need_inference_mode(tiny_model):
     assert cache.length == 4
 
 
-def test_an_output_projection_untied_from_the_embedding_goes_through_forward(tiny_model):
+class LoRALinear(torch.nn.Linear):
+    """A fine-tuning experiment: an nn.Linear with a low-rank update added in its forward."""
+
+    def __init__(self, base: torch.nn.Linear) -> None:
+        super().__init__(base.in_features, base.out_features)
+        self.load_state_dict(base.state_dict())
+        self.a = torch.nn.Parameter(torch.randn(2, base.in_features))
+        self.b = torch.nn.Parameter(torch.randn(base.out_features, 2))
+
+    def forward(self, x):
+        return super().forward(x) + x @ self.a.t() @ self.b.t()
+
+
+def _untie(model):
+    model.lm_head.weight = torch.nn.Parameter(torch.randn_like(model.wte.weight) * 0.02)
+
+
+def _lora(model):
+    model.blocks[0].attn.qkv = LoRALinear(model.blocks[0].attn.qkv)
+
+
+def _parametrize(model):
+    torch.nn.utils.parametrize.register_parametrization(model.blocks[1].mlp.fc, "weight", Doubled())
+
+
+def _other_eps(model):
+    model.blocks[0].ln2.eps = 0.5
+
+
+class Doubled(torch.nn.Module):
+    def forward(self, w):
+        return 2 * w
+
+
+@pytest.mark.parametrize("edit", [_untie, _lora, _parametrize, _other_eps], ids=lambda f: f.__name__[1:])
+def test_modules_the_lean_step_does_not_reproduce_go_through_forward(tiny_model, edit):
+    """Weights reached through a module's own forward, or a different epsilon: generate follows forward."""
     torch.manual_seed(3)
-    untied = GPT(tiny_model.config).eval()
-    untied.lm_head.weight = torch.nn.Parameter(torch.randn_like(untied.wte.weight) * 0.02)
-    assert not lean.supports(untied)
-    want = generate(untied, "hello", 15, eos_id=None, use_cache=False).tokens
-    assert generate(untied, "hello", 15, eos_id=None).tokens == want
+    model = GPT(tiny_model.config).eval()
+    edit(model)
+    assert not lean.supports(model)
+    with pytest.raises(TypeError, match="stock"):
+        lean.LeanGPT(model)
+    want = generate(model, "hello", 15, eos_id=None, use_cache=False).tokens
+    assert generate(model, "hello", 15, eos_id=None).tokens == want
+    assert speculative_generate(model, model, "hello", 15, 3, eos_id=None).tokens == want
