@@ -9,12 +9,18 @@ attention reads the filled prefix. Nothing is re-allocated or concatenated per s
 uses it to discard rejected draft tokens): the stale entries beyond n are simply
 overwritten by the next write.
 
+A batch-1 cache also records which token id it holds at each position (``record``, called
+by ``GPT.forward`` and the lean step; ``token_ids`` reads them): keys and values are only
+valid for the tokens they were computed from, so ``generate(..., cache=c)`` reuses exactly
+the positions where the cached ids and the new prompt agree, and recomputes the rest.
+
 ``BatchKVCache`` holds several sequences of different lengths in slots, for batched
 serving (chapter 08): each row has its own length, positions and attention mask.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -47,6 +53,7 @@ class KVCache:
         self.max_len = max_len
         self.batch_size = batch_size
         self.length = 0  # positions filled so far
+        self._ids: list[int] = []  # token ids recorded at positions 0, 1, ... (batch 1); see token_ids
 
     @classmethod
     def for_model(cls, model, batch_size: int = 1, max_len: int | None = None, dtype=None) -> KVCache:
@@ -61,7 +68,8 @@ class KVCache:
     @classmethod
     def from_buffers(cls, k: list[torch.Tensor], v: list[torch.Tensor], length: int = 0) -> KVCache:
         """A cache over existing per-layer buffers (B, H_kv, T_max, D), e.g. views of one slot of a
-        ``BatchKVCache``: writes go straight into them, nothing is copied."""
+        ``BatchKVCache``: writes go straight into them, nothing is copied. The token ids of its first
+        ``length`` positions are unknown (``token_ids`` is None) until ``record`` names them."""
         if not k or len(k) != len(v) or any(a.ndim != 4 or a.shape != b.shape for a, b in zip(k, v, strict=True)):
             raise ValueError("k and v must be equal-length lists of (B, H_kv, T_max, D) buffers of the same shape")
         self = cls.__new__(cls)
@@ -70,22 +78,55 @@ class KVCache:
         if not 0 <= length <= self.max_len:
             raise ValueError(f"length must be in 0..{self.max_len}, got {length}")
         self.length = length
+        self._ids = []
         return self
 
     def update(self, layer: int, start: int, k: torch.Tensor, v: torch.Tensor):
-        """Write k, v (B, H_kv, T, D) at positions start..start+T; return all keys/values so far."""
+        """Write k, v (B, H_kv, T, D) at positions start..start+T; return all keys/values so far.
+
+        Token ids recorded from ``start`` on are dropped: the caller records the new ones."""
         end = start + k.shape[2]
         if end > self.max_len:
             raise ValueError(f"KV cache full: positions up to {end} requested, capacity is {self.max_len}")
+        del self._ids[start:]
         self.k[layer][:, :, start:end] = k
         self.v[layer][:, :, start:end] = v
         return self.k[layer][:, :, :end], self.v[layer][:, :, :end]
+
+    def record(self, start: int, ids: list[int]) -> None:
+        """Note that positions ``start ..`` now hold the keys/values of token ``ids`` (a batch-1 cache).
+
+        If an id before ``start`` is unknown, so stay these (``token_ids`` is None)."""
+        if len(self._ids) >= start:
+            self._ids[start:] = ids
+
+    @property
+    def token_ids(self) -> list[int] | None:
+        """The token ids at positions 0 .. length - 1, or None if some were written without ``record``
+        (``GPT.forward`` on one row, ``ar_lab.lean`` and ``PrefixCache`` record; ``update`` alone does not)."""
+        ids, n = self._ids, self.length
+        return ids[:n] if len(ids) >= n else None
+
+    def reusable(self, prompt: list[int]) -> int:
+        """How many of ``prompt``'s positions this cache can serve: those where its recorded ids and
+        the prompt agree from the start, but never the last prompt token (its logits give the next
+        token). Raises if the cache holds positions whose token ids it does not know."""
+        cached = self.token_ids
+        if cached is None:
+            raise ValueError(
+                f"the cache holds {self.length} positions but knows the token ids of only {len(self._ids)} of them "
+                "(filled by KVCache.update or by setting cache.length, which do not record ids), so it cannot tell "
+                "which positions belong to this prompt: fill it through the model (model(idx, cache), "
+                "ar_lab.generate, PrefixCache), or call cache.truncate(0) to reuse only its memory"
+            )
+        return min(common_prefix_length(cached, prompt), len(prompt) - 1)
 
     def truncate(self, n: int) -> None:
         """Keep only the first ``n`` positions (roll back)."""
         if not 0 <= n <= self.length:
             raise ValueError(f"can truncate to 0..{self.length} positions, got {n}")
         self.length = n
+        del self._ids[n:]
 
     @property
     def nbytes(self) -> int:
@@ -231,6 +272,16 @@ class BatchKVCache:
             f"BatchKVCache(layers={len(self.k)}, slots={b}, rows={self.rows}, kv_heads={h}, max_len={t}, "
             f"head_dim={d}, lengths={self.lengths[: self.rows]}, nbytes={self.nbytes:,})"
         )
+
+
+def common_prefix_length(a: Sequence[int], b: Sequence[int]) -> int:
+    """How many items ``a`` and ``b`` share from the start."""
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n
 
 
 def _check_sizes(**sizes) -> None:

@@ -73,18 +73,20 @@ class Generation:
 # --- checks, once per public call ------------------------------------------------------
 
 
-def _check_cache(cache, use_cache: bool, needed: int) -> None:
+def _check_cache(cache, use_cache: bool, ids: list[int], max_new_tokens: int) -> None:
     if not use_cache:
         raise ValueError("a cache was given with use_cache=False: pass use_cache=True to reuse it")
     if not isinstance(cache, KVCache):
         raise TypeError(f"cache must be a KVCache, got {type(cache).__name__}")
     if cache.batch_size != 1:
         raise ValueError(f"generation runs one sequence: the cache must have batch size 1, got {cache.batch_size}")
+    needed = len(ids) + max_new_tokens - 1
     if cache.max_len < needed:
         raise ValueError(
             f"the cache holds {cache.max_len} positions but this generation needs {needed} "
             "(prompt + new tokens - 1): build it with KVCache.for_model(model, max_len=...)"
         )
+    cache.reusable(ids)  # raises if the cache holds positions whose token ids it does not know
 
 
 def _check_sampling(sampling, name: str = "sampling") -> None:
@@ -97,7 +99,7 @@ def _checked_ids(model, prompt, max_new_tokens: int, use_cache: bool, sampling, 
     ids = checked_prompt(model, prompt, max_new_tokens)
     _check_sampling(sampling)
     if cache is not None:
-        _check_cache(cache, use_cache, len(ids) + max_new_tokens - 1)
+        _check_cache(cache, use_cache, ids, max_new_tokens)
     return ids
 
 
@@ -113,9 +115,10 @@ def _steps(
     buf[0, :P] = torch.tensor(prompt)
     skip = 0  # prompt positions whose keys/values the cache already holds
     if cache is not None:
-        # At least the last prompt token must be fed: its logits give the first new token.
-        cache.truncate(min(cache.length, P - 1))
-        skip = cache.length
+        # Keep the positions whose recorded token ids are the prompt's start, never its last
+        # token (its logits give the first new token); the rest is prefilled again.
+        skip = cache.reusable(prompt)
+        cache.truncate(skip)
     elif use_cache:
         cache = KVCache.for_model(model, max_len=P + N - 1)
     history = list(prompt) if sampling.repetition_penalty != 1.0 else ()
@@ -205,10 +208,11 @@ def token_steps(
     The inner loop, kept lean: the token buffer and the cache are allocated once, and with
     a cache each decode step of a ``GPT`` runs through ``ar_lab.lean`` (the same arithmetic
     without nn.Module layers; ``lean=False`` calls ``model.forward`` instead, to compare).
-    ``cache``: a cache of your own that already holds the keys/values of the prompt's first
-    ``cache.length`` tokens (a shared prefix, the earlier turns of a conversation): only the
-    rest of the prompt is prefilled. It is left holding the sequence, for the next call.
-    Arguments are checked here, before the first token is asked for.
+    ``cache``: a cache of your own, e.g. from an earlier call (a shared prefix, the earlier turns
+    of a conversation): the positions whose recorded token ids (``KVCache.token_ids``) agree with
+    the prompt's start are reused, and only the rest of the prompt is prefilled; the cache is
+    left holding the sequence, for the next call. A cache holding positions whose ids it does
+    not know is refused. Arguments are checked here, before the first token is asked for.
     """
     ids = _checked_ids(model, prompt, max_new_tokens, use_cache, sampling, cache)
     stats = GenerationStats() if stats is None else stats
@@ -263,8 +267,8 @@ def generate(
 ) -> Generation:
     """Generate up to ``max_new_tokens`` tokens after ``prompt`` (text or token ids).
 
-    ``cache``: a cache already holding the keys/values of the prompt's first ``cache.length``
-    tokens (see ``token_steps``); only the rest is prefilled. ``lean=False``: every decode step
+    ``cache``: a cache from an earlier call (see ``token_steps``): the positions where its token
+    ids agree with the prompt's start are reused, only the rest is prefilled. ``lean=False``: every decode step
     through ``model.forward`` instead of ``ar_lab.lean`` (same tokens; for comparison).
     """
     ids = _checked_ids(model, prompt, max_new_tokens, use_cache, sampling, cache)

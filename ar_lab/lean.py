@@ -9,30 +9,38 @@ the same arithmetic on the model's own weights with direct tensor calls:
 
 - ``step``: one new token. Every weight matrix is applied to one vector (``addmv``), the
   new key and value are written into the cache in place, and attention over the cache's
-  filled prefix is two batched matrix-vector products with the softmax between. A single
-  query sees every cached position, so there is no mask. Outputs land in buffers
-  allocated once; the softmax scale 1/sqrt(D) is folded into a copy of the query weights.
+  filled prefix is two batched matrix-vector products with the softmax between (the
+  1/sqrt(D) scale rides on the first, ``baddbmm``'s alpha). A single query sees every
+  cached position, so there is no mask.
 - ``extend``: several new tokens after the cached ones (the target's verify pass in
-  speculative decoding, chapter 07). Matrix-matrix products against transposed copies of
-  the weights, made on first use: for a handful of rows, MKL's CPU kernels are markedly
-  faster with the (in, out) layout than with nn.Linear's (out, in).
+  speculative decoding, chapter 07), as matrix-matrix products.
+
+The engine holds the model's parameters themselves, never copies of them, so every change
+of the weights (an optimizer step, ``load_state_dict``, a write through ``p.data``,
+``p.data = other``) is what the next step computes with, as in ``GPT.forward``. Its working
+memory is per thread, so one engine (and one model) serves several threads at once. The one
+copy is opt-in: for a handful of rows, MKL's CPU kernels are markedly faster against (in, out)
+weights than against nn.Linear's (out, in), so ``transposed_copies(model)`` makes such copies,
+kept per model and compared with the model's weights, value for value, each time they are
+asked for; ``speculative_generate`` asks once per call and hands them to ``extend``.
 
 The results equal ``GPT.forward``'s up to float rounding (tests: logits within 1e-5, the
-same greedy tokens). ``for_model(model)`` returns the engine of a model, rebuilt when its
-parameters change (training updates them in place; every in-place update is counted by
-the tensor's version counter, which the check reads). Call it under
-``torch.inference_mode()``, as ``ar_lab.generate`` does.
+same greedy tokens). ``for_model(model)`` makes an engine (cheap: it copies nothing).
+Call it under ``torch.inference_mode()``, as ``ar_lab.generate`` does.
 """
 
 from __future__ import annotations
 
 import math
+import threading
 import weakref
 from collections.abc import Sequence
 from typing import NamedTuple
 
+import numpy as np
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 from ar_lab.cache import KVCache
 from ar_lab.model import GPT, MLP, Block, CausalSelfAttention
@@ -40,12 +48,12 @@ from ar_lab.timing import synchronize
 
 
 class LayerWeights(NamedTuple):
-    """One block's tensors, in the order a decode step uses them (C = n_embd, KD = KV heads x D)."""
+    """One block's parameters, in the order a decode step uses them (C = n_embd, KD = KV heads x D)."""
 
     ln1_weight: torch.Tensor  # (C,)
     ln1_bias: torch.Tensor  # (C,)
-    qkv_weight: torch.Tensor  # (C + 2 KD, C): a copy whose query rows are scaled by 1/sqrt(D)
-    qkv_bias: torch.Tensor  # (C + 2 KD,): scaled the same way
+    qkv_weight: torch.Tensor  # (C + 2 KD, C): queries, keys, values
+    qkv_bias: torch.Tensor  # (C + 2 KD,)
     attn_proj_weight: torch.Tensor  # (C, C)
     attn_proj_bias: torch.Tensor  # (C,)
     ln2_weight: torch.Tensor  # (C,)
@@ -57,7 +65,7 @@ class LayerWeights(NamedTuple):
 
 
 class TransposedWeights(NamedTuple):
-    """(in, out) copies of one block's four weight matrices: what ``extend``'s matrix products read."""
+    """(in, out) layouts of one block's four weight matrices: what ``extend``'s matrix products read."""
 
     qkv: torch.Tensor  # (C, C + 2 KD)
     attn_proj: torch.Tensor  # (C, C)
@@ -65,14 +73,73 @@ class TransposedWeights(NamedTuple):
     mlp_proj: torch.Tensor  # (4C, C)
 
 
+class Transposed(NamedTuple):
+    """Every matrix ``extend`` multiplies by, (in, out): per block, then the tied output projection."""
+
+    layers: list[TransposedWeights]
+    out: torch.Tensor  # (C, vocab)
+
+
+def _layer_weights(b: Block) -> LayerWeights:
+    ln1, qkv, proj, ln2, fc, mlp_proj = (
+        b.ln1,
+        b.attn.qkv,
+        b.attn.proj,
+        b.ln2,
+        b.mlp.fc,
+        b.mlp.proj,
+    )  # each looked up once
+    return LayerWeights(
+        ln1_weight=ln1.weight,
+        ln1_bias=ln1.bias,
+        qkv_weight=qkv.weight,
+        qkv_bias=qkv.bias,
+        attn_proj_weight=proj.weight,
+        attn_proj_bias=proj.bias,
+        ln2_weight=ln2.weight,
+        ln2_bias=ln2.bias,
+        fc_weight=fc.weight,
+        fc_bias=fc.bias,
+        mlp_proj_weight=mlp_proj.weight,
+        mlp_proj_bias=mlp_proj.bias,
+    )
+
+
+class _Work(threading.local):
+    """One thread's working memory for ``step``: the fused q|k|v output and the attention output,
+    with the views the step reads them through, and the cache it last checked (with its
+    per-layer (K, V) views). ``threading.local`` runs ``__init__`` once in every thread that uses it."""
+
+    def __init__(self, C: int, Hk: int, G: int, D: int, dtype: torch.dtype, device: torch.device) -> None:
+        KD = Hk * D
+        qkv = torch.empty(C + 2 * KD, dtype=dtype, device=device)
+        q = qkv[:C].view(Hk, G, D)  # query heads grouped by their KV head
+        k, v = qkv[C : C + KD].view(Hk, D), qkv[C + KD :].view(Hk, D)
+        y = torch.empty(Hk, G, D, dtype=dtype, device=device)
+        self.buffers = (qkv, q, k, v, y)  # one tuple: each attribute of a thread-local costs a lookup
+        self.cache: KVCache | None = None
+        self.kv: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+
+def _no_grad_needed() -> None:
+    raise RuntimeError(
+        "LeanGPT computes with the model's own parameters and records no gradients: call it under "
+        "torch.inference_mode() (or torch.no_grad()), as ar_lab.generate does"
+    )
+
+
 class LeanGPT:
-    """The batch-1 cached inference of a ``GPT``: ``step`` (one token) and ``extend`` (several)."""
+    """The batch-1 cached inference of a ``GPT``: ``step`` (one token) and ``extend`` (several).
+
+    It reads the model's parameters at every call (no copies) and keeps its working memory per
+    thread, so several threads may use one engine, each with its own cache.
+    """
 
     def __init__(self, model: GPT) -> None:
         if not supports(model):
             raise TypeError(
-                f"LeanGPT runs a GPT with the stock blocks and GPT.forward, got {type(model).__name__}: "
-                "call the model itself"
+                f"LeanGPT runs a GPT with the stock modules and GPT.forward (see lean.supports), got "
+                f"{type(model).__name__}: call the model itself"
             )
         cfg = model.config
         self.config = cfg
@@ -82,45 +149,14 @@ class LeanGPT:
         self.scale = 1.0 / math.sqrt(self.D)
         self.shape = (self.C,)
         self.eps = model.ln_f.eps
+        # The parameters themselves (not .detach() aliases, not copies): `p.data = t` swaps what
+        # p holds, and a step must see it, as forward() does.
         self.wte, self.wpe = model.wte.weight, model.wpe.weight
         self.ln_f = (model.ln_f.weight, model.ln_f.bias)
-        self.device = self.wte.device
-        # Each block's tensors. The qkv weight and bias are copies whose query rows are multiplied by the
-        # softmax scale 1/sqrt(D) (exact when D is a power of 4, 1/sqrt(D) then being a power of 2):
-        # queries come out scaled, and attention needs no extra kernel for it.
-        self.layers: list[LayerWeights] = []
-        with torch.no_grad():
-            for b in model.blocks:
-                wqkv, bqkv = b.attn.qkv.weight.detach().clone(), b.attn.qkv.bias.detach().clone()
-                wqkv[: self.C] *= self.scale
-                bqkv[: self.C] *= self.scale
-                self.layers.append(
-                    LayerWeights(
-                        ln1_weight=b.ln1.weight,
-                        ln1_bias=b.ln1.bias,
-                        qkv_weight=wqkv,
-                        qkv_bias=bqkv,
-                        attn_proj_weight=b.attn.proj.weight,
-                        attn_proj_bias=b.attn.proj.bias,
-                        ln2_weight=b.ln2.weight,
-                        ln2_bias=b.ln2.bias,
-                        fc_weight=b.mlp.fc.weight,
-                        fc_bias=b.mlp.fc.bias,
-                        mlp_proj_weight=b.mlp.proj.weight,
-                        mlp_proj_bias=b.mlp.proj.bias,
-                    )
-                )
-        # extend's (in, out) weights per block, and the output projection's, made on first use.
-        self._transposed: tuple[list[TransposedWeights], torch.Tensor] | None = None
-        # step's working memory, allocated once: the fused q|k|v output and the attention output,
-        # with the views the step reads them through.
-        self._qkv = torch.empty(self.C + 2 * self.KD, dtype=self.wte.dtype, device=self.device)
-        self._q = self._qkv[: self.C].view(self.Hk, self.G, self.D)  # query heads grouped by their KV head
-        self._k = self._qkv[self.C : self.C + self.KD].view(self.Hk, self.D)
-        self._v = self._qkv[self.C + self.KD :].view(self.Hk, self.D)
-        self._y = torch.empty(self.Hk, self.G, self.D, dtype=self.wte.dtype, device=self.device)
-        self._checked: KVCache | None = None  # the cache step last checked, and its per-layer (K, V) views
-        self._kv: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.device, dtype = self.wte.device, self.wte.dtype
+        self.layers = [_layer_weights(b) for b in model.blocks]
+        self._zero = torch.zeros(1, 1, 1, dtype=dtype, device=self.device)  # baddbmm's ignored input (beta 0)
+        self._work = _Work(self.C, self.Hk, self.G, self.D, dtype, self.device)
 
     def _check(self, cache: KVCache, T: int) -> int:
         if not isinstance(cache, KVCache):
@@ -146,46 +182,42 @@ class LeanGPT:
 
     def step(self, token: int, cache: KVCache) -> torch.Tensor:
         """Logits (vocab,) after feeding one token at position ``cache.length``; the cache advances by one."""
-        if cache is not self._checked:
+        w = self._work  # this thread's buffers
+        if cache is not w.cache:
             self._check(cache, 0)
-            self._checked, self._kv = cache, [(k[0], v[0]) for k, v in zip(cache.k, cache.v, strict=True)]
+            w.cache, w.kv = cache, [(k[0], v[0]) for k, v in zip(cache.k, cache.v, strict=True)]
         pos = cache.length
         if pos >= cache.max_len or pos >= self.config.block_size:
             self._check(cache, 1)  # raises the explanatory error
-        C, shape, eps, q, y = self.C, self.shape, self.eps, self._q, self._y
+        if torch.is_grad_enabled():
+            _no_grad_needed()
+        qkv, q, k, v, y = w.buffers
+        C, shape, eps, scale, zero = self.C, self.shape, self.eps, self.scale, self._zero
         L = pos + 1  # keys the new query attends over: all cached positions and its own
         x = self.wte[token] + self.wpe[pos]  # (C,)
-        for w, (K, V) in zip(self.layers, self._kv, strict=True):
-            h = torch.layer_norm(x, shape, w.ln1_weight, w.ln1_bias, eps)
-            torch.addmv(w.qkv_bias, w.qkv_weight, h, out=self._qkv)  # q/sqrt(D) | k | v
-            K[:, pos] = self._k  # the new key and value, written in place
-            V[:, pos] = self._v
-            scores = torch.bmm(q, K[:, :L].transpose(1, 2))  # (Hk, G, L)
+        for lw, (K, V) in zip(self.layers, w.kv, strict=True):
+            h = torch.layer_norm(x, shape, lw.ln1_weight, lw.ln1_bias, eps)
+            torch.addmv(lw.qkv_bias, lw.qkv_weight, h, out=qkv)  # q | k | v
+            K[:, pos] = k  # the new key and value, written in place
+            V[:, pos] = v
+            scores = torch.baddbmm(zero, q, K[:, :L].transpose(1, 2), beta=0, alpha=scale)  # (Hk, G, L): q.k/sqrt(D)
             torch.bmm(torch.softmax(scores, -1), V[:, :L], out=y)  # (Hk, G, D)
-            x = torch.addmv(w.attn_proj_bias, w.attn_proj_weight, y.view(C)).add_(x)  # heads side by side + residual
-            h = torch.layer_norm(x, shape, w.ln2_weight, w.ln2_bias, eps)
-            h = F.gelu(torch.addmv(w.fc_bias, w.fc_weight, h), approximate="tanh")
-            x = torch.addmv(w.mlp_proj_bias, w.mlp_proj_weight, h).add_(x)  # MLP out + residual
+            x = torch.addmv(lw.attn_proj_bias, lw.attn_proj_weight, y.view(C)).add_(x)  # heads side by side + residual
+            h = torch.layer_norm(x, shape, lw.ln2_weight, lw.ln2_bias, eps)
+            h = F.gelu(torch.addmv(lw.fc_bias, lw.fc_weight, h), approximate="tanh")
+            x = torch.addmv(lw.mlp_proj_bias, lw.mlp_proj_weight, h).add_(x)  # MLP out + residual
         cache.length = L
+        cache.record(pos, [token])
         return torch.mv(self.wte, torch.layer_norm(x, shape, *self.ln_f, eps))  # tied output projection
 
-    def _weights_t(self) -> tuple[list[TransposedWeights], torch.Tensor]:
-        """(in, out) copies of each layer's four weight matrices and of the output projection, made once."""
-        if self._transposed is None:
-            layers = [
-                TransposedWeights(
-                    qkv=w.qkv_weight.t().contiguous(),
-                    attn_proj=w.attn_proj_weight.t().contiguous(),
-                    fc=w.fc_weight.t().contiguous(),
-                    mlp_proj=w.mlp_proj_weight.t().contiguous(),
-                )
-                for w in self.layers
-            ]
-            self._transposed = (layers, self.wte.t().contiguous())  # (C, vocab): the tied output projection
-        return self._transposed
+    def extend(
+        self, tokens: Sequence[int] | torch.Tensor, cache: KVCache, transposed: Transposed | None = None
+    ) -> torch.Tensor:
+        """Logits (T, vocab) after feeding T tokens at positions ``cache.length ..``; the cache advances by T.
 
-    def extend(self, tokens: Sequence[int] | torch.Tensor, cache: KVCache) -> torch.Tensor:
-        """Logits (T, vocab) after feeding T tokens at positions ``cache.length ..``; the cache advances by T."""
+        ``transposed``: ``transposed_copies(model)`` (faster on CPU), taken after the weights last
+        changed; without it the products read the parameters through transposed views.
+        """
         if len(tokens) == 1 and not isinstance(tokens, torch.Tensor):  # one token: the decode step
             return self.step(int(tokens[0]), cache)[None]
         idx = torch.as_tensor(tokens, dtype=torch.long, device=self.device)
@@ -193,11 +225,13 @@ class LeanGPT:
             raise ValueError(f"tokens must be a non-empty 1-D sequence of ids, got shape {tuple(idx.shape)}")
         T = idx.numel()
         pos = self._check(cache, T)
+        if torch.is_grad_enabled():
+            _no_grad_needed()
         C, Hk, G, D, KD, shape, eps = self.C, self.Hk, self.G, self.D, self.KD, self.shape, self.eps
         L = pos + T
         x = self.wte[idx] + self.wpe[pos:L]  # (T, C)
         hidden = torch.ones(T, L, dtype=torch.bool, device=self.device).triu_(pos + 1)  # query i sees keys <= pos + i
-        layers_t, out_t = self._weights_t()
+        layers_t, out_t = transposed if transposed is not None else self._views()
         for w, wt, K, V in zip(self.layers, layers_t, cache.k, cache.v, strict=True):
             K, V = K[0], V[0]  # (Hk, T_max, D)
             h = torch.layer_norm(x, shape, w.ln1_weight, w.ln1_bias, eps)  # (T, C)
@@ -205,7 +239,8 @@ class LeanGPT:
             K[:, pos:L] = qkv[:, C : C + KD].view(T, Hk, D).transpose(0, 1)
             V[:, pos:L] = qkv[:, C + KD :].view(T, Hk, D).transpose(0, 1)
             q = qkv[:, :C].view(T, Hk, G, D).permute(1, 2, 0, 3).reshape(Hk, G * T, D)  # (Hk, G T, D)
-            scores = torch.bmm(q, K[:, :L].transpose(1, 2)).view(Hk, G, T, L).masked_fill_(hidden, float("-inf"))
+            scores = torch.baddbmm(self._zero, q, K[:, :L].transpose(1, 2), beta=0, alpha=self.scale)
+            scores = scores.view(Hk, G, T, L).masked_fill_(hidden, float("-inf"))
             y = torch.bmm(torch.softmax(scores, -1).view(Hk, G * T, L), V[:, :L])  # (Hk, G T, D)
             y = y.view(Hk, G, T, D).permute(2, 0, 1, 3).reshape(T, C)  # heads side by side again
             x = torch.addmm(w.attn_proj_bias, y, wt.attn_proj).add_(x)
@@ -213,41 +248,121 @@ class LeanGPT:
             h = F.gelu(torch.addmm(w.fc_bias, h, wt.fc), approximate="tanh")
             x = torch.addmm(w.mlp_proj_bias, h, wt.mlp_proj).add_(x)
         cache.length = L
+        cache.record(pos, idx.tolist())
         return torch.mm(torch.layer_norm(x, shape, *self.ln_f, eps), out_t)  # (T, vocab)
+
+    def _views(self) -> Transposed:
+        """The parameters' (in, out) views: always current, no copy (slower than copies on CPU for a few rows)."""
+        layers = [
+            TransposedWeights(
+                qkv=w.qkv_weight.t(),
+                attn_proj=w.attn_proj_weight.t(),
+                fc=w.fc_weight.t(),
+                mlp_proj=w.mlp_proj_weight.t(),
+            )
+            for w in self.layers
+        ]
+        return Transposed(layers, self.wte.t())
 
 
 def supports(model) -> bool:
-    """True for a ``GPT`` that runs ``GPT.forward`` with the stock blocks: what ``LeanGPT`` reproduces.
+    """True for a ``GPT`` that runs ``GPT.forward`` with the stock modules: what ``LeanGPT`` reproduces.
 
-    A subclass with its own ``forward``, or a block swapped for another module (an experiment
-    in a notebook), keeps going through ``forward``, so ``generate`` never silently skips it.
+    A subclass with its own ``forward``, a module swapped for another or subclassed (an experiment
+    in a notebook, a parametrized weight), or an output projection no longer tied to the token
+    embedding keeps going through ``forward``, so ``generate`` never silently skips it.
     """
+    if not (isinstance(model, GPT) and type(model).forward is GPT.forward):
+        return False
+    head, eps = model.lm_head, model.ln_f.eps
     return (
-        isinstance(model, GPT)
-        and type(model).forward is GPT.forward
-        and all(type(b) is Block and type(b.attn) is CausalSelfAttention and type(b.mlp) is MLP for b in model.blocks)
+        type(head) is nn.Linear
+        and head.weight is model.wte.weight
+        and head.bias is None
+        and type(model.wte) is nn.Embedding
+        and type(model.wpe) is nn.Embedding
+        and type(model.ln_f) is nn.LayerNorm
+        and all(_stock_block(b, eps) for b in model.blocks)
     )
 
 
-_ENGINES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> (parameter fingerprint, engine)
+def _stock_block(b, eps: float) -> bool:
+    if type(b) is not Block or type(b.attn) is not CausalSelfAttention or type(b.mlp) is not MLP:
+        return False
+    ln1, ln2, attn, mlp = b.ln1, b.ln2, b.attn, b.mlp
+    linears = (attn.qkv, attn.proj, mlp.fc, mlp.proj)
+    return (
+        all(type(m) is nn.Linear for m in linears)
+        and type(ln1) is nn.LayerNorm
+        and type(ln2) is nn.LayerNorm
+        and ln1.eps == ln2.eps == eps  # the step normalises every layer with one epsilon
+    )
 
 
 def for_model(model: GPT) -> LeanGPT:
-    """The ``LeanGPT`` of ``model``, made once and remade after its parameters change."""
-    # Storage and version counter of every parameter: an optimizer step, load_state_dict or .to()
-    # changes one of them, and the transposed copies ``extend`` keeps would then be stale.
-    key = tuple((p.data_ptr(), p._version) for p in model.parameters())
-    hit = _ENGINES.get(model)
-    if hit is not None and hit[0] == key:
-        return hit[1]
-    engine = LeanGPT(model)
-    _ENGINES[model] = (key, engine)
-    return engine
+    """A ``LeanGPT`` for ``model``: cheap to make (it copies nothing), always on the model's current weights."""
+    return LeanGPT(model)
 
 
 def engine_for(model) -> LeanGPT | None:
     """``for_model(model)`` when ``supports(model)``, else None (the caller then runs ``model.forward``)."""
-    return for_model(model) if supports(model) else None
+    return LeanGPT(model) if supports(model) else None
+
+
+# --- (in, out) copies for extend, compared with the originals every time they are handed out ---
+
+
+class _Copies(NamedTuple):
+    originals: list[torch.Tensor]  # plain copies of the matrices, to compare the model's against
+    transposed: Transposed
+
+
+_COPIES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> _Copies
+_COPIES_LOCK = threading.Lock()
+
+
+def _matrices(model: GPT) -> list[torch.Tensor]:
+    """The matrices ``extend`` multiplies by, in ``Transposed`` order (4 per block, then the embedding)."""
+    out = []
+    for b in model.blocks:
+        out += [b.attn.qkv.weight, b.attn.proj.weight, b.mlp.fc.weight, b.mlp.proj.weight]
+    return [*out, model.wte.weight]
+
+
+_BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}  # an integer dtype of each width
+
+
+def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """``a`` and ``b`` hold the same values, bit for bit (a NaN weight is equal to itself)."""
+    if a.shape != b.shape or a.dtype != b.dtype or a.device != b.device:
+        return False
+    bits = _BITS.get(a.element_size())
+    if a.device.type != "cpu" or bits is None or not (a.is_contiguous() and b.is_contiguous()):
+        return bool(torch.equal(a, b))
+    # numpy compares two integer arrays at memory speed (torch.equal takes longer on a CPU)
+    return bool(np.array_equal(a.detach().view(bits).numpy(), b.view(bits).numpy()))
+
+
+def transposed_copies(model: GPT) -> Transposed:
+    """(in, out) copies of every matrix ``LeanGPT.extend`` multiplies by, equal to ``model``'s weights now.
+
+    Kept per model and compared with its weights, value for value, on every call (no cheaper
+    test sees a write through ``p.data``, which bumps no version counter); remade when they
+    differ. The comparison reads the weights once, so take the copies once per generation and
+    not across a change of weights: ``speculative_generate`` takes them at the start of each call.
+    """
+    if not supports(model):
+        raise TypeError(f"transposed_copies takes a GPT that LeanGPT runs, got {type(model).__name__}")
+    live = _matrices(model)
+    with _COPIES_LOCK, torch.no_grad():
+        hit = _COPIES.get(model)
+        if hit is None or len(hit.originals) != len(live) or not all(map(_same, live, hit.originals)):
+            originals = [m.detach().clone() for m in live]
+            t = [m.t().contiguous() for m in originals]
+            layers = [TransposedWeights(*t[i : i + 4]) for i in range(0, len(t) - 1, 4)]
+            hit = _Copies(originals, Transposed(layers, t[-1]))
+            _COPIES[model] = hit
+        return hit.transposed
 
 
 def weights_only_pass(model, steps: int) -> None:

@@ -179,7 +179,8 @@ class GPT(nn.Module):
         """Logits (B, T, vocab) for token ids idx (B, T).
 
         Without a cache, idx is the whole sequence from position 0. With a cache, idx
-        holds only the new tokens; they sit at positions cache.length .. + T. With a
+        holds only the new tokens; they sit at positions cache.length .. + T (a batch-1
+        cache records their ids: ``KVCache.token_ids``). With a
         ``BatchKVCache`` (rows of different lengths), row i's tokens sit at positions
         cache.lengths[i] .. + T, and idx must have one row per slot in use.
         """
@@ -207,6 +208,8 @@ class GPT(nn.Module):
             x = block(x, cache, layer, start)
         if cache is not None:
             cache.length = start + T
+            if B == 1:  # which tokens the new positions hold: what lets generate reuse the cache safely
+                cache.record(start, idx[0].tolist())
         return self.lm_head(self.ln_f(x))  # (B, T, vocab)
 
     def _forward_rows(self, idx: torch.Tensor, cache: BatchKVCache) -> torch.Tensor:

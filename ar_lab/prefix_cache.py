@@ -14,18 +14,9 @@ from collections.abc import Sequence
 
 import torch
 
-from ar_lab.cache import KVCache
+from ar_lab.cache import KVCache, common_prefix_length
 from ar_lab.prompts import eval_mode, prompt_ids
 from ar_lab.timing import synchronize
-
-
-def common_prefix_length(a: Sequence[int], b: Sequence[int]) -> int:
-    n = 0
-    for x, y in zip(a, b, strict=False):
-        if x != y:
-            break
-        n += 1
-    return n
 
 
 def reusable_length(cached: Sequence[int], prompt: Sequence[int]) -> int:
@@ -80,6 +71,7 @@ class PrefixCache:
         for dst, s in zip(cache.k + cache.v, self.cache.k + self.cache.v, strict=True):
             dst[:, :, :n] = s[:, :, :n]
         cache.length = n
+        cache.record(0, self.tokens[:n])  # which tokens those positions hold (generate checks them)
         return n
 
     def cache_for(self, prompt: str | Sequence[int], max_new_tokens: int) -> KVCache:

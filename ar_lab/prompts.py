@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import numbers
+import threading
 from collections.abc import Iterator, Sequence
 
 import torch
@@ -107,6 +108,12 @@ def prompt_batch(model, prompts, max_new_tokens: int) -> torch.Tensor:
     return torch.tensor(ids, dtype=torch.long, device=model.device)
 
 
+# Models some eval_mode has switched to eval mode: id -> [model, how many eval_modes use the switch,
+# every submodule's own flag to restore]. Shared by all threads, changed under the lock.
+_SWITCHED: dict[int, list] = {}
+_SWITCH_LOCK = threading.RLock()  # re-entrant: a module's own train() may run eval_mode
+
+
 @contextlib.contextmanager
 def eval_mode(*models: torch.nn.Module) -> Iterator[None]:
     """Run ``models`` for inference: eval mode (no dropout) and ``torch.inference_mode``,
@@ -114,19 +121,43 @@ def eval_mode(*models: torch.nn.Module) -> Iterator[None]:
 
     Enter it per step in a generator, never across a ``yield``: a paused generator must
     leave the notebook as it was (training mode, gradients on).
+
+    Safe across threads: a model in training mode is switched by the first thread that enters
+    and switched back by the last one to leave, so one thread's exit never puts a model back
+    in training mode (dropout on) under another thread's step.
     """
-    # Only a model in training mode is switched (the check is cheap enough to run every step).
-    # Then every submodule's own flag is recorded, so a child kept in eval mode stays so; the
-    # flags are set directly (what Module.train does, without its recursion through children()).
-    saved = [[(sub, sub.training) for sub in m.modules()] for m in models if m.training]
-    for flags in saved:
-        _set_modes(flags, False)
+    entered = _switch_to_eval(models)
     try:
         with torch.inference_mode():
             yield
     finally:
-        for flags in saved:
-            _set_modes(flags, None)
+        _switch_back(entered)
+
+
+def _switch_to_eval(models) -> list[list]:
+    entered = []
+    with _SWITCH_LOCK:
+        for m in models:
+            entry = _SWITCHED.get(id(m))
+            if entry is None:
+                if not m.training:
+                    continue  # in eval mode of its own: nothing to switch (the check is cheap enough per step)
+                # Every submodule's own flag is recorded, so a child kept in eval mode stays so.
+                flags = [(sub, sub.training) for sub in m.modules()]
+                _set_modes(flags, False)
+                entry = _SWITCHED[id(m)] = [m, 0, flags]
+            entry[1] += 1
+            entered.append(entry)
+    return entered
+
+
+def _switch_back(entered: list[list]) -> None:
+    with _SWITCH_LOCK:
+        for entry in entered:
+            entry[1] -= 1
+            if entry[1] == 0:  # the last user of the switch: back to the recorded flags
+                del _SWITCHED[id(entry[0])]
+                _set_modes(entry[2], None)
 
 
 def _set_modes(flags: list[tuple[torch.nn.Module, bool]], mode: bool | None) -> None:

@@ -43,7 +43,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ar_lab.cache import KVCache
-from ar_lab.lean import engine_for
+from ar_lab.lean import LeanGPT, Transposed, engine_for, transposed_copies
 from ar_lab.prompts import check_prompt, eval_mode, prompt_ids
 from ar_lab.sampling import GREEDY, SamplingParams, probabilities
 from ar_lab.timing import synchronize
@@ -270,7 +270,15 @@ class Speculation:
         max_len = len(prompt) + max_new_tokens - 1
         self.target_cache = KVCache.for_model(target, max_len=max_len)
         self.draft_cache = KVCache.for_model(draft, max_len=max_len)
-        self.engines = {id(m): engine_for(m) if lean else None for m in (target, draft)}
+        # Each call has its own engines (their working memory is this call's); the verify pass reads
+        # (in, out) copies of the weights, checked against the model's own now (nothing changes them
+        # during the call: this is not a generator).
+        self.engines: dict[int, LeanGPT | None] = {}
+        self.transposed: dict[int, Transposed] = {}
+        for m in (target, draft):
+            self.engines[id(m)] = engine = engine_for(m) if lean else None
+            if engine is not None and id(m) not in self.transposed:
+                self.transposed[id(m)] = transposed_copies(m)
         self.fast = _fast_greedy(sampling)
         self.penalised = sampling.repetition_penalty != 1.0
         self.device = target.device
@@ -280,7 +288,7 @@ class Speculation:
         engine = self.engines[id(model)]
         if engine is None or cache.length == 0:  # the prompt: one prefill through forward()
             return model(torch.tensor([new], device=self.device), cache)[0]
-        return engine.extend(new, cache)  # one token goes straight to the decode step
+        return engine.extend(new, cache, self.transposed[id(model)])  # one token goes straight to the decode step
 
     def propose(self, g: int) -> tuple[list[int], list[torch.Tensor]]:
         """The draft's g tokens, one forward pass each, and the distributions q they were drawn from.

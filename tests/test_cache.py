@@ -82,3 +82,43 @@ def test_truncate_and_capacity_errors(tiny_model):
             tiny_model(torch.zeros(2, 1, dtype=torch.long), KVCache.for_model(tiny_model))
     with pytest.raises(ValueError, match="positive int"):
         KVCache(0, 1, 1, 1, 1)
+
+
+def test_a_batch_1_cache_records_the_tokens_it_holds(tiny_model):
+    cache = KVCache.for_model(tiny_model, max_len=16)
+    assert cache.token_ids == []
+    with torch.no_grad():
+        tiny_model(torch.tensor([[5, 6, 7]]), cache)
+        tiny_model(torch.tensor([[8]]), cache)
+    assert cache.token_ids == [5, 6, 7, 8]
+    cache.truncate(2)
+    assert cache.token_ids == [5, 6]
+    with torch.no_grad():
+        tiny_model(torch.tensor([[9, 10]]), cache)
+    assert cache.token_ids == [5, 6, 9, 10]
+    assert cache.reusable([5, 6, 9, 11, 12]) == 3  # the positions where cache and prompt agree
+    assert cache.reusable([5, 6, 9, 10]) == 3  # never the last prompt token: its logits are needed
+    assert cache.reusable([1, 6]) == 0
+
+
+def test_positions_written_without_their_ids_are_unknown(tiny_model):
+    cache = KVCache.for_model(tiny_model, max_len=16)
+    with torch.no_grad():
+        tiny_model(torch.tensor([[5, 6, 7]]), cache)
+    k = torch.zeros(1, 4, 2, 8)
+    cache.update(0, 1, k, k)  # rewrites positions 1..2 of one layer: their ids are no longer known
+    assert cache.token_ids is None
+    with pytest.raises(ValueError, match="knows the token ids of only 1"):
+        cache.reusable([5, 6, 7, 8])
+    cache.truncate(1)
+    assert cache.token_ids == [5]
+    cache.length = 3  # set by hand: positions 1..2 hold something unnamed
+    assert cache.token_ids is None
+    cache.record(1, [6, 7])
+    assert cache.token_ids == [5, 6, 7]
+    view = KVCache.from_buffers(cache.k, cache.v, length=2)  # over existing buffers: ids unknown
+    assert view.token_ids is None
+    batch = KVCache.for_model(tiny_model, batch_size=2)
+    with torch.no_grad():
+        tiny_model(torch.zeros(2, 3, dtype=torch.long), batch)
+    assert batch.token_ids is None  # several rows: no ids are recorded

@@ -2,8 +2,12 @@
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
+import ar_lab
 import ar_lab.prompts
+from ar_lab.cache import KVCache, common_prefix_length
 from ar_lab.generate import generate, sample_batch, sampler_view, stream, token_steps
 from ar_lab.model import GPT, GPTConfig
 from ar_lab.sampling import GREEDY, SamplingParams, probabilities
@@ -270,3 +274,90 @@ def test_sampler_explorer_widget_headless(tiny_model):
     assert w.error == "" and w.view.prompt == "abc"
     w.temperature.value = 0.0
     assert w.view.n_kept == 1 and "greedy" in w.status.value
+
+
+# --- reusing a cache: only the positions whose token ids match the prompt --------------------
+
+
+@pytest.fixture(scope="module")
+def course():
+    return ar_lab.load_pretrained("course")
+
+
+def test_a_cache_filled_from_another_prompt_gives_that_prompts_own_tokens(course):
+    cache = KVCache.for_model(course, max_len=80)
+    generate(course, "import os\n", 12, eos_id=None, cache=cache)  # fills it from prompt A
+    for b in ["The with statement", "import sys\n"]:  # nothing, then "import " in common with A
+        fresh = generate(course, b, 25, eos_id=None)
+        shared = 0 if b[0] == "T" else len("import ")
+        reused = generate(course, b, 25, eos_id=None, cache=cache)
+        assert reused.tokens == fresh.tokens
+        assert reused.stats.positions_processed == len(b) - shared + 25 - 1  # only the differing part is prefilled
+        assert cache.token_ids == encode(b) + reused.tokens[:-1]
+        generate(course, "import os\n", 12, eos_id=None, cache=cache)
+    streamed = [e.token for e in stream(course, "The with statement", 25, eos_id=None, cache=cache) if e.token >= 0]
+    assert streamed == generate(course, "The with statement", 25, eos_id=None).tokens
+    assert list(token_steps(course, "import os\n", 12, cache=cache)) == generate(course, "import os\n", 12).tokens
+
+
+def test_reuse_for_a_prompt_that_extends_the_cached_text_prefills_only_the_new_part(course):
+    cache = KVCache.for_model(course, max_len=120)
+    first = generate(course, "The for statement", 20, eos_id=None, cache=cache)
+    held = len(encode("The for statement")) + 20 - 1
+    assert cache.length == held
+    longer = encode("The for statement") + first.tokens + encode("\nThe while statement")
+    second = generate(
+        course,
+        longer,
+        30,
+        eos_id=None,
+        cache=cache,
+        sampling=SamplingParams(temperature=0.8, top_k=20),
+        generator=torch.Generator().manual_seed(1),
+    )
+    want = generate(
+        course,
+        longer,
+        30,
+        eos_id=None,
+        sampling=SamplingParams(temperature=0.8, top_k=20),
+        generator=torch.Generator().manual_seed(1),
+    )
+    assert second.tokens == want.tokens
+    assert second.stats.positions_processed == len(longer) - held + 30 - 1
+
+
+def test_a_cache_holding_positions_of_unknown_tokens_is_refused(course):
+    cache = KVCache.for_model(course, max_len=60)
+    k = torch.zeros(1, course.config.kv_heads, 5, course.config.head_dim)
+    for layer in range(course.config.n_layer):
+        cache.update(layer, 0, k, k)  # filled by hand: the cache cannot know which tokens these are
+    cache.length = 5
+    for call in (generate, stream, token_steps):
+        with pytest.raises(ValueError, match="token ids"):
+            call(course, "The for statement", 10, cache=cache)  # refused at the call, before any token
+    cache.truncate(0)  # reuse only its memory
+    assert generate(course, "The for", 10, cache=cache).tokens == generate(course, "The for", 10).tokens
+
+
+@settings(max_examples=25)
+@given(
+    a=st.lists(st.integers(0, 2), min_size=1, max_size=12),
+    b=st.lists(st.integers(0, 2), min_size=1, max_size=12),
+    n_a=st.integers(1, 6),
+    n_b=st.integers(1, 8),
+)
+def test_any_reused_cache_gives_the_fresh_tokens(a, b, n_a, n_b):
+    """Prompts over a 3-token alphabet share prefixes of every length with the cached text."""
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(block_size=40, n_layer=2, n_head=2, n_embd=16)).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.2 * torch.randn_like(p))  # weights whose outputs depend on the context
+    cache = KVCache.for_model(model, max_len=40)
+    first = generate(model, a, n_a, eos_id=None, cache=cache)
+    cached = a + first.tokens[:-1]
+    reused = generate(model, b, n_b, eos_id=None, cache=cache)
+    assert reused.tokens == generate(model, b, n_b, eos_id=None).tokens
+    shared = min(common_prefix_length(cached, b), len(b) - 1)
+    assert reused.stats.positions_processed == len(b) - shared + n_b - 1

@@ -97,22 +97,102 @@ def test_sampled_generation_and_speculative_match_forward(tiny_model):
         assert a.stats.acceptances == b.stats.acceptances
 
 
-def test_engine_is_reused_and_rebuilt_when_weights_change(tiny_model):
-    engine = lean.for_model(tiny_model)
-    assert lean.for_model(tiny_model) is engine
-    before = generate(tiny_model, "hello", 20, eos_id=None).tokens
-    opt = torch.optim.SGD(tiny_model.parameters(), lr=1.0)
-    loss = tiny_model(torch.tensor([[1, 2, 3]]))[0].logsumexp(-1).sum()
-    loss.backward()
-    opt.step()  # updates every parameter in place
-    assert lean.for_model(tiny_model) is not engine
-    after = generate(tiny_model, "hello", 20, eos_id=None)
-    assert after.tokens == generate(tiny_model, "hello", 20, eos_id=None, lean=False).tokens
-    assert after.tokens != before  # the new weights are used, not stale copies
+def _sgd_through_data(model, other):
+    """A manual SGD step written the old way: through ``.data``, which bumps no version counter."""
+    model.zero_grad()
+    model(torch.tensor([[1, 2, 3]]))[0].logsumexp(-1).sum().backward()
+    for p in model.parameters():
+        p.data -= 1.0 * p.grad
+
+
+def _optimizer_step(model, other):
+    model.zero_grad()
+    model(torch.tensor([[1, 2, 3]]))[0].logsumexp(-1).sum().backward()
+    torch.optim.SGD(model.parameters(), lr=1.0).step()
+
+
+def _copy_in_place(model, other):
+    with torch.no_grad():
+        for p, q in zip(model.parameters(), other.parameters(), strict=True):
+            p.copy_(q)
+
+
+def _assign_data(model, other):
+    for p, q in zip(model.parameters(), other.parameters(), strict=True):
+        p.data = q.detach().clone()  # new storage behind the same Parameter
+
+
+def _write_into_data(model, other):
+    for b, ob in zip(model.blocks, other.blocks, strict=True):  # only the matrices the old engine copied
+        b.attn.qkv.weight.data.copy_(ob.attn.qkv.weight)
+        b.mlp.proj.weight.data[:] = ob.mlp.proj.weight
+
+
+WEIGHT_CHANGES = {
+    "sgd through .data": _sgd_through_data,
+    "optimizer step": _optimizer_step,
+    "copy_": _copy_in_place,
+    "load_state_dict": lambda model, other: model.load_state_dict(other.state_dict()),
+    "p.data = new tensor": _assign_data,
+    "writes into .data": _write_into_data,
+}
+
+
+@pytest.mark.parametrize("change", list(WEIGHT_CHANGES))
+def test_every_change_of_the_weights_is_seen(change):
+    """After each kind of change, lean steps, lean extends and speculative decoding use the new weights.
+
+    (The engine this replaced missed the two kinds through ``.data``: the first in speculative
+    decoding, the second in generate too.)
+    """
+    tiny_model, _, _ = _pair(GPTConfig(block_size=64, n_layer=2, n_head=4, n_embd=32), 0, 1)  # weights that matter
     torch.manual_seed(5)
-    other = GPT(tiny_model.config).eval()
-    tiny_model.load_state_dict(other.state_dict())
-    assert generate(tiny_model, "xy", 15, eos_id=None).tokens == generate(other, "xy", 15, eos_id=None).tokens
+    other, draft = GPT(tiny_model.config).eval(), GPT(GPTConfig(block_size=64, n_layer=1, n_head=2, n_embd=16)).eval()
+    engine = lean.for_model(tiny_model)  # made before the change, used after it
+    before = generate(tiny_model, "hello", 20, eos_id=None).tokens
+    speculative_generate(tiny_model, draft, "hello", 20, 3, eos_id=None)  # its (in, out) copies now exist
+    paused = generate_stream_tokens(tiny_model, "hi there", 10)
+    lean_stream, plain_stream = paused(lean_=True), paused(lean_=False)
+    head = [next(lean_stream) for _ in range(4)], [next(plain_stream) for _ in range(4)]
+    WEIGHT_CHANGES[change](tiny_model, other)
+    want = generate(tiny_model, "hello", 20, eos_id=None, lean=False).tokens
+    assert want != before  # the change matters, so stale weights would show
+    assert generate(tiny_model, "hello", 20, eos_id=None).tokens == want
+    assert speculative_generate(tiny_model, draft, "hello", 20, 3, eos_id=None).tokens == want
+    # a stream paused across the change continues on the new weights, as forward() does
+    assert head[0] == head[1] and list(lean_stream) == list(plain_stream)
+    ids = torch.tensor([[5, 6, 7, 8]])
+    a, b = KVCache.for_model(tiny_model), KVCache.for_model(tiny_model)
+    with torch.inference_mode():
+        want_logits = tiny_model(ids, b)[0]
+        tiny_model(ids[:, :1], a)
+        torch.testing.assert_close(engine.step(6, a), want_logits[1], atol=1e-5, rtol=1e-5)
+        got = engine.extend([7, 8], a, lean.transposed_copies(tiny_model))
+    torch.testing.assert_close(got, want_logits[2:], atol=1e-5, rtol=1e-5)
+
+
+def generate_stream_tokens(model, prompt, n):
+    """A token generator of ``model`` that can be paused (lean or through forward)."""
+    from ar_lab.generate import token_steps
+
+    return lambda lean_: token_steps(model, prompt, n, lean=lean_)
+
+
+def test_transposed_copies_are_shared_until_the_weights_change(tiny_model):
+    first = lean.transposed_copies(tiny_model)
+    assert lean.transposed_copies(tiny_model) is first  # unchanged weights: the same copies
+    block = tiny_model.blocks[1]
+    torch.testing.assert_close(first.layers[1].fc, block.mlp.fc.weight.t(), rtol=0, atol=0)
+    assert first.layers[1].fc.is_contiguous() and first.out.shape == (tiny_model.config.n_embd, 257)
+    block.mlp.fc.weight.data[0, 0] += 1.0  # one value, through .data: no version counter moves
+    second = lean.transposed_copies(tiny_model)
+    assert second is not first
+    assert second.layers[1].fc[0, 0] == block.mlp.fc.weight[0, 0]
+    with pytest.raises(TypeError, match="a GPT that LeanGPT runs"):
+        lean.transposed_copies(ScriptedModel([1], 1))
+    block.mlp.fc.weight.data[0, 1] = float("nan")  # compared bit for bit: a NaN equals itself
+    third = lean.transposed_copies(tiny_model)
+    assert third is not second and lean.transposed_copies(tiny_model) is third
 
 
 def test_models_with_their_own_forward_or_blocks_are_not_bypassed(tiny_model):
@@ -127,7 +207,7 @@ def test_models_with_their_own_forward_or_blocks_are_not_bypassed(tiny_model):
     model = AlwaysA(tiny_model.config).eval()
     assert not lean.supports(model) and lean.supports(tiny_model)
     assert generate(model, "xy", 10, eos_id=None).text == "A" * 10
-    with pytest.raises(TypeError, match="stock blocks"):
+    with pytest.raises(TypeError, match="stock modules"):
         lean.LeanGPT(model)
 
     class Doubled(torch.nn.Module):  # an experiment: a block whose MLP output is doubled
@@ -146,13 +226,13 @@ def test_models_with_their_own_forward_or_blocks_are_not_bypassed(tiny_model):
     assert got == generate(swapped, "hello", 20, eos_id=None, use_cache=False).tokens
 
 
-def test_engines_do_not_keep_models_alive():
+def test_copies_do_not_keep_models_alive():
     model = GPT(GPTConfig(block_size=16, n_layer=1, n_head=1, n_embd=8))
-    lean.for_model(model)
-    n = len(lean._ENGINES)
+    lean.transposed_copies(model)
+    n = len(lean._COPIES)
     del model
     gc.collect()
-    assert len(lean._ENGINES) == n - 1
+    assert len(lean._COPIES) == n - 1
 
 
 def test_bad_input_is_explained(tiny_model):
@@ -184,12 +264,75 @@ def test_bad_input_is_explained(tiny_model):
             engine.extend([], window)
 
 
-def test_layer_weights_are_the_blocks_own_by_name(tiny_model):
-    """Each field of a layer's weights is the block tensor it names; only the query rows of qkv are scaled."""
+def test_layer_weights_are_the_blocks_own_parameters_by_name(tiny_model):
+    """Each field of a layer's weights is the block's parameter it names: no copies to go stale."""
     engine = lean.for_model(tiny_model)
-    C = tiny_model.config.n_embd
     for w, b in zip(engine.layers, tiny_model.blocks, strict=True):
         assert w.ln1_weight is b.ln1.weight and w.ln2_bias is b.ln2.bias and w.attn_proj_bias is b.attn.proj.bias
+        assert w.qkv_weight is b.attn.qkv.weight and w.qkv_bias is b.attn.qkv.bias
         assert w.fc_weight is b.mlp.fc.weight and w.mlp_proj_weight is b.mlp.proj.weight
-        torch.testing.assert_close(w.qkv_weight[:C], b.attn.qkv.weight[:C] * engine.scale)
-        torch.testing.assert_close(w.qkv_bias[C:], b.attn.qkv.bias[C:])  # keys and values: unscaled
+    assert engine.wte is tiny_model.wte.weight is tiny_model.lm_head.weight
+
+
+def test_steps_record_their_tokens_and_need_inference_mode(tiny_model):
+    engine, cache = lean.for_model(tiny_model), KVCache.for_model(tiny_model)
+    with torch.inference_mode():
+        tiny_model(torch.tensor([[1, 2]]), cache)
+        engine.step(3, cache)
+        engine.extend([4, 5, 6], cache)
+    assert cache.token_ids == [1, 2, 3, 4, 5, 6]
+    cache.truncate(4)
+    assert cache.token_ids == [1, 2, 3, 4]
+    with pytest.raises(RuntimeError, match="inference_mode"):
+        engine.step(5, cache)
+    with pytest.raises(RuntimeError, match="inference_mode"):
+        engine.extend([5, 6], cache)
+    assert cache.length == 4
+
+
+class LoRALinear(torch.nn.Linear):
+    """A fine-tuning experiment: an nn.Linear with a low-rank update added in its forward."""
+
+    def __init__(self, base: torch.nn.Linear) -> None:
+        super().__init__(base.in_features, base.out_features)
+        self.load_state_dict(base.state_dict())
+        self.a = torch.nn.Parameter(torch.randn(2, base.in_features))
+        self.b = torch.nn.Parameter(torch.randn(base.out_features, 2))
+
+    def forward(self, x):
+        return super().forward(x) + x @ self.a.t() @ self.b.t()
+
+
+def _untie(model):
+    model.lm_head.weight = torch.nn.Parameter(torch.randn_like(model.wte.weight) * 0.02)
+
+
+def _lora(model):
+    model.blocks[0].attn.qkv = LoRALinear(model.blocks[0].attn.qkv)
+
+
+def _parametrize(model):
+    torch.nn.utils.parametrize.register_parametrization(model.blocks[1].mlp.fc, "weight", Doubled())
+
+
+def _other_eps(model):
+    model.blocks[0].ln2.eps = 0.5
+
+
+class Doubled(torch.nn.Module):
+    def forward(self, w):
+        return 2 * w
+
+
+@pytest.mark.parametrize("edit", [_untie, _lora, _parametrize, _other_eps], ids=lambda f: f.__name__[1:])
+def test_modules_the_lean_step_does_not_reproduce_go_through_forward(tiny_model, edit):
+    """Weights reached through a module's own forward, or a different epsilon: generate follows forward."""
+    torch.manual_seed(3)
+    model = GPT(tiny_model.config).eval()
+    edit(model)
+    assert not lean.supports(model)
+    with pytest.raises(TypeError, match="stock"):
+        lean.LeanGPT(model)
+    want = generate(model, "hello", 15, eos_id=None, use_cache=False).tokens
+    assert generate(model, "hello", 15, eos_id=None).tokens == want
+    assert speculative_generate(model, model, "hello", 15, 3, eos_id=None).tokens == want

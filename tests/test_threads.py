@@ -1,0 +1,164 @@
+"""Several threads decoding with one model at once: each caller gets exactly what it gets alone.
+
+The lean engine's working memory is per thread, its weights are the model's own, each call
+has its own KV cache, and ``eval_mode`` switches a model in training mode back only when the
+last thread leaves it. Every test compares threaded results with the same calls run one by one.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+import ar_lab
+from ar_lab import lean
+from ar_lab.cache import KVCache
+from ar_lab.generate import generate, stream
+from ar_lab.model import GPT, GPTConfig
+from ar_lab.prompts import eval_mode
+from ar_lab.sampling import SamplingParams
+from ar_lab.speculative import speculative_generate
+
+PROMPTS = ["The for statement", "import os\n", "class Point:\n", "def main():\n    "]
+SAMPLED = SamplingParams(temperature=0.9, top_k=40)
+N_THREADS = 4
+
+
+@pytest.fixture(scope="module")
+def models():
+    return ar_lab.load_pretrained("course"), ar_lab.load_pretrained("draft")
+
+
+@pytest.fixture(autouse=True)
+def one_torch_thread():
+    """One intra-op thread per Python thread: batch-1 decoding's setting (chapter 04), and on a small
+    machine several Python threads each starting a pool of OpenMP threads mostly wait for each other."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def _seeded(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+def _jobs(target, draft, n: int = 24) -> list:
+    """Every decode path on every prompt: generate (greedy and seeded sampling, both models), a
+    stream read token by token, and speculative decoding (greedy and sampled)."""
+    jobs = []
+    for i, p in enumerate(PROMPTS):
+        jobs += [
+            lambda p=p: generate(target, p, n, eos_id=None).tokens,
+            lambda p=p, i=i: generate(target, p, n, eos_id=None, sampling=SAMPLED, generator=_seeded(i)).tokens,
+            lambda p=p: [e.token for e in stream(target, p, n, eos_id=None) if e.token >= 0],
+            lambda p=p: speculative_generate(target, draft, p, n, 3, eos_id=None).tokens,
+            lambda p=p, i=i: (
+                speculative_generate(
+                    target, draft, p, n, 2, eos_id=None, sampling=SAMPLED, generator=_seeded(100 + i)
+                ).tokens
+            ),
+            lambda p=p, i=i: generate(draft, p, n, eos_id=None, sampling=SAMPLED, generator=_seeded(200 + i)).tokens,
+        ]
+    return jobs
+
+
+def _run_in_threads(jobs: list, n_threads: int = N_THREADS) -> list:
+    """Run ``jobs`` spread over ``n_threads`` threads that start together; their results in job order."""
+    results: list = [None] * len(jobs)
+    errors: list[BaseException] = []
+    start = threading.Barrier(n_threads)
+
+    def worker(k: int) -> None:
+        try:
+            start.wait()
+            for j in range(k, len(jobs), n_threads):  # each thread gets a mix of the kinds of job
+                results[j] = jobs[j]()
+        except BaseException as e:  # reported in the main thread
+            errors.append(e)
+
+    threads = [threading.Thread(target=worker, args=(k,)) for k in range(n_threads)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        raise errors[0]
+    return results
+
+
+def test_threads_decoding_with_one_model_get_their_own_results(models):
+    target, draft = models
+    jobs = _jobs(target, draft)
+    alone = [job() for job in jobs]
+    for _ in range(2):
+        together = _run_in_threads(jobs)
+        wrong = [j for j, (a, b) in enumerate(zip(alone, together, strict=True)) if a != b]
+        assert not wrong, f"{len(wrong)} of {len(jobs)} threaded results differ from the same calls alone: jobs {wrong}"
+
+
+def test_one_engine_serves_several_threads(models):
+    """An engine shared by threads (each with its own cache) steps each sequence correctly."""
+    target, _ = models
+    engine = lean.for_model(target)
+
+    def greedy(prompt: str, n: int = 30) -> list[int]:
+        cache = KVCache.for_model(target, max_len=64)
+        with torch.inference_mode():
+            logits = target(torch.tensor([ar_lab.encode(prompt)]), cache)[0, -1]
+            out = []
+            for _ in range(n):
+                out.append(int(logits.argmax()))
+                logits = engine.step(out[-1], cache)
+        return out
+
+    jobs = [lambda p=p: greedy(p) for p in PROMPTS * 2]
+    assert _run_in_threads(jobs) == [job() for job in jobs]
+    assert [greedy(p) for p in PROMPTS] == [generate(target, p, 30, eos_id=None).tokens for p in PROMPTS]
+
+
+def test_threads_decoding_with_a_model_in_training_mode(models):
+    """A model in training mode (dropout on) stays in eval mode while any thread is inside a step,
+    and is back in training mode, every submodule's own flag restored, once all are done."""
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(block_size=128, n_layer=2, n_head=4, n_embd=64, dropout=0.5))
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.1 * torch.randn_like(p))
+    model.train()
+    model.blocks[1].mlp.eval()  # a child kept in eval mode on purpose stays so
+    flags = [m.training for m in model.modules()]
+    jobs = [
+        lambda p=p, lean_=lean_: generate(model, p, 30, eos_id=None, lean=lean_).tokens
+        for p in PROMPTS
+        for lean_ in (True, False)
+    ]
+    alone = [job() for job in jobs]
+    assert [m.training for m in model.modules()] == flags
+    for _ in range(2):
+        assert _run_in_threads(jobs) == alone
+        assert [m.training for m in model.modules()] == flags
+
+
+def test_eval_mode_switches_back_when_the_last_thread_leaves():
+    """Thread 1 enters, the main thread enters, thread 1 leaves: the model must stay in eval mode."""
+    model = GPT(GPTConfig(block_size=8, n_layer=1, n_head=1, n_embd=8, dropout=0.5)).train()
+    inside, leave, left = threading.Event(), threading.Event(), threading.Event()
+
+    def first() -> None:
+        with eval_mode(model):
+            inside.set()
+            leave.wait()
+        left.set()
+
+    t = threading.Thread(target=first)
+    t.start()
+    inside.wait()
+    with eval_mode(model):
+        leave.set()
+        left.wait()
+        assert not model.training and not model.blocks[0].attn.training  # still this thread's eval mode
+    t.join()
+    assert model.training and all(m.training for m in model.modules())
