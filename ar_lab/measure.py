@@ -28,7 +28,7 @@ from ar_lab.model import GPT, GPTConfig
 from ar_lab.peaks import default_dtype, measure_peaks, streaming_kernels
 from ar_lab.prompts import eval_mode, positive_int
 from ar_lab.roofline import PhaseCost, attainable_flops, forward_cost, ridge_point
-from ar_lab.timing import default_device, machine, time_call
+from ar_lab.timing import checked_device, default_device, machine, time_call
 
 SCHEMA = "ar_lab.roofline/1"  # the JSON format of a result (unchanged since the first shipped references)
 
@@ -197,7 +197,9 @@ def build_model(
     No full-precision or CPU copy is made first: a 6 B-parameter model in bf16 needs
     13 GB on the GPU, not 26 GB of fp32 on the way there.
     """
-    device = default_device() if device is None else torch.device(device)
+    if not isinstance(cfg, GPTConfig):
+        raise TypeError(f"cfg must be a GPTConfig (e.g. ar_lab.measure.CONFIGS['small']), got {cfg!r}")
+    device = default_device() if device is None else checked_device(device)
     dtype = default_dtype(device) if dtype is None else dtype
     torch.manual_seed(seed)
     previous = torch.get_default_dtype()
