@@ -10,6 +10,7 @@ reported beside them. On a CPU the numbers are fp32, on CUDA bf16 (``default_dty
 
 from __future__ import annotations
 
+import math
 import statistics
 from collections.abc import Callable
 from pathlib import Path
@@ -20,9 +21,20 @@ from ar_lab.prompts import positive_int
 from ar_lab.timing import checked_device, default_device, time_call
 
 
+def checked_peaks(peaks, where: str = "peaks") -> dict:
+    """``peaks`` if it holds both roofs as positive finite numbers (the form ``measure_peaks`` returns)."""
+    if not isinstance(peaks, dict):
+        raise ValueError(f"{where} must be a dict like measure_peaks() returns, got {type(peaks).__name__}")
+    for k in ("matmul_flops_per_s", "bandwidth_bytes_per_s"):
+        v = peaks.get(k)
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v < math.inf:
+            raise ValueError(f"{where}.{k} must be a positive number, got {v!r}")
+    return peaks
+
+
 def default_dtype(device: torch.device | str) -> torch.dtype:
     """fp32 on CPU (what its matmul kernels are fastest at); bf16 on a GPU (its tensor cores)."""
-    return torch.bfloat16 if checked_device(device).type == "cuda" else torch.float32
+    return torch.bfloat16 if checked_device(device, present=False).type == "cuda" else torch.float32
 
 
 def cache_bytes() -> int | None:
@@ -69,7 +81,7 @@ def measure_matmul_peak(
 
 def default_buffer_bytes(device: torch.device | str) -> int:
     """A streaming buffer far larger than the caches: 4 GiB on a GPU; max(1 GiB, 4 x L3) on a CPU."""
-    if checked_device(device).type == "cuda":
+    if checked_device(device, present=False).type == "cuda":
         return 4 * 2**30
     return max(2**30, 4 * (cache_bytes() or 0))
 

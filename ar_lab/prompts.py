@@ -66,7 +66,7 @@ def finite_number(name: str, value, *, minimum: float = 0.0, above: bool = False
     ValueError naming ``name`` (NaN, infinity, text and bools are refused)."""
     real = isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value)
     if not real or (value <= minimum if above else value < minimum):
-        raise ValueError(f"{name} must be a finite number {'>' if above else '>='} {minimum:g}, got {value!r}")
+        raise ValueError(f"{name} must be {'>' if above else '>='} {minimum:g} (a finite number), got {value!r}")
     return float(value)
 
 

@@ -25,11 +25,12 @@ def default_device() -> torch.device:
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
-def checked_device(device: torch.device | str) -> torch.device:
+def checked_device(device: torch.device | str, *, present: bool = True) -> torch.device:
     """``device`` as a ``torch.device`` ar_lab can compute on here: the CPU, or a CUDA GPU torch sees.
 
     One check for every function that takes a device, so "mps", "banana" or "cuda" on a
     machine without a GPU all give the same message instead of an error from deep in torch.
+    ``present=False`` accepts "cuda" without a GPU (for questions such as which dtype it would use).
     """
     try:
         d = torch.device(device)
@@ -37,7 +38,7 @@ def checked_device(device: torch.device | str) -> torch.device:
         raise ValueError(f"device must be like 'cpu' or 'cuda', got {device!r}") from None
     if d.type not in ("cpu", "cuda"):
         raise ValueError(f"device must be like 'cpu' or 'cuda', got {str(d)!r} (ar_lab runs on a CPU or a CUDA GPU)")
-    if d.type == "cuda":
+    if d.type == "cuda" and present:
         if not torch.cuda.is_available():
             raise ValueError(f"device {str(d)!r} asked for, but torch sees no CUDA GPU here: use 'cpu'")
         if d.index is not None and d.index >= torch.cuda.device_count():
