@@ -111,8 +111,7 @@ def _verify(path: Path, meta: dict[str, str], state: dict[str, torch.Tensor]) ->
     else:
         what = "was changed since it was saved: its config, record or weights no longer match their stored digest"
     raise CheckpointError(
-        f"{path} {what}. A config edited by hand can describe a different model with the same tensor shapes; "
-        + _REMEDY
+        f"{path} {what}. A config edited by hand can describe a different model with the same tensor shapes; " + _REMEDY
     )
 
 

@@ -26,6 +26,18 @@ def data_dir() -> Path:
     return Path(os.environ.get("AR_LAB_DATA") or Path(__file__).resolve().parent.parent / "data")
 
 
+def check_writable(path: Path, what: str) -> None:
+    """Refuse a file path that cannot be written (a folder, or under a file) before the work that fills it."""
+    path = Path(path)
+    if path.is_dir():
+        raise ValueError(f"{what} {path} is a folder: give a file name, e.g. {path / 'out.json'}")
+    folder = path.parent
+    while not folder.exists() and folder != folder.parent:
+        folder = folder.parent
+    if not folder.is_dir():
+        raise ValueError(f"{what} {path} cannot be written: {folder} is a file, not a folder")
+
+
 def builtin_documents() -> list[str]:
     """The Python documentation topics of this interpreter, sorted by topic name."""
     from pydoc_data.topics import topics

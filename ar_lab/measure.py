@@ -240,8 +240,7 @@ def run_roofline(
     if peaks is None:
         say("measuring the peaks")
         peaks = measure_peaks(device, dtype, matmul_size=matmul_size, buffer_bytes=buffer_bytes)
-    checked_peaks(peaks)
-    points = []
+    peaks, points = checked_peaks(peaks), []
     for t in prompt_lens:
         say(f"prefill {t} tokens")
         points.append(measure_prefill(model, t, 1, repeats=repeats, cuda_graph=cuda_graph))
@@ -401,6 +400,7 @@ def _pair_figures(samples: list[tuple[float, float]], step_bytes: float, probe_b
 
 
 # --- 4. results on disk ------------------------------------------------------------
+
 
 def load_result(path: str | Path) -> dict:
     """Read a roofline JSON file written by ``python -m ar_lab.bench roofline --json PATH``."""

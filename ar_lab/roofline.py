@@ -161,6 +161,7 @@ def forward_cost(
 
 def prefill_cost(cfg: GPTConfig, prompt_len: int, batch: int = 1, bytes_per_value: int = 4) -> PhaseCost:
     """One forward pass over a ``prompt_len``-token prompt (per sequence), cache empty before."""
+    positive_int("prompt_len", prompt_len)
     return forward_cost(cfg, batch, prompt_len, 0, bytes_per_value, phase="prefill")
 
 

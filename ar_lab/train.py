@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from tqdm.auto import tqdm
 
 from ar_lab.checkpoint import CheckpointError, load_checkpoint, read_checkpoint_metadata, save_checkpoint
-from ar_lab.data import corpus_tokens, data_dir, get_batch, train_val_split
+from ar_lab.data import check_writable, corpus_tokens, data_dir, get_batch, train_val_split
 from ar_lab.model import GPT, GPTConfig
 from ar_lab.prompts import eval_mode
 from ar_lab.timing import default_device
@@ -290,19 +290,6 @@ def _starting_point(name: str, resume: Path | None) -> tuple[GPT, list[dict]]:
     return model, done
 
 
-def _check_out(out: Path | None) -> None:
-    """Refuse an ``--out`` that cannot be written before hours of training, not after."""
-    if out is None:
-        return
-    if out.is_dir():
-        raise ValueError(f"--out {out} is a folder: give a file name, e.g. {out / 'model.safetensors'}")
-    folder = out.parent
-    while not folder.exists():
-        folder = folder.parent
-    if not folder.is_dir():
-        raise ValueError(f"--out {out} cannot be written: {folder} is a file, not a folder")
-
-
 def _phase_record(tc: TrainConfig, result: TrainResult) -> dict:
     return {
         **({"teacher": tc.teacher} if tc.teacher else {}),
@@ -361,7 +348,9 @@ def train_preset(name: str, out: Path | None = None, progress: bool = True, resu
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description="Train the course checkpoints reproducibly.")
+    parser = argparse.ArgumentParser(
+        prog="python -m ar_lab.train", description="Train the course checkpoints reproducibly."
+    )
     parser.add_argument("--preset", choices=sorted(PRESETS), required=True)
     parser.add_argument("--out", type=Path, default=None, help="where to write (default data/NAME.safetensors)")
     parser.add_argument(
@@ -372,7 +361,8 @@ def main(argv: list[str] | None = None) -> None:
     try:
         if args.threads < 1:
             raise ValueError(f"--threads must be >= 1, got {args.threads}")
-        _check_out(args.out)
+        if args.out is not None:  # a path that cannot be written: said before hours of training, not after
+            check_writable(args.out, "--out")
         torch.set_num_threads(args.threads)
         start = _starting_point(args.preset, args.resume)
     except (FileNotFoundError, ValueError) as e:  # a mistake in the command: its message, no traceback
