@@ -103,7 +103,7 @@ def steady_clock(device: torch.device | str = "cpu") -> Callable[[], float]:
     other processes on a shared machine do not inflate it (they only delay it). On a GPU,
     or with several threads, only the wall clock measures the work.
     """
-    if checked_device(device).type == "cpu" and torch.get_num_threads() == 1:
+    if checked_device(device, present=False).type == "cpu" and torch.get_num_threads() == 1:
         return time.process_time
     return time.perf_counter
 
