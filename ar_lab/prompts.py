@@ -90,6 +90,8 @@ def check_prompt(model, ids: list[int], max_new_tokens: int) -> None:
     The last new token is never fed back, so the model sees at most P + N - 1 positions.
     """
     check_budget(max_new_tokens)
+    if not hasattr(getattr(model, "config", None), "block_size"):
+        raise TypeError(f"model must be an ar_lab model (a GPT, or anything with a GPTConfig .config), got {model!r}")
     vocab, window = model.config.vocab_size, model.config.block_size
     bad = [t for t in ids if not 0 <= t < vocab]
     if bad:
