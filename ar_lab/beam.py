@@ -65,6 +65,8 @@ def length_normalised(logprob: float, length: int, length_penalty: float) -> flo
     length_penalty 0 ranks by plain log-probability (which favours short texts, since
     every token lowers it); 1 ranks by log-probability per token; above 1 favours long texts.
     """
+    if not isinstance(length, int) or isinstance(length, bool) or length < 1:
+        raise ValueError(f"length must be an int >= 1 (new tokens, EOS included), got {length!r}")
     return logprob / (length**length_penalty)
 
 
@@ -228,6 +230,8 @@ def beam_search_batch(
     if not real or not math.isfinite(length_penalty):
         raise ValueError(f"length_penalty must be a finite number, got {length_penalty!r}")
     V = model.config.vocab_size
+    if eos_id is not None and (not isinstance(eos_id, int) or isinstance(eos_id, bool)):
+        raise ValueError(f"eos_id must be None or a token id (an int), got {eos_id!r}")
     if eos_id is not None and not 0 <= eos_id < V:
         raise ValueError(f"eos_id {eos_id} is outside the vocabulary [0, {V - 1}]")
     idx = prompt_batch(model, prompts, max_new_tokens)  # (N, P)

@@ -8,6 +8,8 @@ decode loop runs it, and chapter 07 can use it as a (weak, nearly free) draft mo
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn as nn
 
@@ -18,8 +20,13 @@ from ar_lab.tokenizer import VOCAB_SIZE
 
 def bigram_counts(tokens: torch.Tensor, vocab_size: int = VOCAB_SIZE) -> torch.Tensor:
     """counts[a, b] = how many times token b directly follows token a. Shape (V, V)."""
+    if not isinstance(tokens, torch.Tensor) or tokens.dtype.is_floating_point or tokens.dtype == torch.bool:
+        raise TypeError("tokens must be an integer tensor of token ids (e.g. ar_lab.data.corpus_tokens())")
     if tokens.ndim != 1 or len(tokens) < 2:
         raise ValueError("need a 1-D tensor of at least 2 tokens to count bigrams")
+    if int(tokens.min()) < 0 or int(tokens.max()) >= vocab_size:
+        bad = int(tokens.min()) if int(tokens.min()) < 0 else int(tokens.max())
+        raise ValueError(f"token id {bad} is outside the vocabulary [0, {vocab_size - 1}]")
     pairs = tokens[:-1] * vocab_size + tokens[1:]
     return torch.bincount(pairs, minlength=vocab_size * vocab_size).reshape(vocab_size, vocab_size)
 
@@ -27,8 +34,10 @@ def bigram_counts(tokens: torch.Tensor, vocab_size: int = VOCAB_SIZE) -> torch.T
 class BigramModel(nn.Module):
     def __init__(self, counts: torch.Tensor, smoothing: float = 0.1, block_size: int = 1024) -> None:
         super().__init__()
-        if smoothing < 0:
-            raise ValueError(f"smoothing must be >= 0, got {smoothing}")
+        if isinstance(smoothing, bool) or not isinstance(smoothing, (int, float)) or not 0 <= smoothing < math.inf:
+            raise ValueError(f"smoothing must be a finite number >= 0 (add-alpha counts), got {smoothing!r}")
+        if not isinstance(counts, torch.Tensor) or counts.ndim != 2:
+            raise TypeError("counts must be a (V, V) tensor of bigram counts (see bigram_counts)")
         V = counts.shape[0]
         if counts.shape != (V, V):
             raise ValueError(f"counts must be square (V, V), got {tuple(counts.shape)}")

@@ -26,6 +26,18 @@ def data_dir() -> Path:
     return Path(os.environ.get("AR_LAB_DATA") or Path(__file__).resolve().parent.parent / "data")
 
 
+def check_writable(path: Path, what: str) -> None:
+    """Refuse a file path that cannot be written (a folder, or under a file) before the work that fills it."""
+    path = Path(path)
+    if path.is_dir():
+        raise ValueError(f"{what} {path} is a folder: give a file name, e.g. {path / 'out.json'}")
+    folder = path.parent
+    while not folder.exists() and folder != folder.parent:
+        folder = folder.parent
+    if not folder.is_dir():
+        raise ValueError(f"{what} {path} cannot be written: {folder} is a file, not a folder")
+
+
 def builtin_documents() -> list[str]:
     """The Python documentation topics of this interpreter, sorted by topic name."""
     from pydoc_data.topics import topics
@@ -40,6 +52,8 @@ def builtin_corpus() -> str:
 
 def load_text(path: str | Path) -> str:
     """Read a UTF-8 text file, with errors a learner can act on."""
+    if not isinstance(path, (str, Path)):
+        raise TypeError(f"give the path of a UTF-8 text file (a str or Path), got {type(path).__name__}")
     p = Path(path)
     if not p.exists():
         raise FileNotFoundError(f"no such text file: {p} (give the path of a UTF-8 text file)")
@@ -56,6 +70,8 @@ def load_text(path: str | Path) -> str:
 
 def tokenize_documents(documents: list[str]) -> torch.Tensor:
     """Encode documents, each followed by EOS, into one 1-D tensor of token ids."""
+    if isinstance(documents, str) or not isinstance(documents, (list, tuple)):
+        raise TypeError(f"documents must be a list of str (one text per document), got {type(documents).__name__}")
     ids: list[int] = []
     for doc in documents:
         ids.extend(encode(doc))
@@ -78,9 +94,8 @@ def train_val_split(tokens: torch.Tensor, val_fraction: float = 0.1) -> tuple[to
     A contiguous tail (not a random sample) keeps validation text unseen during
     training and makes the split the same on every run.
     """
-    if tokens.ndim != 1:
-        raise ValueError(f"tokens must be 1-D, got shape {tuple(tokens.shape)}")
-    if not 0.0 < val_fraction < 1.0:
+    _check_tokens(tokens)
+    if not isinstance(val_fraction, (int, float)) or not 0.0 < val_fraction < 1.0:
         raise ValueError(f"val_fraction must be in (0, 1), got {val_fraction}")
     n_val = max(1, int(len(tokens) * val_fraction))
     if len(tokens) - n_val < 2:
@@ -96,8 +111,10 @@ def get_batch(
     Returns x, y of shape (batch_size, block_size) with y[:, t] = x[:, t + 1] shifted
     by one in the source text: every position is a training example at once.
     """
-    if batch_size < 1 or block_size < 1:
-        raise ValueError(f"batch_size and block_size must be >= 1, got {batch_size} and {block_size}")
+    _check_tokens(tokens)
+    for name, value in (("batch_size", batch_size), ("block_size", block_size)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ValueError(f"{name} must be an int >= 1, got {value!r}")
     if len(tokens) < block_size + 1:
         raise ValueError(
             f"a window of {block_size} tokens needs at least {block_size + 1} tokens of text, "
@@ -107,3 +124,11 @@ def get_batch(
     offsets = torch.arange(block_size + 1)
     windows = tokens[starts[:, None] + offsets]  # (B, block_size + 1)
     return windows[:, :-1].contiguous(), windows[:, 1:].contiguous()
+
+
+def _check_tokens(tokens) -> None:
+    if not isinstance(tokens, torch.Tensor) or tokens.dtype.is_floating_point or tokens.dtype == torch.bool:
+        got = f"a {tokens.dtype} tensor" if isinstance(tokens, torch.Tensor) else type(tokens).__name__
+        raise TypeError(f"tokens must be a 1-D integer tensor of token ids (e.g. corpus_tokens()), got {got}")
+    if tokens.ndim != 1:
+        raise ValueError(f"tokens must be 1-D, got shape {tuple(tokens.shape)}")

@@ -25,13 +25,12 @@ import torch
 from ar_lab import data
 from ar_lab.cache import KVCache
 from ar_lab.model import GPT, GPTConfig
-from ar_lab.peaks import default_dtype, measure_peaks, streaming_kernels
+from ar_lab.peaks import checked_peaks, default_dtype, measure_peaks, streaming_kernels
 from ar_lab.prompts import eval_mode, positive_int
-from ar_lab.roofline import PhaseCost, attainable_flops, forward_cost, ridge_point
-from ar_lab.timing import default_device, machine, time_call
+from ar_lab.roofline import PhaseCost, attainable_flops, decode_cost, forward_cost, prefill_cost, ridge_point
+from ar_lab.timing import checked_device, default_device, machine, time_call
 
 SCHEMA = "ar_lab.roofline/1"  # the JSON format of a result (unchanged since the first shipped references)
-
 
 
 # --- 1. passes of a model ----------------------------------------------------------
@@ -197,7 +196,9 @@ def build_model(
     No full-precision or CPU copy is made first: a 6 B-parameter model in bf16 needs
     13 GB on the GPU, not 26 GB of fp32 on the way there.
     """
-    device = default_device() if device is None else torch.device(device)
+    if not isinstance(cfg, GPTConfig):
+        raise TypeError(f"cfg must be a GPTConfig (e.g. ar_lab.measure.CONFIGS['small']), got {cfg!r}")
+    device = default_device() if device is None else checked_device(device)
     dtype = default_dtype(device) if dtype is None else dtype
     torch.manual_seed(seed)
     previous = torch.get_default_dtype()
@@ -231,14 +232,18 @@ def run_roofline(
     """
     device, dtype = model.device, next(model.parameters()).dtype
     say = progress or (lambda _msg: None)
+    decodes = [(decode_context, b) for b in decode_batches] + [(c, 1) for c in decode_contexts]
+    for t in prompt_lens:  # every size is checked before anything is measured
+        prefill_cost(model.config, t)
+    for context, b in decodes:
+        decode_cost(model.config, context, b)
     if peaks is None:
         say("measuring the peaks")
         peaks = measure_peaks(device, dtype, matmul_size=matmul_size, buffer_bytes=buffer_bytes)
-    points = []
+    peaks, points = checked_peaks(peaks), []
     for t in prompt_lens:
         say(f"prefill {t} tokens")
         points.append(measure_prefill(model, t, 1, repeats=repeats, cuda_graph=cuda_graph))
-    decodes = [(decode_context, b) for b in decode_batches] + [(c, 1) for c in decode_contexts]
     for context, b in decodes:
         say(f"decode batch {b} at context {context}")
         points.append(measure_decode(model, context, b, repeats=max(repeats, 3), cuda_graph=cuda_graph))
@@ -301,16 +306,14 @@ def decode_bandwidth_fraction(
     ratio). ``best`` names the variant with the highest figure (``best_threads`` /
     ``cuda_graph`` say how to run it). The thread count and the model's mode are restored.
     """
-    positive_int("context", context)
+    decode_cost(model.config, context)  # checks the context against the window before anything is timed
     positive_int("pairs", pairs)
     device, dtype = model.device, next(model.parameters()).dtype
     say = progress or (lambda _msg: None)
     original = torch.get_num_threads()
     variants = _step_variants(device, threads, original)
     kernels, _ = streaming_kernels(device, dtype, nbytes=buffer_bytes)
-    rates = {
-        name: moved / min(time_call(fn, repeats=5, warmup=1, device=device)) for name, (fn, moved) in kernels.items()
-    }
+    rates = {n: moved / min(time_call(fn, repeats=5, warmup=1, device=device)) for n, (fn, moved) in kernels.items()}
     kernel = max(rates, key=rates.get)  # each kernel at its best call, as for the roof
     probe, probe_bytes = kernels[kernel]
     samples, steps = {}, {}  # variant -> [(probe seconds, step seconds)]; variant -> (function, mode, note)
@@ -398,27 +401,26 @@ def _pair_figures(samples: list[tuple[float, float]], step_bytes: float, probe_b
 
 # --- 4. results on disk ------------------------------------------------------------
 
-_REQUIRED = ("schema", "device", "dtype", "versions", "date", "peaks", "points")
-
 
 def load_result(path: str | Path) -> dict:
     """Read a roofline JSON file written by ``python -m ar_lab.bench roofline --json PATH``."""
     path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"no roofline result at {path} (write one: python -m ar_lab.bench roofline --json)")
     try:
-        result = json.loads(path.read_text())
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{path} is not valid JSON: {e}") from e
-    missing = [k for k in _REQUIRED if k not in result] if isinstance(result, dict) else list(_REQUIRED)
+        result = json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"{path} is not valid JSON: {e}") from None
+    required = ("schema", "device", "dtype", "versions", "date", "peaks", "points")
+    missing = [k for k in required if k not in result] if isinstance(result, dict) else list(required)
     if missing:
         raise ValueError(f"{path} is not a roofline result: missing {missing}")
     if result["schema"] != SCHEMA:
         raise ValueError(f"{path} has schema {result['schema']!r}; this version of ar_lab reads {SCHEMA!r}")
-    for k in ("matmul_flops_per_s", "bandwidth_bytes_per_s"):
-        if not (isinstance(result["peaks"].get(k), int | float) and result["peaks"][k] > 0):
-            raise ValueError(f"{path}: peaks.{k} must be a positive number")
+    checked_peaks(result["peaks"], f"{path}: peaks")
     for i, p in enumerate(result["points"]):
         for k in ("phase", "batch", "tokens", "context", "intensity", "flops_per_s", "seconds"):
-            if k not in p:
+            if not isinstance(p, dict) or k not in p:
                 raise ValueError(f"{path}: point {i} has no {k!r}")
     return result
 
@@ -427,11 +429,10 @@ def reference_files(data_dir: str | Path | None = None, device_type: str | None 
     """The roofline results in ``data_dir`` (default: the data folder, ``ar_lab.data.data_dir()``) named
     ``roofline_*.json``, optionally only those of one device type."""
     folder = data.data_dir() if data_dir is None else Path(data_dir)
-    out = []
-    for path in sorted(folder.glob("roofline_*.json")):
-        if device_type is None or load_result(path)["device"]["type"] == device_type:
-            out.append(path)
-    return out
+    if not folder.is_dir():
+        raise FileNotFoundError(f"no folder {folder} to look for roofline_*.json in")
+    paths = sorted(folder.glob("roofline_*.json"))
+    return [p for p in paths if device_type is None or load_result(p)["device"]["type"] == device_type]
 
 
 SUMMARY_HEADERS = ["phase", "batch", "tokens", "context", "ms", "FLOP/byte", "GFLOP/s", "GB/s", "of roof"]
@@ -439,8 +440,7 @@ SUMMARY_HEADERS = ["phase", "batch", "tokens", "context", "ms", "FLOP/byte", "GF
 
 def summary_rows(result: dict) -> list[list]:
     """Rows for a table under ``SUMMARY_HEADERS``, one per measured point."""
-    peaks = result["peaks"]
-    rows = []
+    peaks, rows = result["peaks"], []
     for p in result["points"]:
         roof = attainable_flops(p["intensity"], peaks["matmul_flops_per_s"], peaks["bandwidth_bytes_per_s"])
         ms, intensity = round(p["seconds"] * 1e3, 2), round(p["intensity"], 1)

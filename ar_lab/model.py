@@ -35,6 +35,7 @@ class GPTConfig:
     dropout: float = 0.0
 
     def __post_init__(self) -> None:
+        # bool is an int to Python, but GPTConfig(n_kv_heads=True) is a mistake, not one KV head.
         for name in ("vocab_size", "block_size", "n_layer", "n_head", "n_embd"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
@@ -42,15 +43,17 @@ class GPTConfig:
         if self.n_embd % self.n_head:
             raise ValueError(f"n_embd ({self.n_embd}) must be divisible by n_head ({self.n_head})")
         if self.n_kv_heads is not None:
-            if not isinstance(self.n_kv_heads, int) or self.n_kv_heads < 1:
-                raise ValueError(f"n_kv_heads must be a positive int or None, got {self.n_kv_heads!r}")
-            if self.n_head % self.n_kv_heads:
+            kv = self.n_kv_heads
+            if not isinstance(kv, int) or isinstance(kv, bool) or kv < 1:
+                raise ValueError(f"GPTConfig.n_kv_heads must be a positive int or None (= n_head), got {kv!r}")
+            if self.n_head % kv:
                 raise ValueError(
-                    f"n_head ({self.n_head}) must be a multiple of n_kv_heads ({self.n_kv_heads}): "
+                    f"n_head ({self.n_head}) must be a multiple of n_kv_heads ({kv}): "
                     "each KV head serves an equal group of query heads"
                 )
-        if not 0.0 <= self.dropout < 1.0:
-            raise ValueError(f"dropout must be in [0, 1), got {self.dropout}")
+        d = self.dropout
+        if isinstance(d, bool) or not isinstance(d, (int, float)) or not 0.0 <= d < 1.0:
+            raise ValueError(f"GPTConfig.dropout must be a number in [0, 1), got {d!r}")
 
     @property
     def head_dim(self) -> int:

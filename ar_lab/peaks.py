@@ -10,6 +10,7 @@ reported beside them. On a CPU the numbers are fp32, on CUDA bf16 (``default_dty
 
 from __future__ import annotations
 
+import math
 import statistics
 from collections.abc import Callable
 from pathlib import Path
@@ -17,12 +18,23 @@ from pathlib import Path
 import torch
 
 from ar_lab.prompts import positive_int
-from ar_lab.timing import default_device, time_call
+from ar_lab.timing import checked_device, default_device, time_call
+
+
+def checked_peaks(peaks, where: str = "peaks") -> dict:
+    """``peaks`` if it holds both roofs as positive finite numbers (the form ``measure_peaks`` returns)."""
+    if not isinstance(peaks, dict):
+        raise ValueError(f"{where} must be a dict like measure_peaks() returns, got {type(peaks).__name__}")
+    for k in ("matmul_flops_per_s", "bandwidth_bytes_per_s"):
+        v = peaks.get(k)
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v < math.inf:
+            raise ValueError(f"{where}.{k} must be a positive number, got {v!r}")
+    return peaks
 
 
 def default_dtype(device: torch.device | str) -> torch.dtype:
     """fp32 on CPU (what its matmul kernels are fastest at); bf16 on a GPU (its tensor cores)."""
-    return torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
+    return torch.bfloat16 if checked_device(device, present=False).type == "cuda" else torch.float32
 
 
 def cache_bytes() -> int | None:
@@ -50,7 +62,7 @@ def measure_matmul_peak(
     The roof is the *fastest* repeat (the best the machine demonstrably did: on a shared
     machine the slower repeats measure the neighbours); the median is reported beside it.
     """
-    device = default_device() if device is None else torch.device(device)
+    device = default_device() if device is None else checked_device(device)
     dtype = default_dtype(device) if dtype is None else dtype
     size = (8192 if device.type == "cuda" else 2048) if size is None else positive_int("size", size)
     g = torch.Generator(device=device).manual_seed(0)
@@ -69,7 +81,7 @@ def measure_matmul_peak(
 
 def default_buffer_bytes(device: torch.device | str) -> int:
     """A streaming buffer far larger than the caches: 4 GiB on a GPU; max(1 GiB, 4 x L3) on a CPU."""
-    if torch.device(device).type == "cuda":
+    if checked_device(device, present=False).type == "cuda":
         return 4 * 2**30
     return max(2**30, 4 * (cache_bytes() or 0))
 
@@ -92,7 +104,7 @@ def measure_bandwidth(
     the fastest repeat of the fastest kernel: the best this memory system demonstrably
     delivered to this program (medians are reported beside it).
     """
-    device = default_device() if device is None else torch.device(device)
+    device = default_device() if device is None else checked_device(device)
     kernels, buffer_bytes = streaming_kernels(device, dtype, nbytes=nbytes)
     by_kernel, by_kernel_median, times_by_kernel = {}, {}, {}
     for name, (fn, moved) in kernels.items():
@@ -115,7 +127,7 @@ def streaming_kernels(
     device: torch.device | str | None = None, dtype: torch.dtype | None = None, *, nbytes: int | None = None
 ) -> tuple[dict[str, tuple[Callable[[], object], int]], int]:
     """The bandwidth kernels over one fresh buffer: ({name: (function, bytes moved per call)}, buffer bytes)."""
-    device = default_device() if device is None else torch.device(device)
+    device = default_device() if device is None else checked_device(device)
     dtype = default_dtype(device) if dtype is None else dtype
     nbytes = default_buffer_bytes(device) if nbytes is None else positive_int("nbytes", nbytes)
     item = torch.empty((), dtype=dtype).element_size()

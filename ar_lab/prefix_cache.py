@@ -11,11 +11,12 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
+from types import SimpleNamespace
 
 import torch
 
 from ar_lab.cache import KVCache, common_prefix_length
-from ar_lab.prompts import eval_mode, prompt_ids
+from ar_lab.prompts import check_prompt, eval_mode, prompt_ids
 from ar_lab.timing import synchronize
 
 
@@ -44,6 +45,7 @@ class PrefixCache:
             raise ValueError(
                 f"the prefix has {len(self.tokens)} tokens but the context window holds {model.config.block_size}"
             )
+        self.config = model.config
         self.cache = KVCache.for_model(model, max_len=len(self.tokens))
         with eval_mode(model):
             t0 = time.perf_counter()
@@ -75,8 +77,12 @@ class PrefixCache:
         return n
 
     def cache_for(self, prompt: str | Sequence[int], max_new_tokens: int) -> KVCache:
-        """A fresh cache for one request (``generate(..., cache=...)``), the prefix already in it."""
+        """A fresh cache for one request (``generate(..., cache=...)``), the prefix already in it.
+
+        It holds prompt + ``max_new_tokens`` - 1 positions, checked against the model's window.
+        """
         ids = prompt_ids(prompt)
+        check_prompt(SimpleNamespace(config=self.config), ids, max_new_tokens)  # the model's window and vocabulary
         src = self.cache.k[0]
         _, h, _, d = src.shape
         cache = KVCache(len(self.cache.k), 1, h, len(ids) + max_new_tokens - 1, d, src.dtype, src.device)

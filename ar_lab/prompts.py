@@ -10,6 +10,7 @@ package runs a model for inference.
 from __future__ import annotations
 
 import contextlib
+import math
 import numbers
 import threading
 from collections.abc import Iterator, Sequence
@@ -61,6 +62,25 @@ def positive_int(name: str, value, minimum: int = 1) -> int:
     return value
 
 
+def finite_number(name: str, value, *, minimum: float = 0.0, above: bool = False) -> float:
+    """``value`` as a float if it is a finite real number >= ``minimum`` (> with ``above``); else a
+    ValueError naming ``name`` (NaN, infinity, text and bools are refused)."""
+    real = isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value)
+    if not real or (value <= minimum if above else value < minimum):
+        raise ValueError(f"{name} must be {'>' if above else '>='} {minimum:g} (a finite number), got {value!r}")
+    return float(value)
+
+
+SEED_MAX = 2**64 - 1  # the largest seed torch.Generator.manual_seed takes
+
+
+def check_seed(seed, name: str = "seed") -> int:
+    """``seed`` if it is a whole number torch can seed a generator with (0 .. 2**64 - 1)."""
+    if not isinstance(seed, numbers.Integral) or isinstance(seed, bool) or not 0 <= seed <= SEED_MAX:
+        raise ValueError(f"{name} must be a whole number from 0 to 2**64 - 1, got {seed!r}")
+    return int(seed)
+
+
 def check_budget(max_new_tokens) -> int:
     return positive_int("max_new_tokens", max_new_tokens)
 
@@ -71,6 +91,8 @@ def check_prompt(model, ids: list[int], max_new_tokens: int) -> None:
     The last new token is never fed back, so the model sees at most P + N - 1 positions.
     """
     check_budget(max_new_tokens)
+    if not hasattr(getattr(model, "config", None), "block_size"):
+        raise TypeError(f"model must be an ar_lab model (a GPT, or anything with a GPTConfig .config), got {model!r}")
     vocab, window = model.config.vocab_size, model.config.block_size
     bad = [t for t in ids if not 0 <= t < vocab]
     if bad:

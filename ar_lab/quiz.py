@@ -59,6 +59,8 @@ def check_answer(question: Question, choice: int | None) -> tuple[bool, str]:
     """(correct?, feedback to show). ``choice`` is the index picked, None if nothing was picked."""
     if choice is None:
         return False, "Pick an answer first."
+    if not isinstance(choice, int) or isinstance(choice, bool):
+        raise TypeError(f"choice must be the index of a choice (an int) or None, got {choice!r}")
     if not 0 <= choice < len(question.choices):
         raise ValueError(f"choice must be 0..{len(question.choices) - 1}, got {choice}")
     right = question.choices[question.answer]
@@ -90,6 +92,8 @@ class QuizWidget:
         self.widget = w.VBox([*blocks, self.score])
 
     def check(self, i: int) -> bool:
+        if not isinstance(i, int) or isinstance(i, bool) or not 0 <= i < len(self.questions):
+            raise ValueError(f"question must be an index 0..{len(self.questions) - 1}, got {i!r}")
         radio = self.choices[i]
         choice = None if radio.value is None else list(radio.options).index(radio.value)
         correct, text = check_answer(self.questions[i], choice)

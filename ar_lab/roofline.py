@@ -27,15 +27,22 @@ drawing them is ``ar_lab.plots.plot_roofline``.
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import asdict, dataclass
 
 from ar_lab.cache import kv_cache_bytes
 from ar_lab.model import GPTConfig
-from ar_lab.prompts import positive_int
+from ar_lab.prompts import finite_number, positive_int
+
+
+def _check_cfg(cfg) -> None:
+    if not isinstance(cfg, GPTConfig):
+        raise TypeError(f"cfg must be a GPTConfig (e.g. GPTConfig(n_layer=4)), got {cfg!r}")
 
 
 def parameter_count(cfg: GPTConfig) -> int:
     """Parameters of ``GPT(cfg)`` (the tied embedding / output matrix counted once)."""
+    _check_cfg(cfg)
     d, L = cfg.n_embd, cfg.n_layer
     qkv = (cfg.n_head + 2 * cfg.kv_heads) * cfg.head_dim
     per_layer = (d * qkv + qkv) + (d * d + d) + (d * 4 * d + 4 * d) + (4 * d * d + d) + 2 * (2 * d)  # + 2 LayerNorms
@@ -56,6 +63,7 @@ def matmul_parameters(cfg: GPTConfig) -> int:
 
 def kv_bytes_per_token(cfg: GPTConfig, bytes_per_value: int = 4) -> int:
     """Bytes of keys and values one position adds to the cache (all layers)."""
+    _check_cfg(cfg)
     return kv_cache_bytes(cfg.n_layer, cfg.kv_heads, cfg.head_dim, 1, 1, bytes_per_value)
 
 
@@ -92,6 +100,7 @@ class PhaseCost:
 
     def time_at(self, peak_flops: float, bandwidth: float) -> float:
         """Roofline time estimate: the slower of doing the FLOPs and moving the bytes."""
+        ridge_point(peak_flops, bandwidth)  # checks both
         return max(self.flops / peak_flops, self.bytes / bandwidth)
 
     def bound(self, peak_flops: float, bandwidth: float) -> str:
@@ -119,9 +128,10 @@ def forward_cost(
     each matmul reads its input and writes its output once per token (norms, GELU and
     residual adds that a fused kernel would keep in registers are not counted).
     """
+    _check_cfg(cfg)
     positive_int("batch", batch)
     positive_int("tokens", tokens)
-    if not isinstance(past, int) or past < 0:
+    if not isinstance(past, int) or isinstance(past, bool) or past < 0:
         raise ValueError(f"past must be an int >= 0, got {past!r}")
     positive_int("bytes_per_value", bytes_per_value)
     if past + tokens > cfg.block_size:
@@ -151,6 +161,7 @@ def forward_cost(
 
 def prefill_cost(cfg: GPTConfig, prompt_len: int, batch: int = 1, bytes_per_value: int = 4) -> PhaseCost:
     """One forward pass over a ``prompt_len``-token prompt (per sequence), cache empty before."""
+    positive_int("prompt_len", prompt_len)
     return forward_cost(cfg, batch, prompt_len, 0, bytes_per_value, phase="prefill")
 
 
@@ -162,16 +173,16 @@ def decode_cost(cfg: GPTConfig, context: int, batch: int = 1, bytes_per_value: i
 
 def ridge_point(peak_flops: float, bandwidth: float) -> float:
     """The arithmetic intensity (FLOP/byte) where the bandwidth slope meets the compute roof."""
-    if not (peak_flops > 0 and bandwidth > 0):
-        raise ValueError(f"peak_flops and bandwidth must be > 0, got {peak_flops} and {bandwidth}")
-    return peak_flops / bandwidth
+    return finite_number("peak_flops", peak_flops, above=True) / finite_number("bandwidth", bandwidth, above=True)
 
 
 def attainable_flops(intensity, peak_flops: float, bandwidth: float):
     """The roofline: min(peak, intensity x bandwidth); works on floats and tensors/arrays."""
     ridge_point(peak_flops, bandwidth)
-    if isinstance(intensity, int | float):
-        return min(peak_flops, intensity * bandwidth)
+    if isinstance(intensity, numbers.Real):
+        return min(peak_flops, finite_number("intensity (FLOP/byte)", intensity) * bandwidth)
+    if not hasattr(intensity, "clip"):
+        raise TypeError(f"intensity must be a number, a tensor or an array of FLOP/byte, got {intensity!r}")
     return (intensity * bandwidth).clip(max=peak_flops)
 
 
@@ -181,26 +192,29 @@ def attainable_flops(intensity, peak_flops: float, bandwidth: float):
 
 def approx_prefill_flops(n_params: float, prompt_len: int) -> float:
     """2 x parameters x prompt tokens (attention and the rest left out)."""
-    return 2.0 * n_params * prompt_len
+    return 2.0 * finite_number("n_params", n_params, above=True) * positive_int("prompt_len", prompt_len)
 
 
 def approx_decode_bytes(n_params: float, bytes_per_param: float = 2.0) -> float:
     """Bytes one decode step reads: all the weights (fp16/bf16: 2 bytes each; KV cache left out)."""
-    return float(n_params) * bytes_per_param
+    n = finite_number("n_params", n_params, above=True)
+    return n * finite_number("bytes_per_param", bytes_per_param, above=True)
 
 
 def approx_ttft(n_params: float, prompt_len: int, peak_flops: float) -> float:
     """Time to first token if prefill ran at ``peak_flops``."""
-    return approx_prefill_flops(n_params, prompt_len) / peak_flops
+    return approx_prefill_flops(n_params, prompt_len) / finite_number("peak_flops", peak_flops, above=True)
 
 
 def approx_tpot(n_params: float, bandwidth: float, bytes_per_param: float = 2.0) -> float:
     """Time per output token if a decode step streamed the weights at ``bandwidth``."""
-    return approx_decode_bytes(n_params, bytes_per_param) / bandwidth
+    return approx_decode_bytes(n_params, bytes_per_param) / finite_number("bandwidth", bandwidth, above=True)
 
 
 def format_si(value: float, unit: str) -> str:
     """1.3e11, "FLOP/s" -> "130 GFLOP/s"."""
+    if not isinstance(value, numbers.Real) or isinstance(value, bool):
+        raise TypeError(f"format_si formats a number, got {value!r}")
     if value == 0 or not math.isfinite(value):
         return f"{value} {unit}"
     prefixes = [(1e15, "P"), (1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "k"), (1, "")]

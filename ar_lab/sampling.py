@@ -45,6 +45,10 @@ def _is_real(v) -> bool:
     return isinstance(v, numbers.Real) and not isinstance(v, bool)
 
 
+def _is_id(v) -> bool:
+    return isinstance(v, numbers.Integral) and not isinstance(v, bool)
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """How to turn logits into a token; the defaults sample from the model's own distribution."""
@@ -114,6 +118,8 @@ def apply_repetition_penalty(
     """
     if penalty == 1.0:
         return logits
+    if not _is_real(penalty) or not math.isfinite(penalty) or penalty <= 0:
+        raise ValueError(f"repetition_penalty must be a finite number > 0 (1 means none), got {penalty!r}")
     V = logits.shape[-1]
     if isinstance(history, torch.Tensor) and history.dtype == torch.bool:
         if history.shape[-1] != V:
@@ -121,10 +127,16 @@ def apply_repetition_penalty(
         penalised = torch.where(logits > 0, logits / penalty, logits * penalty)
         return torch.where(history, penalised, logits)
     if isinstance(history, torch.Tensor):
+        if history.dtype.is_floating_point or history.dtype.is_complex:
+            raise TypeError(f"history must hold integer token ids, got a {history.dtype} tensor")
         idx = history.flatten().long().unique()  # each distinct id once
         lo, hi = (int(idx[0]), int(idx[-1])) if idx.numel() else (0, 0)
     else:
-        ids = set(map(int, history))  # each distinct id once
+        ids = set(history)  # each distinct id once
+        if not all(_is_id(i) for i in ids):
+            bad = next(i for i in ids if not _is_id(i))
+            raise TypeError(f"history must hold integers (token ids), got {bad!r} ({type(bad).__name__})")
+        ids = {int(i) for i in ids}
         if not ids:
             return logits
         lo, hi = min(ids), max(ids)
@@ -257,6 +269,10 @@ def sample(
     Greedy returns the argmax; otherwise one draw per row from ``probabilities`` using
     ``generator`` (pass a seeded ``torch.Generator`` for reproducible results).
     """
+    if generator is not None and not isinstance(generator, torch.Generator):
+        raise TypeError(
+            f"generator must be a torch.Generator (e.g. torch.Generator().manual_seed(0)) or None, got {generator!r}"
+        )
     x = processed_logits(logits, params, history)
     if params.greedy:
         return x.argmax(dim=-1)
@@ -268,6 +284,8 @@ def sample(
 
 def entropy_bits(probs: torch.Tensor) -> torch.Tensor:
     """Shannon entropy in bits along the last axis (0 log 0 counts as 0)."""
+    if not isinstance(probs, torch.Tensor):
+        raise TypeError(f"probs must be a tensor of probabilities, got {type(probs).__name__}")
     return torch.special.entr(probs.double()).sum(dim=-1) / math.log(2)
 
 
@@ -282,6 +300,9 @@ def repeated_ngram_fraction(tokens: Sequence[int], n: int = 4) -> float:
     """
     if not isinstance(n, int) or isinstance(n, bool) or n < 1:
         raise ValueError(f"n must be an int >= 1, got {n!r}")
+    tokens = tokens.tolist() if isinstance(tokens, torch.Tensor) else tokens
+    if isinstance(tokens, (str, bytes)) or not all(_is_id(t) for t in tokens):
+        raise TypeError("tokens must be a list of token ids (ints), e.g. generate(...).tokens; text: encode(text)")
     tokens = [int(t) for t in tokens]
     total = len(tokens) - n + 1
     if total <= 0:

@@ -37,7 +37,7 @@ import torch
 from ar_lab.cache import BatchKVCache
 from ar_lab.generate import Generation, GenerationStats
 from ar_lab.prefix_cache import PrefixCache
-from ar_lab.prompts import checked_prompt, eval_mode
+from ar_lab.prompts import check_seed, checked_prompt, eval_mode, finite_number
 from ar_lab.sampling import GREEDY, SamplingParams, sample
 from ar_lab.tokenizer import EOS_ID, decode
 
@@ -66,12 +66,19 @@ class StreamSummary:
     @property
     def tokens_per_s(self) -> float:
         """Output tokens per second over the whole stream, first token included."""
-        return self.tokens / self.total
+        return self.tokens / _elapsed("the stream's total time", self.total)
 
     @property
     def decode_tokens_per_s(self) -> float:
-        """The pace after the first token: 1 / TPOT."""
-        return 1.0 / self.tpot
+        """The pace after the first token: 1 / TPOT (NaN for a one-token stream: it has no later token)."""
+        return self.tpot if math.isnan(self.tpot) else 1.0 / _elapsed("TPOT", self.tpot)
+
+
+def _elapsed(what: str, seconds: float) -> float:
+    """``seconds`` to divide by; a clock that did not advance makes a rate undefined, so say so."""
+    if not seconds > 0:
+        raise ValueError(f"{what} is {seconds} s by its clock, so a rate is undefined: use a clock that advances")
+    return seconds
 
 
 def latency_budget(ttft: float, tpot: float, n_tokens: int) -> float:
@@ -82,15 +89,13 @@ def latency_budget(ttft: float, tpot: float, n_tokens: int) -> float:
     """
     if not isinstance(n_tokens, int) or isinstance(n_tokens, bool) or n_tokens < 1:
         raise ValueError(f"n_tokens must be an int >= 1, got {n_tokens!r}")
-    if not (ttft >= 0 and tpot >= 0):
-        raise ValueError(f"ttft and tpot must be >= 0 seconds, got {ttft} and {tpot}")
-    return ttft + (n_tokens - 1) * tpot
+    return finite_number("ttft (seconds)", ttft) + (n_tokens - 1) * finite_number("tpot (seconds)", tpot)
 
 
 def tokens_within(budget: float, ttft: float, tpot: float) -> int:
     """The most tokens whose last one arrives within ``budget`` seconds (0 if not even the first)."""
-    if not (ttft >= 0 and tpot > 0):
-        raise ValueError(f"ttft must be >= 0 and tpot > 0 seconds, got {ttft} and {tpot}")
+    budget, ttft = finite_number("budget (seconds)", budget), finite_number("ttft (seconds)", ttft)
+    tpot = finite_number("tpot (seconds)", tpot, above=True)
     if budget < ttft:
         return 0
     return 1 + math.floor((budget - ttft) / tpot + 1e-9)
@@ -162,7 +167,7 @@ class ServeReport:
     @property
     def throughput(self) -> float:
         """Output tokens per second over the whole run."""
-        return self.tokens / self.total_time
+        return self.tokens / _elapsed("the run's total time", self.total_time)
 
     @property
     def decode_steps(self) -> int:
@@ -212,6 +217,8 @@ def _check_requests(model, requests) -> list[list[int]]:
         if not isinstance(r, Request):
             raise TypeError(f"requests[{i}] must be a Request(prompt, max_new_tokens), got {type(r).__name__}")
         prompts.append(checked_prompt(model, r.prompt, r.max_new_tokens))
+        if r.seed is not None:
+            check_seed(r.seed, f"requests[{i}].seed")
     return prompts
 
 
@@ -331,6 +338,10 @@ def serve(
     _check_schedule(max_batch, policy)
     if not isinstance(sampling, SamplingParams):
         raise TypeError(f"sampling must be a SamplingParams, got {type(sampling).__name__}")
+    if prefix is not None and not isinstance(prefix, PrefixCache):
+        raise TypeError(f"prefix must be a PrefixCache(model, prefix_text) or None, got {type(prefix).__name__}")
+    if eos_id is not None and (not isinstance(eos_id, int) or isinstance(eos_id, bool)):
+        raise ValueError(f"eos_id must be None or a token id (an int), got {eos_id!r}")
     prompts = _check_requests(model, requests)
     server = _Server(
         model,
@@ -375,6 +386,8 @@ def generate_batch(
     """
     if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Sequence) or not prompts:
         raise ValueError("prompts must be a non-empty list of prompts (texts or lists of token ids)")
+    if not isinstance(max_new_tokens, (int, Sequence)) or not isinstance(seeds, (Sequence, type(None))):
+        raise ValueError("give max_new_tokens as an int (or one per prompt) and seeds as None or one int per prompt")
     counts = [max_new_tokens] * len(prompts) if isinstance(max_new_tokens, int) else list(max_new_tokens)
     seeds = [None] * len(prompts) if seeds is None else list(seeds)
     if len(counts) != len(prompts) or len(seeds) != len(prompts):
@@ -408,6 +421,8 @@ def simulate(steps_needed: Sequence[int], max_batch: int, policy: str = "continu
     This is ``serve``'s schedule: ``serve(...).results[i].finish_step`` is the same number.
     """
     _check_schedule(max_batch, policy)
+    if not isinstance(steps_needed, Sequence) or isinstance(steps_needed, str):
+        raise ValueError(f"steps_needed must be a list of ints >= 0 (one per request), got {steps_needed!r}")
     if any(not isinstance(s, int) or isinstance(s, bool) or s < 0 for s in steps_needed):
         raise ValueError(f"steps_needed must hold ints >= 0, got {list(steps_needed)}")
     queue = deque(range(len(steps_needed)))

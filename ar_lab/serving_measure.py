@@ -17,7 +17,7 @@ import torch
 from ar_lab.cache import BatchKVCache
 from ar_lab.generate import generate
 from ar_lab.prefix_cache import PrefixCache
-from ar_lab.prompts import eval_mode, prompt_ids
+from ar_lab.prompts import eval_mode, positive_int, prompt_ids
 from ar_lab.serving import POLICIES, Request, ServeReport, serve
 from ar_lab.timing import synchronize
 
@@ -56,8 +56,7 @@ def compare_policies(
 ) -> dict[str, list[ServeReport]]:
     """``serve`` the same requests under both policies, alternating, ``repeats`` times each
     (so a load change on the machine hits both alike)."""
-    if not isinstance(repeats, int) or repeats < 1:
-        raise ValueError(f"repeats must be an int >= 1, got {repeats!r}")
+    positive_int("repeats", repeats)
     reports: dict[str, list[ServeReport]] = {p: [] for p in POLICIES}
     for _ in range(repeats):
         for policy in POLICIES:
@@ -90,9 +89,10 @@ def decode_throughput(
     each repeat runs ``steps`` decode steps per batch size, interleaved across batch sizes so
     a load change on the machine hits them alike. Medians are reported.
     """
-    if not batch_sizes or any(not isinstance(b, int) or b < 1 for b in batch_sizes):
+    if not batch_sizes or any(not isinstance(b, int) or isinstance(b, bool) or b < 1 for b in batch_sizes):
         raise ValueError(f"batch_sizes must be ints >= 1, got {list(batch_sizes)}")
-    if not isinstance(context, int) or context < 1 or context + steps > model.config.block_size:
+    positive_int("context", context), positive_int("steps", steps), positive_int("repeats", repeats)
+    if context + steps > model.config.block_size:
         raise ValueError(f"context + steps must fit in the context window ({model.config.block_size})")
     caches, inputs = _random_batches(model, batch_sizes, context, steps)
     times: dict[int, list[float]] = {b: [] for b in batch_sizes}
@@ -128,10 +128,11 @@ def prefix_ttft(
     its prefill; building the prefix cache itself is paid once (``build_s``). Runs alternate,
     medians are reported, and the tokens of both sides are compared.
     """
+    if isinstance(suffixes, str) or not isinstance(suffixes, Sequence):
+        raise TypeError(f"suffixes must be a list of suffixes (texts or token ids), got {type(suffixes).__name__}")
     if not suffixes:
         raise ValueError("give at least one suffix (the part of each prompt after the shared prefix)")
-    if not isinstance(repeats, int) or repeats < 1:
-        raise ValueError(f"repeats must be an int >= 1, got {repeats!r}")
+    positive_int("repeats", repeats)
     pc = PrefixCache(model, prefix)
     prompts = [pc.tokens + prompt_ids(s) for s in suffixes]
     plain_t, reuse_t, same = [], [], []

@@ -3,14 +3,15 @@
 ``speculation_view`` runs plain and speculative decoding of one prompt side by side, with
 the same settings, and gathers the measured acceptance rate alpha, the cost ratio c and
 the speedup next to the theory's curves (``ar_lab.speculative``). The explorer widget is
-a thin shell over it. ``benchmark_prompts`` gives the fixed validation prompts that the
-chapter and ``python -m ar_lab.bench speculative`` time on.
+a thin shell over it, drawing with ``plot_speculation_view`` and ``speculation_text_html``
+(the text coloured by who chose each token). ``benchmark_prompts`` gives the fixed
+validation prompts that the chapter and ``python -m ar_lab.bench speculative`` time on.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -23,9 +24,10 @@ from ar_lab.speculative import (
     expected_speedup,
     expected_tokens_per_iteration,
     speculative_generate,
+    token_sources,
 )
 from ar_lab.timing import steady_clock, synchronize
-from ar_lab.tokenizer import EOS_ID, encode
+from ar_lab.tokenizer import EOS_ID, StreamDecoder, encode
 
 
 @dataclass
@@ -110,8 +112,10 @@ def speculation_view(
     """
     if not isinstance(prompt, str) or not prompt:
         raise ValueError("the prompt is empty: type at least one character")
-    if not isinstance(max_gamma, int) or max_gamma < max(gamma, 1):
-        raise ValueError(f"max_gamma must be an int >= gamma and >= 1, got {max_gamma!r}")
+    if not isinstance(max_gamma, int) or isinstance(max_gamma, bool) or max_gamma < 1:
+        raise ValueError(f"max_gamma must be an int >= 1, got {max_gamma!r}")
+    if not isinstance(gamma, int) or isinstance(gamma, bool) or not 1 <= gamma <= max_gamma:
+        raise ValueError(f"gamma must be a whole number from 1 to max_gamma ({max_gamma}), got {gamma!r}")
     if not isinstance(repeats, int) or repeats < 1:
         raise ValueError(f"repeats must be an int >= 1, got {repeats!r}")
     device = target.device
@@ -150,6 +154,84 @@ def speculation_view(
     return SpeculationView(
         prompt, draft_name, gamma, sampling, seed, result, baseline, t_plain, t_spec, clock_name, max_gamma
     )
+
+
+def token_pieces(tokens: Sequence[int]) -> list[str]:
+    """The text each token completes, one string per token.
+
+    A character of several UTF-8 bytes (each byte a token) belongs to the token that completed
+    it; the tokens before it in that character get "". EOS is shown as "⟨EOS⟩" (bytes it cut
+    short become U+FFFD, on the token before it). Joined, the pieces read as the decoded text.
+    """
+    pieces: list[str] = []
+    decoder = StreamDecoder()
+    for token in tokens:
+        if token == EOS_ID:
+            if pieces:
+                pieces[-1] += decoder.flush()
+            pieces.append("⟨EOS⟩")
+            decoder = StreamDecoder()
+        else:
+            pieces.append(decoder.feed(token))
+    if pieces:
+        pieces[-1] += decoder.flush()
+    return pieces
+
+
+def speculation_text_html(view) -> str:
+    """The generated text with each character coloured by who chose the token that completed it:
+    an accepted draft token or the target."""
+    import html
+
+    from ar_lab.plots import COLORS
+
+    pieces = token_pieces(view.result.tokens)
+    spans = [
+        f"<span style='color:{COLORS[source]}'>{html.escape(piece)}</span>"
+        for piece, source in zip(pieces, token_sources(view.result.stats), strict=False)
+        if piece
+    ]
+    legend = (
+        f"<span style='color:{COLORS['draft']}'>■ accepted draft token</span> &nbsp; "
+        f"<span style='color:{COLORS['target']}'>■ token drawn by the target (residual or bonus)</span>"
+    )
+    prompt = html.escape(view.prompt)
+    return (
+        f"<div>{legend}</div><pre style='white-space:pre-wrap;margin:2px 0'>"
+        f"<span style='color:#7f8c8d'>{prompt}</span>{''.join(spans)}</pre>"
+    )
+
+
+def plot_speculation_view(axes, view):
+    """Two panels: tokens per target call and wall-clock speedup against gamma.
+
+    Lines: the theory for the alpha and c measured in ``view`` (Leviathan et al., 2023);
+    dots: what this run measured at its gamma.
+    """
+    from ar_lab.plots import COLORS
+
+    theory = view.theory()
+    gammas = theory["gamma"]
+    left, right = axes
+    left.plot(gammas, theory["tokens_per_iteration"], "-o", ms=3, color=COLORS["theory"], label="theory")
+    left.plot(gammas, [g + 1 for g in gammas], ":", color=COLORS["dropped"], label="ceiling γ + 1 (α = 1)")
+    left.plot([view.gamma], [view.tokens_per_target_call], "o", ms=9, color=COLORS["draft"], label="measured")
+    left.set_xlabel("γ (draft tokens per iteration)")
+    left.set_ylabel("tokens per target call")
+    left.set_title(f"α = {view.alpha:.2f} (measured)", fontsize=10.5)
+    left.legend(loc="upper left")
+    label = f"theory (c = {view.cost_ratio:.2f})"
+    right.plot(gammas, theory["speedup"], "-o", ms=3, color=COLORS["theory"], label=label)
+    right.axhline(1.0, color=COLORS["accent"], lw=1, ls="--", label="plain decoding")
+    right.plot([view.gamma], [view.measured_speedup], "o", ms=9, color=COLORS["draft"], label="measured")
+    right.set_xlabel("γ (draft tokens per iteration)")
+    right.set_ylabel("speedup over plain decoding (×)")
+    right.set_title(f"draft: {view.draft_name}, {view.sampling.label}", fontsize=10.5)
+    right.set_ylim(bottom=0)
+    right.legend(loc="best")
+    for ax in axes:
+        ax.set_xticks(gammas)
+    return axes
 
 
 def benchmark_prompts(n: int = 3, length: int = 32) -> list[list[int]]:

@@ -25,13 +25,34 @@ def default_device() -> torch.device:
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
+def checked_device(device: torch.device | str, *, present: bool = True) -> torch.device:
+    """``device`` as a ``torch.device`` ar_lab can compute on here: the CPU, or a CUDA GPU torch sees.
+
+    One check for every function that takes a device, so "mps", "banana" or "cuda" on a
+    machine without a GPU all give the same message instead of an error from deep in torch.
+    ``present=False`` accepts "cuda" without a GPU (for questions such as which dtype it would use).
+    """
+    try:
+        d = torch.device(device)
+    except (RuntimeError, TypeError, ValueError):
+        raise ValueError(f"device must be like 'cpu' or 'cuda', got {device!r}") from None
+    if d.type not in ("cpu", "cuda"):
+        raise ValueError(f"device must be like 'cpu' or 'cuda', got {str(d)!r} (ar_lab runs on a CPU or a CUDA GPU)")
+    if d.type == "cuda" and present:
+        if not torch.cuda.is_available():
+            raise ValueError(f"device {str(d)!r} asked for, but torch sees no CUDA GPU here: use 'cpu'")
+        if d.index is not None and d.index >= torch.cuda.device_count():
+            raise ValueError(f"device {str(d)!r} asked for, but torch sees {torch.cuda.device_count()} CUDA GPU(s)")
+    return d
+
+
 def synchronize(device: torch.device | str | None = None) -> None:
     """Wait until ``device`` has finished the work queued on it (a no-op on the CPU).
 
     A GPU runs asynchronously: without this, a timer measures how fast Python queued the
     kernels, not how long they took.
     """
-    if device is not None and torch.device(device).type == "cuda":
+    if device is not None and checked_device(device).type == "cuda":
         torch.cuda.synchronize(device)
 
 
@@ -43,9 +64,11 @@ def time_call(
     On CUDA the time is read from CUDA events recorded around the call (GPU time, not
     launch time); elsewhere from ``time.perf_counter``.
     """
+    if not callable(fn):
+        raise TypeError(f"time_call times a function of no arguments, e.g. lambda: model(x); got {fn!r}")
     positive_int("repeats", repeats)
     positive_int("warmup", warmup, minimum=0)
-    on_cuda = device is not None and torch.device(device).type == "cuda"
+    on_cuda = device is not None and checked_device(device).type == "cuda"
     for _ in range(warmup):
         fn()
     synchronize(device)
@@ -66,6 +89,9 @@ def time_call(
 
 
 def median(values: list[float]) -> float:
+    values = list(values)
+    if not values:
+        raise ValueError("no values to take the median of (did the measurement run zero times?)")
     return statistics.median(values)
 
 
@@ -77,14 +103,14 @@ def steady_clock(device: torch.device | str = "cpu") -> Callable[[], float]:
     other processes on a shared machine do not inflate it (they only delay it). On a GPU,
     or with several threads, only the wall clock measures the work.
     """
-    if torch.device(device).type == "cpu" and torch.get_num_threads() == 1:
+    if checked_device(device, present=False).type == "cpu" and torch.get_num_threads() == 1:
         return time.process_time
     return time.perf_counter
 
 
 def device_name(device: torch.device | str) -> str:
     """The GPU's name, or the CPU's model name as the operating system reports it."""
-    device = torch.device(device)
+    device = checked_device(device)
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
     name = platform.processor() or platform.machine() or "cpu"
@@ -111,7 +137,7 @@ def _version() -> str | None:
 
 def machine(device: torch.device | str = "cpu") -> dict:
     """What a measurement ran on: device, threads, versions and the date (stored with results)."""
-    device = torch.device(device)
+    device = checked_device(device)
     return {
         "device": {
             "type": device.type,

@@ -10,6 +10,7 @@ Token ids 0..255 are the byte values; id 256 is EOS. ``VOCAB_SIZE`` is 257.
 from __future__ import annotations
 
 import codecs
+import numbers
 from collections.abc import Iterable
 
 N_BYTES = 256
@@ -28,8 +29,24 @@ def encode(text: str, add_eos: bool = False) -> list[int]:
 
 
 def _check_ids(ids: Iterable[int]) -> list[int]:
+    """``ids`` as a list of ints in the vocabulary, or an error that says what to pass."""
+    if isinstance(ids, str):
+        raise TypeError(f"decode expects a list of token ids (ints 0..{VOCAB_SIZE - 1}), got a str: use encode(text)")
+    if hasattr(ids, "tolist") and hasattr(ids, "dtype"):  # a tensor or an array: integer ids, 1-D
+        if getattr(ids, "ndim", 1) > 1:
+            raise ValueError(f"token ids must be 1-D, got shape {tuple(ids.shape)}: decode one row at a time")
+        if not _integer_dtype(ids.dtype):
+            raise TypeError(f"token ids must be integers, got a {ids.dtype} array")
+        ids = ids.tolist()
+        ids = [ids] if isinstance(ids, int) else ids
+    elif not isinstance(ids, Iterable):
+        raise TypeError(f"decode expects a list of token ids (ints 0..{VOCAB_SIZE - 1}), got {type(ids).__name__}")
     out = []
     for i in ids:
+        if getattr(i, "ndim", None) == 0 and _integer_dtype(i.dtype):  # one element of a tensor
+            i = int(i)
+        if isinstance(i, bool) or not isinstance(i, numbers.Integral):
+            raise TypeError(f"token ids must be integers (0..{VOCAB_SIZE - 1}), got {i!r} ({type(i).__name__})")
         i = int(i)
         if not 0 <= i < VOCAB_SIZE:
             raise ValueError(f"token id {i} is outside the vocabulary [0, {VOCAB_SIZE - 1}]")
@@ -37,12 +54,20 @@ def _check_ids(ids: Iterable[int]) -> list[int]:
     return out
 
 
+def _integer_dtype(dtype) -> bool:
+    """True for integer dtypes of torch or numpy (bool is not an integer here)."""
+    name = str(dtype).removeprefix("torch.")
+    return name.startswith(("int", "uint", "long", "short"))
+
+
 def decode(ids: Iterable[int], stop_at_eos: bool = True) -> str:
-    """Turn token ids back into text.
+    """Turn token ids (a list of ints, or a 1-D integer tensor or array) back into text.
 
     EOS ends the text when ``stop_at_eos`` (the default); otherwise it is dropped.
     Byte sequences that are not valid UTF-8 (a model can emit those) become U+FFFD.
     """
+    if not isinstance(stop_at_eos, bool):
+        raise TypeError(f"stop_at_eos must be True or False, got {stop_at_eos!r}")
     ids = _check_ids(ids)
     if EOS_ID in ids:
         ids = ids[: ids.index(EOS_ID)] if stop_at_eos else [i for i in ids if i != EOS_ID]
@@ -62,7 +87,8 @@ class StreamDecoder:
         self.finished = False
 
     def feed(self, token_id: int) -> str:
-        (token_id,) = _check_ids([token_id])
+        if type(token_id) is not int or not 0 <= token_id < VOCAB_SIZE:  # the common case needs no more checks
+            (token_id,) = _check_ids([token_id])
         if self.finished:
             return ""
         if token_id == EOS_ID:

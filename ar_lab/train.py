@@ -4,8 +4,9 @@
 checkpoints shipped in data/: seeded, on the built-in corpus, on the CPU.
 
 Checkpoints are safetensors files: tensors plus a JSON header (config and training
-record). Loading one never runs pickled code; a corrupted or mismatched file gives
-an error that says what is wrong.
+record) and a digest of both (``ar_lab.checkpoint``, whose functions this module
+re-exports). Loading one never runs pickled code; a corrupted, edited or mismatched
+file gives an error that says what is wrong.
 """
 
 from __future__ import annotations
@@ -22,10 +23,28 @@ import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
-from ar_lab.data import corpus_tokens, data_dir, get_batch, train_val_split
+from ar_lab.checkpoint import CheckpointError, load_checkpoint, read_checkpoint_metadata, save_checkpoint
+from ar_lab.data import check_writable, corpus_tokens, data_dir, get_batch, train_val_split
 from ar_lab.model import GPT, GPTConfig
 from ar_lab.prompts import eval_mode
 from ar_lab.timing import default_device
+
+__all__ = [  # the checkpoint functions of ar_lab.checkpoint and default_device too: chapter 03 imports them from here
+    "PRESETS",
+    "CheckpointError",
+    "TrainConfig",
+    "TrainResult",
+    "checkpoint_path",
+    "default_device",
+    "evaluate",
+    "load_checkpoint",
+    "load_pretrained",
+    "lr_at",
+    "read_checkpoint_metadata",
+    "save_checkpoint",
+    "train",
+    "train_preset",
+]
 
 
 @dataclass
@@ -46,11 +65,20 @@ class TrainConfig:
     teacher: str | None = None
 
     def __post_init__(self) -> None:
-        for name in ("steps", "batch_size", "block_size", "eval_every", "eval_batches"):
-            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
-                raise ValueError(f"TrainConfig.{name} must be an int >= 1, got {getattr(self, name)!r}")
-        if not self.lr > 0:
-            raise ValueError(f"lr must be > 0, got {self.lr}")
+        for name in ("steps", "batch_size", "block_size", "eval_every", "eval_batches", "warmup_steps", "seed"):
+            value, low = getattr(self, name), 0 if name in ("warmup_steps", "seed") else 1
+            if not isinstance(value, int) or isinstance(value, bool) or value < low:
+                raise ValueError(f"TrainConfig.{name} must be an int >= {low}, got {value!r}")
+        for name, ok, rule in [
+            ("lr", lambda v: v > 0, "> 0"),
+            ("min_lr_ratio", lambda v: 0 <= v <= 1, "in [0, 1]"),
+            ("weight_decay", lambda v: v >= 0, ">= 0"),
+            ("grad_clip", lambda v: v > 0, "> 0"),
+        ]:
+            value = getattr(self, name)
+            number = isinstance(value, (int, float)) and not isinstance(value, bool)
+            if not number or not math.isfinite(value) or not ok(value):
+                raise ValueError(f"TrainConfig.{name} must be a finite number {rule}, got {value!r}")
         if self.teacher is not None and not isinstance(self.teacher, str):
             raise ValueError(f"teacher must be a checkpoint name such as 'course', got {self.teacher!r}")
 
@@ -76,6 +104,10 @@ def evaluate(
     model: GPT, tokens: torch.Tensor, block_size: int, batches: int = 8, batch_size: int = 8, seed: int = 0
 ) -> float:
     """Mean next-token cross-entropy (nats) on random windows of ``tokens``, seeded."""
+    if not isinstance(batches, int) or isinstance(batches, bool) or batches < 1:
+        raise ValueError(f"batches must be an int >= 1, got {batches!r}")
+    if isinstance(block_size, int) and block_size > model.config.block_size:
+        raise ValueError(f"block_size {block_size} exceeds the model's context window {model.config.block_size}")
     g = torch.Generator().manual_seed(seed)
     losses = []
     with eval_mode(model):
@@ -101,6 +133,11 @@ def train(
     which is what a speculative-decoding draft is judged on (alpha = 1 - TV(p, q)). The
     evaluation stays next-token cross-entropy on the text.
     """
+    if not isinstance(tc, TrainConfig):
+        raise TypeError(f"tc must be a TrainConfig (e.g. TrainConfig(steps=100)), got {type(tc).__name__}")
+    for name, tokens in (("train_tokens", train_tokens), ("val_tokens", val_tokens)):
+        if not isinstance(tokens, torch.Tensor) or tokens.ndim != 1 or tokens.dtype.is_floating_point:
+            raise TypeError(f"{name} must be a 1-D tensor of token ids (see ar_lab.data.train_val_split)")
     if teacher is not None:
         if teacher.config.vocab_size != model.config.vocab_size:
             raise ValueError(
@@ -151,90 +188,6 @@ def train(
     result.seconds = time.perf_counter() - t0
     model.eval()
     return result
-
-
-# --- checkpoints -----------------------------------------------------------------
-
-
-class CheckpointError(ValueError):
-    """A checkpoint file that cannot be loaded: corrupted, truncated or mismatched."""
-
-
-def save_checkpoint(path: str | Path, model: GPT, record: dict | None = None, dtype: torch.dtype | None = None) -> None:
-    """Write weights + config (+ a JSON-able training record) as safetensors.
-
-    ``dtype`` stores the weights in another precision (the shipped checkpoints use
-    float16 to halve the file); loading always gives the model's float32 parameters.
-    """
-    from safetensors.torch import save_file
-
-    state = {
-        k: v.detach().cpu().to(dtype or v.dtype).contiguous()
-        for k, v in model.state_dict().items()
-        if k != "lm_head.weight"
-    }
-    meta = {"format": "ar_lab-gpt-1", "config": json.dumps(model.config.to_dict())}
-    if record is not None:
-        meta["record"] = json.dumps(record)
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    save_file(state, str(path), metadata=meta)
-
-
-def read_checkpoint_metadata(path: str | Path) -> dict:
-    """The config and training record stored in a checkpoint, without loading weights."""
-    from safetensors import safe_open
-
-    path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(f"no checkpoint at {path} (make checkpoints writes the course's)")
-    try:
-        with safe_open(str(path), framework="pt") as f:
-            meta = f.metadata() or {}
-    except Exception as e:  # safetensors raises several types for a damaged header
-        raise CheckpointError(
-            f"{path} is corrupted or truncated, or not a safetensors file ({e}); re-create it"
-        ) from None
-    if meta.get("format") != "ar_lab-gpt-1" or "config" not in meta:
-        raise CheckpointError(f"{path} is not an ar_lab checkpoint (no ar_lab config in its header)")
-    out = {"config": json.loads(meta["config"])}
-    out["record"] = json.loads(meta["record"]) if "record" in meta else {}
-    return out
-
-
-def load_checkpoint(path: str | Path, device: str | torch.device | None = None) -> GPT:
-    """Build the model a checkpoint describes and load its weights."""
-    from safetensors.torch import load_file
-
-    meta = read_checkpoint_metadata(path)
-    try:
-        config = GPTConfig(**meta["config"])
-    except (TypeError, ValueError) as e:
-        raise CheckpointError(f"{path} holds an invalid model config: {e}") from None
-    try:
-        state = load_file(str(path))
-    except Exception as e:
-        raise CheckpointError(f"{path} is corrupted or truncated ({e}); re-create it") from None
-    model = GPT(config)
-    expected = {k: v.shape for k, v in model.state_dict().items() if k != "lm_head.weight"}
-    missing = sorted(set(expected) - set(state))
-    extra = sorted(set(state) - set(expected))
-    wrong = [k for k in expected if k in state and state[k].shape != expected[k]]
-    if missing or extra or wrong:
-        detail = "; ".join(
-            s
-            for s in [
-                f"missing {missing[:3]}" if missing else "",
-                f"unexpected {extra[:3]}" if extra else "",
-                f"shape of {wrong[0]}: file {tuple(state[wrong[0]].shape)} vs config {tuple(expected[wrong[0]])}"
-                if wrong
-                else "",
-            ]
-            if s
-        )
-        raise CheckpointError(f"{path} does not match its config: {detail}")
-    model.load_state_dict(state, strict=False)  # lm_head.weight is tied to wte.weight
-    model.checkpoint_record = meta["record"]
-    return model.to(default_device() if device is None else device).eval()
 
 
 # --- the shipped checkpoints -------------------------------------------------------
@@ -332,6 +285,8 @@ def _starting_point(name: str, resume: Path | None) -> tuple[GPT, list[dict]]:
                 f"phase {i + 1} of {name!r} distils from {checkpoint_path(tc.teacher)}, which is missing: "
                 f"train it first (python -m ar_lab.train --preset {tc.teacher})"
             )
+        if tc.teacher is not None:
+            read_checkpoint_metadata(checkpoint_path(tc.teacher))  # a damaged teacher: say so before training
     return model, done
 
 
@@ -393,7 +348,9 @@ def train_preset(name: str, out: Path | None = None, progress: bool = True, resu
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description="Train the course checkpoints reproducibly.")
+    parser = argparse.ArgumentParser(
+        prog="python -m ar_lab.train", description="Train the course checkpoints reproducibly."
+    )
     parser.add_argument("--preset", choices=sorted(PRESETS), required=True)
     parser.add_argument("--out", type=Path, default=None, help="where to write (default data/NAME.safetensors)")
     parser.add_argument(
@@ -404,6 +361,8 @@ def main(argv: list[str] | None = None) -> None:
     try:
         if args.threads < 1:
             raise ValueError(f"--threads must be >= 1, got {args.threads}")
+        if args.out is not None:  # a path that cannot be written: said before hours of training, not after
+            check_writable(args.out, "--out")
         torch.set_num_threads(args.threads)
         start = _starting_point(args.preset, args.resume)
     except (FileNotFoundError, ValueError) as e:  # a mistake in the command: its message, no traceback

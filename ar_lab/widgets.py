@@ -2,10 +2,36 @@
 
 Every explorer is a thin shell: its callback calls a pure function from the chapter's
 module (which unit tests call directly), and the builder returns the widget so tests
-can set ``.value`` on its controls headlessly and read what it shows.
+can set ``.value`` on its controls headlessly and read what it shows. Number controls
+are plain text boxes, not bounded ones or sliders (which silently clamp a typed 100 to
+their maximum): a value out of range is refused with a message in the widget that gives
+the allowed range (``whole_number``, ``sampler_params``, ``speculation_settings``).
 """
 
 from __future__ import annotations
+
+import math
+
+from ar_lab.prompts import check_seed, finite_number
+from ar_lab.speculative_view import plot_speculation_view, speculation_text_html
+
+__all__ = ["plot_speculation_view", "speculation_text_html"]  # chapter 07 imports them from here too
+
+
+def whole_number(label: str, value, low: int, high: int | None = None, hint: str = "") -> int:
+    """``value`` if it is a whole number in [low, high]; else a ValueError naming the control by its label."""
+    if not isinstance(value, int) or isinstance(value, bool) or value < low or (high is not None and value > high):
+        allowed = f">= {low}" if high is None else f"from {low} to {high}"
+        raise ValueError(f"{label} must be a whole number {allowed}{hint}, got {value!r}")
+    return value
+
+
+def _fraction(label: str, value, *, open_low: bool) -> float:
+    """``value`` in (0, 1] (``open_low``) or [0, 1], else a ValueError giving the range."""
+    real = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    if not real or not (0 < value if open_low else 0 <= value) or value > 1:
+        raise ValueError(f"{label} must be in {'(0, 1]' if open_low else '[0, 1]'}, got {value!r}")
+    return float(value)
 
 
 class _Shown:
@@ -88,18 +114,24 @@ class KVCacheCalculator(_Shown):
         style = {"description_width": "120px"}
         box = dict(style=style, layout=W.Layout(width="260px"))
 
-        def number(description, low, high):
-            return W.BoundedIntText(1, min=low, max=high, description=description, **box)
+        if dtype not in BYTES_PER_VALUE:
+            raise ValueError(f"dtype must be one of {sorted(BYTES_PER_VALUE)}, got {dtype!r}")
+        self._lowest = {}  # control -> the smallest whole number it takes
+
+        def number(description, low):
+            control = W.IntText(1, description=description, **box)
+            self._lowest[control] = low
+            return control
 
         self.preset = W.Dropdown(options=[*KV_PRESETS, "custom"], value=preset, description="preset", **box)
-        self.layers = number("layers", 1, 10_000)
-        self.heads = number("query heads", 1, 10_000)
-        self.kv_heads = number("KV heads (GQA)", 1, 10_000)
-        self.head_dim = number("head dim", 1, 100_000)
-        self.latent = number("MLA latent", 1, 1_000_000)
-        self.rope = number("MLA RoPE key", 0, 100_000)
-        self.seq_len = number("sequence", 0, 100_000_000)
-        self.batch = number("batch", 1, 1_000_000)
+        self.layers = number("layers", 1)
+        self.heads = number("query heads", 1)
+        self.kv_heads = number("KV heads (GQA)", 1)
+        self.head_dim = number("head dim", 1)
+        self.latent = number("MLA latent", 1)
+        self.rope = number("MLA RoPE key", 0)
+        self.seq_len = number("sequence", 0)
+        self.batch = number("batch", 1)
         self.dtype = W.Dropdown(options=list(BYTES_PER_VALUE), value=dtype, description="dtype", **box)
         self.output = W.HTML()
         self.sizes: dict[str, int] = {}
@@ -143,6 +175,8 @@ class KVCacheCalculator(_Shown):
         """The ``AttentionShape`` the controls describe (raises ValueError if impossible)."""
         from ar_lab.cache import KV_PRESETS, AttentionShape
 
+        for control, low in self._lowest.items():
+            whole_number(control.description, control.value, low)
         heads, kv = int(self.heads.value), int(self.kv_heads.value)
         if self.preset.value in KV_PRESETS:
             scheme, source = KV_PRESETS[self.preset.value].scheme, KV_PRESETS[self.preset.value].source
@@ -223,13 +257,12 @@ class SamplerExplorer(_Shown):
 
         self.model, self.n_samples, self.max_new_tokens, self.top = model, n_samples, max_new_tokens, top
         style = {"description_width": "90px"}
-        slider = dict(continuous_update=False, style=style, layout=W.Layout(width="340px"))
+        box = dict(style=style, layout=W.Layout(width="220px"))
         self.prompt = W.Text(value=prompt, description="prompt", continuous_update=False, style=style)
-        self.temperature = W.FloatSlider(1.0, min=0.0, max=2.0, step=0.05, description="temperature", **slider)
-        vocab = model.config.vocab_size
-        self.top_k = W.IntSlider(0, min=0, max=vocab, description="top-k (0 off)", **slider)
-        self.top_p = W.FloatSlider(1.0, min=0.01, max=1.0, step=0.01, description="top-p", **slider)
-        self.min_p = W.FloatSlider(0.0, min=0.0, max=1.0, step=0.01, description="min-p", **slider)
+        self.temperature = W.FloatText(1.0, step=0.05, description="temperature", **box)
+        self.top_k = W.IntText(0, description="top-k (0 off)", **box)
+        self.top_p = W.FloatText(1.0, step=0.01, description="top-p", **box)
+        self.min_p = W.FloatText(0.0, step=0.01, description="min-p", **box)
         self.seed = W.IntText(0, description="seed", style=style, layout=W.Layout(width="200px"))
         self.status = W.HTML()
         self.image = W.Image(format="png")
@@ -244,15 +277,8 @@ class SamplerExplorer(_Shown):
 
     @property
     def params(self):
-        from ar_lab.sampling import SamplingParams
-
-        k = int(self.top_k.value)
-        return SamplingParams(
-            temperature=float(self.temperature.value),
-            top_k=k if k > 0 else None,
-            top_p=float(self.top_p.value),
-            min_p=float(self.min_p.value),
-        )
+        """The ``SamplingParams`` the controls describe (a ValueError naming the control if one is out of range)."""
+        return sampler_params(self.temperature.value, self.top_k.value, self.top_p.value, self.min_p.value)
 
     def update(self) -> None:
         import html
@@ -267,7 +293,7 @@ class SamplerExplorer(_Shown):
                 self.model,
                 self.prompt.value,
                 self.params,
-                seed=int(self.seed.value),
+                seed=check_seed(self.seed.value),
                 n_samples=self.n_samples,
                 max_new_tokens=self.max_new_tokens,
             )
@@ -297,67 +323,25 @@ class SamplerExplorer(_Shown):
         self.samples.value = f"<div>{len(view.continuations)} samples (seed {view.seed}):</div>{rows}"
 
 
+def sampler_params(temperature, top_k, top_p, min_p):
+    """The sampler explorer's controls as ``SamplingParams`` (top-k 0: off), each checked with its label and range."""
+    from ar_lab.sampling import SamplingParams
+
+    k = whole_number("top-k", top_k, 0, hint=" (0 turns it off)")
+    return SamplingParams(
+        temperature=finite_number("temperature", temperature),
+        top_k=k or None,
+        top_p=_fraction("top-p", top_p, open_low=True),
+        min_p=_fraction("min-p", min_p, open_low=False),
+    )
+
+
 def sampler_explorer(model, prompt: str = "The ", n_samples: int = 4, max_new_tokens: int = 40) -> SamplerExplorer:
     """Build the chapter-06 explorer (display it by leaving it last in a cell)."""
     return SamplerExplorer(model, prompt, n_samples, max_new_tokens)
 
 
 # --- chapter 07: speculative decoding explorer ---------------------------------------
-
-
-def plot_speculation_view(axes, view):
-    """Two panels: tokens per target call and wall-clock speedup against gamma.
-
-    Lines: the theory for the alpha and c measured in ``view`` (Leviathan et al., 2023);
-    dots: what this run measured at its gamma.
-    """
-    from ar_lab.plots import COLORS
-
-    theory = view.theory()
-    gammas = theory["gamma"]
-    left, right = axes
-    left.plot(gammas, theory["tokens_per_iteration"], "-o", ms=3, color=COLORS["theory"], label="theory")
-    left.plot(gammas, [g + 1 for g in gammas], ":", color=COLORS["dropped"], label="ceiling γ + 1 (α = 1)")
-    left.plot([view.gamma], [view.tokens_per_target_call], "o", ms=9, color=COLORS["draft"], label="measured")
-    left.set_xlabel("γ (draft tokens per iteration)")
-    left.set_ylabel("tokens per target call")
-    left.set_title(f"α = {view.alpha:.2f} (measured)", fontsize=10.5)
-    left.legend(loc="upper left")
-    label = f"theory (c = {view.cost_ratio:.2f})"
-    right.plot(gammas, theory["speedup"], "-o", ms=3, color=COLORS["theory"], label=label)
-    right.axhline(1.0, color=COLORS["accent"], lw=1, ls="--", label="plain decoding")
-    right.plot([view.gamma], [view.measured_speedup], "o", ms=9, color=COLORS["draft"], label="measured")
-    right.set_xlabel("γ (draft tokens per iteration)")
-    right.set_ylabel("speedup over plain decoding (×)")
-    right.set_title(f"draft: {view.draft_name}, {view.sampling.label}", fontsize=10.5)
-    right.set_ylim(bottom=0)
-    right.legend(loc="best")
-    for ax in axes:
-        ax.set_xticks(gammas)
-    return axes
-
-
-def speculation_text_html(view) -> str:
-    """The generated text with each token coloured by who chose it: accepted draft or target."""
-    import html
-
-    from ar_lab.plots import COLORS
-    from ar_lab.speculative import token_sources
-    from ar_lab.tokenizer import N_BYTES
-
-    spans = []
-    for token, source in zip(view.result.tokens, token_sources(view.result.stats), strict=False):
-        piece = html.escape(bytes([token]).decode("utf-8", errors="replace")) if token < N_BYTES else "⟨EOS⟩"
-        spans.append(f"<span style='color:{COLORS[source]}'>{piece}</span>")
-    legend = (
-        f"<span style='color:{COLORS['draft']}'>■ accepted draft token</span> &nbsp; "
-        f"<span style='color:{COLORS['target']}'>■ token drawn by the target (residual or bonus)</span>"
-    )
-    prompt = html.escape(view.prompt)
-    return (
-        f"<div>{legend}</div><pre style='white-space:pre-wrap;margin:2px 0'>"
-        f"<span style='color:#7f8c8d'>{prompt}</span>{''.join(spans)}</pre>"
-    )
 
 
 class SpeculationExplorer(_Shown):
@@ -378,10 +362,10 @@ class SpeculationExplorer(_Shown):
             raise ValueError("drafts must name at least one draft model, e.g. {'draft checkpoint': draft}")
         self.target, self.drafts, self.max_new_tokens, self.max_gamma = target, dict(drafts), max_new_tokens, max_gamma
         style = {"description_width": "90px"}
-        slider = dict(continuous_update=False, style=style, layout=W.Layout(width="340px"))
+        box = dict(style=style, layout=W.Layout(width="220px"))
         self.prompt = W.Text(value=prompt, description="prompt", continuous_update=False, style=style)
-        self.gamma = W.IntSlider(gamma, min=1, max=max_gamma, description="γ", **slider)
-        self.temperature = W.FloatSlider(0.0, min=0.0, max=1.5, step=0.05, description="temperature", **slider)
+        self.gamma = W.IntText(gamma, description="γ", **box)
+        self.temperature = W.FloatText(0.0, step=0.05, description="temperature", **box)
         self.draft = W.Dropdown(options=list(self.drafts), description="draft", style=style)
         self.seed = W.IntText(0, description="seed", style=style, layout=W.Layout(width="200px"))
         self.status = W.HTML()
@@ -401,17 +385,19 @@ class SpeculationExplorer(_Shown):
 
         import matplotlib.pyplot as plt
 
-        from ar_lab.sampling import SamplingParams
         from ar_lab.speculative_view import speculation_view
 
         try:
+            gamma, sampling, seed = speculation_settings(
+                self.gamma.value, self.temperature.value, self.seed.value, self.max_gamma
+            )
             view = speculation_view(
                 self.target,
                 self.drafts[self.draft.value],
                 self.prompt.value,
-                gamma=int(self.gamma.value),
-                sampling=SamplingParams(temperature=float(self.temperature.value)),
-                seed=int(self.seed.value),
+                gamma=gamma,
+                sampling=sampling,
+                seed=seed,
                 max_new_tokens=self.max_new_tokens,
                 draft_name=self.draft.value,
                 max_gamma=self.max_gamma,
@@ -441,6 +427,14 @@ class SpeculationExplorer(_Shown):
         plt.close(fig)
         self.image.value = buf.getvalue()
         self.text.value = speculation_text_html(view)
+
+
+def speculation_settings(gamma, temperature, seed, max_gamma: int = 8):
+    """The speculative explorer's controls as (gamma, ``SamplingParams``, seed), each checked with its label."""
+    from ar_lab.sampling import SamplingParams
+
+    gamma = whole_number("γ", gamma, 1, max_gamma)
+    return gamma, SamplingParams(temperature=finite_number("temperature", temperature)), check_seed(seed)
 
 
 def speculation_explorer(

@@ -7,13 +7,14 @@ Run → Run All Cells and waits for the kernel to be idle. A notebook fails on a
 output, a traceback on stderr, a widget that was not drawn ("Error displaying widget"),
 a browser console error, or a cell that never ran.
 
-The explorers are then driven through the page: keys on slider handles, typing in
-boxes and slider readouts, choosing from drop-downs, clicking radio buttons and
-"Check". Each assertion compares what the page shows with what ar_lab computes (the
-KV-cache sizes), or with a relation that must hold (top-k = 15 keeps 15 tokens; a
-seed changes the samples but not the distribution; a draft identical to the target
-accepts every token). Screenshots of every explorer and quiz go to
-$AR_LAB_SCREENSHOTS (default bench-results/browser/); the path is printed.
+The explorers are then driven through the page: arrow keys and typing in number
+boxes, choosing from drop-downs, clicking radio buttons and "Check". Each assertion
+compares what the page shows with what ar_lab computes (the KV-cache sizes), or with
+a relation that must hold (top-k = 15 keeps 15 tokens; a seed changes the samples but
+not the distribution; a draft identical to the target accepts every token); a value
+out of range is refused with a message in the widget, and the box keeps what was typed.
+Screenshots of every explorer and quiz go to $AR_LAB_SCREENSHOTS (default
+bench-results/browser/); the path is printed.
 
 Without Chromium or Playwright these tests skip and say how to enable them.
 """
@@ -206,31 +207,24 @@ def widget_output(nb, label: str):
 
 
 def control(output, kind: str, label: str):
-    """The control (".widget-slider", ".widget-text", ".widget-dropdown") labelled ``label`` in ``output``."""
+    """The control (".widget-text" for text and number boxes, ".widget-dropdown") labelled ``label`` in ``output``."""
     pattern = re.compile(rf"^\s*{re.escape(label)}\s*$")
     return output.locator(kind, has=output.page.locator(".widget-label", has_text=pattern)).first
 
 
-def type_into_readout(slider, value: str) -> None:
-    """Type a value into a slider's editable readout and press Enter."""
-    readout = slider.locator(".widget-readout")
-    readout.click()
-    readout.press("Control+A")
-    readout.press_sequentially(value)
-    readout.press("Enter")
-
-
-def press(slider, key: str, times: int = 1) -> None:
-    """Keyboard on a slider handle (each press is one step, sent to the kernel)."""
-    handle = slider.locator(".noUi-handle")
-    handle.focus()
-    for _ in range(times):
-        handle.press(key)
-
-
-def set_number(box, value: int) -> None:
+def set_number(box, value: float) -> None:
+    """Type a number into a box and press Enter."""
     field = box.locator("input")
     field.fill(str(value))
+    field.press("Enter")
+
+
+def step_number(box, key: str, times: int = 1) -> None:
+    """Arrow keys in a number box (each press one step), committed with Enter."""
+    field = box.locator("input")
+    field.focus()
+    for _ in range(times):
+        field.press(key)
     field.press("Enter")
 
 
@@ -310,6 +304,11 @@ def test_kv_cache_calculator_shows_ar_lab_sizes_as_the_controls_change(ran):
     settles_on(expected())
     assert "◀ this model" in row("MHA").inner_text() and "◀ this model" not in row("GQA").inner_text()
     shot(calc, "kv_cache_calculator_llama2_7b")
+
+    # a number out of range is refused with the allowed range, and the box keeps what was typed
+    set_number(boxes["layers"], -5)
+    expect(calc).to_contain_text("layers must be a whole number >= 1, got -5", timeout=UPDATE_TIMEOUT_MS)
+    expect(boxes["layers"].locator("input")).to_have_value("-5")
     assert not our_console_errors(nb.console_errors), nb.console_errors
 
 
@@ -378,7 +377,7 @@ def test_sampler_explorer_responds_to_keyboard_and_typing(ran):
     status = ex.locator(".widget-html-content").first
     samples = ex.locator(".widget-html-content").last
     image = ex.locator("img.widget-image")
-    top_k, temperature = control(ex, ".widget-slider", "top-k (0 off)"), control(ex, ".widget-slider", "temperature")
+    top_k, temperature = control(ex, ".widget-text", "top-k (0 off)"), control(ex, ".widget-text", "temperature")
 
     def kept() -> int:
         return int(re.search(r"(\d+) token\(s\) can be picked", status.inner_text()).group(1))
@@ -390,17 +389,17 @@ def test_sampler_explorer_responds_to_keyboard_and_typing(ran):
     shot(ex, "sampler_explorer_initial")
     all_tokens, src = kept(), image.get_attribute("src")
 
-    type_into_readout(top_k, "20")  # typing in the slider's readout
+    set_number(top_k, 20)  # typing in the box
     expect(status).to_contain_text("20 token(s) can be picked", timeout=UPDATE_TIMEOUT_MS)
     nb.wait_idle()
     assert kept() == 20 < all_tokens
     expect(image).not_to_have_attribute("src", src, timeout=UPDATE_TIMEOUT_MS)  # the plot was redrawn
 
-    press(top_k, "ArrowLeft", 5)  # keyboard on the handle: top-k 20 -> 15
+    step_number(top_k, "ArrowDown", 5)  # arrow keys in the box: top-k 20 -> 15
     expect(status).to_contain_text("top-k 15", timeout=UPDATE_TIMEOUT_MS)
     nb.wait_idle()
     expect(status).to_contain_text("15 token(s) can be picked", timeout=UPDATE_TIMEOUT_MS)
-    assert top_k.locator(".noUi-handle").get_attribute("aria-valuenow").startswith("15")
+    expect(top_k.locator("input")).to_have_value("15")
     shot(ex, "sampler_explorer_top_k_15")
 
     # a new seed redraws the samples, not the distribution
@@ -410,8 +409,16 @@ def test_sampler_explorer_responds_to_keyboard_and_typing(ran):
     nb.wait_idle()
     assert status.inner_text() == dist and texts() != drawn
 
-    # temperature to its minimum (Home key): greedy, one token, every sample the same
-    press(temperature, "Home")
+    # an out-of-range top-p is refused with its range; the last good view stays until it is fixed
+    top_p = control(ex, ".widget-text", "top-p")
+    set_number(top_p, 1.5)
+    expect(status).to_contain_text("top-p must be in (0, 1], got 1.5", timeout=UPDATE_TIMEOUT_MS)
+    expect(top_p.locator("input")).to_have_value("1.5")
+    set_number(top_p, 1)
+    expect(status).to_contain_text("can be picked", timeout=UPDATE_TIMEOUT_MS)
+
+    # temperature 0: greedy, one token, every sample the same
+    set_number(temperature, 0)
     expect(status).to_contain_text("greedy", timeout=UPDATE_TIMEOUT_MS)
     nb.wait_idle()
     assert kept() == 1 and "→ 0.00 bits" in status.inner_text()
@@ -432,7 +439,7 @@ def test_speculative_explorer_responds_to_keyboard_and_choices(ran):
     nb = ran("07_speculative_decoding.ipynb")
     ex = widget_output(nb, "γ")
     status = ex.locator(".widget-html-content").first
-    gamma = control(ex, ".widget-slider", "γ")
+    gamma = control(ex, ".widget-text", "γ")
 
     def numbers() -> dict[str, float]:
         text = status.inner_text()
@@ -460,12 +467,12 @@ def test_speculative_explorer_responds_to_keyboard_and_choices(ran):
     consistent(first)
     shot(ex, "speculative_explorer_initial")
 
-    press(gamma, "ArrowRight")  # one more draft token per iteration
+    step_number(gamma, "ArrowUp")  # one more draft token per iteration
     expect(status).to_contain_text(f"γ = {first['gamma'] + 1}", timeout=UPDATE_TIMEOUT_MS)
     nb.wait_idle()
     after = numbers()
     consistent(after)
-    assert gamma.locator(".noUi-handle").get_attribute("aria-valuenow").startswith(str(first["gamma"] + 1))
+    expect(gamma.locator("input")).to_have_value(str(first["gamma"] + 1))
     if "greedy" in status.inner_text():  # speculative decoding is exact: same text as the target alone
         assert "Same tokens as plain greedy decoding: yes" in status.inner_text()
 
@@ -481,11 +488,16 @@ def test_speculative_explorer_responds_to_keyboard_and_choices(ran):
         assert same["alpha"] == 1.0 and same["accepted"] == same["tested"], same
     shot(ex, "speculative_explorer_after")
 
-    type_into_readout(control(ex, ".widget-slider", "temperature"), "0.8")
+    set_number(control(ex, ".widget-text", "temperature"), 0.8)
     expect(status).to_contain_text("T=0.8", timeout=UPDATE_TIMEOUT_MS)
     nb.wait_idle()
     consistent(numbers())
     assert "Same tokens as plain greedy decoding" not in status.inner_text()
+
+    # γ past the explorer's range is refused (not clamped to 8), and the box keeps the 100 typed
+    set_number(gamma, 100)
+    expect(status).to_contain_text("γ must be a whole number from 1 to 8, got 100", timeout=UPDATE_TIMEOUT_MS)
+    expect(gamma.locator("input")).to_have_value("100")
     assert not our_console_errors(nb.console_errors), nb.console_errors
 
 

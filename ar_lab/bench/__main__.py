@@ -15,6 +15,7 @@ import sys
 from pathlib import Path
 
 from ar_lab.bench import decode, roofline, sampler, serving, speculative
+from ar_lab.data import check_writable
 
 # name -> (module with add_options and run, one-line help)
 BENCHMARKS = {
@@ -36,6 +37,8 @@ def main(argv: list[str] | None = None) -> int:
         module.add_options(p)
     args = parser.parse_args(argv)
     try:
+        if args.json is not None:  # a path that cannot be written: said before the run, not after it
+            check_writable(args.json, "--json")
         results = BENCHMARKS[args.name][0].run(args)
     except (ValueError, FileNotFoundError) as e:  # bad options or a missing checkpoint: say so, no traceback
         parser.error(f"{args.name}: {e}")

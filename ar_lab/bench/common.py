@@ -7,6 +7,10 @@ from collections.abc import Iterator
 
 import torch
 
+from ar_lab.timing import checked_device
+
+__all__ = ["checked_device", "checked_count", "checked_threads", "course_model_or_random", "torch_threads"]
+
 
 def course_model_or_random():
     """``(model, source)``: the course checkpoint on CPU, or ``GPTConfig()`` with seeded random
@@ -22,21 +26,6 @@ def course_model_or_random():
         return load_checkpoint(path, "cpu").eval(), f"data/{path.name}"
     torch.manual_seed(0)
     return GPT(GPTConfig()).eval(), f"random init (data/{path.name} not found)"
-
-
-def checked_device(device) -> torch.device:
-    """``device`` as a ``torch.device`` the benchmarks can run on (the CPU or a CUDA GPU here)."""
-    try:
-        device = torch.device(device)
-    except (RuntimeError, TypeError):
-        raise ValueError(f"device must be like 'cpu' or 'cuda', got {device!r}") from None
-    if device.type not in ("cpu", "cuda"):
-        raise ValueError(
-            f"device must be like 'cpu' or 'cuda', got {str(device)!r} (the benchmarks run on a CPU or a CUDA GPU)"
-        )
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError("device 'cuda' asked for, but torch sees no CUDA GPU here: use --device cpu")
-    return device
 
 
 def checked_count(name: str, value, minimum: int = 1) -> int:

@@ -281,17 +281,26 @@ def format_decode_results(res: dict) -> str:
 
 def run(args: argparse.Namespace) -> dict:
     """The command: each thread count in turn (the slow uncached run only in the first), then the tables."""
+    from ar_lab.prompts import checked_prompt
     from ar_lab.reference import have_transformers
 
+    # Every argument is checked (and the model loaded) before anything is printed or timed.
+    checked_count("tokens", args.tokens)
+    checked_count("repeats", args.repeats)
+    if args.uncached_repeats is not None:
+        checked_count("uncached_repeats", args.uncached_repeats, 0)
+    threads = checked_threads(args.threads or list(dict.fromkeys([1, torch.get_num_threads()])))
+    model, source = course_model_or_random()
+    checked_prompt(model, args.prompt, args.tokens)
     peer = not args.no_peer
     if peer and not have_transformers():
         print("transformers is not installed: skipping the reference peer (pip install transformers)")
         peer = False
-    threads = checked_threads(args.threads or list(dict.fromkeys([1, torch.get_num_threads()])))
     results = []
     for i, t in enumerate(threads):
         print(f"{t} thread(s):")
         res = decode_benchmark(
+            model,
             tokens=args.tokens,
             repeats=args.repeats,
             uncached_repeats=args.uncached_repeats if i == 0 else 0,  # the slow run once is enough
@@ -300,6 +309,7 @@ def run(args: argparse.Namespace) -> dict:
             peer=peer,
             progress=lambda m: print("  " + m, flush=True),
         )
+        res["model"]["source"] = source
         results.append(res)
     for res in results:
         print()

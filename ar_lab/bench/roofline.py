@@ -13,7 +13,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from ar_lab.bench.common import checked_device
+from ar_lab.bench.common import checked_count, checked_device, checked_threads
 from ar_lab.bench.table import format_table
 
 # Sweeps per device type: prompt lengths (prefill), batch sizes (decode at one
@@ -64,19 +64,40 @@ def add_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quick", action="store_true", help="tiny model and sizes: a smoke test, not a measurement")
 
 
-def _model(device: torch.device, config: str | None, quick: bool, say: Callable[[str], None]):
-    """The random-init model of the sweep: ``config`` from ``measure.CONFIGS``, or a tiny one when quick."""
-    from ar_lab.measure import CONFIGS, build_model
+def _config(config: str | None, quick: bool):
+    """The config of the sweep's random-init model: ``config`` from ``measure.CONFIGS``, or a tiny one when quick."""
+    from ar_lab.measure import CONFIGS
     from ar_lab.model import GPTConfig
+
+    if config is None and quick:
+        return GPTConfig(block_size=64, n_layer=2, n_head=4, n_embd=64)
+    if config in CONFIGS:
+        return CONFIGS[config]
+    raise ValueError(f"config must be one of {sorted(CONFIGS)}, got {config!r}")
+
+
+def _check_sweep(cfg, sweep: dict, pairs: int, threads, buffer_mb: int | None, repeats: int) -> None:
+    """Every size against the model's window, every count >= 1: all before anything is built or measured."""
+    from ar_lab.roofline import decode_cost, prefill_cost
+
+    for t in sweep["prompt_lens"]:
+        prefill_cost(cfg, t)
+    for c, b in [(sweep["context"], b) for b in sweep["batches"]] + [(c, 1) for c in sweep["contexts"]]:
+        decode_cost(cfg, c, b)
+    checked_count("pairs", pairs)
+    checked_count("repeats", repeats)
+    if buffer_mb is not None:
+        checked_count("buffer_mb", buffer_mb)
+    if threads is not None:
+        checked_threads(threads)
+
+
+def _model(device: torch.device, cfg, say: Callable[[str], None]):
+    """The random-init model of the sweep on ``device``, described through ``say``."""
+    from ar_lab.measure import build_model
     from ar_lab.peaks import cache_bytes, default_dtype
     from ar_lab.timing import device_name
 
-    if config is None and quick:
-        cfg = GPTConfig(block_size=64, n_layer=2, n_head=4, n_embd=64)
-    elif config in CONFIGS:
-        cfg = CONFIGS[config]
-    else:
-        raise ValueError(f"config must be one of {sorted(CONFIGS)}, got {config!r}")
     dtype = default_dtype(device)
     say(f"roofline on {device_name(device)}, {str(dtype).removeprefix('torch.')}, torch {torch.__version__}")
     model = build_model(cfg, device, dtype)
@@ -118,13 +139,15 @@ def roofline_benchmark(
     sweep = dict(SWEEPS["quick" if quick else device.type])
     given = {"prompt_lens": prompt_lens, "batches": batches, "context": context, "contexts": contexts}
     sweep.update({k: v for k, v in given.items() if v is not None})
+    cfg = _config(config if config is not None else sweep["config"], quick)
+    _check_sweep(cfg, sweep, pairs, threads, buffer_mb, repeats)
     buffer = buffer_mb * 2**20 if buffer_mb else (2**24 if quick else None)
-    model = _model(device, config if config is not None else sweep["config"], quick, say)
+    model = _model(device, cfg, say)
     cores = torch.get_num_threads()
     key = decode_bandwidth_fraction(
         model,
         min(64, sweep["context"]),
-        pairs=2 if quick else pairs,
+        pairs=min(2, pairs) if quick else pairs,
         threads=threads,
         buffer_bytes=buffer,
         progress=say,

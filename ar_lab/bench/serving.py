@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import argparse
 
-from ar_lab.bench.common import course_model_or_random, torch_threads
+from ar_lab.bench.common import checked_count, course_model_or_random, torch_threads
 from ar_lab.bench.table import format_table
 from ar_lab.timing import machine, machine_line, median
 
@@ -94,6 +94,13 @@ def serving_benchmark(
     if model is None:
         model, source = course_model_or_random()
     work = mixed_workload(requests, short, long, long_every)
+    # Every size is checked before the first run (the sweep and the TTFT test come minutes later).
+    sizes = [("max_batch", max_batch), ("repeats", repeats), ("context", context), ("prefix_tokens", prefix_tokens)]
+    for name, value in sizes + [("batch_sizes", b) for b in batch_sizes or [0]]:
+        checked_count(name, value)
+    window = model.config.block_size
+    if context + 16 > window:  # the sweep decodes 16 steps after `context` positions
+        raise ValueError(f"context {context} + 16 decode steps must fit in the context window ({window})")
     policies, same = _policies(model, work, max_batch, repeats)
     sweep = _batch_sweep(model, batch_sizes, context, repeats)
     prefix = builtin_corpus()[: min(prefix_tokens, model.config.block_size - 64)]

@@ -61,6 +61,18 @@ def _checkpoints(target, draft, device: torch.device) -> tuple[object, object, d
     return models["target"], models["draft"], sources
 
 
+def _prompts(target, draft, n: int, length: int, tokens: int) -> list[list[int]]:
+    """The ``n`` validation prompts, each checked to fit both models' windows with ``tokens`` new tokens."""
+    from ar_lab.prompts import checked_prompt
+    from ar_lab.speculative_view import benchmark_prompts
+
+    prompts = benchmark_prompts(n, length)
+    for p in prompts:  # checked before anything runs, not when its turn comes
+        checked_prompt(target, p, tokens)
+        checked_prompt(draft, p, tokens)
+    return prompts
+
+
 def _timer(clock: Callable[[], float], device: torch.device):
     """``timed(fn, *args, **kwargs) -> (seconds, fn's result)`` on ``clock``, waiting for ``device``."""
 
@@ -229,13 +241,12 @@ def speculative_benchmark(
     models are not given (models passed in stay where they are).
     """
     from ar_lab.sampling import GREEDY, SamplingParams
-    from ar_lab.speculative_view import benchmark_prompts
 
     say = progress or (lambda _m: None)
     gammas = _checked_sizes(gammas, tokens=tokens, prompts=prompts, prompt_tokens=prompt_tokens, repeats=repeats)
     target, draft, sources = _checkpoints(target, draft, checked_device(device))
     modes = {"greedy": GREEDY, "T=1": SamplingParams(temperature=1.0)} if modes is None else modes
-    prompt_ids = benchmark_prompts(prompts, prompt_tokens)
+    prompt_ids = _prompts(target, draft, prompts, prompt_tokens, tokens)
     # CPU time of this process on a one-thread CPU run (other processes on a shared machine
     # cannot inflate it), else the wall clock; both runs of a pair are timed the same way.
     clock = steady_clock(target.device)
