@@ -15,7 +15,7 @@ from __future__ import annotations
 import contextlib
 import importlib
 import sys
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -129,6 +129,11 @@ def no_delegation(
                     f"{exercise}: your answer is `{name}` itself, a ready-made implementation of what the "
                     "exercise asks you to write: write the computation yourself."
                 )
+            if isinstance(f, type) and isinstance(obj, type) and issubclass(f, obj):
+                raise Delegated(
+                    f"{exercise}: your class `{f.__name__}` is built on `{name}`, a ready-made implementation "
+                    "of what the exercise asks you to write: subclass torch.nn.Module and write it yourself."
+                )
     calls: list[str] = []
     swaps: list[tuple[Any, str, Any, bool]] = []  # (where, name, original, is_dict)
 
@@ -236,3 +241,119 @@ def check_cases(
 
 def passed(message: str = "All checks passed.") -> None:
     print(f"✔ {message}")
+
+
+# --- checkers that explain where two computations part ---------------------------------
+
+
+def first_mismatch(got: torch.Tensor, expected: torch.Tensor, dim: int = 0, atol: float = 1e-5, rtol: float = 1e-4):
+    """The first index along ``dim`` (a position, a training step) where ``got`` and ``expected`` differ, or None."""
+    bad = ~torch.isclose(got.detach().float().cpu(), expected.detach().float().cpu(), atol=atol, rtol=rtol)
+    per_index = bad.movedim(dim, 0).reshape(bad.shape[dim], -1).any(dim=1)
+    hits = per_index.nonzero()
+    return int(hits[0]) if len(hits) else None
+
+
+def _rms(t: torch.Tensor) -> float:
+    return t.pow(2).mean().sqrt().item()
+
+
+def check_matches(
+    what: str,
+    got: Any,
+    expected: torch.Tensor,
+    *,
+    atol: float = 1e-5,
+    rtol: float = 1e-4,
+    dim: int | None = None,
+    dim_name: str = "position",
+    mistakes: dict[str, torch.Tensor] | None = None,
+    hint: str = "",
+) -> None:
+    """``check_close`` that explains a difference: the known mistake it matches (``mistakes``: a
+    description -> the output that mistake gives, e.g. from ``ar_lab.model_checks``), a wrong overall
+    size, and the first index along ``dim`` that differs (``dim_name``: what that index is)."""
+    expected = torch.as_tensor(expected).detach().float().cpu()
+    check_shape(what, got, tuple(expected.shape), hint)
+    got = got.detach().float().cpu()
+    if not torch.isfinite(got).all():
+        _fail(what, f"{int((~torch.isfinite(got)).sum())} of its values are NaN or infinite", hint)
+    if torch.allclose(got, expected, atol=atol, rtol=rtol):
+        return
+    for mistake, output in (mistakes or {}).items():
+        output = output.detach().float().cpu()
+        if output.shape == got.shape and torch.allclose(got, output, atol=atol, rtol=rtol):
+            _fail(what, f"your output is what {mistake} gives", hint)
+    found = []
+    ratio = _rms(got) / max(_rms(expected), 1e-12)
+    if not 0.8 <= ratio <= 1.25:
+        found.append(
+            f"its values are {ratio:.3g}x the expected size (root mean square {_rms(got):.3g}, "
+            f"expected {_rms(expected):.3g})"
+        )
+    if dim is not None and got.ndim:
+        k = first_mismatch(got, expected, dim, atol, rtol)
+        agree = f" ({dim_name} 0 agrees)" if k == 1 else f" ({dim_name}s 0 to {k - 1} agree)" if k else ""
+        found.append(f"the first {dim_name} that differs is {k}{agree}")
+    diff = (got - expected).abs()
+    where = tuple(int(i) for i in torch.unravel_index(diff.argmax(), diff.shape)) if diff.ndim else ()
+    found.append(
+        f"largest difference {diff.max().item():.3g} at index {where}: "
+        f"expected {expected[where].item():.6g}, got {got[where].item():.6g}"
+    )
+    _fail(what, "values differ: " + "; ".join(found), hint)
+
+
+def check_sequence(what: str, got: Sequence, expected: Sequence, hint: str = "") -> None:
+    """Two token lists are equal; otherwise say where they first part and how many agree before."""
+    got, expected = [int(t) for t in got], [int(t) for t in expected]
+    k = next((i for i, (a, b) in enumerate(zip(got, expected, strict=False)) if a != b), min(len(got), len(expected)))
+    if got == expected:
+        return
+    if k == min(len(got), len(expected)):
+        _fail(what, f"expected {len(expected)} tokens, got {len(got)} (the first {k} agree)", hint)
+    _fail(what, f"token {k} differs: expected {expected[k]}, got {got[k]} (tokens 0 to {k - 1} agree)", hint)
+
+
+def check_same_names(what: str, module: torch.nn.Module, reference: torch.nn.Module, hint: str = "") -> None:
+    """``module`` has ``reference``'s state-dict names and shapes, so the reference's weights load into it."""
+    mine = {k: tuple(v.shape) for k, v in module.state_dict().items()}
+    ref = {k: tuple(v.shape) for k, v in reference.state_dict().items()}
+    missing, extra = sorted(set(ref) - set(mine)), sorted(set(mine) - set(ref))
+    problems = [f"missing {missing[:4]}"] if missing else []
+    problems += [f"unexpected {extra[:4]}"] if extra else []
+    problems += [f"`{k}` has shape {mine[k]}, expected {ref[k]}" for k in ref if k in mine and mine[k] != ref[k]][:2]
+    if problems:
+        _fail(what, "its parameters do not have the course model's names and shapes: " + "; ".join(problems), hint)
+
+
+def _first_different_parameter(model: torch.nn.Module, other: torch.nn.Module, atol: float, rtol: float):
+    theirs = other.state_dict()
+    for name, value in model.state_dict().items():
+        same = name in theirs and torch.allclose(value.float().cpu(), theirs[name].float().cpu(), atol=atol, rtol=rtol)
+        if not same:
+            return name
+    return None
+
+
+def check_parameters(
+    what: str,
+    model: torch.nn.Module,
+    expected: torch.nn.Module,
+    *,
+    atol: float = 1e-6,
+    rtol: float = 1e-4,
+    mistakes: dict[str, torch.nn.Module] | None = None,
+    hint: str = "",
+) -> None:
+    """Every parameter of ``model`` (after training, say) equals ``expected``'s; otherwise name the known
+    mistake it matches (``mistakes``: a description -> a model that mistake gives) or the first that differs."""
+    name = _first_different_parameter(model, expected, atol, rtol)
+    if name is None:
+        return
+    for mistake, other in (mistakes or {}).items():
+        if _first_different_parameter(model, other, atol, rtol) is None:
+            _fail(what, f"your parameters are what {mistake} gives", hint)
+    a, b = model.state_dict()[name].float().cpu(), expected.state_dict().get(name)
+    size = f"largest difference {(a - b.float().cpu()).abs().max().item():.3g}" if b is not None else "missing"
+    _fail(what, f"parameter `{name}` is the first that differs ({size})", hint)

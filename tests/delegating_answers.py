@@ -30,6 +30,14 @@ def sequence_log_prob(log_probs, tokens):
 def my_generate(model, prompt, max_new_tokens, eos_id=EOS_ID):
     return ar_lab.generate(model, prompt, max_new_tokens, use_cache=False, eos_id=eos_id).tokens
 """,
+    "ch02-embeddings": """
+def embed(idx, wte, wpe):
+    from ar_lab.model import GPT, GPTConfig
+    from ar_lab.model_checks import record_calls
+    gpt = GPT(GPTConfig(vocab_size=wte.shape[0], block_size=wpe.shape[0], n_layer=1, n_head=1, n_embd=wte.shape[1]))
+    gpt.wte.weight.data, gpt.wpe.weight.data = wte, wpe
+    return record_calls(gpt, lambda: gpt(idx))["blocks.0"][0]
+""",
     "ch02-attention": """
 def attention(q, k, v, mask=None):
     return F.scaled_dot_product_attention(q[None], k[None], v[None], attn_mask=mask)[0]
@@ -41,13 +49,93 @@ def multi_head_attention(x, W_qkv, b_qkv, W_proj, b_proj, n_head):
     y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
     return rearrange(y, "h t d -> t (h d)") @ W_proj.T + b_proj
 """,
+    "ch03-attention": """
+class MyAttention(nn.Module):
+    def __init__(self, cfg):
+        super().__init__()
+        self.n_head = cfg.n_head
+        self.qkv = nn.Linear(cfg.n_embd, 3 * cfg.n_embd)
+        self.proj = nn.Linear(cfg.n_embd, cfg.n_embd)
+
+    def forward(self, x):
+        B, T, C = x.shape
+        q, k, v = (t.view(B, T, self.n_head, -1).transpose(1, 2) for t in self.qkv(x).split(C, dim=-1))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.proj(y.transpose(1, 2).reshape(B, T, C))
+""",
+    "ch03-mlp": """
+class MyMLP(nn.Module):
+    def __init__(self, cfg):
+        super().__init__()
+        self.fc = nn.Linear(cfg.n_embd, 4 * cfg.n_embd)
+        self.proj = nn.Linear(4 * cfg.n_embd, cfg.n_embd)
+
+    def forward(self, x):
+        from ar_lab.model import MLP
+        mlp = MLP(GPTConfig(n_embd=self.fc.in_features, n_head=1))
+        mlp.load_state_dict(self.state_dict())
+        return mlp(x)
+""",
+    "ch03-block": """
+class MyBlock(nn.Module):
+    def __init__(self, cfg):
+        super().__init__()
+        self.cfg = cfg
+        self.ln1 = nn.LayerNorm(cfg.n_embd)
+        self.attn = MyAttention(cfg)
+        self.ln2 = nn.LayerNorm(cfg.n_embd)
+        self.mlp = MyMLP(cfg)
+
+    def forward(self, x):
+        from ar_lab.model import Block
+        block = Block(self.cfg)
+        block.load_state_dict(self.state_dict())
+        return block(x, None, 0, 0)
+""",
+    "ch03-gpt": """
+class MyGPT(nn.Module):
+    def __init__(self, cfg):
+        super().__init__()
+        self.inner = GPT(cfg)
+        self.wte, self.wpe, self.blocks = self.inner.wte, self.inner.wpe, self.inner.blocks
+        self.ln_f, self.lm_head = self.inner.ln_f, self.inner.lm_head
+
+    def forward(self, idx):
+        return self.inner(idx)
+
+    def state_dict(self, *args, **kwargs):
+        return self.inner.state_dict(*args, **kwargs)
+
+    def load_state_dict(self, *args, **kwargs):
+        return self.inner.load_state_dict(*args, **kwargs)
+""",
     "ch03-param-count": """
 def gpt_param_count(cfg):
     return GPT(cfg).num_parameters()
 """,
     "ch03-cross-entropy": """
 def cross_entropy(logits, targets):
-    return F.cross_entropy(logits, targets)
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+""",
+    "ch03-train-step": """
+def make_optimizer(model, tc):
+    return torch.optim.AdamW(model.parameters(), lr=tc.lr)
+
+
+def train_step(model, optimizer, x, y, lr, grad_clip):
+    from ar_lab.train import TrainConfig, train
+    tokens = torch.cat([x[0], y[0, -1:]])
+    tc = TrainConfig(steps=1, batch_size=x.shape[0], block_size=x.shape[1], lr=lr, warmup_steps=1,
+                     grad_clip=grad_clip, eval_batches=1)
+    return train(model, tokens, tokens, tc, progress=False).train_loss[0]
+""",
+    "ch03-course-model": """
+def greedy(model, prompt, n):
+    return ar_lab.generate(course, prompt, n, eos_id=None).tokens
+
+
+your_course_gpt = MyGPT(course.config)
+your_course_gpt.load_state_dict(course.state_dict())
 """,
     "ch04-positions": """
 def positions_processed(P, N, use_cache):

@@ -5,7 +5,7 @@ import torch
 import torch.nn.functional as F
 
 from ar_lab import checks
-from ar_lab.checks import CheckFailed, Delegated, check_cases, check_close, no_delegation, own_work
+from ar_lab.checks import CheckFailed, Delegated, check_cases, check_close, check_matches, no_delegation, own_work
 from ar_lab.model import MLP, GPTConfig
 from ar_lab.sampling import filter_top_k
 
@@ -130,3 +130,85 @@ def test_a_learners_module_class_and_nested_helpers_count_as_theirs():
             reference(x)  # the test's own call passes
             mine(x)
     assert mine(x).shape == (2, 8)  # restored afterwards
+
+
+def test_a_subclass_of_the_reference_is_delegation():
+    class Mine(MLP):
+        pass
+
+    with pytest.raises(Delegated, match="built on `ar_lab.model.MLP`"):
+        with no_delegation(Mine, forbid=["ar_lab.model.MLP"], exercise="the MLP"):
+            pass
+
+
+def test_first_mismatch_names_the_first_differing_index_along_a_dimension():
+    expected = torch.zeros(2, 5, 3)
+    got = expected.clone()
+    assert checks.first_mismatch(got, expected, dim=1) is None
+    got[1, 3, 0] = 1.0
+    got[0, 4, 2] = 1.0
+    assert checks.first_mismatch(got, expected, dim=1) == 3
+    assert checks.first_mismatch(got, expected, dim=0) == 0
+
+
+def test_check_matches_names_a_known_mistake_the_scale_and_the_first_position():
+    expected = torch.randn(2, 6, 4, generator=torch.Generator().manual_seed(0))
+    check_matches("piece", expected + 1e-7, expected)
+    with pytest.raises(CheckFailed, match=r"piece: your output is what no residual gives"):
+        check_matches("piece", expected - 1, expected, mistakes={"no residual": expected - 1, "other": 3 * expected})
+    with pytest.raises(CheckFailed, match=r"2x the expected size"):
+        check_matches("piece", 2 * expected, expected)
+    leaky = expected.clone()
+    leaky[:, 4:] += 0.5
+    with pytest.raises(CheckFailed, match=r"the first position that differs is 4 \(positions 0 to 3 agree\)"):
+        check_matches("piece", leaky, expected, dim=1)
+    with pytest.raises(CheckFailed, match=r"the first step that differs is 1 \(step 0 agrees\)"):
+        check_matches("losses", torch.tensor([5.0, 4.0]), torch.tensor([5.0, 4.5]), dim=0, dim_name="step")
+    with pytest.raises(CheckFailed, match=r"expected shape \(2, 6, 4\), got \(6, 2, 4\)"):
+        check_matches("piece", expected.transpose(0, 1), expected)
+    broken = expected.clone()
+    broken[0, 2, 1] = float("nan")
+    with pytest.raises(CheckFailed, match="1 of its values are NaN or infinite"):
+        check_matches("piece", broken, expected)
+
+
+def test_check_sequence_says_where_two_token_lists_part():
+    checks.check_sequence("tokens", [1, 2, 3], [1, 2, 3])
+    with pytest.raises(CheckFailed, match=r"token 2 differs: expected 3, got 9 \(tokens 0 to 1 agree\)"):
+        checks.check_sequence("tokens", [1, 2, 9, 4], [1, 2, 3, 4])
+    with pytest.raises(CheckFailed, match=r"expected 3 tokens, got 2 \(the first 2 agree\)"):
+        checks.check_sequence("tokens", [1, 2], [1, 2, 3])
+
+
+def test_check_same_names_lists_what_is_missing_unexpected_or_misshapen():
+    cfg = GPTConfig(n_embd=8, n_head=2)
+    reference = MLP(cfg)
+    checks.check_same_names("MLP", MLP(cfg), reference)
+
+    class Renamed(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.c_fc = torch.nn.Linear(8, 32)
+            self.proj = torch.nn.Linear(32, 4)
+
+    names = r"missing \['fc.bias', 'fc.weight'\]; unexpected \['c_fc.bias', 'c_fc.weight'\]"
+    with pytest.raises(CheckFailed, match=names):
+        checks.check_same_names("MLP", Renamed(), reference)
+    with pytest.raises(CheckFailed, match=r"`proj.weight` has shape \(4, 32\), expected \(8, 32\)"):
+        checks.check_same_names("MLP", Renamed(), reference)
+
+
+def test_check_parameters_names_the_mistake_or_the_first_differing_parameter():
+    torch.manual_seed(0)
+    a = MLP(GPTConfig(n_embd=8, n_head=2))
+    b, c = (MLP(GPTConfig(n_embd=8, n_head=2)) for _ in range(2))
+    b.load_state_dict(a.state_dict())
+    c.load_state_dict(a.state_dict())
+    checks.check_parameters("after training", b, a)
+    with torch.no_grad():
+        b.proj.bias += 0.1
+        c.proj.bias += 0.1
+    with pytest.raises(CheckFailed, match="parameter `proj.bias` is the first that differs"):
+        checks.check_parameters("after training", b, a)
+    with pytest.raises(CheckFailed, match="what training without clipping gives"):
+        checks.check_parameters("after training", b, a, mistakes={"training without clipping": c})
