@@ -157,7 +157,7 @@ def train_step_mistakes(
     """Copies of ``model`` (left untouched) trained by ``ar_lab.train.train`` as a common mistake would,
     with their loss curves."""
     changed = {
-        "training without gradient clipping": replace(tc, grad_clip=math.inf),
+        "training without gradient clipping": replace(tc, grad_clip=None),
         "a constant learning rate (lr_at's warm-up and decay not applied)": replace(
             tc, warmup_steps=1, min_lr_ratio=1.0
         ),

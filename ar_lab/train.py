@@ -56,7 +56,7 @@ class TrainConfig:
     min_lr_ratio: float = 0.1  # cosine decay ends at lr x this
     warmup_steps: int = 20
     weight_decay: float = 0.1
-    grad_clip: float = 1.0
+    grad_clip: float | None = 1.0  # max gradient norm; None: no clipping
     eval_every: int = 50
     eval_batches: int = 8
     seed: int = 1337
@@ -76,6 +76,8 @@ class TrainConfig:
             ("grad_clip", lambda v: v > 0, "> 0"),
         ]:
             value = getattr(self, name)
+            if name == "grad_clip" and value is None:
+                continue
             number = isinstance(value, (int, float)) and not isinstance(value, bool)
             if not number or not math.isfinite(value) or not ok(value):
                 raise ValueError(f"TrainConfig.{name} must be a finite number {rule}, got {value!r}")
@@ -177,7 +179,8 @@ def train(
             loss = F.kl_div(logq, target_logp, log_target=True, reduction="batchmean")  # mean over positions
         opt.zero_grad(set_to_none=True)
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), tc.grad_clip)
+        if tc.grad_clip is not None:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), tc.grad_clip)
         opt.step()
         result.steps.append(step)
         result.train_loss.append(loss.item())
