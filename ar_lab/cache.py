@@ -20,6 +20,7 @@ serving (chapter 08): each row has its own length, positions and attention mask.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -361,7 +362,7 @@ class AttentionShape:
             latent_dim=self.latent_dim,
             context=self.context,
         )
-        if not isinstance(self.rope_dim, int) or self.rope_dim < 0:
+        if not isinstance(self.rope_dim, int) or isinstance(self.rope_dim, bool) or self.rope_dim < 0:
             raise ValueError(f"rope_dim must be an int >= 0, got {self.rope_dim!r}")
         if self.n_kv_heads > self.n_head or self.n_head % self.n_kv_heads:
             raise ValueError(
@@ -390,8 +391,8 @@ def cache_sizes(shape: AttentionShape, seq_len: int, batch_size: int = 1, bytes_
 
 def format_bytes(n: float) -> str:
     """Bytes in binary units, about three significant figures: 1536 -> '1.5 KiB'."""
-    if not n >= 0:
-        raise ValueError(f"a byte count must be >= 0, got {n}")
+    if isinstance(n, bool) or not isinstance(n, (int, float)) or not math.isfinite(n) or n < 0:
+        raise ValueError(f"a byte count must be a finite number >= 0, got {n!r}")
     if n < 1024:
         return f"{int(n)} B"
     for unit in ("KiB", "MiB", "GiB", "TiB", "PiB"):

@@ -27,7 +27,16 @@ import torch
 
 from ar_lab.cache import KVCache
 from ar_lab.lean import engine_for
-from ar_lab.prompts import check_prompt, checked_prompt, eval_mode, prompt_batch, prompt_ids, stop_list
+from ar_lab.prompts import (
+    check_eos,
+    check_prompt,
+    check_seed,
+    checked_prompt,
+    eval_mode,
+    prompt_batch,
+    prompt_ids,
+    stop_list,
+)
 from ar_lab.sampling import GREEDY, SamplingParams, entropy_bits, probabilities, sample
 from ar_lab.tokenizer import EOS_ID, N_BYTES, StreamDecoder, decode
 
@@ -94,10 +103,20 @@ def _check_sampling(sampling, name: str = "sampling") -> None:
         raise TypeError(f"{name} must be a SamplingParams, got {type(sampling).__name__}")
 
 
+def _stats(stats) -> GenerationStats:
+    if stats is None:
+        return GenerationStats()
+    if not isinstance(stats, GenerationStats):
+        raise TypeError(f"stats must be a GenerationStats (or None for a new one), got {type(stats).__name__}")
+    return stats
+
+
 def _checked_ids(model, prompt, max_new_tokens: int, use_cache: bool, sampling, cache) -> list[int]:
     """The prompt's token ids, with every option of ``token_steps`` checked against ``model``."""
     ids = checked_prompt(model, prompt, max_new_tokens)
     _check_sampling(sampling)
+    if not isinstance(use_cache, bool):
+        raise TypeError(f"use_cache must be True or False, got {use_cache!r}")
     if cache is not None:
         _check_cache(cache, use_cache, ids, max_new_tokens)
     return ids
@@ -215,7 +234,7 @@ def token_steps(
     not know is refused. Arguments are checked here, before the first token is asked for.
     """
     ids = _checked_ids(model, prompt, max_new_tokens, use_cache, sampling, cache)
-    stats = GenerationStats() if stats is None else stats
+    stats = _stats(stats)
     return _steps(model, ids, max_new_tokens, use_cache, sampling, generator, stats, cache, lean)
 
 
@@ -247,7 +266,8 @@ def stream(
     """
     ids = _checked_ids(model, prompt, max_new_tokens, use_cache, sampling, cache)
     stops = stop_list(stop_strings)
-    stats = GenerationStats() if stats is None else stats
+    check_eos(model, eos_id)
+    stats = _stats(stats)
     steps = _steps(model, ids, max_new_tokens, use_cache, sampling, generator, stats, cache, lean)
     return _events(steps, stats, eos_id, stops)
 
@@ -273,6 +293,7 @@ def generate(
     """
     ids = _checked_ids(model, prompt, max_new_tokens, use_cache, sampling, cache)
     stops = stop_list(stop_strings)
+    check_eos(model, eos_id)
     stats = GenerationStats()
     steps = _steps(model, ids, max_new_tokens, use_cache, sampling, generator, stats, cache, lean)
     tokens, pieces = [], []
@@ -326,6 +347,7 @@ def sample_batch(
     own distribution (T = 1). Each list stops before its first EOS.
     """
     _check_sampling(sampling)
+    check_eos(model, eos_id)
     idx = prompt_batch(model, prompts, max_new_tokens)  # (B, P)
     out = []
     for row in _sample_rows(model, idx, max_new_tokens, sampling, generator, use_cache).tolist():
@@ -394,6 +416,7 @@ def sampler_view(
     if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool) or max_new_tokens < 0:
         raise ValueError(f"max_new_tokens must be an int >= 0, got {max_new_tokens!r}")
     _check_sampling(params, "params")
+    check_seed(seed)
     window = model.config.block_size
     ids = prompt_ids(prompt)[-window:]
     check_prompt(model, ids, 1)

@@ -44,6 +44,7 @@ from torch import nn
 
 from ar_lab.cache import KVCache
 from ar_lab.model import GPT, MLP, Block, CausalSelfAttention
+from ar_lab.prompts import positive_int
 from ar_lab.timing import synchronize
 
 
@@ -187,6 +188,8 @@ class LeanGPT:
             self._check(cache, 0)
             w.cache, w.kv = cache, [(k[0], v[0]) for k, v in zip(cache.k, cache.v, strict=True)]
         pos = cache.length
+        if not 0 <= token < self.config.vocab_size:
+            raise ValueError(f"token id {token} is outside the vocabulary [0, {self.config.vocab_size - 1}]")
         if pos >= cache.max_len or pos >= self.config.block_size:
             self._check(cache, 1)  # raises the explanatory error
         if torch.is_grad_enabled():
@@ -372,6 +375,7 @@ def weights_only_pass(model, steps: int) -> None:
     no Python around it): time it to see what a decode step adds on top. Matrix-vector
     products, the fastest kernel for one vector (the one ``LeanGPT.step`` uses).
     """
+    positive_int("steps", steps)
     linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
     vectors = [torch.randn(m.in_features, device=m.weight.device, dtype=m.weight.dtype) for m in linears]
     with torch.inference_mode():

@@ -194,6 +194,11 @@ class GPT(nn.Module):
         B, T = idx.shape
         if T == 0:
             raise ValueError("idx is empty: give at least one token")
+        if idx.device.type == "cpu" and (int(idx.min()) < 0 or int(idx.max()) >= self.config.vocab_size):
+            raise ValueError(
+                f"idx holds token ids outside the vocabulary [0, {self.config.vocab_size - 1}] "
+                f"(from {int(idx.min())} to {int(idx.max())})"
+            )
         if isinstance(cache, BatchKVCache):
             return self._forward_rows(idx, cache)
         start = 0 if cache is None else cache.length

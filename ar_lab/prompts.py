@@ -81,6 +81,15 @@ def check_seed(seed, name: str = "seed") -> int:
     return int(seed)
 
 
+def check_eos(model, eos_id) -> int | None:
+    """``eos_id`` if it is None (no end token) or a token id of ``model``'s vocabulary."""
+    vocab = model.config.vocab_size
+    if eos_id is not None and (not isinstance(eos_id, numbers.Integral) or isinstance(eos_id, bool)
+                               or not 0 <= eos_id < vocab):
+        raise ValueError(f"eos_id must be a token id in [0, {vocab - 1}] or None (never stop early), got {eos_id!r}")
+    return eos_id
+
+
 def check_budget(max_new_tokens) -> int:
     return positive_int("max_new_tokens", max_new_tokens)
 

@@ -28,8 +28,7 @@ proposal, which the next iteration feeds together with the bonus token.
 The theory (Leviathan et al., 2023, section 3): with a per-token acceptance
 probability alpha = sum_x min(p(x), q(x)) = 1 - TV(p, q), an iteration emits
 (1 - alpha^(gamma+1)) / (1 - alpha) tokens on average, and if a draft step costs c
-target steps, the expected wall-clock speedup is that divided by (gamma c + 1).
-
+target steps, the expected wall-clock speedup is that divided by (gamma c + 1);
 ``ar_lab.speculative_view`` measures all of this on real prompts (chapter 07's explorer).
 """
 
@@ -44,7 +43,7 @@ import torch
 
 from ar_lab.cache import KVCache
 from ar_lab.lean import LeanGPT, Transposed, engine_for, transposed_copies
-from ar_lab.prompts import check_prompt, eval_mode, prompt_ids
+from ar_lab.prompts import check_eos, check_prompt, eval_mode, positive_int, prompt_ids
 from ar_lab.sampling import GREEDY, SamplingParams, probabilities
 from ar_lab.timing import synchronize
 from ar_lab.tokenizer import EOS_ID, N_BYTES, decode
@@ -59,9 +58,7 @@ def _check_alpha(alpha: float) -> float:
 
 
 def _check_gamma(gamma: int) -> int:
-    if not isinstance(gamma, int) or isinstance(gamma, bool) or gamma < 0:
-        raise ValueError(f"gamma (draft tokens per iteration) must be an int >= 0, got {gamma!r}")
-    return gamma
+    return positive_int("gamma (draft tokens per iteration)", gamma, minimum=0)
 
 
 def _check_cost(c: float) -> float:
@@ -75,6 +72,8 @@ def acceptance_rate(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
 
     Works along the last axis, so (vocab,) gives a scalar and (T, vocab) one value per row.
     """
+    if not isinstance(p, torch.Tensor) or not isinstance(q, torch.Tensor):
+        raise TypeError(f"p and q must be probability tensors, got {type(p).__name__} and {type(q).__name__}")
     if p.shape != q.shape:
         raise ValueError(f"p and q must have the same shape, got {tuple(p.shape)} and {tuple(q.shape)}")
     return torch.minimum(p, q).sum(dim=-1)
@@ -417,6 +416,7 @@ def speculative_generate(
     verify pass: its multi-token ``extend``), as ``generate``'s do; ``lean=False`` uses ``model.forward``.
     """
     ids = _check_pair(target, draft, prompt, max_new_tokens, gamma, sampling)
+    check_eos(target, eos_id)
     run = Speculation(
         target, draft, ids, max_new_tokens, gamma, sampling=sampling, generator=generator, clock=clock, lean=lean
     )
