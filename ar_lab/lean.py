@@ -248,7 +248,7 @@ class LeanGPT:
             h = F.gelu(torch.addmm(w.fc_bias, h, wt.fc), approximate="tanh")
             x = torch.addmm(w.mlp_proj_bias, h, wt.mlp_proj).add_(x)
         cache.length = L
-        cache.record(pos, idx.tolist())
+        cache.record(pos, tokens.tolist() if isinstance(tokens, torch.Tensor) else [int(t) for t in tokens])
         return torch.mm(torch.layer_norm(x, shape, *self.ln_f, eps), out_t)  # (T, vocab)
 
     def _views(self) -> Transposed:
