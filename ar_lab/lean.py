@@ -81,31 +81,6 @@ class Transposed(NamedTuple):
     out: torch.Tensor  # (C, vocab)
 
 
-def _layer_weights(b: Block) -> LayerWeights:
-    ln1, qkv, proj, ln2, fc, mlp_proj = (
-        b.ln1,
-        b.attn.qkv,
-        b.attn.proj,
-        b.ln2,
-        b.mlp.fc,
-        b.mlp.proj,
-    )  # each looked up once
-    return LayerWeights(
-        ln1_weight=ln1.weight,
-        ln1_bias=ln1.bias,
-        qkv_weight=qkv.weight,
-        qkv_bias=qkv.bias,
-        attn_proj_weight=proj.weight,
-        attn_proj_bias=proj.bias,
-        ln2_weight=ln2.weight,
-        ln2_bias=ln2.bias,
-        fc_weight=fc.weight,
-        fc_bias=fc.bias,
-        mlp_proj_weight=mlp_proj.weight,
-        mlp_proj_bias=mlp_proj.bias,
-    )
-
-
 class _Work(threading.local):
     """One thread's working memory for ``step``: the fused q|k|v output and the attention output,
     with the views the step reads them through, and the cache it last checked (with its
@@ -137,8 +112,9 @@ class LeanGPT:
     """
 
     def __init__(self, model: GPT) -> None:
-        if not supports(model):
-            raise TypeError(
+        layers = _stock_layers(model)
+        if layers is None:
+            raise NotLean(
                 f"LeanGPT runs a GPT with the stock modules and GPT.forward (see lean.supports), got "
                 f"{type(model).__name__}: call the model itself"
             )
@@ -155,7 +131,7 @@ class LeanGPT:
         self.wte, self.wpe = model.wte.weight, model.wpe.weight
         self.ln_f = (model.ln_f.weight, model.ln_f.bias)
         self.device, dtype = self.wte.device, self.wte.dtype
-        self.layers = [_layer_weights(b) for b in model.blocks]
+        self.layers = layers
         self._zero = torch.zeros(1, 1, 1, dtype=dtype, device=self.device)  # baddbmm's ignored input (beta 0)
         self._work = _Work(self.C, self.Hk, self.G, self.D, dtype, self.device)
 
@@ -251,7 +227,7 @@ class LeanGPT:
             h = F.gelu(torch.addmm(w.fc_bias, h, wt.fc), approximate="tanh")
             x = torch.addmm(w.mlp_proj_bias, h, wt.mlp_proj).add_(x)
         cache.length = L
-        cache.record(pos, idx.tolist())
+        cache.record(pos, tokens.tolist() if isinstance(tokens, torch.Tensor) else [int(t) for t in tokens])
         return torch.mm(torch.layer_norm(x, shape, *self.ln_f, eps), out_t)  # (T, vocab)
 
     def _views(self) -> Transposed:
@@ -268,6 +244,10 @@ class LeanGPT:
         return Transposed(layers, self.wte.t())
 
 
+class NotLean(TypeError):
+    """The model is not one ``LeanGPT`` reproduces (see ``supports``)."""
+
+
 def supports(model) -> bool:
     """True for a ``GPT`` that runs ``GPT.forward`` with the stock modules: what ``LeanGPT`` reproduces.
 
@@ -275,31 +255,52 @@ def supports(model) -> bool:
     in a notebook, a parametrized weight), or an output projection no longer tied to the token
     embedding keeps going through ``forward``, so ``generate`` never silently skips it.
     """
+    return _stock_layers(model) is not None
+
+
+def _stock_layers(model) -> list[LayerWeights] | None:
+    """Each block's parameters, if every module is the stock one (else None); one walk over the model."""
     if not (isinstance(model, GPT) and type(model).forward is GPT.forward):
-        return False
-    head, eps = model.lm_head, model.ln_f.eps
-    return (
+        return None
+    head, ln_f = model.lm_head, model.ln_f
+    if not (
         type(head) is nn.Linear
         and head.weight is model.wte.weight
         and head.bias is None
         and type(model.wte) is nn.Embedding
         and type(model.wpe) is nn.Embedding
-        and type(model.ln_f) is nn.LayerNorm
-        and all(_stock_block(b, eps) for b in model.blocks)
-    )
-
-
-def _stock_block(b, eps: float) -> bool:
-    if type(b) is not Block or type(b.attn) is not CausalSelfAttention or type(b.mlp) is not MLP:
-        return False
-    ln1, ln2, attn, mlp = b.ln1, b.ln2, b.attn, b.mlp
-    linears = (attn.qkv, attn.proj, mlp.fc, mlp.proj)
-    return (
-        all(type(m) is nn.Linear for m in linears)
-        and type(ln1) is nn.LayerNorm
-        and type(ln2) is nn.LayerNorm
-        and ln1.eps == ln2.eps == eps  # the step normalises every layer with one epsilon
-    )
+        and type(ln_f) is nn.LayerNorm
+    ):
+        return None
+    layers = []
+    for b in model.blocks:
+        if type(b) is not Block or type(b.attn) is not CausalSelfAttention or type(b.mlp) is not MLP:
+            return None
+        ln1, ln2, attn, mlp = b.ln1, b.ln2, b.attn, b.mlp
+        qkv, proj, fc, mlp_proj = attn.qkv, attn.proj, mlp.fc, mlp.proj
+        if not (
+            type(qkv) is type(proj) is type(fc) is type(mlp_proj) is nn.Linear
+            and type(ln1) is type(ln2) is nn.LayerNorm
+            and ln1.eps == ln2.eps == ln_f.eps  # the step normalises every layer with one epsilon
+        ):
+            return None
+        layers.append(
+            LayerWeights(
+                ln1_weight=ln1.weight,
+                ln1_bias=ln1.bias,
+                qkv_weight=qkv.weight,
+                qkv_bias=qkv.bias,
+                attn_proj_weight=proj.weight,
+                attn_proj_bias=proj.bias,
+                ln2_weight=ln2.weight,
+                ln2_bias=ln2.bias,
+                fc_weight=fc.weight,
+                fc_bias=fc.bias,
+                mlp_proj_weight=mlp_proj.weight,
+                mlp_proj_bias=mlp_proj.bias,
+            )
+        )
+    return layers
 
 
 def for_model(model: GPT) -> LeanGPT:
@@ -309,7 +310,10 @@ def for_model(model: GPT) -> LeanGPT:
 
 def engine_for(model) -> LeanGPT | None:
     """``for_model(model)`` when ``supports(model)``, else None (the caller then runs ``model.forward``)."""
-    return LeanGPT(model) if supports(model) else None
+    try:
+        return LeanGPT(model)  # checks and gathers the weights in one walk over the model
+    except NotLean:
+        return None
 
 
 # --- (in, out) copies for extend, compared with the originals every time they are handed out ---

@@ -216,7 +216,8 @@ class GPT(nn.Module):
             x = block(x, cache, layer, start)
         if cache is not None:
             cache.length = start + T
-            if B == 1:  # which tokens the new positions hold: what lets generate reuse the cache safely
+            if B == 1 and isinstance(cache, KVCache):  # which tokens the new positions hold: what lets
+                # generate reuse the cache safely (a cache of the learner's own, chapter 04, keeps none)
                 cache.record(start, idx[0].tolist())
         return self.lm_head(self.ln_f(x))  # (B, T, vocab)
 

@@ -122,3 +122,24 @@ def test_positions_written_without_their_ids_are_unknown(tiny_model):
     with torch.no_grad():
         tiny_model(torch.zeros(2, 3, dtype=torch.long), batch)
     assert batch.token_ids is None  # several rows: no ids are recorded
+
+
+def test_a_cache_of_ones_own_still_works_with_forward(tiny_model):
+    """Chapter 04 has the learner write a cache that concatenates: forward takes any object with
+    ``length``, ``batch_size`` and ``update`` (token ids are recorded only by KVCache)."""
+
+    class ConcatCache:
+        def __init__(self, n_layer):
+            self.k, self.v, self.length, self.batch_size = [None] * n_layer, [None] * n_layer, 0, 1
+
+        def update(self, layer, start, k, v):
+            if self.k[layer] is not None:
+                k, v = torch.cat([self.k[layer], k], dim=2), torch.cat([self.v[layer], v], dim=2)
+            self.k[layer], self.v[layer] = k, v
+            return k, v
+
+    x = torch.randint(0, 256, (1, 6))
+    cache = ConcatCache(tiny_model.config.n_layer)
+    with torch.no_grad():
+        parts = [tiny_model(x[:, :4], cache), tiny_model(x[:, 4:5], cache), tiny_model(x[:, 5:], cache)]
+        torch.testing.assert_close(torch.cat(parts, dim=1), tiny_model(x), atol=1e-5, rtol=1e-4)
