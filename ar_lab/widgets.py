@@ -119,7 +119,7 @@ class KVCacheCalculator(_Shown):
         self._lowest = {}  # control -> the smallest whole number it takes
 
         def number(description, low):
-            control = W.IntText(1, description=description, **box)
+            control = W.IntText(1, description=description, tooltip=f"a whole number >= {low}", **box)
             self._lowest[control] = low
             return control
 
@@ -259,10 +259,10 @@ class SamplerExplorer(_Shown):
         style = {"description_width": "90px"}
         box = dict(style=style, layout=W.Layout(width="220px"))
         self.prompt = W.Text(value=prompt, description="prompt", continuous_update=False, style=style)
-        self.temperature = W.FloatText(1.0, step=0.05, description="temperature", **box)
-        self.top_k = W.IntText(0, description="top-k (0 off)", **box)
-        self.top_p = W.FloatText(1.0, step=0.01, description="top-p", **box)
-        self.min_p = W.FloatText(0.0, step=0.01, description="min-p", **box)
+        self.temperature = W.FloatText(1.0, step=0.05, description="temperature", tooltip=">= 0 (0: greedy)", **box)
+        self.top_k = W.IntText(0, description="top-k (0 off)", tooltip="a whole number >= 0", **box)
+        self.top_p = W.FloatText(1.0, step=0.01, description="top-p", tooltip="in (0, 1]", **box)
+        self.min_p = W.FloatText(0.0, step=0.01, description="min-p", tooltip="in [0, 1]", **box)
         self.seed = W.IntText(0, description="seed", style=style, layout=W.Layout(width="200px"))
         self.status = W.HTML()
         self.image = W.Image(format="png")
@@ -364,8 +364,8 @@ class SpeculationExplorer(_Shown):
         style = {"description_width": "90px"}
         box = dict(style=style, layout=W.Layout(width="220px"))
         self.prompt = W.Text(value=prompt, description="prompt", continuous_update=False, style=style)
-        self.gamma = W.IntText(gamma, description="γ", **box)
-        self.temperature = W.FloatText(0.0, step=0.05, description="temperature", **box)
+        self.gamma = W.IntText(gamma, description="γ", tooltip=f"a whole number from 1 to {max_gamma}", **box)
+        self.temperature = W.FloatText(0.0, step=0.05, description="temperature", tooltip=">= 0 (0: greedy)", **box)
         self.draft = W.Dropdown(options=list(self.drafts), description="draft", style=style)
         self.seed = W.IntText(0, description="seed", style=style, layout=W.Layout(width="200px"))
         self.status = W.HTML()
