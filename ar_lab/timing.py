@@ -52,7 +52,10 @@ def synchronize(device: torch.device | str | None = None) -> None:
     A GPU runs asynchronously: without this, a timer measures how fast Python queued the
     kernels, not how long they took.
     """
-    if device is not None and checked_device(device).type == "cuda":
+    if device is None:
+        return
+    # A torch.device (what model.device gives, in timed loops) needs no check; a string is checked once here.
+    if (device if isinstance(device, torch.device) else checked_device(device)).type == "cuda":
         torch.cuda.synchronize(device)
 
 
