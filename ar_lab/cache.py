@@ -109,9 +109,7 @@ class KVCache:
         return ids[:n] if len(ids) >= n else None
 
     def reusable(self, prompt: list[int]) -> int:
-        """How many of ``prompt``'s positions this cache can serve: those where its recorded ids and
-        the prompt agree from the start, but never the last prompt token (its logits give the next
-        token). Raises if the cache holds positions whose token ids it does not know."""
+        """``reusable_length`` of the recorded ids and ``prompt``; raises if some position's id is unknown."""
         cached = self.token_ids
         if cached is None:
             raise ValueError(
@@ -120,7 +118,7 @@ class KVCache:
                 "which positions belong to this prompt: fill it through the model (model(idx, cache), "
                 "ar_lab.generate, PrefixCache), or call cache.truncate(0) to reuse only its memory"
             )
-        return min(common_prefix_length(cached, prompt), len(prompt) - 1)
+        return reusable_length(cached, prompt)
 
     def truncate(self, n: int) -> None:
         """Keep only the first ``n`` positions (roll back)."""
@@ -283,6 +281,14 @@ def common_prefix_length(a: Sequence[int], b: Sequence[int]) -> int:
             break
         n += 1
     return n
+
+
+def reusable_length(cached: Sequence[int], prompt: Sequence[int]) -> int:
+    """Prompt positions whose keys/values a cache of ``cached`` tokens can serve: those the two
+    share from the start, never the prompt's last token (its logits give the first new token)."""
+    if len(prompt) == 0:
+        raise ValueError("the prompt is empty")
+    return min(common_prefix_length(cached, prompt), len(prompt) - 1)
 
 
 def _check_sizes(**sizes) -> None:

@@ -90,11 +90,10 @@ class GPUExplorer:
         return self.widget._repr_mimebundle_(**kwargs)
 
     def update(self) -> None:
-        import io
-
         import matplotlib.pyplot as plt
 
         from ar_lab.gpu_view import gpu_scenario, plot_scenario
+        from ar_lab.plots import png_bytes
 
         try:
             s = gpu_scenario(
@@ -114,10 +113,7 @@ class GPUExplorer:
         fig, ax = plt.subplots(figsize=(8.5, 4.6))
         plot_scenario(ax, s)
         fig.tight_layout()
-        buf = io.BytesIO()
-        fig.savefig(buf, format="png")
-        plt.close(fig)
-        self.image.value = buf.getvalue()
+        self.image.value = png_bytes(fig)
 
 
 def gpu_explorer(**settings) -> GPUExplorer:

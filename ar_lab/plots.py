@@ -146,3 +146,15 @@ def _roofline_points(ax, pts: list[dict], phase: str, marker: str, color: str, n
             color=color,
             ha="right" if phase == "prefill" else "left",
         )
+
+
+def png_bytes(fig) -> bytes:
+    """``fig`` as PNG bytes (what an explorer's Image widget shows), then closed."""
+    import io
+
+    import matplotlib.pyplot as plt
+
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png")
+    plt.close(fig)
+    return buf.getvalue()

@@ -15,20 +15,9 @@ from types import SimpleNamespace
 
 import torch
 
-from ar_lab.cache import KVCache, common_prefix_length
+from ar_lab.cache import KVCache, reusable_length  # reusable_length: re-exported for chapter 08
 from ar_lab.prompts import check_prompt, eval_mode, prompt_ids
 from ar_lab.timing import synchronize
-
-
-def reusable_length(cached: Sequence[int], prompt: Sequence[int]) -> int:
-    """Prompt positions whose keys/values can be taken from a cache of ``cached`` tokens.
-
-    The positions the two share from the start, but never the whole prompt: its last
-    token must still go through the model, because its logits give the first new token.
-    """
-    if len(prompt) == 0:
-        raise ValueError("the prompt is empty")
-    return min(common_prefix_length(cached, prompt), len(prompt) - 1)
 
 
 class PrefixCache:

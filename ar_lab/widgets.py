@@ -282,11 +282,11 @@ class SamplerExplorer(_Shown):
 
     def update(self) -> None:
         import html
-        import io
 
         import matplotlib.pyplot as plt
 
         from ar_lab.generate import sampler_view
+        from ar_lab.plots import png_bytes
 
         try:
             view = sampler_view(
@@ -310,10 +310,7 @@ class SamplerExplorer(_Shown):
         fig, ax = plt.subplots(figsize=(8.5, 3.4))
         plot_sampler_view(ax, view, self.top)
         fig.tight_layout()
-        buf = io.BytesIO()
-        fig.savefig(buf, format="png")
-        plt.close(fig)
-        self.image.value = buf.getvalue()
+        self.image.value = png_bytes(fig)
         prompt = html.escape(view.prompt)
         rows = "".join(
             f"<pre style='white-space:pre-wrap;margin:2px 0'><span style='color:#7f8c8d'>{prompt}</span>"
@@ -381,10 +378,10 @@ class SpeculationExplorer(_Shown):
 
     def update(self) -> None:
         import html
-        import io
 
         import matplotlib.pyplot as plt
 
+        from ar_lab.plots import png_bytes
         from ar_lab.speculative_view import speculation_view
 
         try:
@@ -422,10 +419,7 @@ class SpeculationExplorer(_Shown):
         fig, axes = plt.subplots(1, 2, figsize=(10, 3.4))
         plot_speculation_view(axes, view)
         fig.tight_layout()
-        buf = io.BytesIO()
-        fig.savefig(buf, format="png")
-        plt.close(fig)
-        self.image.value = buf.getvalue()
+        self.image.value = png_bytes(fig)
         self.text.value = speculation_text_html(view)
 
 
