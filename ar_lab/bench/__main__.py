@@ -16,6 +16,7 @@ from pathlib import Path
 
 from ar_lab.bench import decode, roofline, sampler, serving, speculative
 from ar_lab.data import check_writable
+from ar_lab.timing import machine
 
 # name -> (module with add_options and run, one-line help)
 BENCHMARKS = {
@@ -43,6 +44,7 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, FileNotFoundError) as e:  # bad options or a missing checkpoint: say so, no traceback
         parser.error(f"{args.name}: {e}")
     results["command"] = shlex.join(["python", "-m", "ar_lab.bench", *argv])
+    results.setdefault("machine", machine())  # what the README's table says it ran on, and when
     if args.json is not None:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(results, indent=2))
