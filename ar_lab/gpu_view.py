@@ -323,7 +323,7 @@ def plot_measured_vs_spec(ax, result: dict, spec: GPUSpec | None = None):
 # A random-init model per GPU memory size, large enough that a decode step streams its
 # weights from memory (far beyond the L2 cache) rather than waiting on kernel launches.
 GPU_CONFIGS = {
-    40e9: GPTConfig(block_size=4096, n_layer=32, n_head=32, n_embd=4096),  # 6.4 B parameters, 13 GB in bf16
+    40e9: GPTConfig(block_size=4096, n_layer=32, n_head=32, n_embd=4096),  # 6.5 B parameters, 13 GB in bf16
     12e9: GPTConfig(block_size=4096, n_layer=24, n_head=16, n_embd=2048),  # 1.2 B parameters, 2.4 GB in bf16
 }
 

@@ -179,7 +179,7 @@ def fastest_threads(model, context: int = 64, candidates: Sequence[int] | None =
 
 # Random-init configs for the roofline (speed does not depend on training). "small":
 # ~100 M parameters, the chapter-05 notebook's model; "cpu": ~300 M parameters (1.2 GB
-# in fp32, several times the largest CPU cache); "gpu": ~6.4 B parameters (13 GB in
+# in fp32, several times the largest CPU cache); "gpu": ~6.5 B parameters (13 GB in
 # bf16), big enough that a decode step is memory traffic, not kernel launches.
 CONFIGS: dict[str, GPTConfig] = {
     "small": GPTConfig(block_size=512, n_layer=8, n_head=16, n_embd=1024),
