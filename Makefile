@@ -14,7 +14,7 @@ help:
 	@echo "make test         set up and run every test (ruff, unit/property tests, notebooks)"
 	@echo "make test-fast    ruff and the tests not marked slow (no notebooks, no browser): under 2 minutes"
 	@echo "make checkpoints  retrain the shipped checkpoints in data/ (about an hour on 2 cores)"
-	@echo "make bench        run every benchmark (python -m ar_lab.bench decode|roofline|sampler|speculative|serving)"
+	@echo "make bench        run every benchmark into data/bench/*.json and regenerate the README tables from them"
 	@echo "make grading-course DIR=grading [CHAPTER=06]  lay out an nbgrader course folder (INSTRUCTORS.md)"
 
 $(BIN)/python:
@@ -48,11 +48,12 @@ checkpoints: $(COURSE_STAMP)
 	$(BIN)/python -m ar_lab.train --preset draft
 
 bench: $(DEV_STAMP)
-	$(BIN)/python -m ar_lab.bench decode
-	$(BIN)/python -m ar_lab.bench roofline --json bench-results/roofline.json
-	$(BIN)/python -m ar_lab.bench sampler
-	$(BIN)/python -m ar_lab.bench speculative
-	$(BIN)/python -m ar_lab.bench serving
+	$(BIN)/python -m ar_lab.bench decode --json data/bench/decode.json
+	$(BIN)/python -m ar_lab.bench roofline --json data/bench/roofline.json
+	$(BIN)/python -m ar_lab.bench sampler --json data/bench/sampler.json
+	$(BIN)/python -m ar_lab.bench speculative --json data/bench/speculative.json
+	$(BIN)/python -m ar_lab.bench serving --json data/bench/serving.json
+	$(BIN)/python -m ar_lab.bench.readme
 
 grading-course:
 	@test -n "$(DIR)" || { echo "usage: make grading-course DIR=folder [CHAPTER=06]"; exit 2; }

@@ -147,6 +147,9 @@ def machine(device: torch.device | str = "cpu") -> dict:
             "name": device_name(device),
             "threads": torch.get_num_threads(),  # CPU threads the measurements ran with
             "cpus": os.cpu_count(),
+            # runnable processes, averaged over the last minute (Unix): above the core count, the
+            # measurement shared the cores with other work
+            "load_1min": round(os.getloadavg()[0], 2) if hasattr(os, "getloadavg") else None,
         },
         "versions": {
             "python": platform.python_version(),
