@@ -178,6 +178,7 @@ def checkpoint_table(paths: list[Path]) -> str:
     """The README's checkpoint table, from the training record inside each checkpoint."""
     from ar_lab.checkpoint import read_checkpoint_metadata
 
+    notes = []
     lines = [
         "| checkpoint | parameters | layers × width, heads | trained on | validation loss | training time |",
         "|---|---|---|---|---|---|",
@@ -190,13 +191,20 @@ def checkpoint_table(paths: list[Path]) -> str:
         how = f"{len(phases)} phases, {rec['train_steps']:,} steps"
         if taught:
             how += f"; phase {', '.join(map(str, taught))} distils the {phases[taught[0] - 1]['teacher']} model"
+            t = taught[0]
+            if t > 1 and phases[t - 2].get("val_curve") and phases[t - 1].get("val_curve"):
+                notes.append(
+                    f"`{path.name}`'s validation loss on the text during training (one evaluation throughout): "
+                    f"{phases[t - 2]['val_curve'][-1]:.2f} nats at the end of phase {t - 1}, "
+                    f"{phases[t - 1]['val_curve'][-1]:.2f} after the distillation of phase {t}."
+                )
         lines.append(
             f"| `{path.name}` | {rec['parameters']:,} | {cfg['n_layer']} × {cfg['n_embd']}, {cfg['n_head']} heads | "
             f"{rec['train_tokens'] / 1e6:.1f} M tokens ({how}) | {rec['val_loss_nats']:.3f} nats = "
             f"{rec['val_bits_per_byte']:.2f} bits/byte | {rec['train_seconds'] / 60:.0f} min, {rec['threads']} "
             f"thread{'s' if rec['threads'] != 1 else ''}, torch {rec['torch']} |"
         )
-    return "\n".join(lines)
+    return "\n".join(lines + ([""] + notes if notes else []))
 
 
 def _replace(text: str, start: str, end: str, body: str) -> str:
