@@ -14,7 +14,7 @@ help:
 	@echo "make test         set up and run every test (ruff, unit/property tests, notebooks)"
 	@echo "make test-fast    ruff and the tests not marked slow (no notebooks, no browser): under 2 minutes"
 	@echo "make checkpoints  retrain the shipped checkpoints in data/ (about an hour on 2 cores)"
-	@echo "make bench        run every benchmark (python -m ar_lab.bench decode|roofline|sampler|speculative|serving)"
+	@echo "make bench        run every benchmark (python -m ar_lab.bench decode|roofline|sampler|speculative|serving|quant)"
 	@echo "make grading-course DIR=grading [CHAPTER=06]  lay out an nbgrader course folder (INSTRUCTORS.md)"
 
 $(BIN)/python:
@@ -53,6 +53,7 @@ bench: $(DEV_STAMP)
 	$(BIN)/python -m ar_lab.bench sampler
 	$(BIN)/python -m ar_lab.bench speculative
 	$(BIN)/python -m ar_lab.bench serving
+	$(BIN)/python -m ar_lab.bench quant
 
 grading-course:
 	@test -n "$(DIR)" || { echo "usage: make grading-course DIR=folder [CHAPTER=06]"; exit 2; }
