@@ -47,6 +47,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ar_lab.cache import KVCache
+from ar_lab.kv_quant import Int8KVCache
 from ar_lab.model import GPT, MLP, Block, CausalSelfAttention
 from ar_lab.prompts import positive_int
 from ar_lab.quant import QuantizedLinear
@@ -177,9 +178,10 @@ class LeanGPT:
             )
         if end > cache.max_len:
             raise ValueError(f"KV cache full: positions up to {end} requested, capacity is {cache.max_len}")
-        if cache.k[0].dtype != self.wte.dtype or cache.k[0].device != self.device:
+        dtype = cache.dtype if type(cache) is Int8KVCache else cache.k[0].dtype  # int8: what it dequantizes to
+        if dtype != self.wte.dtype or cache.k[0].device != self.device:
             raise ValueError(
-                f"the cache holds {cache.k[0].dtype} on {cache.k[0].device}, the model {self.wte.dtype} on "
+                f"the cache holds {dtype} on {cache.k[0].device}, the model {self.wte.dtype} on "
                 f"{self.device}: build it with KVCache.for_model(model)"
             )
         return cache.length
@@ -201,13 +203,17 @@ class LeanGPT:
         C, shape, eps, scale, zero, mv = self.C, self.shape, self.eps, self.scale, self._zero, self._mv
         L = pos + 1  # keys the new query attends over: all cached positions and its own
         x = self.wte[token] + self.wpe[pos]  # (C,)
-        for lw, (K, V) in zip(self.layers, w.kv, strict=True):
+        int8_cache = cache if type(cache) is Int8KVCache else None  # (ar_lab.kv_quant)
+        for i, (lw, (K, V)) in enumerate(zip(self.layers, w.kv, strict=True)):
             h = torch.layer_norm(x, shape, lw.ln1_weight, lw.ln1_bias, eps)
             mv(lw.qkv_bias, lw.qkv_weight, h, out=qkv)  # q | k | v
-            K[:, pos] = k  # the new key and value, written in place
-            V[:, pos] = v
-            scores = torch.baddbmm(zero, q, K[:, :L].transpose(1, 2), beta=0, alpha=scale)  # (Hk, G, L): q.k/sqrt(D)
-            torch.bmm(torch.softmax(scores, -1), V[:, :L], out=y)  # (Hk, G, D)
+            if int8_cache is None:
+                K[:, pos] = k  # the new key and value, written in place
+                V[:, pos] = v
+                scores = torch.baddbmm(zero, q, K[:, :L].transpose(1, 2), beta=0, alpha=scale)  # (Hk, G, L)
+                torch.bmm(torch.softmax(scores, -1), V[:, :L], out=y)  # (Hk, G, D)
+            else:
+                int8_cache.attend(i, pos, q, k, v, scale, y)  # the same, on int8 keys and values
             x = mv(lw.attn_proj_bias, lw.attn_proj_weight, y.view(C)).add_(x)  # heads side by side + residual
             h = torch.layer_norm(x, shape, lw.ln2_weight, lw.ln2_bias, eps)
             h = F.gelu(mv(lw.fc_bias, lw.fc_weight, h), approximate="tanh")
@@ -226,6 +232,8 @@ class LeanGPT:
         """
         if len(tokens) == 1 and not isinstance(tokens, torch.Tensor):  # one token: the decode step
             return self.step(int(tokens[0]), cache)[None]
+        if type(cache) is Int8KVCache:
+            raise TypeError("extend writes float keys and values: give it a KVCache (an Int8KVCache runs step)")
         idx = torch.as_tensor(tokens, dtype=torch.long, device=self.device)
         if idx.ndim != 1 or idx.numel() == 0:
             raise ValueError(f"tokens must be a non-empty 1-D sequence of ids, got shape {tuple(idx.shape)}")

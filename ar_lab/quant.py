@@ -117,11 +117,17 @@ def _scales(absmax: torch.Tensor, levels: int) -> torch.Tensor:
     return torch.where(scale > 0, scale, torch.ones_like(scale))
 
 
+def absmax_quantize(x: torch.Tensor, levels: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric quantization along the last dimension: scale = max|x| / levels (1 where that is 0),
+    q = round(x / scale) in [-levels, levels] as int8. Returns q (same shape) and scale (one fewer dim).
+    The one rule behind int8 weights (levels 127), int4 groups (7) and the int8 KV cache."""
+    scale = _scales(x.abs().amax(dim=-1), levels)
+    return torch.round(x / scale[..., None]).clamp_(-levels, levels).to(torch.int8), scale
+
+
 def quantize_int8(weight: torch.Tensor) -> QuantizedTensor:
     """Symmetric int8, one scale per output row: scale = max|row| / 127, q = round(w / scale)."""
-    w = _check_weight(weight)  # (out, in)
-    scale = _scales(w.abs().amax(dim=1), 127)  # (out,)
-    q = torch.round(w / scale[:, None]).clamp_(-127, 127).to(torch.int8)
+    q, scale = absmax_quantize(_check_weight(weight), 127)  # (out, in), (out,)
     return QuantizedTensor(q, scale, 8, None)
 
 
@@ -138,10 +144,8 @@ def quantize_int4(weight: torch.Tensor, group_size: int = 32) -> QuantizedTensor
     w = _check_weight(weight)
     out, n_in = w.shape
     _check_group_size(group_size, n_in)
-    groups = w.view(out, n_in // group_size, group_size)  # (out, groups, group_size)
-    scale = _scales(groups.abs().amax(dim=2), 7)  # (out, groups)
-    q = torch.round(groups / scale[:, :, None]).clamp_(-8, 7).to(torch.int8).view(out, n_in)
-    return QuantizedTensor(q, scale, 4, group_size)
+    q, scale = absmax_quantize(w.view(out, n_in // group_size, group_size), 7)  # (out, groups, size), (out, groups)
+    return QuantizedTensor(q.view(out, n_in), scale, 4, group_size)
 
 
 def _quantize(weight: torch.Tensor, bits, group_size) -> QuantizedTensor:

@@ -12,6 +12,8 @@
   full-precision one in speculative decoding (chapter 07): greedy, and sampled at T = 1 (where
   the exact alpha = sum_x min(p, q) is the mean of 1 - total variation). A quantized model is
   a draft that costs fewer bytes per token and agrees with the target almost always.
+- ``kv_cache_agreement``: the same two agreement figures for an int8 KV cache
+  (``ar_lab.kv_quant``) against a float one, on one model.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ import torch
 
 from ar_lab.data import corpus_tokens, train_val_split
 from ar_lab.generate import generate
+from ar_lab.kv_quant import Int8KVCache
 from ar_lab.prompts import eval_mode, positive_int, prompt_ids
 from ar_lab.sampling import GREEDY, SamplingParams
 from ar_lab.speculative import speculative_generate
@@ -74,10 +77,11 @@ class GreedyAgreement:
     per_prompt_divergence: list[int]
 
 
-def _argmax_on(model, ids: list[int], n: int) -> torch.Tensor:
-    """The model's argmax at each of the last ``n`` positions of ``ids`` (what it predicts for them), (n,)."""
+def _argmax_on(model, ids: list[int], n: int, cache=None) -> torch.Tensor:
+    """The model's argmax at each of the last ``n`` positions of ``ids`` (what it predicts for them), (n,);
+    with ``cache`` (empty), the pass writes its keys/values there and attends over what it holds."""
     with eval_mode(model):
-        logits = model(torch.tensor([ids[:-1]], device=model.device))[0, -n:]  # predicts ids[-n:]
+        logits = model(torch.tensor([ids[:-1]], device=model.device), cache)[0, -n:]  # predicts ids[-n:]
     return logits.float().argmax(-1).cpu()
 
 
@@ -97,6 +101,27 @@ def greedy_agreement(reference, other, prompts=None, n_tokens: int = 32) -> Gree
         mine = generate(other, ids, n_tokens, eos_id=None).tokens
         full = ids + ref
         agree.append(float((_argmax_on(reference, full, n_tokens) == _argmax_on(other, full, n_tokens)).float().mean()))
+        diverge.append(next((i for i, (a, b) in enumerate(zip(ref, mine, strict=True)) if a != b), n_tokens))
+    return GreedyAgreement(sum(agree) / len(agree), sum(diverge) / len(diverge), n_tokens, agree, diverge)
+
+
+def kv_cache_agreement(model, prompts=None, n_tokens: int = 32) -> GreedyAgreement:
+    """``greedy_agreement`` of ``model`` with an ``Int8KVCache`` against the same model with a float cache.
+
+    Teacher-forced: one pass over prompt + the float-cache greedy continuation, its keys and
+    values written to an int8 cache and attention reading them back (so every position sees
+    quantized keys and values); free-running: ``generate`` with ``cache=Int8KVCache...``.
+    """
+    positive_int("n_tokens", n_tokens)
+    agree, diverge = [], []
+    for ids in _prompts(prompts):
+        ref = generate(model, ids, n_tokens, eos_id=None).tokens
+        cache = Int8KVCache.for_model(model, max_len=len(ids) + n_tokens - 1)
+        mine = generate(model, ids, n_tokens, eos_id=None, cache=cache).tokens
+        full = ids + ref
+        cache.truncate(0)
+        int8 = _argmax_on(model, full, n_tokens, cache)
+        agree.append(float((_argmax_on(model, full, n_tokens) == int8).float().mean()))
         diverge.append(next((i for i, (a, b) in enumerate(zip(ref, mine, strict=True)) if a != b), n_tokens))
     return GreedyAgreement(sum(agree) / len(agree), sum(diverge) / len(diverge), n_tokens, agree, diverge)
 

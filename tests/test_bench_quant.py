@@ -38,6 +38,12 @@ def test_every_format_is_measured_and_predicted(result):
     assert "bits_per_byte" not in result["models"][1]["rows"]["fp32"]
 
 
+def test_int8_kv_cache_figures(result):
+    kv = result["kv_cache"]
+    assert kv["nbytes"] == kv["formula_bytes"] and kv["nbytes"]["int8"] < kv["nbytes"]["fp32"] / 3
+    assert set(kv["tokens_per_s"]) == {"fp32", "int8"} and 0 <= kv["greedy_top1"] <= 1
+
+
 def test_kernels_are_checked_against_the_matrix_they_stand_for(result):
     calls = {k["call"]: k for k in result["kernels"]}
     assert set(calls) >= {"fp32 addmv", "int8 kernel", "int4 kernel", "int8 kernel, fp32 input"}

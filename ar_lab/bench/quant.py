@@ -142,6 +142,36 @@ def measure_model(model, label: str, *, tokens: int, repeats: int, prompt: str, 
     }
 
 
+def kv_cache_figures(model, *, tokens: int, repeats: int, prompt: str, quality_tokens: int, say) -> dict:
+    """A float32 KV cache against an ``Int8KVCache`` on ``model``: bytes of real caches at the full
+    context (and the formulas'), decode tokens/s side by side (interleaved), greedy agreement."""
+    from ar_lab.cache import KVCache, kv_cache_bytes
+    from ar_lab.generate import generate
+    from ar_lab.kv_quant import Int8KVCache, int8_kv_cache_bytes
+    from ar_lab.quant_quality import kv_cache_agreement
+
+    cfg = model.config
+    sizes = (cfg.n_layer, cfg.kv_heads, cfg.head_dim, cfg.block_size)
+    kinds = {"fp32": KVCache, "int8": Int8KVCache}
+    out = {
+        "context": cfg.block_size,
+        "nbytes": {k: kind.for_model(model).nbytes for k, kind in kinds.items()},
+        "formula_bytes": {"fp32": kv_cache_bytes(*sizes), "int8": int8_kv_cache_bytes(*sizes)},
+    }
+    max_len = len(prompt.encode()) + tokens - 1
+    seconds: dict[str, list[float]] = {k: [] for k in kinds}
+    for r in range(repeats + 1):  # the first round warms up
+        say(f"KV cache: repeat {r}/{repeats}")
+        for k in list(kinds)[:: 1 if r % 2 else -1]:
+            run = generate(model, prompt, tokens, eos_id=None, cache=kinds[k].for_model(model, max_len=max_len))
+            if r:
+                seconds[k].append(sum(run.stats.decode_times))
+    out["tokens_per_s"] = {k: (tokens - 1) / median(v) for k, v in seconds.items()}
+    agreement = kv_cache_agreement(model, n_tokens=quality_tokens)
+    out["greedy_top1"], out["first_divergence"] = agreement.top1, agreement.first_divergence
+    return out
+
+
 def quant_benchmark(
     course=None,
     large=None,
@@ -169,6 +199,9 @@ def quant_benchmark(
             course, f"course model ({source})", tokens=tokens, repeats=repeats, prompt=prompt, quality=quality, say=say
         )
     ]
+    result["kv_cache"] = kv_cache_figures(
+        course, tokens=tokens, repeats=repeats, prompt=prompt, quality_tokens=quality["quality_tokens"], say=say
+    )
     if large is not None:
         result["models"].append(
             measure_model(
@@ -217,6 +250,16 @@ def format_quant_results(res: dict) -> str:
                 ]
             rows.append(row)
         lines += [format_table(headers, rows), ""]
+    kv = res["kv_cache"]
+    nb, tps = kv["nbytes"], kv["tokens_per_s"]
+    lines += [
+        f"KV cache of the course model at its full context ({kv['context']} positions): "
+        f"fp32 {nb['fp32'] / 2**20:.2f} MiB, int8 {nb['int8'] / 2**20:.2f} MiB ({nb['int8'] / nb['fp32']:.0%}, "
+        f"formula {kv['formula_bytes']['int8']:,} B); "
+        f"decode {tps['fp32']:.0f} vs {tps['int8']:.0f} tokens/s; int8 vs fp32 cache: top-1 agreement "
+        f"{kv['greedy_top1']:.3f}, first divergence after {kv['first_divergence']:.1f} tokens",
+        "",
+    ]
     lines.append(
         "speedup: fp32's decode time over the format's, median of per-repeat ratios; predicted: the "
         "roofline's bytes ratio (weights + KV cache + activations per step). A shared machine is noisy."
