@@ -53,6 +53,7 @@ bench: $(DEV_STAMP)
 	$(BIN)/python -m ar_lab.bench sampler --json data/bench/sampler.json
 	$(BIN)/python -m ar_lab.bench speculative --json data/bench/speculative.json
 	$(BIN)/python -m ar_lab.bench serving --json data/bench/serving.json
+	$(BIN)/python -m ar_lab.bench quant --json data/bench/quant.json
 	$(BIN)/python -m ar_lab.bench.readme
 
 grading-course:

@@ -24,6 +24,10 @@ weights than against nn.Linear's (out, in), so ``transposed_copies(model)`` make
 kept per model and compared with the model's weights, value for value, each time they are
 asked for; ``speculative_generate`` asks once per call and hands them to ``extend``.
 
+A block's Linear layer may be a ``QuantizedLinear`` (``ar_lab.quant``, chapter 09): the step and
+``extend`` then call its kernel, which reads the layer's narrow weights (its buffers) at every
+call, so edits are seen there too; no copy is ever made of them.
+
 The results equal ``GPT.forward``'s up to float rounding (tests: logits within 1e-5, the
 same greedy tokens). ``for_model(model)`` makes an engine (cheap: it copies nothing).
 Call it under ``torch.inference_mode()``, as ``ar_lab.generate`` does.
@@ -43,9 +47,15 @@ import torch.nn.functional as F
 from torch import nn
 
 from ar_lab.cache import KVCache
+from ar_lab.kv_quant import Int8KVCache
 from ar_lab.model import GPT, MLP, Block, CausalSelfAttention
 from ar_lab.prompts import positive_int
+from ar_lab.quant import QuantizedLinear, bf16_addmv, quantized_addmm, quantized_addmv
 from ar_lab.timing import synchronize
+
+# A weight matrix as the step reads it: nn.Linear's parameter, or a whole QuantizedLinear (chapter 09),
+# whose own kernel multiplies with its narrow weights (read from the module at every call).
+Matrix = torch.Tensor | QuantizedLinear
 
 
 class LayerWeights(NamedTuple):
@@ -53,25 +63,25 @@ class LayerWeights(NamedTuple):
 
     ln1_weight: torch.Tensor  # (C,)
     ln1_bias: torch.Tensor  # (C,)
-    qkv_weight: torch.Tensor  # (C + 2 KD, C): queries, keys, values
+    qkv_weight: Matrix  # (C + 2 KD, C): queries, keys, values
     qkv_bias: torch.Tensor  # (C + 2 KD,)
-    attn_proj_weight: torch.Tensor  # (C, C)
+    attn_proj_weight: Matrix  # (C, C)
     attn_proj_bias: torch.Tensor  # (C,)
     ln2_weight: torch.Tensor  # (C,)
     ln2_bias: torch.Tensor  # (C,)
-    fc_weight: torch.Tensor  # (4C, C)
+    fc_weight: Matrix  # (4C, C)
     fc_bias: torch.Tensor  # (4C,)
-    mlp_proj_weight: torch.Tensor  # (C, 4C)
+    mlp_proj_weight: Matrix  # (C, 4C)
     mlp_proj_bias: torch.Tensor  # (C,)
 
 
 class TransposedWeights(NamedTuple):
     """(in, out) layouts of one block's four weight matrices: what ``extend``'s matrix products read."""
 
-    qkv: torch.Tensor  # (C, C + 2 KD)
-    attn_proj: torch.Tensor  # (C, C)
-    fc: torch.Tensor  # (C, 4C)
-    mlp_proj: torch.Tensor  # (4C, C)
+    qkv: Matrix  # (C, C + 2 KD)
+    attn_proj: Matrix  # (C, C)
+    fc: Matrix  # (C, 4C)
+    mlp_proj: Matrix  # (4C, C)
 
 
 class Transposed(NamedTuple):
@@ -132,6 +142,11 @@ class LeanGPT:
         self.ln_f = (model.ln_f.weight, model.ln_f.bias)
         self.device, dtype = self.wte.device, self.wte.dtype
         self.layers = layers
+        # Matrix products: torch's own for nn.Linear weights, the dispatching ones if a layer is quantized.
+        quantized = any(type(m) is QuantizedLinear for lw in layers for m in lw)
+        slow_addmv = dtype == torch.bfloat16 and self.device.type == "cpu"  # (see quant.bf16_addmv)
+        self._mv = quantized_addmv if quantized else bf16_addmv if slow_addmv else torch.addmv
+        self._mm = quantized_addmm if quantized else torch.addmm
         self._zero = torch.zeros(1, 1, 1, dtype=dtype, device=self.device)  # baddbmm's ignored input (beta 0)
         self._work = _Work(self.C, self.Hk, self.G, self.D, dtype, self.device)
 
@@ -150,9 +165,10 @@ class LeanGPT:
             )
         if end > cache.max_len:
             raise ValueError(f"KV cache full: positions up to {end} requested, capacity is {cache.max_len}")
-        if cache.k[0].dtype != self.wte.dtype or cache.k[0].device != self.device:
+        dtype = cache.dtype if type(cache) is Int8KVCache else cache.k[0].dtype  # int8: what it dequantizes to
+        if dtype != self.wte.dtype or cache.k[0].device != self.device:
             raise ValueError(
-                f"the cache holds {cache.k[0].dtype} on {cache.k[0].device}, the model {self.wte.dtype} on "
+                f"the cache holds {dtype} on {cache.k[0].device}, the model {self.wte.dtype} on "
                 f"{self.device}: build it with KVCache.for_model(model)"
             )
         return cache.length
@@ -171,20 +187,24 @@ class LeanGPT:
         if torch.is_grad_enabled():
             _no_grad_needed()
         qkv, q, k, v, y = w.buffers
-        C, shape, eps, scale, zero = self.C, self.shape, self.eps, self.scale, self._zero
+        C, shape, eps, scale, zero, mv = self.C, self.shape, self.eps, self.scale, self._zero, self._mv
         L = pos + 1  # keys the new query attends over: all cached positions and its own
         x = self.wte[token] + self.wpe[pos]  # (C,)
-        for lw, (K, V) in zip(self.layers, w.kv, strict=True):
+        int8_cache = cache if type(cache) is Int8KVCache else None  # (ar_lab.kv_quant)
+        for i, (lw, (K, V)) in enumerate(zip(self.layers, w.kv, strict=True)):
             h = torch.layer_norm(x, shape, lw.ln1_weight, lw.ln1_bias, eps)
-            torch.addmv(lw.qkv_bias, lw.qkv_weight, h, out=qkv)  # q | k | v
-            K[:, pos] = k  # the new key and value, written in place
-            V[:, pos] = v
-            scores = torch.baddbmm(zero, q, K[:, :L].transpose(1, 2), beta=0, alpha=scale)  # (Hk, G, L): q.k/sqrt(D)
-            torch.bmm(torch.softmax(scores, -1), V[:, :L], out=y)  # (Hk, G, D)
-            x = torch.addmv(lw.attn_proj_bias, lw.attn_proj_weight, y.view(C)).add_(x)  # heads side by side + residual
+            mv(lw.qkv_bias, lw.qkv_weight, h, out=qkv)  # q | k | v
+            if int8_cache is None:
+                K[:, pos] = k  # the new key and value, written in place
+                V[:, pos] = v
+                scores = torch.baddbmm(zero, q, K[:, :L].transpose(1, 2), beta=0, alpha=scale)  # (Hk, G, L)
+                torch.bmm(torch.softmax(scores, -1), V[:, :L], out=y)  # (Hk, G, D)
+            else:
+                int8_cache.attend(i, pos, q, k, v, scale, y)  # the same, on int8 keys and values
+            x = mv(lw.attn_proj_bias, lw.attn_proj_weight, y.view(C)).add_(x)  # heads side by side + residual
             h = torch.layer_norm(x, shape, lw.ln2_weight, lw.ln2_bias, eps)
-            h = F.gelu(torch.addmv(lw.fc_bias, lw.fc_weight, h), approximate="tanh")
-            x = torch.addmv(lw.mlp_proj_bias, lw.mlp_proj_weight, h).add_(x)  # MLP out + residual
+            h = F.gelu(mv(lw.fc_bias, lw.fc_weight, h), approximate="tanh")
+            x = mv(lw.mlp_proj_bias, lw.mlp_proj_weight, h).add_(x)  # MLP out + residual
         cache.length = L
         cache.record(pos, [token])
         return torch.mv(self.wte, torch.layer_norm(x, shape, *self.ln_f, eps))  # tied output projection
@@ -199,6 +219,8 @@ class LeanGPT:
         """
         if len(tokens) == 1 and not isinstance(tokens, torch.Tensor):  # one token: the decode step
             return self.step(int(tokens[0]), cache)[None]
+        if type(cache) is Int8KVCache:
+            raise TypeError("extend writes float keys and values: give it a KVCache (an Int8KVCache runs step)")
         idx = torch.as_tensor(tokens, dtype=torch.long, device=self.device)
         if idx.ndim != 1 or idx.numel() == 0:
             raise ValueError(f"tokens must be a non-empty 1-D sequence of ids, got shape {tuple(idx.shape)}")
@@ -206,7 +228,7 @@ class LeanGPT:
         pos = self._check(cache, T)
         if torch.is_grad_enabled():
             _no_grad_needed()
-        C, Hk, G, D, KD, shape, eps = self.C, self.Hk, self.G, self.D, self.KD, self.shape, self.eps
+        C, Hk, G, D, KD, shape, eps, mm = self.C, self.Hk, self.G, self.D, self.KD, self.shape, self.eps, self._mm
         L = pos + T
         x = self.wte[idx] + self.wpe[pos:L]  # (T, C)
         hidden = torch.ones(T, L, dtype=torch.bool, device=self.device).triu_(pos + 1)  # query i sees keys <= pos + i
@@ -214,7 +236,7 @@ class LeanGPT:
         for w, wt, K, V in zip(self.layers, layers_t, cache.k, cache.v, strict=True):
             K, V = K[0], V[0]  # (Hk, T_max, D)
             h = torch.layer_norm(x, shape, w.ln1_weight, w.ln1_bias, eps)  # (T, C)
-            qkv = torch.addmm(w.qkv_bias, h, wt.qkv)  # (T, C + 2 KD)
+            qkv = mm(w.qkv_bias, h, wt.qkv)  # (T, C + 2 KD)
             K[:, pos:L] = qkv[:, C : C + KD].view(T, Hk, D).transpose(0, 1)
             V[:, pos:L] = qkv[:, C + KD :].view(T, Hk, D).transpose(0, 1)
             q = qkv[:, :C].view(T, Hk, G, D).permute(1, 2, 0, 3).reshape(Hk, G * T, D)  # (Hk, G T, D)
@@ -222,10 +244,10 @@ class LeanGPT:
             scores = scores.view(Hk, G, T, L).masked_fill_(hidden, float("-inf"))
             y = torch.bmm(torch.softmax(scores, -1).view(Hk, G * T, L), V[:, :L])  # (Hk, G T, D)
             y = y.view(Hk, G, T, D).permute(2, 0, 1, 3).reshape(T, C)  # heads side by side again
-            x = torch.addmm(w.attn_proj_bias, y, wt.attn_proj).add_(x)
+            x = mm(w.attn_proj_bias, y, wt.attn_proj).add_(x)
             h = torch.layer_norm(x, shape, w.ln2_weight, w.ln2_bias, eps)
-            h = F.gelu(torch.addmm(w.fc_bias, h, wt.fc), approximate="tanh")
-            x = torch.addmm(w.mlp_proj_bias, h, wt.mlp_proj).add_(x)
+            h = F.gelu(mm(w.fc_bias, h, wt.fc), approximate="tanh")
+            x = mm(w.mlp_proj_bias, h, wt.mlp_proj).add_(x)
         cache.length = L
         cache.record(pos, tokens.tolist() if isinstance(tokens, torch.Tensor) else [int(t) for t in tokens])
         return torch.mm(torch.layer_norm(x, shape, *self.ln_f, eps), out_t)  # (T, vocab)
@@ -234,14 +256,19 @@ class LeanGPT:
         """The parameters' (in, out) views: always current, no copy (slower than copies on CPU for a few rows)."""
         layers = [
             TransposedWeights(
-                qkv=w.qkv_weight.t(),
-                attn_proj=w.attn_proj_weight.t(),
-                fc=w.fc_weight.t(),
-                mlp_proj=w.mlp_proj_weight.t(),
+                qkv=_t(w.qkv_weight),
+                attn_proj=_t(w.attn_proj_weight),
+                fc=_t(w.fc_weight),
+                mlp_proj=_t(w.mlp_proj_weight),
             )
             for w in self.layers
         ]
         return Transposed(layers, self.wte.t())
+
+
+def _t(m: Matrix) -> Matrix:
+    """(in, out) view of a weight; a QuantizedLinear stands for its own transpose (its kernel takes x rows)."""
+    return m if type(m) is QuantizedLinear else m.t()
 
 
 class NotLean(TypeError):
@@ -253,7 +280,8 @@ def supports(model) -> bool:
 
     A subclass with its own ``forward``, a module swapped for another or subclassed (an experiment
     in a notebook, a parametrized weight), or an output projection no longer tied to the token
-    embedding keeps going through ``forward``, so ``generate`` never silently skips it.
+    embedding keeps going through ``forward``, so ``generate`` never silently skips it. A block's Linear
+    layer may be a ``QuantizedLinear`` (``ar_lab.quant``): the step then calls its kernel.
     """
     return _stock_layers(model) is not None
 
@@ -279,7 +307,7 @@ def _stock_layers(model) -> list[LayerWeights] | None:
         ln1, ln2, attn, mlp = b.ln1, b.ln2, b.attn, b.mlp
         qkv, proj, fc, mlp_proj = attn.qkv, attn.proj, mlp.fc, mlp.proj
         if not (
-            type(qkv) is type(proj) is type(fc) is type(mlp_proj) is nn.Linear
+            all(type(m) in (nn.Linear, QuantizedLinear) for m in (qkv, proj, fc, mlp_proj))
             and type(ln1) is type(ln2) is nn.LayerNorm
             and ln1.eps == ln2.eps == ln_f.eps  # the step normalises every layer with one epsilon
         ):
@@ -288,19 +316,24 @@ def _stock_layers(model) -> list[LayerWeights] | None:
             LayerWeights(
                 ln1_weight=ln1.weight,
                 ln1_bias=ln1.bias,
-                qkv_weight=qkv.weight,
+                qkv_weight=_matrix(qkv),
                 qkv_bias=qkv.bias,
-                attn_proj_weight=proj.weight,
+                attn_proj_weight=_matrix(proj),
                 attn_proj_bias=proj.bias,
                 ln2_weight=ln2.weight,
                 ln2_bias=ln2.bias,
-                fc_weight=fc.weight,
+                fc_weight=_matrix(fc),
                 fc_bias=fc.bias,
-                mlp_proj_weight=mlp_proj.weight,
+                mlp_proj_weight=_matrix(mlp_proj),
                 mlp_proj_bias=mlp_proj.bias,
             )
         )
     return layers
+
+
+def _matrix(linear: nn.Linear | QuantizedLinear) -> Matrix:
+    """What the step multiplies by: an nn.Linear's weight parameter, or the QuantizedLinear itself."""
+    return linear if type(linear) is QuantizedLinear else linear.weight
 
 
 def for_model(model: GPT) -> LeanGPT:
@@ -320,7 +353,7 @@ def engine_for(model) -> LeanGPT | None:
 
 
 class _Copies(NamedTuple):
-    originals: list[torch.Tensor]  # plain copies of the matrices, to compare the model's against
+    originals: list[Matrix]  # plain copies of the matrices to compare the model's against (quantized: the layer)
     transposed: Transposed
 
 
@@ -328,19 +361,23 @@ _COPIES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> _Co
 _COPIES_LOCK = threading.Lock()
 
 
-def _matrices(model: GPT) -> list[torch.Tensor]:
-    """The matrices ``extend`` multiplies by, in ``Transposed`` order (4 per block, then the embedding)."""
+def _matrices(model: GPT) -> list[Matrix]:
+    """The matrices ``extend`` multiplies by, in ``Transposed`` order (4 per block, then the embedding).
+
+    A QuantizedLinear is its own entry: its kernel reads the module's buffers at each call, no copy."""
     out = []
     for b in model.blocks:
-        out += [b.attn.qkv.weight, b.attn.proj.weight, b.mlp.fc.weight, b.mlp.proj.weight]
+        out += [_matrix(b.attn.qkv), _matrix(b.attn.proj), _matrix(b.mlp.fc), _matrix(b.mlp.proj)]
     return [*out, model.wte.weight]
 
 
 _BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}  # an integer dtype of each width
 
 
-def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+def _same(a: Matrix, b: Matrix) -> bool:
     """``a`` and ``b`` hold the same values, bit for bit (a NaN weight is equal to itself)."""
+    if type(a) is QuantizedLinear or type(b) is QuantizedLinear:
+        return a is b  # the layer itself is kept, never a copy
     if a.shape != b.shape or a.dtype != b.dtype or a.device != b.device:
         return False
     bits = _BITS.get(a.element_size())
@@ -364,8 +401,8 @@ def transposed_copies(model: GPT) -> Transposed:
     with _COPIES_LOCK, torch.no_grad():
         hit = _COPIES.get(model)
         if hit is None or len(hit.originals) != len(live) or not all(map(_same, live, hit.originals)):
-            originals = [m.detach().clone() for m in live]
-            t = [m.t().contiguous() for m in originals]
+            originals = [m if type(m) is QuantizedLinear else m.detach().clone() for m in live]
+            t = [m if type(m) is QuantizedLinear else m.t().contiguous() for m in originals]
             layers = [TransposedWeights(*t[i : i + 4]) for i in range(0, len(t) - 1, 4)]
             hit = _Copies(originals, Transposed(layers, t[-1]))
             _COPIES[model] = hit
@@ -377,13 +414,17 @@ def weights_only_pass(model, steps: int) -> None:
 
     The floor under any batch-1 decoder of the model (no attention, no LayerNorm, no sampling,
     no Python around it): time it to see what a decode step adds on top. Matrix-vector
-    products, the fastest kernel for one vector (the one ``LeanGPT.step`` uses).
+    products, the fastest kernel for one vector (the one ``LeanGPT.step`` uses); a ``QuantizedLinear``'s own kernel.
     """
     positive_int("steps", steps)
-    linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
-    vectors = [torch.randn(m.in_features, device=m.weight.device, dtype=m.weight.dtype) for m in linears]
+    calls = []  # (product, its input)
+    for m in model.modules():
+        if type(m) is QuantizedLinear:
+            calls.append((m.matmul, torch.randn(1, m.in_features)))  # (the CPU kernels: one row)
+        elif isinstance(m, torch.nn.Linear):
+            calls.append((m.weight.mv, torch.randn(m.in_features, device=m.weight.device, dtype=m.weight.dtype)))
     with torch.inference_mode():
         for _ in range(steps):
-            for m, x in zip(linears, vectors, strict=True):
-                torch.mv(m.weight, x)
-    synchronize(vectors[0].device)
+            for product, x in calls:
+                product(x)
+    synchronize(calls[0][1].device)

@@ -14,7 +14,7 @@ import shlex
 import sys
 from pathlib import Path
 
-from ar_lab.bench import decode, roofline, sampler, serving, speculative
+from ar_lab.bench import decode, quant, roofline, sampler, serving, speculative
 from ar_lab.data import check_writable
 from ar_lab.timing import machine
 
@@ -25,6 +25,7 @@ BENCHMARKS = {
     "sampler": (sampler, "batch-1 sampler step vs cached decode step (chapter 06)"),
     "speculative": (speculative, "speculative vs plain decoding, measured against the theory (chapter 07)"),
     "serving": (serving, "static vs continuous batching, tokens/s vs batch size, prefix-cache TTFT (chapter 08)"),
+    "quant": (quant, "fp32 vs bf16 vs int8 vs int4 weights in batch-1 decode, against the roofline (chapter 09)"),
 }
 
 

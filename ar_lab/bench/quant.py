@@ -1,0 +1,301 @@
+"""Chapter 09's benchmark: fp32 vs bf16 vs int8 vs int4 weights in batch-1 cached decode.
+
+For two models, the course model and a random-init one large enough that its weights stream
+from main memory (``ar_lab.measure.CONFIGS``, ``--config``), each weight format decodes the
+same prompt; repeats are interleaved (every format once per repeat, the order rotating) and
+each format's speedup over fp32 is the median of its per-repeat ratios. Beside it, the
+roofline's memory-bound prediction (``ar_lab.quant.predicted_speedup``: the bytes a step
+moves, fp32 over the format) and measured / predicted. For the course model, the quality
+columns (``ar_lab.quant_quality``). First, the kernels alone: one matrix times one vector.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from collections.abc import Callable
+
+import torch
+
+from ar_lab.bench.common import checked_count, course_model_or_random, torch_threads
+from ar_lab.bench.table import format_table
+from ar_lab.timing import median
+
+FORMATS = ("fp32", "bf16", "int8", "int4")
+QUICK = {"tokens": 6, "repeats": 1, "quality_tokens": 6, "bpb_tokens": 256}
+
+
+def add_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--tokens", type=int, default=64, help="new tokens per generation (default 64)")
+    p.add_argument("--repeats", type=int, default=5, help="interleaved repeats; medians are reported (default 5)")
+    p.add_argument(
+        "--config",
+        default="small",
+        help="the large random-init model, from ar_lab.measure.CONFIGS: small (~100 M parameters, default), "
+        "cpu (~300 M), or none to skip it",
+    )
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's own count)")
+    p.add_argument("--quick", action="store_true", help="tiny sizes: a smoke test, not a measurement")
+
+
+def _kernel_calls(w: torch.Tensor, x: torch.Tensor) -> dict[str, tuple[Callable[[], torch.Tensor], torch.Tensor]]:
+    """name -> (one matrix-vector product of ``w`` and ``x``, the matrix it stands for)."""
+    from ar_lab.quant import QuantizedLinear, quantize_int4, quantize_int8
+
+    int8, int4 = QuantizedLinear(quantize_int8(w)), QuantizedLinear(quantize_int4(w, 32))
+    wb, zero, q8 = (
+        w.bfloat16(),
+        torch.zeros(w.shape[0], dtype=torch.bfloat16),
+        quantize_int8(w),
+    )  # q8: float32 scales, what the kernel's float32 path takes
+    return {
+        "fp32 addmv": (lambda: torch.mv(w, x), w),
+        "bf16 mv": (lambda: torch.mv(wb, x.bfloat16()), wb.float()),
+        "bf16 addmv": (lambda: torch.addmv(zero, wb, x.bfloat16()), wb.float()),  # see quant.bf16_addmv
+        "int8 kernel": (lambda: int8.matmul(x[None])[0], int8.quantized().dequantize()),
+        "int8 kernel, fp32 input": (
+            lambda: torch.ops.aten._weight_int8pack_mm(x[None], q8.q, q8.scale)[0],
+            q8.dequantize(),
+        ),
+        "int8 dequantize + mv": (lambda: torch.mv(q8.q.float() * q8.scale[:, None], x), q8.dequantize()),
+        "int4 kernel": (lambda: int4.matmul(x[None])[0], int4.quantized().dequantize()),
+    }
+
+
+def kernel_timings(shapes=((1024, 256), (4096, 1024)), repeats: int = 30) -> list[dict]:
+    """One (out, in) matrix times one vector, per shape: microseconds per call (median of interleaved
+    calls), speed relative to float32 ``mv``, and the largest error relative to the product with the
+    matrix the call stands for (its dequantized weights)."""
+    rows = []
+    for n_out, n_in in shapes:
+        torch.manual_seed(0)
+        w, x = torch.randn(n_out, n_in), torch.randn(n_in)
+        calls = _kernel_calls(w, x)
+        times: dict[str, list[float]] = {k: [] for k in calls}
+        with torch.inference_mode():
+            for _ in range(repeats):
+                for name, (fn, _) in calls.items():
+                    t0 = time.perf_counter()
+                    fn()
+                    times[name].append(time.perf_counter() - t0)
+            for name, (fn, matrix) in calls.items():
+                want = matrix @ x
+                err = float((fn().float() - want).abs().max() / want.abs().max())
+                us = 1e6 * median(times[name])
+                rows.append({"shape": [n_out, n_in], "call": name, "us": us, "rel_error": err})
+        base = rows[-len(calls)]["us"]  # fp32 addmv, the first call
+        for r in rows[-len(calls) :]:
+            r["x_fp32"] = base / r["us"]
+    return rows
+
+
+def _decode_times(models: dict, prompt: str, tokens: int, repeats: int, say) -> dict[str, list[float]]:
+    """Seconds of the decode steps (prefill excluded) of each format, interleaved, the order rotating."""
+    from ar_lab.generate import generate
+
+    for m in models.values():
+        generate(m, prompt, 4, eos_id=None)  # warm-up
+    seconds: dict[str, list[float]] = {k: [] for k in models}
+    names = list(models)
+    for r in range(repeats):
+        say(f"repeat {r + 1}/{repeats}")
+        for name in names[r % len(names) :] + names[: r % len(names)]:
+            out = generate(models[name], prompt, tokens, eos_id=None)
+            seconds[name].append(sum(out.stats.decode_times))
+    return seconds
+
+
+def measure_model(model, label: str, *, tokens: int, repeats: int, prompt: str, quality: dict | None, say) -> dict:
+    """Every format of ``model`` decoded side by side: tokens/s, bytes/token, measured and predicted speedups."""
+    from ar_lab.quant import bytes_per_token, predicted_speedup, quantize_model
+    from ar_lab.quant_quality import bits_per_byte, greedy_agreement, self_draft_acceptance
+
+    say(f"{label}: quantizing")
+    models = {w: quantize_model(model, weights=w) for w in FORMATS}
+    seconds = _decode_times(models, prompt, tokens, repeats, lambda m: say(f"{label}: {m}"))
+    context = len(prompt.encode()) + tokens // 2  # the mean position of a decode step
+    rows = {}
+    for w, m in models.items():
+        per_repeat = [a / b for a, b in zip(seconds["fp32"], seconds[w], strict=True)]
+        predicted = predicted_speedup(models["fp32"], m, context=context)
+        rows[w] = {
+            "tokens_per_s": (tokens - 1) / median(seconds[w]),
+            "bytes_per_token": bytes_per_token(m),
+            "speedup": median(per_repeat),
+            "predicted_speedup": predicted,
+            "measured_vs_predicted": median(per_repeat) / predicted,
+            "seconds": seconds[w],
+        }
+        if quality is not None:
+            say(f"{label}: quality of {w}")
+            agree = greedy_agreement(models["fp32"], m, n_tokens=quality["quality_tokens"])
+            accept = self_draft_acceptance(models["fp32"], m, n_tokens=quality["quality_tokens"])
+            rows[w].update(
+                bits_per_byte=bits_per_byte(m, quality["bpb_tokens"], block_size=min(256, m.config.block_size)),
+                greedy_top1=agree.top1,
+                first_divergence=agree.first_divergence,
+                acceptance_greedy=accept.greedy,
+                acceptance_t1=accept.sampled_exact,
+            )
+    cfg = model.config
+    return {
+        "label": label,
+        "parameters": model.num_parameters(),
+        "config": cfg.to_dict(),
+        "context": context,
+        "rows": rows,
+    }
+
+
+def kv_cache_figures(model, *, tokens: int, repeats: int, prompt: str, quality_tokens: int, say) -> dict:
+    """A float32 KV cache against an ``Int8KVCache`` on ``model``: bytes of real caches at the full
+    context (and the formulas'), decode tokens/s side by side (interleaved), greedy agreement."""
+    from ar_lab.cache import KVCache, kv_cache_bytes
+    from ar_lab.generate import generate
+    from ar_lab.kv_quant import Int8KVCache, int8_kv_cache_bytes
+    from ar_lab.quant_quality import kv_cache_agreement
+
+    cfg = model.config
+    sizes = (cfg.n_layer, cfg.kv_heads, cfg.head_dim, cfg.block_size)
+    kinds = {"fp32": KVCache, "int8": Int8KVCache}
+    out = {
+        "context": cfg.block_size,
+        "nbytes": {k: kind.for_model(model).nbytes for k, kind in kinds.items()},
+        "formula_bytes": {"fp32": kv_cache_bytes(*sizes), "int8": int8_kv_cache_bytes(*sizes)},
+    }
+    max_len = len(prompt.encode()) + tokens - 1
+    seconds: dict[str, list[float]] = {k: [] for k in kinds}
+    for r in range(repeats + 1):  # the first round warms up
+        say(f"KV cache: repeat {r}/{repeats}")
+        for k in list(kinds)[:: 1 if r % 2 else -1]:
+            run = generate(model, prompt, tokens, eos_id=None, cache=kinds[k].for_model(model, max_len=max_len))
+            if r:
+                seconds[k].append(sum(run.stats.decode_times))
+    out["tokens_per_s"] = {k: (tokens - 1) / median(v) for k, v in seconds.items()}
+    agreement = kv_cache_agreement(model, n_tokens=quality_tokens)
+    out["greedy_top1"], out["first_divergence"] = agreement.top1, agreement.first_divergence
+    return out
+
+
+def quant_benchmark(
+    course=None,
+    large=None,
+    *,
+    tokens: int = 64,
+    repeats: int = 5,
+    prompt: str = "Python ",
+    quick: bool = False,
+    progress: Callable[[str], None] | None = None,
+) -> dict:
+    """The measurements (returns data, prints nothing): kernels, then each model's formats side by side."""
+    checked_count("tokens", tokens, 2)
+    checked_count("repeats", repeats)
+    say = progress or (lambda _m: None)
+    source = "given"
+    if course is None:
+        course, source = course_model_or_random()
+    quality = dict(QUICK) if quick else {"quality_tokens": 32, "bpb_tokens": 8192}
+    say("kernels")
+    shapes = ((64, 64),) if quick else ((1024, 256), (4096, 1024))
+    result = {"benchmark": "quant", "tokens": tokens, "repeats": repeats, "threads": torch.get_num_threads()}
+    result["kernels"] = kernel_timings(shapes, repeats=3 if quick else 30)
+    result["models"] = [
+        measure_model(
+            course, f"course model ({source})", tokens=tokens, repeats=repeats, prompt=prompt, quality=quality, say=say
+        )
+    ]
+    result["kv_cache"] = kv_cache_figures(
+        course, tokens=tokens, repeats=repeats, prompt=prompt, quality_tokens=quality["quality_tokens"], say=say
+    )
+    if large is not None:
+        result["models"].append(
+            measure_model(
+                large, "random-init large model", tokens=tokens, repeats=repeats, prompt=prompt, quality=None, say=say
+            )
+        )
+    return result
+
+
+def format_quant_results(res: dict) -> str:
+    """The printed report: the kernel table, then one table per model."""
+    lines = [
+        f"quant: batch-1 greedy decode, {res['tokens']} new tokens, {res['repeats']} interleaved repeats, "
+        f"{res['threads']} thread(s)",
+        "",
+        "kernels: one (out, in) matrix x one vector",
+    ]
+    krows = [
+        [f"{k['shape'][0]}x{k['shape'][1]}", k["call"], f"{k['us']:.0f}", f"{k['x_fp32']:.2f}", f"{k['rel_error']:.1e}"]
+        for k in res["kernels"]
+    ]
+    lines += [format_table(["matrix", "call", "us/call", "x fp32 speed", "max rel. error"], krows), ""]
+    for model in res["models"]:
+        lines.append(f"{model['label']}: {model['parameters'] / 1e6:.1f} M parameters, mean context {model['context']}")
+        headers = ["weights", "tokens/s", "MB/token", "speedup", "predicted", "measured/predicted"]
+        quality = "bits_per_byte" in model["rows"]["fp32"]
+        if quality:
+            headers += ["bits/byte", "top-1 agree", "1st diverge", "accept greedy", "accept T=1"]
+        rows = []
+        for w, r in model["rows"].items():
+            row = [
+                w,
+                f"{r['tokens_per_s']:.1f}",
+                f"{r['bytes_per_token'] / 1e6:.2f}",
+                f"{r['speedup']:.2f}x",
+                f"{r['predicted_speedup']:.2f}x",
+                f"{r['measured_vs_predicted']:.2f}",
+            ]
+            if quality:
+                row += [
+                    f"{r['bits_per_byte']:.4f}",
+                    f"{r['greedy_top1']:.3f}",
+                    f"{r['first_divergence']:.1f}",
+                    f"{r['acceptance_greedy']:.3f}",
+                    f"{r['acceptance_t1']:.3f}",
+                ]
+            rows.append(row)
+        lines += [format_table(headers, rows), ""]
+    kv = res["kv_cache"]
+    nb, tps = kv["nbytes"], kv["tokens_per_s"]
+    lines += [
+        f"KV cache of the course model at its full context ({kv['context']} positions): "
+        f"fp32 {nb['fp32'] / 2**20:.2f} MiB, int8 {nb['int8'] / 2**20:.2f} MiB ({nb['int8'] / nb['fp32']:.0%}, "
+        f"formula {kv['formula_bytes']['int8']:,} B); "
+        f"decode {tps['fp32']:.0f} vs {tps['int8']:.0f} tokens/s; int8 vs fp32 cache: top-1 agreement "
+        f"{kv['greedy_top1']:.3f}, first divergence after {kv['first_divergence']:.1f} tokens",
+        "",
+    ]
+    lines.append(
+        "speedup: fp32's decode time over the format's, median of per-repeat ratios; predicted: the "
+        "roofline's bytes ratio (weights + KV cache + activations per step). A shared machine is noisy."
+    )
+    return "\n".join(lines)
+
+
+def run(args: argparse.Namespace) -> dict:
+    """The command: options checked first, then the measurements, then the report."""
+    from ar_lab.measure import CONFIGS, build_model
+    from ar_lab.model import GPTConfig
+
+    checked_count("tokens", args.tokens, 2)
+    checked_count("repeats", args.repeats)
+    if args.config != "none" and args.config not in CONFIGS:
+        raise ValueError(f"--config must be one of {sorted(CONFIGS)} or none, got {args.config!r}")
+    threads = torch.get_num_threads() if args.threads is None else args.threads
+    tokens, repeats = (QUICK["tokens"], QUICK["repeats"]) if args.quick else (args.tokens, args.repeats)
+    with torch_threads(threads):
+        large = None
+        if args.config != "none":
+            cfg = GPTConfig(block_size=128, n_layer=2, n_head=2, n_embd=64) if args.quick else CONFIGS[args.config]
+            large = build_model(cfg, "cpu", torch.float32)
+        res = quant_benchmark(
+            None,
+            large,
+            tokens=tokens,
+            repeats=repeats,
+            quick=args.quick,
+            progress=lambda m: print("  " + m, flush=True),
+        )
+    print()
+    print(format_quant_results(res))
+    return res
