@@ -31,6 +31,9 @@ COMPARES = {
     "sampler": "one sampler step vs one cached (lean) decode step, batch 1",
     "speculative": "speculative vs plain cached decoding, γ = 1…8, greedy and T = 1, against theory",
     "serving": "continuous vs static batching on a mixed workload; tokens/s vs batch size; prefix cache",
+    "quant": "fp32 vs bf16 vs int8 vs int4 weights, batch-1 cached decode of the course model and of a "
+    "random-init model that streams from main memory, against the roofline's bytes ratio; quality of each; "
+    "an int8 KV cache",
 }
 BENCH_START = "<!-- benchmark table: written by `python -m ar_lab.bench.readme` from data/bench/*.json -->"
 BENCH_END = "<!-- end of benchmark table -->"
@@ -124,12 +127,34 @@ def _serving(res: dict) -> str:
     )
 
 
+def _quant(res: dict) -> str:
+    large = res["models"][-1]
+    course = next(m for m in res["models"] if "bits_per_byte" in m["rows"]["fp32"])
+    speeds = ", ".join(
+        f"{w} **{r['speedup']:.2f}×** (predicted {r['predicted_speedup']:.1f}×)"
+        for w, r in large["rows"].items()
+        if w != "fp32"
+    )
+    ratios = [r["measured_vs_predicted"] for w, r in large["rows"].items() if w != "fp32"]
+    q = course["rows"]
+    kv = res["kv_cache"]
+    return (
+        f"{large['parameters'] / 1e6:.0f} M-parameter model, tokens/s over fp32: {speeds}: measured/predicted "
+        f"{_span(ratios, '.2f')}. Course model: bits/byte {q['fp32']['bits_per_byte']:.3f} (fp32), "
+        f"{q['int8']['bits_per_byte']:.3f} (int8), {q['int4']['bits_per_byte']:.3f} (int4); top-1 agreement with "
+        f"fp32 {q['int8']['greedy_top1']:.3f} (int8), {q['int4']['greedy_top1']:.3f} (int4); as fp32's draft, "
+        f"greedy acceptance {q['int8']['acceptance_greedy']:.2f} (int8), {q['int4']['acceptance_greedy']:.2f} "
+        f"(int4). int8 KV cache: {kv['nbytes']['int8'] / kv['nbytes']['fp32']:.0%} of the fp32 cache's bytes"
+    )
+
+
 ROWS: dict[str, Callable[[dict], str]] = {
     "decode": _decode,
     "roofline": _roofline,
     "sampler": _sampler,
     "speculative": _speculative,
     "serving": _serving,
+    "quant": _quant,
 }
 
 
