@@ -157,7 +157,7 @@ def measure_decode(model, context: int, batch: int = 1, *, repeats: int = 5, cud
 def fastest_threads(model, context: int = 64, candidates: Sequence[int] | None = None, *, repeats: int = 3) -> dict:
     """Time a batch-1 decode step with each CPU thread count in ``candidates`` (default: 1 and all).
 
-    A decode step is hundreds of small kernels, each split across the threads and
+    A decode step is a chain of small kernels, each split across the threads and
     joined again. On a quiet machine more threads pull more bandwidth; on a busy one a
     thread that has lost its core makes every join wait, and one thread can win by
     far. Returns {"seconds": {threads: median seconds}, "best": threads}; the thread

@@ -303,7 +303,7 @@ QUIZZES: dict[str, list[dict]] = {
             ],
             "answer": 1,
             "why": "α = 1 − TV(p, q) compares the draft with the target, not with the text; distillation raised greedy "
-            "α and the best speedup of the shipped draft (chapter 07).",
+            "α and the best speedup of the shipped draft (dated figures: the README, \"Checkpoints\").",
         },
     ],
     "08": [
