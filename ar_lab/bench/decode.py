@@ -246,7 +246,8 @@ def format_decode_results(res: dict) -> str:
     lines = [
         f"decode: batch 1, greedy, {res['prompt_tokens']}-token prompt + {N:,} new tokens; "
         f"model {res['model']['source']} ({res['model']['parameters'] / 1e6:.2f} M parameters); "
-        f"{res['threads']} thread(s); torch {m['versions']['torch']} on {m['device']['name']}",
+        f"{res['threads']} thread{'s' if res['threads'] != 1 else ''}; "
+        f"torch {m['versions']['torch']} on {m['device']['name']}",
         "",
         format_table(headers, rows),
         "",
@@ -298,7 +299,7 @@ def run(args: argparse.Namespace) -> dict:
         peer = False
     results = []
     for i, t in enumerate(threads):
-        print(f"{t} thread(s):")
+        print(f"{t} thread{'s' if t != 1 else ''}:")
         res = decode_benchmark(
             model,
             tokens=args.tokens,

@@ -220,7 +220,7 @@ def format_quant_results(res: dict) -> str:
     """The printed report: the kernel table, then one table per model."""
     lines = [
         f"quant: batch-1 greedy decode, {res['tokens']} new tokens, {res['repeats']} interleaved repeats, "
-        f"{res['threads']} thread(s)",
+        f"{res['threads']} thread{'s' if res['threads'] != 1 else ''}",
         "",
         "kernels: one (out, in) matrix x one vector",
     ]

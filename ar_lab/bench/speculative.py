@@ -299,7 +299,8 @@ def format_speculative_results(res: dict) -> str:
         f"speculative decoding: target {res['target']['source']} ({res['target']['parameters'] / 1e6:.2f} M), "
         f"draft {res['draft']['source']} ({res['draft']['parameters'] / 1e6:.2f} M); "
         f"{res['prompts']} prompts x {res['new_tokens']} new tokens, {res['repeats']} repeats; "
-        f"{m['device']['threads']} thread(s), torch {m['versions']['torch']} on {m['device']['name']}; "
+        f"{m['device']['threads']} thread{'s' if m['device']['threads'] != 1 else ''}, "
+        f"torch {m['versions']['torch']} on {m['device']['name']}; "
         f"timed in {res['clock']}, fastest of the repeats",
         f"plain greedy decode step: target {1e3 * res['target_step_s']:.2f} ms, "
         f"draft {1e3 * res['draft_step_s']:.2f} ms "
