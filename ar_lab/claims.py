@@ -10,6 +10,7 @@ raises ``ClaimFailed`` naming it, and the notebook tests (nbval) fail on that ce
 from __future__ import annotations
 
 import math
+import numbers
 
 
 class ClaimFailed(AssertionError):
@@ -45,3 +46,10 @@ def magnitude(x: float) -> str:
         mantissa, exponent = 1, exponent + 1
     superscript = str(exponent).translate(str.maketrans("-0123456789", "⁻⁰¹²³⁴⁵⁶⁷⁸⁹"))
     return f"{mantissa} × 10{superscript}"
+
+
+def plural(n: int, word: str, many: str | None = None) -> str:
+    """A count with its noun for prose: plural(1, 'thread') -> '1 thread', plural(2, 'KV head') -> '2 KV heads'."""
+    if isinstance(n, bool) or not isinstance(n, numbers.Integral):
+        raise TypeError(f"plural needs an int count, got {n!r}")
+    return f"{int(n):,} {word if n == 1 else (many or word + 's')}"

@@ -2,7 +2,7 @@
 
 import pytest
 
-from ar_lab.claims import ClaimFailed, claim, magnitude
+from ar_lab.claims import ClaimFailed, claim, magnitude, plural
 
 
 def test_a_true_claim_is_silent_and_a_false_one_names_itself():
@@ -22,6 +22,14 @@ def test_magnitude_refuses_what_has_none():
     for bad in (0, -1.0, float("nan"), float("inf"), "1"):
         with pytest.raises(ValueError, match="finite positive"):
             magnitude(bad)
+
+
+def test_plural():
+    assert [plural(n, "thread") for n in (0, 1, 2)] == ["0 threads", "1 thread", "2 threads"]
+    assert plural(1, "KV head") == "1 KV head" and plural(4, "KV head") == "4 KV heads"
+    assert plural(1_000, "step") == "1,000 steps" and plural(3, "query", "queries") == "3 queries"
+    with pytest.raises(TypeError, match="int count"):
+        plural(1.0, "thread")
 
 
 @pytest.mark.slow
