@@ -22,6 +22,7 @@ from ar_lab.bench.table import format_table
 from ar_lab.timing import median
 
 FORMATS = ("fp32", "bf16", "int8", "int4")
+BPB_WINDOW = 256  # bits/byte is measured in windows of up to this many tokens (short: a few seconds per model)
 QUICK = {"tokens": 6, "repeats": 1, "quality_tokens": 6, "bpb_tokens": 256}
 
 
@@ -131,7 +132,7 @@ def measure_model(model, label: str, *, tokens: int, repeats: int, prompt: str, 
             agree = greedy_agreement(models["fp32"], m, n_tokens=quality["quality_tokens"])
             accept = self_draft_acceptance(models["fp32"], m, n_tokens=quality["quality_tokens"])
             rows[w].update(
-                bits_per_byte=bits_per_byte(m, quality["bpb_tokens"], block_size=min(256, m.config.block_size)),
+                bits_per_byte=bits_per_byte(m, quality["bpb_tokens"], block_size=min(BPB_WINDOW, m.config.block_size)),
                 greedy_top1=agree.top1,
                 first_divergence=agree.first_divergence,
                 acceptance_greedy=accept.greedy,
@@ -198,6 +199,8 @@ def quant_benchmark(
     say("kernels")
     shapes = ((64, 64),) if quick else ((1024, 256), (4096, 1024))
     result = {"benchmark": "quant", "tokens": tokens, "repeats": repeats, "threads": torch.get_num_threads()}
+    # what the quality columns were measured on (bits/byte: validation tokens, in windows of this many)
+    result["quality"] = {**quality, "bpb_block_size": min(BPB_WINDOW, course.config.block_size)}
     result["kernels"] = kernel_timings(shapes, repeats=3 if quick else 30)
     result["models"] = [
         measure_model(

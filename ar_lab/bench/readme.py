@@ -138,9 +138,11 @@ def _quant(res: dict) -> str:
     ratios = [r["measured_vs_predicted"] for w, r in large["rows"].items() if w != "fp32"]
     q = course["rows"]
     kv = res["kv_cache"]
+    ev = res.get("quality", {})
+    on = f" on {ev['bpb_tokens']:,} validation tokens in {ev['bpb_block_size']}-token windows" if ev else ""
     return (
         f"{large['parameters'] / 1e6:.0f} M-parameter model, tokens/s over fp32: {speeds}: measured/predicted "
-        f"{_span(ratios, '.2f')}. Course model: bits/byte {q['fp32']['bits_per_byte']:.3f} (fp32), "
+        f"{_span(ratios, '.2f')}. Course model: bits/byte{on} {q['fp32']['bits_per_byte']:.3f} (fp32), "
         f"{q['int8']['bits_per_byte']:.3f} (int8), {q['int4']['bits_per_byte']:.3f} (int4); top-1 agreement with "
         f"fp32 {q['int8']['greedy_top1']:.3f} (int8), {q['int4']['greedy_top1']:.3f} (int4); as fp32's draft, "
         f"greedy acceptance {q['int8']['acceptance_greedy']:.2f} (int8), {q['int4']['acceptance_greedy']:.2f} "
