@@ -159,7 +159,10 @@ def quant_view(
     models = []
     for name, cfg in configs.items():
         fp32 = step_bytes(cfg, "fp32", context=context)
-        chosen = step_bytes(cfg, bits, size, context)
+        try:
+            chosen = step_bytes(cfg, bits, size, context)
+        except ValueError as e:  # the group size does not divide one of this model's widths
+            raise ValueError(f"{name}: {e}") from None
         bf16 = step_bytes(cfg, "bf16", context=context)
         models.append(ModelBytes(name, parameter_count(cfg), fp32, bf16, chosen, fp32 / chosen))
     q, scale = quantize_groups(w, bits, size)
@@ -191,7 +194,9 @@ def plot_quant_view(axes, view: QuantView) -> None:
         for x in range(view.group_size, len(view.row), view.group_size):
             a1.axvline(x - 0.5, color=COLORS["theory"], lw=0.8, ls=":")
     a1.set(xlabel="input column", ylabel="value", title=f"{view.layer}, row 0")
-    a1.legend(fontsize=8.5, loc="upper right")
+    top = float(torch.cat([view.row, view.row_dequantized]).abs().max())
+    a1.set_ylim(-1.15 * top, 1.9 * top)  # room for the legend above the weights
+    a1.legend(fontsize=8.5, loc="upper left", ncol=2)
     names = [m.name for m in view.models]
     ys = torch.arange(len(names)).float()
     for off, key, color, label in [
@@ -204,7 +209,7 @@ def plot_quant_view(axes, view: QuantView) -> None:
         a2.text(m.chosen / m.fp32 + 0.02, y + 0.27, f"{m.predicted_speedup:.1f}× predicted", va="center", fontsize=8.5)
     a2.set_yticks(ys, names)
     a2.set(xlim=(0, 1.3), xlabel="bytes per decode step (× fp32)", title=f"Bytes per step, context {view.context}")
-    a2.legend(fontsize=8.5, loc="lower right")
+    a2.legend(fontsize=8.5, loc="upper left", bbox_to_anchor=(1.0, 1.0))
 
 
 def view_html(view: QuantView) -> str:
