@@ -246,7 +246,11 @@ class QuantExplorer:
         style = {"description_width": "90px"}
         box = dict(style=style, layout=W.Layout(width="260px"))
         self.layer = W.Dropdown(
-            options=list(self.weights), value=layer or next(iter(self.weights)), description="layer", **box
+            options=list(self.weights),
+            value=layer or next(iter(self.weights)),
+            description="layer",
+            style=style,
+            layout=W.Layout(width="340px"),
         )
         self.bits = W.Dropdown(options=list(BITS), value=bits, description="bits", **box)
         self.group_size = W.IntText(
