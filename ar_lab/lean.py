@@ -50,26 +50,12 @@ from ar_lab.cache import KVCache
 from ar_lab.kv_quant import Int8KVCache
 from ar_lab.model import GPT, MLP, Block, CausalSelfAttention
 from ar_lab.prompts import positive_int
-from ar_lab.quant import QuantizedLinear
+from ar_lab.quant import QuantizedLinear, bf16_addmv, quantized_addmm, quantized_addmv
 from ar_lab.timing import synchronize
 
 # A weight matrix as the step reads it: nn.Linear's parameter, or a whole QuantizedLinear (chapter 09),
 # whose own kernel multiplies with its narrow weights (read from the module at every call).
 Matrix = torch.Tensor | QuantizedLinear
-
-
-def quantized_addmv(bias: torch.Tensor, weight: Matrix, x: torch.Tensor, out: torch.Tensor | None = None):
-    """``torch.addmv`` for either kind of ``Matrix``: bias + weight @ x, into ``out`` if given."""
-    if type(weight) is QuantizedLinear:
-        return weight.addmv(bias, x, out)
-    return torch.addmv(bias, weight, x, out=out)
-
-
-def quantized_addmm(bias: torch.Tensor, x: torch.Tensor, weight_t: Matrix) -> torch.Tensor:
-    """``torch.addmm(bias, x, weight_t)`` for either kind (a QuantizedLinear stands for its own transpose)."""
-    if type(weight_t) is QuantizedLinear:
-        return weight_t.addmm(bias, x)
-    return torch.addmm(bias, x, weight_t)
 
 
 class LayerWeights(NamedTuple):
@@ -158,7 +144,8 @@ class LeanGPT:
         self.layers = layers
         # Matrix products: torch's own for nn.Linear weights, the dispatching ones if a layer is quantized.
         quantized = any(type(m) is QuantizedLinear for lw in layers for m in lw)
-        self._mv = quantized_addmv if quantized else torch.addmv
+        slow_addmv = dtype == torch.bfloat16 and self.device.type == "cpu"  # (see quant.bf16_addmv)
+        self._mv = quantized_addmv if quantized else bf16_addmv if slow_addmv else torch.addmv
         self._mm = quantized_addmm if quantized else torch.addmm
         self._zero = torch.zeros(1, 1, 1, dtype=dtype, device=self.device)  # baddbmm's ignored input (beta 0)
         self._work = _Work(self.C, self.Hk, self.G, self.D, dtype, self.device)
@@ -427,13 +414,17 @@ def weights_only_pass(model, steps: int) -> None:
 
     The floor under any batch-1 decoder of the model (no attention, no LayerNorm, no sampling,
     no Python around it): time it to see what a decode step adds on top. Matrix-vector
-    products, the fastest kernel for one vector (the one ``LeanGPT.step`` uses).
+    products, the fastest kernel for one vector (the one ``LeanGPT.step`` uses); a ``QuantizedLinear``'s own kernel.
     """
     positive_int("steps", steps)
-    linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
-    vectors = [torch.randn(m.in_features, device=m.weight.device, dtype=m.weight.dtype) for m in linears]
+    calls = []  # (product, its input)
+    for m in model.modules():
+        if type(m) is QuantizedLinear:
+            calls.append((m.matmul, torch.randn(1, m.in_features)))  # (the CPU kernels: one row)
+        elif isinstance(m, torch.nn.Linear):
+            calls.append((m.weight.mv, torch.randn(m.in_features, device=m.weight.device, dtype=m.weight.dtype)))
     with torch.inference_mode():
         for _ in range(steps):
-            for m, x in zip(linears, vectors, strict=True):
-                torch.mv(m.weight, x)
-    synchronize(vectors[0].device)
+            for product, x in calls:
+                product(x)
+    synchronize(calls[0][1].device)

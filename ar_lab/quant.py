@@ -276,6 +276,28 @@ class QuantizedLinear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, bits={self.bits}{group}"
 
 
+def quantized_addmv(bias: torch.Tensor, weight, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """``torch.addmv(bias, weight, x)`` where ``weight`` may be a ``QuantizedLinear`` (its kernel then runs)."""
+    if type(weight) is QuantizedLinear:
+        return weight.addmv(bias, x, out)
+    return torch.addmv(bias, weight, x, out=out)
+
+
+def quantized_addmm(bias: torch.Tensor, x: torch.Tensor, weight_t) -> torch.Tensor:
+    """``torch.addmm(bias, x, weight_t)`` where ``weight_t`` may be a ``QuantizedLinear`` (standing for its
+    own transpose: its kernel takes rows x and returns x @ weight.T)."""
+    if type(weight_t) is QuantizedLinear:
+        return weight_t.addmm(bias, x)
+    return torch.addmm(bias, x, weight_t)
+
+
+def bf16_addmv(bias: torch.Tensor, weight: torch.Tensor, x: torch.Tensor, out: torch.Tensor | None = None):
+    """bias + weight @ x as ``mv`` then ``add``: on a CPU, bfloat16 ``addmv`` takes a slow path that
+    ``mv`` does not (``python -m ar_lab.bench quant`` shows the gap), so a bfloat16 model's lean step uses this."""
+    y = torch.mv(weight, x)
+    return y.add_(bias) if out is None else torch.add(y, bias, out=out)
+
+
 # --- whole models --------------------------------------------------------------------------
 
 

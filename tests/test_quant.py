@@ -352,3 +352,11 @@ def test_random_small_model_quantizes_and_generates():
     for weights in ("int8", "int4"):
         q = quantize_model(model, weights=weights)
         assert generate(q, "hi", 8, eos_id=None).tokens == generate(q, "hi", 8, eos_id=None, lean=False).tokens
+
+
+def test_the_weights_only_floor_reads_the_quantized_layers(quantized, monkeypatch):
+    calls = []
+    original = QuantizedLinear.matmul
+    monkeypatch.setattr(QuantizedLinear, "matmul", lambda self, x: calls.append(self) or original(self, x))
+    lean.weights_only_pass(quantized["int4"], 2)
+    assert len(calls) == 2 * 4 * quantized["int4"].config.n_layer  # every quantized layer, every step

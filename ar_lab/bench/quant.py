@@ -43,10 +43,15 @@ def _kernel_calls(w: torch.Tensor, x: torch.Tensor) -> dict[str, tuple[Callable[
     from ar_lab.quant import QuantizedLinear, quantize_int4, quantize_int8
 
     int8, int4 = QuantizedLinear(quantize_int8(w)), QuantizedLinear(quantize_int4(w, 32))
-    wb, q8 = w.bfloat16(), quantize_int8(w)  # q8: float32 scales, what the kernel's float32 path takes
+    wb, zero, q8 = (
+        w.bfloat16(),
+        torch.zeros(w.shape[0], dtype=torch.bfloat16),
+        quantize_int8(w),
+    )  # q8: float32 scales, what the kernel's float32 path takes
     return {
         "fp32 addmv": (lambda: torch.mv(w, x), w),
         "bf16 mv": (lambda: torch.mv(wb, x.bfloat16()), wb.float()),
+        "bf16 addmv": (lambda: torch.addmv(zero, wb, x.bfloat16()), wb.float()),  # see quant.bf16_addmv
         "int8 kernel": (lambda: int8.matmul(x[None])[0], int8.quantized().dequantize()),
         "int8 kernel, fp32 input": (
             lambda: torch.ops.aten._weight_int8pack_mm(x[None], q8.q, q8.scale)[0],
