@@ -332,4 +332,69 @@ QUIZZES: dict[str, list[dict]] = {
             "why": "The prefix's keys and values are the same whoever computes them; only TTFT changes.",
         },
     ],
+    "09": [
+        {
+            "q": "A batch-1 decode step of a large model is memory-bound. Storing its weights in int8 instead of fp16 "
+            "predicts what speedup, if the kernels keep up?",
+            "choices": [
+                "About 2×: the step reads half the weight bytes",
+                "About 4×: int8 arithmetic is four times cheaper",
+                "None: the number of FLOPs per token is unchanged",
+            ],
+            "answer": 0,
+            "why": "A memory-bound step takes about bytes / bandwidth; int8 halves fp16's bytes. The FLOPs are the "
+            "same, but they were not the limit.",
+        },
+        {
+            "q": "With symmetric absmax quantization, scale = max |w| / 127, the largest rounding error of any "
+            "weight is:",
+            "choices": ["scale / 2", "scale", "max |w| / 2"],
+            "answer": 0,
+            "why": "q = round(w / scale) picks the nearest level, and levels are one scale apart, so no weight is "
+            "more than half a step from its level; nothing is clipped because max |w| maps to ±127 exactly.",
+        },
+        {
+            "q": "One weight in a row is 20 times larger than the rest. Which choice limits the damage to the fewest "
+            "other weights?",
+            "choices": [
+                "One scale for the whole tensor",
+                "One scale per output row",
+                "One scale per group of 32 input columns",
+            ],
+            "answer": 2,
+            "why": "A scale is set by the largest weight that shares it: per tensor every weight is coarsened, per "
+            "row that row, per group only the outlier's 31 neighbours.",
+        },
+        {
+            "q": "On one CPU core, int4 weights decoded a model that streams from main memory only a little faster "
+            "than fp32, though they read about 6× fewer bytes. Why?",
+            "choices": [
+                "The kernel's unpacking and scaling arithmetic, not memory, became the limit",
+                "int4 weights do not fit in the CPU cache, so they are read twice",
+                "The roofline counts bytes wrongly for integers",
+            ],
+            "answer": 0,
+            "why": "Chapter 09 timed the kernels alone: per byte, the int8 and int4 kernels stream far more slowly "
+            "than fp32's matrix-vector product. A prediction from bytes assumes the memory stays the limit.",
+        },
+        {
+            "q": "An int4 copy of a model, used as the draft for the full-precision model in speculative decoding, "
+            "changes the generated text slightly.",
+            "choices": TF,
+            "answer": 1,
+            "why": "Speculative decoding is exact whatever the draft (chapter 07): the text has the target's "
+            "distribution. The quantized draft's high α (near 1) only makes it fast where its step is cheap.",
+        },
+        {
+            "q": "Why does the course model (14 MB in fp32) barely speed up with int8 weights on a CPU?",
+            "choices": [
+                "Its weights fit in the CPU's cache, so memory bandwidth was not the limit",
+                "int8 rounding makes it generate longer replies",
+                "Its weights are already stored in 8 bits",
+            ],
+            "answer": 0,
+            "why": "After the first steps a model that fits in the last-level cache is read from the cache; the "
+            "per-step overhead and arithmetic weigh as much as the bytes, so a byte ratio predicts little.",
+        },
+    ],
 }

@@ -55,6 +55,7 @@ EXPLORER_NOTEBOOKS = {
     "05_prefill_vs_decode.ipynb",
     "06_sampling.ipynb",
     "07_speculative_decoding.ipynb",
+    "09_quantization.ipynb",
 }
 
 # Console errors JupyterLab itself may log that say nothing about the course (keep this short,
@@ -366,6 +367,64 @@ def test_gpu_explorer_shows_ar_lab_predictions_as_the_controls_change(ran):
     expect(status).to_contain_text(f"at most {s.placement.max_batch} sequence(s) fit", timeout=UPDATE_TIMEOUT_MS)
     shows(s)
     shot(ex, "gpu_explorer_t4_int4_batch_64")
+    assert not our_console_errors(nb.console_errors), nb.console_errors
+
+
+def test_quant_explorer_shows_ar_lab_errors_and_refuses_a_bad_group_size(ran):
+    from playwright.sync_api import expect
+
+    import ar_lab
+    from ar_lab.quant_view import check_group_size, group_error
+
+    nb = ran("09_quantization.ipynb")
+    ex = widget_output(nb, "group size")
+    status = ex.locator(".widget-html-content").first
+    image = ex.locator("img.widget-image")
+    layer = control(ex, ".widget-dropdown", "layer").locator("select")
+    bits = control(ex, ".widget-dropdown", "bits").locator("select")
+    group = control(ex, ".widget-text", "group size")
+    weights = {n: p for n, p in ar_lab.load_pretrained("course", "cpu").named_parameters()}
+
+    def shows_ar_lab_error() -> None:
+        """The status line settles on the error ar_lab computes for the page's layer, bits and group size."""
+        name = " ".join(layer.input_value().split())
+        w = weights[name]
+        size = check_group_size(int(group.locator("input").input_value()), w.shape[1])
+        e = group_error(w, int(bits.input_value()), size)
+        label = "one scale per row" if size is None else f"groups of {size}"
+        expect(status).to_contain_text(f"int{bits.input_value()}, {label}", timeout=UPDATE_TIMEOUT_MS)
+        expect(status).to_contain_text(f"relative RMS error {e.relative_rms:.2%}", timeout=UPDATE_TIMEOUT_MS)
+        nb.wait_idle()
+
+    # the notebook leaves it on int4 in groups of 32, the first MLP layer of block 0
+    expect(layer).to_have_value("blocks.0.mlp.fc.weight")
+    shows_ar_lab_error()
+    shot(ex, "quant_explorer_int4_groups_of_32")
+    src = image.get_attribute("src")
+
+    bits.select_option("8")
+    shows_ar_lab_error()
+    expect(image).not_to_have_attribute("src", src, timeout=UPDATE_TIMEOUT_MS)  # the plot was redrawn
+
+    set_number(group, 0)  # one scale per row
+    shows_ar_lab_error()
+    step_number(group, "ArrowUp")  # 0 -> 1: one scale per weight, no error at all
+    expect(group.locator("input")).to_have_value("1")
+    shows_ar_lab_error()
+    expect(status).to_contain_text("relative RMS error 0.00%")
+
+    layer.select_option("blocks.3.mlp.proj.weight")  # 1024 input columns
+    set_number(group, 128)
+    shows_ar_lab_error()
+    shot(ex, "quant_explorer_int8_groups_of_128")
+
+    # a group size that does not divide the width is refused (not rounded), and the box keeps it
+    set_number(group, 100)
+    expect(status).to_contain_text(
+        "group size must be 0 (one scale per row) or a whole number from 1 to 1024 that divides 1024, got 100",
+        timeout=UPDATE_TIMEOUT_MS,
+    )
+    expect(group.locator("input")).to_have_value("100")
     assert not our_console_errors(nb.console_errors), nb.console_errors
 
 

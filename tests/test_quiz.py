@@ -7,7 +7,7 @@ from ar_lab.quiz_bank import QUIZZES, TF
 
 
 def test_every_chapter_has_a_well_formed_quiz():
-    assert sorted(QUIZZES) == [f"{i:02d}" for i in range(9)]
+    assert sorted(QUIZZES) == [f"{i:02d}" for i in range(10)]
     for chapter in QUIZZES:
         qs = questions(chapter)
         assert 3 <= len(qs) <= 6, chapter
