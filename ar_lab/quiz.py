@@ -48,7 +48,7 @@ def _question(d: dict) -> Question:
 
 
 def questions(chapter: str) -> list[Question]:
-    """The quiz of a chapter ("00" … "08"), choices in their shown order."""
+    """The quiz of a chapter ("00" … "09"), choices in their shown order."""
     chapter = f"{int(chapter):02d}" if str(chapter).isdigit() else str(chapter)
     if chapter not in QUIZZES:
         raise ValueError(f"no quiz for chapter {chapter!r}; chapters with quizzes: {sorted(QUIZZES)}")
