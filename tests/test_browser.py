@@ -174,6 +174,22 @@ def test_notebook_runs_in_jupyterlab_without_errors(lab, name, request):
             lab.release(name)  # its kernel is no longer needed
 
 
+def choose(block, i: int) -> None:
+    """Pick choice ``i`` of a quiz question and wait until the page shows it picked: the feedback above
+    it re-renders as it answers, and a click that lands during that is lost (seen once in CI)."""
+    from playwright.sync_api import expect
+
+    radio = block.locator(".widget-radio-box input").nth(i)
+    for _ in range(3):
+        block.locator(".widget-radio-box label").nth(i).click()
+        try:
+            expect(radio).to_be_checked(timeout=5_000)
+            return
+        except AssertionError:
+            continue
+    expect(radio).to_be_checked(timeout=5_000)
+
+
 def answer_first_question(nb, quiz, chapter: str) -> None:
     from playwright.sync_api import expect
 
@@ -186,10 +202,10 @@ def answer_first_question(nb, quiz, chapter: str) -> None:
     first.get_by_role("button", name="Check").click()
     expect(feedback).to_have_text("Pick an answer first.", timeout=UPDATE_TIMEOUT_MS)
     wrong = (q[0].answer + 1) % len(q[0].choices)
-    first.locator(".widget-radio-box label").nth(wrong).click()
+    choose(first, wrong)
     first.get_by_role("button", name="Check").click()
     expect(feedback).to_contain_text("✘ Not quite", timeout=UPDATE_TIMEOUT_MS)
-    first.locator(".widget-radio-box label").nth(q[0].answer).click()
+    choose(first, q[0].answer)
     first.get_by_role("button", name="Check").click()
     expect(feedback).to_contain_text("✔ Right.", timeout=UPDATE_TIMEOUT_MS)
     expect(quiz).to_contain_text(f"Score: 1 / {len(q)} (1 answered)")
@@ -620,8 +636,7 @@ def test_quiz_widget_in_a_generated_notebook(lab):
         for i, question in enumerate(q):  # right, wrong, right, ...
             pick = question.answer if i % 2 == 0 else (question.answer + 1) % len(question.choices)
             block = blocks.nth(i)
-            block.locator(".widget-radio-box label").nth(pick).click()
-            expect(block.locator(".widget-radio-box input").nth(pick)).to_be_checked()
+            choose(block, pick)
             block.get_by_role("button", name="Check").click()
             mark = "✔ Right." if pick == question.answer else "✘ Not quite"
             expect(block.locator(".widget-html-content").last).to_contain_text(mark, timeout=UPDATE_TIMEOUT_MS)
