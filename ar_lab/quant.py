@@ -167,13 +167,18 @@ class QuantizationError:
     relative_rms: float  # rms / (root mean square of w); 0 for an all-zero weight
 
 
+def error_between(weight: torch.Tensor, approx: torch.Tensor) -> QuantizationError:
+    """How far ``approx`` (a dequantized matrix) is from ``weight``: the figures ``QuantizationError`` holds."""
+    diff = weight - approx
+    rms = float(diff.square().mean().sqrt())
+    norm = float(weight.square().mean().sqrt())
+    return QuantizationError(float(diff.abs().max()), rms, rms / norm if norm > 0 else 0.0)
+
+
 def quantization_error(weight: torch.Tensor, bits: int, group_size: int | None = None) -> QuantizationError:
     """The error of quantizing ``weight`` to ``bits`` (8: per row; 4: per group, ``group_size`` 32 by default)."""
     w = _check_weight(weight)
-    diff = w - _quantize(w, bits, group_size).dequantize()
-    rms = float(diff.square().mean().sqrt())
-    norm = float(w.square().mean().sqrt())
-    return QuantizationError(float(diff.abs().max()), rms, rms / norm if norm > 0 else 0.0)
+    return error_between(w, _quantize(w, bits, group_size).dequantize())
 
 
 # --- the fast path: a Linear layer that multiplies with the narrow weights ---------------

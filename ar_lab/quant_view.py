@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from ar_lab.model import GPTConfig
-from ar_lab.quant import QuantizationError, absmax_quantize
+from ar_lab.quant import QuantizationError, absmax_quantize, error_between
 from ar_lab.roofline import decode_cost, parameter_count
 
 BITS = (8, 4)
@@ -69,9 +69,7 @@ def dequantize_groups(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
 def group_error(weight: torch.Tensor, bits: int, group_size: int | None) -> QuantizationError:
     """How far the dequantized weights are from ``weight`` (like ``ar_lab.quant.quantization_error``, any group)."""
     w = weight.detach().float()
-    diff = w - dequantize_groups(*quantize_groups(w, bits, group_size))
-    rms, norm = float(diff.square().mean().sqrt()), float(w.square().mean().sqrt())
-    return QuantizationError(float(diff.abs().max()), rms, rms / norm if norm > 0 else 0.0)
+    return error_between(w, dequantize_groups(*quantize_groups(w, bits, group_size)))
 
 
 def block_matrices(cfg: GPTConfig) -> list[tuple[int, int]]:

@@ -90,10 +90,12 @@ def kernel_timings(shapes=((1024, 256), (4096, 1024)), repeats: int = 30) -> lis
     return rows
 
 
-def _decode_times(models: dict, prompt: str, tokens: int, repeats: int, say) -> dict[str, list[float]]:
-    """Seconds of the decode steps (prefill excluded) of each format, interleaved, the order rotating."""
+def decode_times(models: dict, prompt: str, tokens: int, repeats: int, say=None) -> dict[str, list[float]]:
+    """Per model, per repeat: seconds of the ``tokens - 1`` decode steps (prefill excluded) of ``tokens``
+    new tokens; every model once per repeat, the order rotating, after one warm-up run each."""
     from ar_lab.generate import generate
 
+    say = say or (lambda _m: None)
     for m in models.values():
         generate(m, prompt, 4, eos_id=None)  # warm-up
     seconds: dict[str, list[float]] = {k: [] for k in models}
@@ -113,7 +115,7 @@ def measure_model(model, label: str, *, tokens: int, repeats: int, prompt: str, 
 
     say(f"{label}: quantizing")
     models = {w: quantize_model(model, weights=w) for w in FORMATS}
-    seconds = _decode_times(models, prompt, tokens, repeats, lambda m: say(f"{label}: {m}"))
+    seconds = decode_times(models, prompt, tokens, repeats, lambda m: say(f"{label}: {m}"))
     context = len(prompt.encode()) + tokens // 2  # the mean position of a decode step
     rows = {}
     for w, m in models.items():
