@@ -317,7 +317,9 @@ class SamplerExplorer(_Shown):
             f"<b>{html.escape(text)}</b></pre>"
             for text in view.continuations
         )
-        self.samples.value = f"<div>{len(view.continuations)} samples (seed {view.seed}):</div>{rows}"
+        self.samples.value = (
+            f"<div>{len(view.continuations)} samples ({html.escape(view.params.label)}, seed {view.seed}):</div>{rows}"
+        )
 
 
 def sampler_params(temperature, top_k, top_p, min_p):

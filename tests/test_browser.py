@@ -480,7 +480,7 @@ def test_sampler_explorer_responds_to_keyboard_and_typing(ran):
     # a new seed redraws the samples, not the distribution
     dist, drawn = status.inner_text(), texts()
     set_number(control(ex, ".widget-text", "seed"), 7)
-    expect(samples).to_contain_text("(seed 7)", timeout=UPDATE_TIMEOUT_MS)
+    expect(samples).to_contain_text("seed 7)", timeout=UPDATE_TIMEOUT_MS)
     nb.wait_idle()
     assert status.inner_text() == dist and texts() != drawn
 
@@ -495,6 +495,7 @@ def test_sampler_explorer_responds_to_keyboard_and_typing(ran):
     # temperature 0: greedy, one token, every sample the same
     set_number(temperature, 0)
     expect(status).to_contain_text("greedy", timeout=UPDATE_TIMEOUT_MS)
+    expect(samples).to_contain_text("samples (greedy,", timeout=UPDATE_TIMEOUT_MS)  # the samples are redrawn last
     nb.wait_idle()
     assert kept() == 1 and "→ 0.00 bits" in status.inner_text()
     assert len(set(texts())) == 1, texts()
