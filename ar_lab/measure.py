@@ -5,7 +5,8 @@
 themselves: ``measure_prefill``, ``measure_decode`` and the general ``measure_forward``
 (time per pass -> achieved FLOP/s and bytes/s, a ``Point``), and
 ``decode_bandwidth_fraction``, the batch-1 decode step timed side by side with a
-streaming kernel. ``run_roofline`` gathers peaks and points in the JSON-ready dict that
+streaming kernel, and ``decode_step_growth``, a step at a long context against one at a
+short context, timed in interleaved pairs. ``run_roofline`` gathers peaks and points in the JSON-ready dict that
 ``python -m ar_lab.bench roofline`` writes and chapter 05 plots
 (``ar_lab.plots.plot_roofline``); reference runs made by the same command lie in the
 data folder as ``roofline_<name>.json`` (``reference_files``, ``load_result``).
@@ -356,6 +357,29 @@ def decode_bandwidth_fraction(
         "fraction": by_variant[best]["fraction"],
         "fraction_of_roof": by_variant[best]["of_roof"],
     }
+
+
+def decode_step_growth(model, short: int, long: int, *, pairs: int = 60) -> dict:
+    """How much longer a batch-1 decode step takes at context ``long`` than at ``short``.
+
+    A step at a longer context reads a longer KV cache, but on a small model that extra
+    read can be a fifth of the step or less: smaller than the drift of a shared machine
+    between two separate runs. So the two steps are timed in ``pairs`` interleaved pairs
+    (one short step, then one long step), and the figure is the ratio of their median
+    times. Returns ``{"short", "long", "short_seconds", "long_seconds", "ratio"}``.
+    """
+    positive_int("short", short)
+    positive_int("pairs", pairs)
+    if long <= short:
+        raise ValueError(f"long must be a longer context than short, got short={short}, long={long}")
+    decode_cost(model.config, long)  # checks the context against the window before anything is timed
+    with eval_mode(model):
+        step_short = prepare_forward(model, 1, short - 1, phase="decode")[0]
+        step_long = prepare_forward(model, 1, long - 1, phase="decode")[0]
+        samples = _paired_times(step_short, step_long, pairs, model.device)
+    a = statistics.median(t for t, _ in samples)
+    b = statistics.median(t for _, t in samples)
+    return {"short": short, "long": long, "short_seconds": a, "long_seconds": b, "ratio": b / a}
 
 
 def _step_variants(device: torch.device, threads: Sequence[int] | None, original: int) -> dict[str, tuple[int, bool]]:

@@ -248,6 +248,28 @@ def test_decode_bandwidth_fraction_restores_threads_when_a_step_fails(tiny_model
     assert torch.get_num_threads() == before
 
 
+def test_decode_step_growth_interleaves_steps_at_the_two_contexts(tiny_model):
+    seen = []  # the cache length each timed pass starts from
+    hook = tiny_model.register_forward_pre_hook(lambda _m, args: seen.append((args[1].length, args[0].shape[1])))
+    tiny_model.train()
+    try:
+        out = measure.decode_step_growth(tiny_model, 4, 40, pairs=5)
+    finally:
+        hook.remove()
+    assert tiny_model.training  # the model's mode is restored
+    assert all(n == 1 for _, n in seen)  # one new token per pass: decode steps
+    # a warm-up of each, then short, long, short, long, ...
+    assert [c for c, _ in seen[-10:]] == [3, 39] * 5
+    assert out["short"] == 4 and out["long"] == 40 and out["short_seconds"] > 0
+    assert out["ratio"] == pytest.approx(out["long_seconds"] / out["short_seconds"])
+    with pytest.raises(ValueError, match="long must be a longer context than short"):
+        measure.decode_step_growth(tiny_model, 40, 40)
+    with pytest.raises(ValueError, match="exceed the context window"):
+        measure.decode_step_growth(tiny_model, 4, 65)
+    with pytest.raises(ValueError, match="pairs must be an int >= 1"):
+        measure.decode_step_growth(tiny_model, 4, 40, pairs=0)
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_cuda_measurements_use_bf16():
     cfg = GPTConfig(block_size=64, n_layer=2, n_head=4, n_embd=64)
