@@ -46,6 +46,7 @@ from ar_lab import (
     sampling,
     serving,
     serving_measure,
+    side_by_side,
     speculative,
     speculative_view,
     timing,
@@ -609,7 +610,7 @@ CALLS = [
     Call("run_roofline(m, peaks={})", lambda: measure.run_roofline(tiny(), [4], [1], 8, peaks={}), ValueError, "peaks"),
     Call(
         "decode_bandwidth_fraction(m, pairs=0)",
-        lambda: measure.decode_bandwidth_fraction(tiny(), 8, pairs=0),
+        lambda: side_by_side.decode_bandwidth_fraction(tiny(), 8, pairs=0),
         ValueError,
         "pairs",
     ),

@@ -131,7 +131,8 @@ def roofline_benchmark(
     sizes, a smoke test). The sweep runs the way the key figure ran best (thread count on
     a CPU; CUDA graph or eager on a GPU).
     """
-    from ar_lab.measure import decode_bandwidth_fraction, run_roofline
+    from ar_lab.measure import run_roofline
+    from ar_lab.side_by_side import decode_bandwidth_fraction
     from ar_lab.timing import default_device
 
     say = progress or (lambda _m: None)
