@@ -31,7 +31,7 @@ $(DEV_STAMP): requirements/dev.txt $(COURSE_STAMP)
 	touch $@
 
 lab: $(COURSE_STAMP)
-	$(BIN)/python -m ar_lab.exercises release --out course
+	$(BIN)/python -m ar_lab.course.exercises release --out course
 	$(BIN)/jupyter lab $(if $(filter 0,$(shell id -u)),--allow-root) course/00_start_here.ipynb
 
 lint: $(DEV_STAMP)
@@ -44,8 +44,8 @@ test-fast: lint
 	$(BIN)/python -m pytest tests -m "not slow" $(PYTEST_ARGS)
 
 checkpoints: $(COURSE_STAMP)
-	$(BIN)/python -m ar_lab.train --preset course
-	$(BIN)/python -m ar_lab.train --preset draft
+	$(BIN)/python -m ar_lab.model.train --preset course
+	$(BIN)/python -m ar_lab.model.train --preset draft
 
 bench: $(DEV_STAMP)
 	$(BIN)/python -m ar_lab.bench decode --json data/bench/decode.json
@@ -59,7 +59,7 @@ bench: $(DEV_STAMP)
 grading-course:
 	@test -n "$(DIR)" || { echo "usage: make grading-course DIR=folder [CHAPTER=06]"; exit 2; }
 	@$(MAKE) --no-print-directory $(DEV_STAMP)
-	$(BIN)/python -m ar_lab.exercises course "$(DIR)" $(foreach c,$(CHAPTER),--chapter $(c))
+	$(BIN)/python -m ar_lab.course.exercises course "$(DIR)" $(foreach c,$(CHAPTER),--chapter $(c))
 
 clean:
 	rm -rf $(VENV)

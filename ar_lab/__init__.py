@@ -3,11 +3,11 @@
 Each module holds one idea and pairs with the notebook that teaches it (see README).
 """
 
-from ar_lab.cache import KVCache, kv_cache_bytes
-from ar_lab.generate import Generation, GenerationStats, generate, stream
-from ar_lab.model import GPT, GPTConfig
-from ar_lab.sampling import GREEDY, SamplingParams
-from ar_lab.tokenizer import EOS_ID, VOCAB_SIZE, decode, encode
+from ar_lab.engine.generate import Generation, GenerationStats, generate, stream
+from ar_lab.engine.sampling import GREEDY, SamplingParams
+from ar_lab.model.cache import KVCache, kv_cache_bytes
+from ar_lab.model.gpt import GPT, GPTConfig
+from ar_lab.model.tokenizer import EOS_ID, VOCAB_SIZE, decode, encode
 
 __version__ = "0.1.0"
 
@@ -31,7 +31,7 @@ __all__ = [
 
 
 def load_pretrained(name: str = "course", device=None):
-    """Load a checkpoint shipped in data/ ("course" or "draft"); see ar_lab.train."""
-    from ar_lab.train import load_pretrained as _load
+    """Load a checkpoint shipped in data/ ("course" or "draft"); see ar_lab.model.train."""
+    from ar_lab.model.train import load_pretrained as _load
 
     return _load(name, device)

@@ -2,7 +2,7 @@ import pytest
 import torch
 from hypothesis import settings
 
-from ar_lab.model import GPT, GPTConfig
+from ar_lab.model.gpt import GPT, GPTConfig
 
 settings.register_profile("ar_lab", deadline=None, max_examples=30, derandomize=True)
 settings.load_profile("ar_lab")

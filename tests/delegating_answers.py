@@ -1,28 +1,28 @@
 """Answers that only call the package's reference (or PyTorch's ready-made kernel) for each exercise.
 
 Each would pass its graded test if nothing stopped it; ``tests/test_delegation.py`` proves that
-``ar_lab.checks.no_delegation`` makes every one of them fail. Keyed by the solution cell's grade_id.
+``ar_lab.course.checks.no_delegation`` makes every one of them fail. Keyed by the solution cell's grade_id.
 """
 
 DELEGATING = {
     "ch00-to-tokens": """
 def to_tokens(text):
-    from ar_lab.tokenizer import encode
+    from ar_lab.model.tokenizer import encode
     return encode(text)
 """,
     "ch00-tokens-per-char": """
 def tokens_per_char(text):
-    from ar_lab.tokenizer import encode
+    from ar_lab.model.tokenizer import encode
     return len(encode(text)) / len(text)
 """,
     "ch01-next-token-distribution": """
 def next_token_distribution(counts, token, smoothing=0.1):
-    from ar_lab.bigram import BigramModel
+    from ar_lab.model.bigram import BigramModel
     return BigramModel(counts, smoothing=smoothing).log_probs[token].exp()
 """,
     "ch01-sequence-log-prob": """
 def sequence_log_prob(log_probs, tokens):
-    from ar_lab.bigram import BigramModel
+    from ar_lab.model.bigram import BigramModel
     lp = BigramModel(log_probs.exp(), smoothing=0.0)(torch.tensor([tokens]))[0]
     return float(lp[torch.arange(len(tokens) - 1), torch.tensor(tokens[1:], dtype=torch.long)].sum())
 """,
@@ -32,8 +32,8 @@ def my_generate(model, prompt, max_new_tokens, eos_id=EOS_ID):
 """,
     "ch02-embeddings": """
 def embed(idx, wte, wpe):
-    from ar_lab.model import GPT, GPTConfig
-    from ar_lab.model_checks import record_calls
+    from ar_lab.model.gpt import GPT, GPTConfig
+    from ar_lab.course.model_checks import record_calls
     gpt = GPT(GPTConfig(vocab_size=wte.shape[0], block_size=wpe.shape[0], n_layer=1, n_head=1, n_embd=wte.shape[1]))
     gpt.wte.weight.data, gpt.wpe.weight.data = wte, wpe
     return record_calls(gpt, lambda: gpt(idx))["blocks.0"][0]
@@ -71,7 +71,7 @@ class MyMLP(nn.Module):
         self.proj = nn.Linear(4 * cfg.n_embd, cfg.n_embd)
 
     def forward(self, x):
-        from ar_lab.model import MLP
+        from ar_lab.model.gpt import MLP
         mlp = MLP(GPTConfig(n_embd=self.fc.in_features, n_head=1))
         mlp.load_state_dict(self.state_dict())
         return mlp(x)
@@ -87,7 +87,7 @@ class MyBlock(nn.Module):
         self.mlp = MyMLP(cfg)
 
     def forward(self, x):
-        from ar_lab.model import Block
+        from ar_lab.model.gpt import Block
         block = Block(self.cfg)
         block.load_state_dict(self.state_dict())
         return block(x, None, 0, 0)
@@ -123,7 +123,7 @@ def make_optimizer(model, tc):
 
 
 def train_step(model, optimizer, x, y, lr, grad_clip):
-    from ar_lab.train import TrainConfig, train
+    from ar_lab.model.train import TrainConfig, train
     tokens = torch.cat([x[0], y[0, -1:]])
     tc = TrainConfig(steps=1, batch_size=x.shape[0], block_size=x.shape[1], lr=lr, warmup_steps=1,
                      grad_clip=grad_clip, eval_batches=1)
@@ -139,19 +139,19 @@ your_course_gpt.load_state_dict(course.state_dict())
 """,
     "ch04-positions": """
 def positions_processed(P, N, use_cache):
-    from ar_lab.generate import generate
-    from ar_lab.model import GPT, GPTConfig
+    from ar_lab.engine.generate import generate
+    from ar_lab.model.gpt import GPT, GPTConfig
     m = GPT(GPTConfig(block_size=P + N, n_layer=1, n_head=1, n_embd=8))
     return generate(m, [0] * P, N, use_cache=use_cache, eos_id=None).stats.positions_processed
 """,
     "ch04-cache-write": """
 def cache_write(k_buf, v_buf, start, k, v):
-    from ar_lab.cache import KVCache
+    from ar_lab.model.cache import KVCache
     return KVCache.from_buffers([k_buf], [v_buf]).update(0, start, k, v)
 """,
     "ch04-scheme-bytes": """
 def kv_bytes_per_token(scheme, n_layer, n_head, n_kv_heads, head_dim, latent_dim, rope_dim, bytes_per_value):
-    from ar_lab.cache import AttentionShape, cache_sizes
+    from ar_lab.perf.kv_sizing import AttentionShape, cache_sizes
     shape = AttentionShape(n_layer, n_head, n_kv_heads, head_dim, latent_dim, rope_dim)
     return cache_sizes(shape, 1, 1, bytes_per_value)[scheme]
 """,
@@ -164,7 +164,7 @@ def predict_tpot(n_params, bytes_per_param, bandwidth, kv_cache_bytes=0.0):
     return rl.approx_tpot(n_params, bandwidth, bytes_per_param) + kv_cache_bytes / bandwidth
 """,
     "ch06-temperature": """
-from ar_lab.sampling import GREEDY_EPS
+from ar_lab.engine.sampling import GREEDY_EPS
 
 
 def my_temperature_probabilities(logits, temperature):

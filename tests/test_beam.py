@@ -12,9 +12,9 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from ar_lab.beam import beam_search, beam_search_batch, length_normalised
-from ar_lab.generate import generate
-from ar_lab.model import GPT, GPTConfig
+from ar_lab.engine.beam import beam_search, beam_search_batch, length_normalised
+from ar_lab.engine.generate import generate
+from ar_lab.model.gpt import GPT, GPTConfig
 from tests.conftest import ScriptedModel
 
 

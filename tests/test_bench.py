@@ -11,7 +11,7 @@ from ar_lab.bench.common import checked_device, torch_threads
 from ar_lab.bench.sampler import format_sampler_results, sampler_benchmark
 from ar_lab.bench.serving import format_serving_results, serving_benchmark
 from ar_lab.bench.table import format_table
-from ar_lab.model import GPT, GPTConfig
+from ar_lab.model.gpt import GPT, GPTConfig
 
 
 def test_format_table_right_aligns_and_rounds_floats():

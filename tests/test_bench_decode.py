@@ -7,8 +7,8 @@ import torch
 
 from ar_lab.bench.__main__ import main
 from ar_lab.bench.decode import decode_benchmark, format_decode_results
-from ar_lab.model import GPT, GPTConfig
-from ar_lab.reference import have_transformers
+from ar_lab.model.gpt import GPT, GPTConfig
+from ar_lab.model.reference import have_transformers
 
 needs_hf = pytest.mark.skipif(not have_transformers(), reason="transformers is not installed")
 
@@ -68,7 +68,7 @@ def test_decode_benchmark_structure_and_identical_tokens(small_model):
 
 @needs_hf
 def test_decode_benchmark_detects_different_tokens(small_model, monkeypatch):
-    import ar_lab.reference as reference
+    import ar_lab.model.reference as reference
 
     real = reference.to_hf_gpt2
 

@@ -7,7 +7,7 @@ import torch
 
 from ar_lab.bench.__main__ import main
 from ar_lab.bench.quant import FORMATS, format_quant_results, quant_benchmark
-from ar_lab.model import GPT, GPTConfig
+from ar_lab.model.gpt import GPT, GPTConfig
 
 
 @pytest.fixture(scope="module")

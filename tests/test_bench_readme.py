@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from ar_lab.bench import readme
-from ar_lab.checkpoint import load_checkpoint
+from ar_lab.model.checkpoint import load_checkpoint
 
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"

@@ -3,9 +3,9 @@ import math
 import pytest
 import torch
 
-from ar_lab.bigram import BigramModel, bigram_counts
-from ar_lab.generate import generate
-from ar_lab.tokenizer import encode
+from ar_lab.engine.generate import generate
+from ar_lab.model.bigram import BigramModel, bigram_counts
+from ar_lab.model.tokenizer import encode
 
 
 def test_counts_and_probabilities():

@@ -31,7 +31,7 @@ from pathlib import Path
 
 import pytest
 
-from ar_lab.quiz import questions
+from ar_lab.course.quiz import questions
 
 pytestmark = pytest.mark.browser
 
@@ -249,7 +249,7 @@ def step_number(box, key: str, times: int = 1) -> None:
 def test_kv_cache_calculator_shows_ar_lab_sizes_as_the_controls_change(ran):
     from playwright.sync_api import expect
 
-    from ar_lab.cache import BYTES_PER_VALUE, KV_PRESETS, AttentionShape, cache_sizes, format_bytes
+    from ar_lab.perf.kv_sizing import BYTES_PER_VALUE, KV_PRESETS, AttentionShape, cache_sizes, format_bytes
 
     nb = ran("04_kv_cache.ipynb")
     calc = widget_output(nb, "KV heads (GQA)")
@@ -333,8 +333,8 @@ def test_kv_cache_calculator_shows_ar_lab_sizes_as_the_controls_change(ran):
 def test_gpu_explorer_shows_ar_lab_predictions_as_the_controls_change(ran):
     from playwright.sync_api import expect
 
-    from ar_lab.gpu_explorer import format_time
-    from ar_lab.gpu_view import gpu_scenario
+    from ar_lab.course.gpu_explorer import format_time
+    from ar_lab.course.gpu_view import gpu_scenario
 
     nb = ran("05_prefill_vs_decode.ipynb")
     ex = widget_output(nb, "decode context")
@@ -391,7 +391,7 @@ def test_quant_explorer_shows_ar_lab_errors_and_refuses_a_bad_group_size(ran):
     from playwright.sync_api import expect
 
     import ar_lab
-    from ar_lab.quant_view import check_group_size, group_error
+    from ar_lab.course.quant_view import check_group_size, group_error
 
     nb = ran("09_quantization.ipynb")
     ex = widget_output(nb, "group size")
@@ -625,7 +625,7 @@ def test_quiz_widget_in_a_generated_notebook(lab):
 
     chapter = "06"
     q = questions(chapter)
-    name = generated_notebook(lab, "zz_quiz.ipynb", ["from ar_lab.quiz import show", f'show("{chapter}")'])
+    name = generated_notebook(lab, "zz_quiz.ipynb", ["from ar_lab.course.quiz import show", f'show("{chapter}")'])
     try:
         nb = lab.notebook(name, 120)
         assert not nb.run.problems, nb.run.problems

@@ -3,9 +3,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ar_lab.cache import KVCache, kv_cache_bytes
-from ar_lab.generate import generate
-from ar_lab.model import GPT, GPTConfig
+from ar_lab.engine.generate import generate
+from ar_lab.model.cache import KVCache, kv_cache_bytes
+from ar_lab.model.gpt import GPT, GPTConfig
 
 configs = st.builds(
     lambda layers, heads, group, d, seed: (

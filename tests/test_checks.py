@@ -4,10 +4,18 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from ar_lab import checks
-from ar_lab.checks import CheckFailed, Delegated, check_cases, check_close, check_matches, no_delegation, own_work
-from ar_lab.model import MLP, GPTConfig
-from ar_lab.sampling import filter_top_k
+from ar_lab.course import checks
+from ar_lab.course.checks import (
+    CheckFailed,
+    Delegated,
+    check_cases,
+    check_close,
+    check_matches,
+    no_delegation,
+    own_work,
+)
+from ar_lab.engine.sampling import filter_top_k
+from ar_lab.model.gpt import MLP, GPTConfig
 
 SDPA = "torch.nn.functional.scaled_dot_product_attention"
 
@@ -37,7 +45,7 @@ def test_names_imported_into_the_learners_namespace_are_caught():
     namespace = {"top_k": filter_top_k}
     exec("def mine(logits, k):\n    return top_k(logits, k)\n", namespace)
     with pytest.raises(Delegated, match="filter_top_k"):
-        own_work("top-k", namespace["mine"], torch.randn(10), 3, forbidden=["ar_lab.sampling.filter_top_k"])
+        own_work("top-k", namespace["mine"], torch.randn(10), 3, forbidden=["ar_lab.engine.sampling.filter_top_k"])
     assert namespace["top_k"] is filter_top_k
 
 
@@ -74,14 +82,14 @@ def test_check_cases_forbids_too_and_reports_a_stub():
 
 
 def test_an_unknown_reference_is_a_clear_error():
-    with pytest.raises(ValueError, match="no reference named 'ar_lab.sampling.nope'"):
-        with no_delegation(forbid=["ar_lab.sampling.nope"]):
+    with pytest.raises(ValueError, match="no reference named 'ar_lab.engine.sampling.nope'"):
+        with no_delegation(forbid=["ar_lab.engine.sampling.nope"]):
             pass
     assert checks.Delegated.__mro__[1] is CheckFailed  # nbgrader counts it as a failed test (AssertionError)
 
 
 def test_a_method_and_a_constructor_can_be_forbidden():
-    from ar_lab.cache import KVCache
+    from ar_lab.model.cache import KVCache
 
     cache = KVCache(1, 1, 1, 4, 2)
 
@@ -94,7 +102,7 @@ def test_a_method_and_a_constructor_can_be_forbidden():
     k = torch.ones(1, 1, 1, 2)
     for fn in (via_method, via_constructor):
         with pytest.raises(Delegated, match="KVCache"):
-            own_work("cache write", fn, k, forbidden=["ar_lab.cache.KVCache.update", KVCache])
+            own_work("cache write", fn, k, forbidden=["ar_lab.model.cache.KVCache.update", KVCache])
     assert torch.equal(via_constructor(k), k) and "update" in vars(KVCache) and "__init__" in vars(KVCache)
 
 
@@ -136,8 +144,8 @@ def test_a_subclass_of_the_reference_is_delegation():
     class Mine(MLP):
         pass
 
-    with pytest.raises(Delegated, match="built on `ar_lab.model.MLP`"):
-        with no_delegation(Mine, forbid=["ar_lab.model.MLP"], exercise="the MLP"):
+    with pytest.raises(Delegated, match="built on `ar_lab.model.gpt.MLP`"):
+        with no_delegation(Mine, forbid=["ar_lab.model.gpt.MLP"], exercise="the MLP"):
             pass
 
 

@@ -2,7 +2,7 @@
 
 import pytest
 
-from ar_lab.claims import ClaimFailed, claim, magnitude, plural
+from ar_lab.course.claims import ClaimFailed, claim, magnitude, plural
 
 
 def test_a_true_claim_is_silent_and_a_false_one_names_itself():

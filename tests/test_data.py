@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from ar_lab.data import (
+from ar_lab.model.data import (
     builtin_corpus,
     builtin_documents,
     corpus_tokens,
@@ -10,7 +10,7 @@ from ar_lab.data import (
     tokenize_documents,
     train_val_split,
 )
-from ar_lab.tokenizer import EOS_ID, decode
+from ar_lab.model.tokenizer import EOS_ID, decode
 
 
 def test_builtin_corpus_is_the_python_docs():

@@ -1,6 +1,6 @@
 """No graded exercise can be passed by calling the package (or PyTorch's ready-made kernel).
 
-Every graded test runs the learner's code inside ``ar_lab.checks.no_delegation``, which makes
+Every graded test runs the learner's code inside ``ar_lab.course.checks.no_delegation``, which makes
 the package's reference for that exercise raise when the learner's code calls it. Here each
 chapter is executed with every solution replaced by an answer that only delegates
 (``tests/delegating_answers.py``): every graded test must fail, and say why. The source
@@ -13,7 +13,7 @@ from pathlib import Path
 import nbformat
 import pytest
 
-from ar_lab.exercises import execute, grade, graded_cells, nbgrader_meta
+from ar_lab.course.exercises import execute, grade, graded_cells, nbgrader_meta
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from delegating_answers import DELEGATING, NO_REFERENCE  # noqa: E402

@@ -10,7 +10,7 @@ from pathlib import Path
 import nbformat
 import pytest
 
-from ar_lab.exercises import (
+from ar_lab.course.exercises import (
     CODE_STUB,
     cell_checksum,
     execute,
@@ -113,7 +113,7 @@ def test_release_refuses_the_source_folder_however_it_is_spelled(tmp_path, monke
 
 
 def test_release_command_line(tmp_path, capsys):
-    from ar_lab.exercises import main
+    from ar_lab.course.exercises import main
 
     assert main(["release", "--chapter", "00", "--out", str(tmp_path / "c")]) == 0
     assert [p.name for p in (tmp_path / "c").iterdir()] == ["00_start_here.ipynb"]

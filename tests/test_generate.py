@@ -6,12 +6,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import ar_lab
-import ar_lab.prompts
-from ar_lab.cache import KVCache, common_prefix_length
-from ar_lab.generate import generate, sample_batch, sampler_view, stream, token_steps
-from ar_lab.model import GPT, GPTConfig
-from ar_lab.sampling import GREEDY, SamplingParams, probabilities
-from ar_lab.tokenizer import EOS_ID, encode
+import ar_lab.engine.prompts
+from ar_lab.course.sampler_view import sampler_view
+from ar_lab.engine.generate import generate, sample_batch, stream, token_steps
+from ar_lab.engine.sampling import GREEDY, SamplingParams, probabilities
+from ar_lab.model.cache import KVCache, common_prefix_length
+from ar_lab.model.gpt import GPT, GPTConfig
+from ar_lab.model.tokenizer import EOS_ID, encode
 from tests.conftest import ScriptedModel
 
 
@@ -143,8 +144,9 @@ def test_arguments_are_checked_at_the_call_not_at_the_first_token(tiny_model):
 def test_the_prompt_is_parsed_and_checked_once_per_call(tiny_model, monkeypatch):
     calls = []
     for name in ("prompt_ids", "check_prompt"):
-        real = getattr(ar_lab.prompts, name)
-        monkeypatch.setattr(ar_lab.prompts, name, lambda *a, _real=real, _name=name: calls.append(_name) or _real(*a))
+        real = getattr(ar_lab.engine.prompts, name)
+        spy = lambda *a, _real=real, _name=name: calls.append(_name) or _real(*a)  # noqa: E731
+        monkeypatch.setattr(ar_lab.engine.prompts, name, spy)
     generate(tiny_model, "hello", 4)
     assert calls == ["prompt_ids", "check_prompt"]
     calls.clear()
@@ -243,7 +245,7 @@ def test_sampler_view_is_a_pure_function_of_its_arguments(tiny_model):
 @pytest.mark.slow
 def test_sampler_explorer_widget_headless(tiny_model):
     pytest.importorskip("ipywidgets")
-    from ar_lab.widgets import sampler_explorer
+    from ar_lab.course.widgets import sampler_explorer
 
     w = sampler_explorer(tiny_model, prompt="hello", n_samples=2, max_new_tokens=5)
     assert w.view.n_kept == tiny_model.config.vocab_size and w.error == ""

@@ -5,11 +5,11 @@ import json
 import matplotlib.pyplot as plt
 import pytest
 
-from ar_lab import gpu_view as gv
-from ar_lab import gpus, measure
-from ar_lab import llm_costs as lc
-from ar_lab.gpu_explorer import GPUExplorer, format_time
-from ar_lab.model import GPTConfig
+from ar_lab.course import gpu_view as gv
+from ar_lab.course.gpu_explorer import GPUExplorer, format_time
+from ar_lab.model.gpt import GPTConfig
+from ar_lab.perf import gpus, measure
+from ar_lab.perf import llm_costs as lc
 
 # --- the pure function -------------------------------------------------------------------
 

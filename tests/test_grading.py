@@ -20,7 +20,7 @@ from pathlib import Path
 import nbformat
 import pytest
 
-from ar_lab.exercises import NOTEBOOKS, course, graded_cells, nbgrader_config, nbgrader_meta, student_version
+from ar_lab.course.exercises import NOTEBOOKS, course, graded_cells, nbgrader_config, nbgrader_meta, student_version
 
 ASSIGNMENT = "00_start_here"  # the fastest chapter with exercises (a few seconds per run)
 TIMEOUT = 20  # seconds per cell in the test's course folder: what an infinite loop costs
@@ -93,7 +93,7 @@ def test_course_never_writes_into_the_source_notebooks(tmp_path):
 
 
 def test_course_command_line(tmp_path, capsys):
-    from ar_lab.exercises import main
+    from ar_lab.course.exercises import main
 
     assert main(["course", str(tmp_path / "g"), "--chapter", "00", "--timeout", "30"]) == 0
     assert "c.Execute.timeout = 30" in (tmp_path / "g" / "nbgrader_config.py").read_text()
@@ -266,7 +266,7 @@ def test_renamed_submission_regraded_then_feedback_and_export(graded):
 @pytest.mark.slow
 def test_release_matches_nbgrader_generate_assignment_for_every_chapter(tmp_path):
     """nbgrader's generate_assignment (no gradebook needed) against ``release``, whole notebooks."""
-    from ar_lab.exercises import release
+    from ar_lab.course.exercises import release
 
     snapshot = tmp_path / "notebooks"  # both read the same files, whatever happens to notebooks/ meanwhile
     snapshot.mkdir()

@@ -5,19 +5,18 @@ import math
 import pytest
 import torch
 
-from ar_lab.cache import (
+from ar_lab.engine.generate import generate
+from ar_lab.engine.sampling import GREEDY, sample
+from ar_lab.model.cache import KVCache, kv_cache_bytes
+from ar_lab.model.gpt import GPT, GPTConfig
+from ar_lab.perf.kv_sizing import (
     BYTES_PER_VALUE,
     KV_PRESETS,
     AttentionShape,
-    KVCache,
     cache_sizes,
     format_bytes,
-    kv_cache_bytes,
     mla_cache_bytes,
 )
-from ar_lab.generate import generate
-from ar_lab.model import GPT, GPTConfig
-from ar_lab.sampling import GREEDY, sample
 
 GiB, MiB = 2**30, 2**20
 
@@ -131,7 +130,7 @@ def test_our_model_nbytes_shrinks_with_fewer_kv_heads():
 
 
 def test_calculator_widget_shows_the_preset_and_follows_the_controls():
-    from ar_lab.widgets import kv_cache_calculator
+    from ar_lab.course.widgets import kv_cache_calculator
 
     calc = kv_cache_calculator("Llama 2 7B", dtype="bfloat16")
     assert calc.sizes["MHA"] == 2 * GiB and calc.error == ""
@@ -163,7 +162,7 @@ def test_calculator_widget_shows_the_preset_and_follows_the_controls():
 
 
 def test_calculator_rejects_unknown_presets():
-    from ar_lab.widgets import kv_cache_calculator, kv_cache_table_html
+    from ar_lab.course.widgets import kv_cache_calculator, kv_cache_table_html
 
     with pytest.raises(ValueError, match="unknown preset"):
         kv_cache_calculator("GPT-5")

@@ -1,4 +1,4 @@
-"""ar_lab.kv_quant: the int8 KV cache, its size formula, and generate's cached paths on it."""
+"""ar_lab.engine.kv_quant: the int8 KV cache, its size formula, and generate's cached paths on it."""
 
 from __future__ import annotations
 
@@ -8,13 +8,13 @@ import pytest
 import torch
 
 import ar_lab
-from ar_lab import lean
-from ar_lab.cache import KVCache, kv_cache_bytes
-from ar_lab.generate import generate
-from ar_lab.kv_quant import Int8KVCache, int8_kv_cache_bytes
-from ar_lab.model import GPT, GPTConfig
-from ar_lab.quant import quantize_model
-from ar_lab.quant_quality import kv_cache_agreement
+from ar_lab.engine import lean
+from ar_lab.engine.generate import generate
+from ar_lab.engine.kv_quant import Int8KVCache, int8_kv_cache_bytes
+from ar_lab.engine.quant import quantize_model
+from ar_lab.model.cache import KVCache, kv_cache_bytes
+from ar_lab.model.gpt import GPT, GPTConfig
+from ar_lab.perf.quality import kv_cache_agreement
 
 PROMPTS = ["def main(args):\n    ", "import os\nimport sys\n", "The for statement"]
 

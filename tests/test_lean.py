@@ -1,4 +1,4 @@
-"""ar_lab.lean: the batch-1 decode step without nn.Module layers must be GPT.forward's arithmetic."""
+"""ar_lab.engine.lean: the batch-1 decode step without nn.Module layers must be GPT.forward's arithmetic."""
 
 import gc
 
@@ -7,12 +7,12 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from ar_lab import lean
-from ar_lab.cache import BatchKVCache, KVCache
-from ar_lab.generate import generate
-from ar_lab.model import GPT, GPTConfig
-from ar_lab.sampling import SamplingParams
-from ar_lab.speculative import speculative_generate
+from ar_lab.engine import lean
+from ar_lab.engine.generate import generate
+from ar_lab.engine.sampling import SamplingParams
+from ar_lab.engine.speculative import speculative_generate
+from ar_lab.model.cache import BatchKVCache, KVCache
+from ar_lab.model.gpt import GPT, GPTConfig
 from tests.conftest import ScriptedModel
 
 
@@ -173,7 +173,7 @@ def test_every_change_of_the_weights_is_seen(change):
 
 def generate_stream_tokens(model, prompt, n):
     """A token generator of ``model`` that can be paused (lean or through forward)."""
-    from ar_lab.generate import token_steps
+    from ar_lab.engine.generate import token_steps
 
     return lambda lean_: token_steps(model, prompt, n, lean=lean_)
 

@@ -6,10 +6,10 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from ar_lab import gpus
-from ar_lab import llm_costs as lc
-from ar_lab import roofline as rl
-from ar_lab.model import GPTConfig
+from ar_lab.model.gpt import GPTConfig
+from ar_lab.perf import gpus
+from ar_lab.perf import llm_costs as lc
+from ar_lab.perf import roofline as rl
 
 # --- the spec table ------------------------------------------------------------------
 

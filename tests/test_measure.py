@@ -5,10 +5,10 @@ import matplotlib
 import pytest
 import torch
 
-from ar_lab import measure, peaks, side_by_side
-from ar_lab.model import GPTConfig
-from ar_lab.plots import plot_roofline
-from ar_lab.roofline import decode_cost, forward_cost, prefill_cost
+from ar_lab.course.plots import plot_roofline
+from ar_lab.model.gpt import GPTConfig
+from ar_lab.perf import measure, peaks, side_by_side
+from ar_lab.perf.roofline import decode_cost, forward_cost, prefill_cost
 
 matplotlib.use("Agg")
 

@@ -1,9 +1,9 @@
 import pytest
 import torch
 
-from ar_lab.generate import generate
-from ar_lab.model import GPT, GPTConfig
-from ar_lab.reference import have_transformers, to_hf_gpt2
+from ar_lab.engine.generate import generate
+from ar_lab.model.gpt import GPT, GPTConfig
+from ar_lab.model.reference import have_transformers, to_hf_gpt2
 
 
 def test_config_validation():

@@ -6,10 +6,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from ar_lab.checks import CheckFailed, check_matches
-from ar_lab.data import corpus_tokens, train_val_split
-from ar_lab.model import GPT, GPTConfig
-from ar_lab.model_checks import (
+from ar_lab.course.checks import CheckFailed, check_matches
+from ar_lab.course.model_checks import (
     Piece,
     attention_mistakes,
     block_mistakes,
@@ -21,7 +19,9 @@ from ar_lab.model_checks import (
     record_calls,
     train_step_mistakes,
 )
-from ar_lab.train import TrainConfig, train
+from ar_lab.model.data import corpus_tokens, train_val_split
+from ar_lab.model.gpt import GPT, GPTConfig
+from ar_lab.model.train import TrainConfig, train
 
 
 @pytest.fixture

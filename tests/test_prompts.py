@@ -5,11 +5,11 @@ import time
 import pytest
 import torch
 
-from ar_lab import timing
-from ar_lab.data import data_dir
-from ar_lab.model import GPT, GPTConfig
-from ar_lab.prompts import check_prompt, checked_prompt, eval_mode, prompt_batch, prompt_ids, stop_list
-from ar_lab.tokenizer import encode
+from ar_lab.base import timing
+from ar_lab.engine.prompts import check_prompt, checked_prompt, eval_mode, prompt_batch, prompt_ids, stop_list
+from ar_lab.model.data import data_dir
+from ar_lab.model.gpt import GPT, GPTConfig
+from ar_lab.model.tokenizer import encode
 
 
 @pytest.fixture

@@ -1,4 +1,4 @@
-"""ar_lab.quant: int8 / int4 weights, their fast kernels, and quantized models through every decode loop."""
+"""ar_lab.engine.quant: int8 / int4 weights, their fast kernels, and quantized models through every decode loop."""
 
 from __future__ import annotations
 
@@ -11,25 +11,22 @@ from hypothesis import strategies as st
 from torch import nn
 
 import ar_lab
-from ar_lab import lean
-from ar_lab.cache import KVCache
-from ar_lab.generate import generate, token_steps
-from ar_lab.model import GPT, GPTConfig
-from ar_lab.quant import (
+from ar_lab.engine import lean
+from ar_lab.engine.generate import generate, token_steps
+from ar_lab.engine.quant import (
     INT4_GROUP_SIZES,
     QuantizedLinear,
     QuantizedTensor,
-    bytes_per_token,
-    decode_step_bytes,
     dequantize,
-    predicted_speedup,
     quantization_error,
     quantize_int4,
     quantize_int8,
     quantize_model,
 )
-from ar_lab.roofline import decode_cost
-from ar_lab.speculative import speculative_generate
+from ar_lab.engine.speculative import speculative_generate
+from ar_lab.model.cache import KVCache
+from ar_lab.model.gpt import GPT, GPTConfig
+from ar_lab.perf.roofline import bytes_per_token, decode_cost, decode_step_bytes, predicted_speedup
 
 PROMPTS = ["def main(args):\n    ", "import os\nimport sys\n", "The for statement"]
 

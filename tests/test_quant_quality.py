@@ -1,4 +1,4 @@
-"""ar_lab.quant_quality: bits per byte, greedy agreement and self-draft acceptance of a quantized model."""
+"""ar_lab.perf.quality: bits per byte, greedy agreement and self-draft acceptance of a quantized model."""
 
 from __future__ import annotations
 
@@ -9,11 +9,11 @@ import pytest
 import torch
 
 import ar_lab
-from ar_lab.data import corpus_tokens, train_val_split
-from ar_lab.model import GPT
-from ar_lab.quant import quantize_model
-from ar_lab.quant_quality import bits_per_byte, greedy_agreement, self_draft_acceptance
-from ar_lab.train import evaluate
+from ar_lab.engine.quant import quantize_model
+from ar_lab.model.data import corpus_tokens, train_val_split
+from ar_lab.model.gpt import GPT
+from ar_lab.model.train import evaluate
+from ar_lab.perf.quality import bits_per_byte, greedy_agreement, self_draft_acceptance
 
 PROMPTS = ["def main(args):\n    ", "import os\nimport sys\n", "The for statement"]
 

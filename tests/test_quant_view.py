@@ -1,23 +1,12 @@
-"""Chapter 09's explorer (ar_lab.quant_view) and exercise checkers (ar_lab.quant_checks)."""
+"""Chapter 09's explorer (ar_lab.course.quant_view) and exercise checkers (ar_lab.course.quant_checks)."""
 
 import pytest
 import torch
 
 import ar_lab
-from ar_lab.checks import CheckFailed
-from ar_lab.measure import CONFIGS
-from ar_lab.model import GPTConfig
-from ar_lab.quant import (
-    INT4_GROUP_SIZES,
-    bytes_per_token,
-    predicted_speedup,
-    quantization_error,
-    quantize_int4,
-    quantize_int8,
-    quantize_model,
-)
-from ar_lab.quant_checks import check_quantized, int4_mistakes, int8_mistakes
-from ar_lab.quant_view import (
+from ar_lab.course.checks import CheckFailed
+from ar_lab.course.quant_checks import check_quantized, int4_mistakes, int8_mistakes
+from ar_lab.course.quant_view import (
     check_group_size,
     group_error,
     levels,
@@ -27,6 +16,10 @@ from ar_lab.quant_view import (
     step_bytes,
     weight_bytes,
 )
+from ar_lab.engine.quant import INT4_GROUP_SIZES, quantization_error, quantize_int4, quantize_int8, quantize_model
+from ar_lab.model.gpt import GPTConfig
+from ar_lab.perf.measure import CONFIGS
+from ar_lab.perf.roofline import bytes_per_token, predicted_speedup
 
 
 @pytest.fixture(scope="module")

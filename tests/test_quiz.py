@@ -2,8 +2,8 @@ from collections import Counter
 
 import pytest
 
-from ar_lab.quiz import Question, QuizWidget, check_answer, display_order, questions
-from ar_lab.quiz_bank import QUIZZES, TF
+from ar_lab.course.quiz import Question, QuizWidget, check_answer, display_order, questions
+from ar_lab.course.quiz_bank import QUIZZES, TF
 
 
 def test_every_chapter_has_a_well_formed_quiz():

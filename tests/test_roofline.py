@@ -5,10 +5,10 @@ from hypothesis import strategies as st
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
-from ar_lab import measure
-from ar_lab import roofline as rl
-from ar_lab.cache import KVCache
-from ar_lab.model import GPT, GPTConfig
+from ar_lab.model.cache import KVCache
+from ar_lab.model.gpt import GPT, GPTConfig
+from ar_lab.perf import measure
+from ar_lab.perf import roofline as rl
 
 HAND = GPTConfig(vocab_size=10, block_size=8, n_layer=1, n_head=1, n_embd=2)
 

@@ -9,8 +9,8 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from ar_lab.generate import generate, sample_batch
-from ar_lab.sampling import (
+from ar_lab.engine.generate import generate, sample_batch
+from ar_lab.engine.sampling import (
     GREEDY,
     GREEDY_EPS,
     SamplingParams,

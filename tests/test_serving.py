@@ -5,21 +5,13 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from ar_lab.cache import BatchKVCache, KVCache
-from ar_lab.generate import generate, stream
-from ar_lab.model import GPT, GPTConfig
-from ar_lab.prefix_cache import PrefixCache, reusable_length
-from ar_lab.sampling import SamplingParams
-from ar_lab.serving import (
-    Request,
-    StreamSummary,
-    generate_batch,
-    latency_budget,
-    serve,
-    simulate,
-    tokens_within,
-)
-from ar_lab.serving_measure import compare_policies, decode_throughput, mixed_workload, prefix_ttft
+from ar_lab.engine.generate import generate, stream
+from ar_lab.engine.prefix_cache import PrefixCache, reusable_length
+from ar_lab.engine.sampling import SamplingParams
+from ar_lab.engine.serving import Request, StreamSummary, generate_batch, latency_budget, serve, simulate, tokens_within
+from ar_lab.model.cache import BatchKVCache, KVCache
+from ar_lab.model.gpt import GPT, GPTConfig
+from ar_lab.perf.serving_measure import compare_policies, decode_throughput, mixed_workload, prefix_ttft
 
 configs = st.builds(
     lambda layers, heads, group, d, seed: (

@@ -1,12 +1,12 @@
-"""ar_lab.side_by_side: a decode step timed in interleaved pairs with another call."""
+"""ar_lab.perf.side_by_side: a decode step timed in interleaved pairs with another call."""
 
 import statistics
 
 import pytest
 import torch
 
-from ar_lab import side_by_side
-from ar_lab.roofline import decode_cost
+from ar_lab.perf import side_by_side
+from ar_lab.perf.roofline import decode_cost
 
 
 def test_decode_bandwidth_fraction_pairs_and_restores_threads(tiny_model):

@@ -18,12 +18,12 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-import ar_lab.speculative as spec
-from ar_lab.bigram import BigramModel
-from ar_lab.generate import generate
-from ar_lab.model import GPT, GPTConfig
-from ar_lab.sampling import SamplingParams, probabilities
-from ar_lab.speculative import (
+import ar_lab.engine.speculative as spec
+from ar_lab.base.timing import steady_clock
+from ar_lab.course.speculative_view import speculation_view
+from ar_lab.engine.generate import generate
+from ar_lab.engine.sampling import SamplingParams, probabilities
+from ar_lab.engine.speculative import (
     acceptance_rate,
     accepted_count,
     alpha_for_speedup,
@@ -35,9 +35,10 @@ from ar_lab.speculative import (
     token_sources,
     total_variation,
 )
-from ar_lab.speculative_view import benchmark_prompts, speculation_view
-from ar_lab.timing import steady_clock
-from ar_lab.tokenizer import EOS_ID, encode
+from ar_lab.model.bigram import BigramModel
+from ar_lab.model.data import benchmark_prompts
+from ar_lab.model.gpt import GPT, GPTConfig
+from ar_lab.model.tokenizer import EOS_ID, encode
 from tests.conftest import ScriptedModel
 
 
@@ -339,7 +340,7 @@ def test_greedy_fast_path_equals_the_general_rule(monkeypatch):
 
 
 def _checkpoints():
-    from ar_lab.train import checkpoint_path, load_checkpoint
+    from ar_lab.model.train import checkpoint_path, load_checkpoint
 
     if not (checkpoint_path("course").exists() and checkpoint_path("draft").exists()):
         pytest.skip("data/course.safetensors or data/draft.safetensors missing (make checkpoints)")
@@ -348,7 +349,7 @@ def _checkpoints():
 
 @pytest.mark.slow
 def test_greedy_equals_target_greedy_with_the_shipped_checkpoints():
-    from ar_lab.data import corpus_tokens, train_val_split
+    from ar_lab.model.data import corpus_tokens, train_val_split
 
     target, draft = _checkpoints()
     _, val = train_val_split(corpus_tokens())
@@ -479,7 +480,7 @@ def test_speculation_view_measures_and_predicts():
 @pytest.mark.slow
 def test_speculation_explorer_widget_headless():
     pytest.importorskip("ipywidgets")
-    from ar_lab.widgets import speculation_explorer
+    from ar_lab.course.widgets import speculation_explorer
 
     target, draft = _tiny(0), _tiny(1, n_layer=1, n_embd=16)
     w = speculation_explorer(target, {"tiny draft": draft, "the target itself": target}, "hello", 2, 20)

@@ -7,10 +7,10 @@ from types import SimpleNamespace
 from hypothesis import given
 from hypothesis import strategies as st
 
-from ar_lab.plots import COLORS
-from ar_lab.speculative import SpeculativeStats
-from ar_lab.speculative_view import speculation_text_html, speculation_view, token_pieces
-from ar_lab.tokenizer import EOS_ID, decode, encode
+from ar_lab.course.plots import COLORS
+from ar_lab.course.speculative_view import speculation_text_html, speculation_view, token_pieces
+from ar_lab.engine.speculative import SpeculativeStats
+from ar_lab.model.tokenizer import EOS_ID, decode, encode
 from tests.conftest import ScriptedModel
 
 

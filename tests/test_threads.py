@@ -13,13 +13,13 @@ import pytest
 import torch
 
 import ar_lab
-from ar_lab import lean
-from ar_lab.cache import KVCache
-from ar_lab.generate import generate, stream
-from ar_lab.model import GPT, GPTConfig
-from ar_lab.prompts import eval_mode
-from ar_lab.sampling import SamplingParams
-from ar_lab.speculative import speculative_generate
+from ar_lab.engine import lean
+from ar_lab.engine.generate import generate, stream
+from ar_lab.engine.prompts import eval_mode
+from ar_lab.engine.sampling import SamplingParams
+from ar_lab.engine.speculative import speculative_generate
+from ar_lab.model.cache import KVCache
+from ar_lab.model.gpt import GPT, GPTConfig
 
 PROMPTS = ["The for statement", "import os\n", "class Point:\n", "def main():\n    "]
 SAMPLED = SamplingParams(temperature=0.9, top_k=40)

@@ -2,7 +2,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from ar_lab.tokenizer import EOS_ID, VOCAB_SIZE, StreamDecoder, decode, encode
+from ar_lab.model.tokenizer import EOS_ID, VOCAB_SIZE, StreamDecoder, decode, encode
 
 
 @given(st.text())

@@ -5,9 +5,9 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from ar_lab.data import corpus_tokens, train_val_split
-from ar_lab.model import GPT, GPTConfig
-from ar_lab.train import (
+from ar_lab.model.data import corpus_tokens, train_val_split
+from ar_lab.model.gpt import GPT, GPTConfig
+from ar_lab.model.train import (
     CheckpointError,
     TrainConfig,
     checkpoint_path,
@@ -90,7 +90,7 @@ def test_shipped_checkpoints_load_and_beat_chance(name):
 
 def test_preset_phases_resume_gives_the_same_weights(tmp_path, monkeypatch):
     """Training in phases, resumed from the saved phase-1 checkpoint, equals one uninterrupted run."""
-    from ar_lab import train as train_module
+    from ar_lab.model import train as train_module
 
     tiny = GPTConfig(block_size=32, n_layer=1, n_head=2, n_embd=16)
     phases = [
@@ -116,7 +116,7 @@ def test_preset_phases_resume_gives_the_same_weights(tmp_path, monkeypatch):
 
 def _mean_tv(p_model, q_model, tokens, block=32):
     g = torch.Generator().manual_seed(5)
-    from ar_lab.data import get_batch
+    from ar_lab.model.data import get_batch
 
     x, _ = get_batch(tokens, 4, block, g)
     with torch.no_grad():
@@ -153,7 +153,7 @@ def test_distillation_pulls_the_student_to_the_teacher():
 
 
 def test_preset_with_a_teacher_phase(tmp_path, monkeypatch):
-    from ar_lab import train as train_module
+    from ar_lab.model import train as train_module
 
     tiny = GPTConfig(block_size=32, n_layer=1, n_head=2, n_embd=16)
     phases = [
@@ -180,7 +180,7 @@ def test_preset_with_a_teacher_phase(tmp_path, monkeypatch):
     ],
 )
 def test_command_line_mistakes_give_one_line_and_exit_2(argv, message, capsys):
-    from ar_lab.train import main
+    from ar_lab.model.train import main
 
     with pytest.raises(SystemExit) as stop:
         main(argv)
@@ -189,7 +189,7 @@ def test_command_line_mistakes_give_one_line_and_exit_2(argv, message, capsys):
 
 
 def test_resume_from_a_finished_checkpoint_gives_one_line(tmp_path, tiny_model, capsys):
-    from ar_lab.train import main
+    from ar_lab.model.train import main
 
     save_checkpoint(tmp_path / "x.safetensors", tiny_model, {"preset": "draft"})
     with pytest.raises(SystemExit) as stop:

@@ -14,9 +14,9 @@ import shlex
 import sys
 from pathlib import Path
 
+from ar_lab.base.timing import machine
 from ar_lab.bench import decode, quant, roofline, sampler, serving, speculative
-from ar_lab.data import check_writable
-from ar_lab.timing import machine
+from ar_lab.model.data import check_writable
 
 # name -> (module with add_options and run, one-line help)
 BENCHMARKS = {

@@ -7,7 +7,7 @@ from collections.abc import Iterator
 
 import torch
 
-from ar_lab.timing import checked_device
+from ar_lab.base.timing import checked_device
 
 __all__ = ["checked_device", "checked_count", "checked_threads", "course_model_or_random", "torch_threads"]
 
@@ -18,8 +18,8 @@ def course_model_or_random():
 
     Decode timing depends on the shapes, not on what the weights learned.
     """
-    from ar_lab.model import GPT, GPTConfig
-    from ar_lab.train import checkpoint_path, load_checkpoint
+    from ar_lab.model.gpt import GPT, GPTConfig
+    from ar_lab.model.train import checkpoint_path, load_checkpoint
 
     path = checkpoint_path("course")
     if path.exists():

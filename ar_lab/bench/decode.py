@@ -14,9 +14,9 @@ from collections.abc import Callable
 
 import torch
 
+from ar_lab.base.timing import machine, median
 from ar_lab.bench.common import checked_count, checked_threads, course_model_or_random
 from ar_lab.bench.table import format_table
-from ar_lab.timing import machine, median
 
 CACHED, FORWARD, UNCACHED, PEER, FLOOR = (
     "ar_lab cached",
@@ -49,9 +49,9 @@ def add_options(p: argparse.ArgumentParser) -> None:
 
 def _transformers_peer(model, prompt_ids: list[int]) -> Callable[[int], list[int]]:
     """``theirs(n)``: n greedy tokens from transformers' ``generate`` on ``model``'s weights."""
-    from ar_lab.prompts import eval_mode
-    from ar_lab.reference import to_hf_gpt2
-    from ar_lab.tokenizer import EOS_ID
+    from ar_lab.engine.prompts import eval_mode
+    from ar_lab.model.reference import to_hf_gpt2
+    from ar_lab.model.tokenizer import EOS_ID
 
     hf = to_hf_gpt2(model)
     try:
@@ -79,8 +79,8 @@ def _transformers_peer(model, prompt_ids: list[int]) -> Callable[[int], list[int
 
 def _runners(model, prompt_ids: list[int], n: int, peer: bool) -> dict[str, Callable[[int], object]]:
     """name -> ``fn(n)``, in the order each repeat runs them (the uncached one last)."""
-    from ar_lab.generate import generate
-    from ar_lab.lean import weights_only_pass
+    from ar_lab.engine.generate import generate
+    from ar_lab.engine.lean import weights_only_pass
 
     def ours(use_cache: bool, lean: bool = True) -> Callable[[int], object]:
         return lambda k: generate(model, prompt_ids, k, use_cache=use_cache, eos_id=None, lean=lean)
@@ -184,7 +184,7 @@ def decode_benchmark(
     must produce exactly ar_lab's tokens (``AssertionError`` otherwise). ``threads``: torch
     CPU threads for the runs (None: leave as is); restored afterwards.
     """
-    from ar_lab.prompts import checked_prompt, eval_mode
+    from ar_lab.engine.prompts import checked_prompt, eval_mode
 
     checked_count("tokens", tokens)
     checked_count("repeats", repeats)
@@ -267,7 +267,7 @@ def format_decode_results(res: dict) -> str:
         )
     if r.get("lean_vs_forward") is not None:
         lines.append(
-            f"lean decode step (ar_lab.lean) vs the same steps through GPT.forward(): "
+            f"lean decode step (ar_lab.engine.lean) vs the same steps through GPT.forward(): "
             f"{r['lean_vs_forward']:.2f}x the tokens/s"
         )
     if "overhead_transformers_vs_ar_lab" in r:
@@ -282,8 +282,8 @@ def format_decode_results(res: dict) -> str:
 
 def run(args: argparse.Namespace) -> dict:
     """The command: each thread count in turn (the slow uncached run only in the first), then the tables."""
-    from ar_lab.prompts import checked_prompt
-    from ar_lab.reference import have_transformers
+    from ar_lab.engine.prompts import checked_prompt
+    from ar_lab.model.reference import have_transformers
 
     # Every argument is checked (and the model loaded) before anything is printed or timed.
     checked_count("tokens", args.tokens)

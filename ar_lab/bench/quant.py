@@ -1,12 +1,12 @@
 """Chapter 09's benchmark: fp32 vs bf16 vs int8 vs int4 weights in batch-1 cached decode.
 
 For two models, the course model and a random-init one large enough that its weights stream
-from main memory (``ar_lab.measure.CONFIGS``, ``--config``), each weight format decodes the
+from main memory (``ar_lab.perf.measure.CONFIGS``, ``--config``), each weight format decodes the
 same prompt; repeats are interleaved (every format once per repeat, the order rotating) and
 each format's speedup over fp32 is the median of its per-repeat ratios. Beside it, the
-roofline's memory-bound prediction (``ar_lab.quant.predicted_speedup``: the bytes a step
+roofline's memory-bound prediction (``ar_lab.perf.roofline.predicted_speedup``: the bytes a step
 moves, fp32 over the format) and measured / predicted. For the course model, the quality
-columns (``ar_lab.quant_quality``). First, the kernels alone: one matrix times one vector.
+columns (``ar_lab.perf.quality``). First, the kernels alone: one matrix times one vector.
 """
 
 from __future__ import annotations
@@ -17,9 +17,9 @@ from collections.abc import Callable
 
 import torch
 
+from ar_lab.base.timing import median
 from ar_lab.bench.common import checked_count, course_model_or_random, torch_threads
 from ar_lab.bench.table import format_table
-from ar_lab.timing import median
 
 FORMATS = ("fp32", "bf16", "int8", "int4")
 BPB_WINDOW = 256  # bits/byte is measured in windows of up to this many tokens (short: a few seconds per model)
@@ -32,7 +32,7 @@ def add_options(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--config",
         default="small",
-        help="the large random-init model, from ar_lab.measure.CONFIGS: small (~100 M parameters, default), "
+        help="the large random-init model, from ar_lab.perf.measure.CONFIGS: small (~100 M parameters, default), "
         "cpu (~300 M), or none to skip it",
     )
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's own count)")
@@ -41,7 +41,7 @@ def add_options(p: argparse.ArgumentParser) -> None:
 
 def _kernel_calls(w: torch.Tensor, x: torch.Tensor) -> dict[str, tuple[Callable[[], torch.Tensor], torch.Tensor]]:
     """name -> (one matrix-vector product of ``w`` and ``x``, the matrix it stands for)."""
-    from ar_lab.quant import QuantizedLinear, quantize_int4, quantize_int8
+    from ar_lab.engine.quant import QuantizedLinear, quantize_int4, quantize_int8
 
     int8, int4 = QuantizedLinear(quantize_int8(w)), QuantizedLinear(quantize_int4(w, 32))
     wb, zero, q8 = (
@@ -93,7 +93,7 @@ def kernel_timings(shapes=((1024, 256), (4096, 1024)), repeats: int = 30) -> lis
 def decode_times(models: dict, prompt: str, tokens: int, repeats: int, say=None) -> dict[str, list[float]]:
     """Per model, per repeat: seconds of the ``tokens - 1`` decode steps (prefill excluded) of ``tokens``
     new tokens; every model once per repeat, the order rotating, after one warm-up run each."""
-    from ar_lab.generate import generate
+    from ar_lab.engine.generate import generate
 
     say = say or (lambda _m: None)
     for m in models.values():
@@ -110,8 +110,9 @@ def decode_times(models: dict, prompt: str, tokens: int, repeats: int, say=None)
 
 def measure_model(model, label: str, *, tokens: int, repeats: int, prompt: str, quality: dict | None, say) -> dict:
     """Every format of ``model`` decoded side by side: tokens/s, bytes/token, measured and predicted speedups."""
-    from ar_lab.quant import bytes_per_token, predicted_speedup, quantize_model
-    from ar_lab.quant_quality import bits_per_byte, greedy_agreement, self_draft_acceptance
+    from ar_lab.engine.quant import quantize_model
+    from ar_lab.perf.quality import bits_per_byte, greedy_agreement, self_draft_acceptance
+    from ar_lab.perf.roofline import bytes_per_token, predicted_speedup
 
     say(f"{label}: quantizing")
     models = {w: quantize_model(model, weights=w) for w in FORMATS}
@@ -153,10 +154,10 @@ def measure_model(model, label: str, *, tokens: int, repeats: int, prompt: str, 
 def kv_cache_figures(model, *, tokens: int, repeats: int, prompt: str, quality_tokens: int, say) -> dict:
     """A float32 KV cache against an ``Int8KVCache`` on ``model``: bytes of real caches at the full
     context (and the formulas'), decode tokens/s side by side (interleaved), greedy agreement."""
-    from ar_lab.cache import KVCache, kv_cache_bytes
-    from ar_lab.generate import generate
-    from ar_lab.kv_quant import Int8KVCache, int8_kv_cache_bytes
-    from ar_lab.quant_quality import kv_cache_agreement
+    from ar_lab.engine.generate import generate
+    from ar_lab.engine.kv_quant import Int8KVCache, int8_kv_cache_bytes
+    from ar_lab.model.cache import KVCache, kv_cache_bytes
+    from ar_lab.perf.quality import kv_cache_agreement
 
     cfg = model.config
     sizes = (cfg.n_layer, cfg.kv_heads, cfg.head_dim, cfg.block_size)
@@ -279,8 +280,8 @@ def format_quant_results(res: dict) -> str:
 
 def run(args: argparse.Namespace) -> dict:
     """The command: options checked first, then the measurements, then the report."""
-    from ar_lab.measure import CONFIGS, build_model
-    from ar_lab.model import GPTConfig
+    from ar_lab.model.gpt import GPTConfig
+    from ar_lab.perf.measure import CONFIGS, build_model
 
     checked_count("tokens", args.tokens, 2)
     checked_count("repeats", args.repeats)

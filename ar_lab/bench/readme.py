@@ -203,7 +203,7 @@ def bench_table(folder: Path) -> str:
 
 def checkpoint_table(paths: list[Path]) -> str:
     """The README's checkpoint table, from the training record inside each checkpoint."""
-    from ar_lab.checkpoint import read_checkpoint_metadata
+    from ar_lab.model.checkpoint import read_checkpoint_metadata
 
     notes = []
     lines = [

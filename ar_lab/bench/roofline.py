@@ -1,8 +1,8 @@
 """Chapter 05's benchmark: prefill vs decode on a measured roofline.
 
-The machine's two roofs (``ar_lab.peaks``), prefill and decode points of a random-init
-model (``ar_lab.measure``) placed under them by the analytic FLOP/byte model
-(``ar_lab.roofline``), and the key figure: how close batch-1 decode comes to the
+The machine's two roofs (``ar_lab.perf.peaks``), prefill and decode points of a random-init
+model (``ar_lab.perf.measure``) placed under them by the analytic FLOP/byte model
+(``ar_lab.perf.roofline``), and the key figure: how close batch-1 decode comes to the
 streaming bandwidth, each decode step timed right after one call of the streaming kernel.
 """
 
@@ -43,7 +43,7 @@ def add_options(p: argparse.ArgumentParser) -> None:
         "--config",
         choices=["small", "cpu", "gpu"],
         default=None,
-        help="random-init model from ar_lab.measure.CONFIGS (default: cpu on a CPU, gpu on CUDA)",
+        help="random-init model from ar_lab.perf.measure.CONFIGS (default: cpu on a CPU, gpu on CUDA)",
     )
     p.add_argument("--prompt-lens", type=int, nargs="+", default=None, help="prefill prompt lengths")
     p.add_argument("--batches", type=int, nargs="+", default=None, help="decode batch sizes (at --context)")
@@ -66,8 +66,8 @@ def add_options(p: argparse.ArgumentParser) -> None:
 
 def _config(config: str | None, quick: bool):
     """The config of the sweep's random-init model: ``config`` from ``measure.CONFIGS``, or a tiny one when quick."""
-    from ar_lab.measure import CONFIGS
-    from ar_lab.model import GPTConfig
+    from ar_lab.model.gpt import GPTConfig
+    from ar_lab.perf.measure import CONFIGS
 
     if config is None and quick:
         return GPTConfig(block_size=64, n_layer=2, n_head=4, n_embd=64)
@@ -78,7 +78,7 @@ def _config(config: str | None, quick: bool):
 
 def _check_sweep(cfg, sweep: dict, pairs: int, threads, buffer_mb: int | None, repeats: int) -> None:
     """Every size against the model's window, every count >= 1: all before anything is built or measured."""
-    from ar_lab.roofline import decode_cost, prefill_cost
+    from ar_lab.perf.roofline import decode_cost, prefill_cost
 
     for t in sweep["prompt_lens"]:
         prefill_cost(cfg, t)
@@ -94,9 +94,9 @@ def _check_sweep(cfg, sweep: dict, pairs: int, threads, buffer_mb: int | None, r
 
 def _model(device: torch.device, cfg, say: Callable[[str], None]):
     """The random-init model of the sweep on ``device``, described through ``say``."""
-    from ar_lab.measure import build_model
-    from ar_lab.peaks import cache_bytes, default_dtype
-    from ar_lab.timing import device_name
+    from ar_lab.base.timing import device_name
+    from ar_lab.perf.measure import build_model
+    from ar_lab.perf.peaks import cache_bytes, default_dtype
 
     dtype = default_dtype(device)
     say(f"roofline on {device_name(device)}, {str(dtype).removeprefix('torch.')}, torch {torch.__version__}")
@@ -131,9 +131,9 @@ def roofline_benchmark(
     sizes, a smoke test). The sweep runs the way the key figure ran best (thread count on
     a CPU; CUDA graph or eager on a GPU).
     """
-    from ar_lab.measure import run_roofline
-    from ar_lab.side_by_side import decode_bandwidth_fraction
-    from ar_lab.timing import default_device
+    from ar_lab.base.timing import default_device
+    from ar_lab.perf.measure import run_roofline
+    from ar_lab.perf.side_by_side import decode_bandwidth_fraction
 
     say = progress or (lambda _m: None)
     device = default_device() if device is None else checked_device(device)
@@ -184,8 +184,8 @@ def roofline_benchmark(
 
 def format_roofline_results(result: dict) -> str:
     """The printed report: the points against the roof, the peaks, and the key figure per variant."""
-    from ar_lab.measure import SUMMARY_HEADERS, summary_rows
-    from ar_lab.roofline import format_si
+    from ar_lab.perf.measure import SUMMARY_HEADERS, summary_rows
+    from ar_lab.perf.roofline import format_si
 
     peaks, key, k = result["peaks"], result["bandwidth_fraction"], result["key_figures"]
     kernels = ", ".join(f"{n} {format_si(v, 'B/s')}" for n, v in peaks["bandwidth_by_kernel"].items())

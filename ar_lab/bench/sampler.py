@@ -9,9 +9,9 @@ import argparse
 
 import torch
 
+from ar_lab.base.timing import machine, machine_line, median, time_call
 from ar_lab.bench.common import checked_count, course_model_or_random, torch_threads
 from ar_lab.bench.table import format_table
-from ar_lab.timing import machine, machine_line, median, time_call
 
 
 def add_options(p: argparse.ArgumentParser) -> None:
@@ -23,7 +23,7 @@ def add_options(p: argparse.ArgumentParser) -> None:
 
 def _samplers(history: list[int]) -> dict:
     """name -> (SamplingParams, history for the repetition penalty)."""
-    from ar_lab.sampling import GREEDY, SamplingParams
+    from ar_lab.engine.sampling import GREEDY, SamplingParams
 
     return {
         "greedy": (GREEDY, ()),
@@ -46,10 +46,10 @@ def sampler_benchmark(model=None, context: int = 128, *, rounds: int = 30, calls
     medians over the rounds are reported, with each sampler's time as a fraction of the
     decode step's. Print the result with ``format_sampler_results``.
     """
-    from ar_lab.cache import KVCache
-    from ar_lab.lean import engine_for
-    from ar_lab.prompts import eval_mode
-    from ar_lab.sampling import sample
+    from ar_lab.engine.lean import engine_for
+    from ar_lab.engine.prompts import eval_mode
+    from ar_lab.engine.sampling import sample
+    from ar_lab.model.cache import KVCache
 
     for name, value in [("context", context), ("rounds", rounds), ("calls", calls)]:
         checked_count(name, value)
@@ -65,7 +65,7 @@ def sampler_benchmark(model=None, context: int = 128, *, rounds: int = 30, calls
     step_in = history[-1:].view(1, 1)
     with eval_mode(model):
         model(history[None, :context], cache)  # prefill: the cache now holds `context` positions
-        # The decode step ar_lab.generate runs: the lean one for a GPT (ar_lab.lean), else forward().
+        # The decode step ar_lab.generate runs: the lean one for a GPT (ar_lab.engine.lean), else forward().
         engine = engine_for(model)
     token = int(step_in)
 

@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import argparse
 
+from ar_lab.base.timing import machine, machine_line, median
 from ar_lab.bench.common import checked_count, course_model_or_random, torch_threads
 from ar_lab.bench.table import format_table
-from ar_lab.timing import machine, machine_line, median
 
 # Questions after the shared prefix in the TTFT test.
 SUFFIXES = ["\nQ: What does the for statement do?\nA:", "\nQ: How are exceptions raised?\nA:"]
@@ -43,7 +43,7 @@ def add_options(p: argparse.ArgumentParser) -> None:
 
 def _policies(model, work, max_batch: int, repeats: int) -> tuple[dict, int]:
     """Median summary of each policy, and how many requests got identical outputs under both."""
-    from ar_lab.serving_measure import compare_policies
+    from ar_lab.perf.serving_measure import compare_policies
 
     reports = compare_policies(model, work, max_batch, repeats=repeats)
     policies = {}
@@ -59,8 +59,8 @@ def _policies(model, work, max_batch: int, repeats: int) -> tuple[dict, int]:
 
 def _batch_sweep(model, batch_sizes, context: int, repeats: int) -> list[dict]:
     """Tokens/s of decode steps at each batch size, against batch 1 and with the weight bytes per token."""
-    from ar_lab.roofline import decode_cost
-    from ar_lab.serving_measure import decode_throughput
+    from ar_lab.perf.roofline import decode_cost
+    from ar_lab.perf.serving_measure import decode_throughput
 
     sweep = decode_throughput(model, list(batch_sizes), context=context, steps=16, repeats=max(3, repeats))
     base = sweep[0]["tokens_per_s"]
@@ -87,8 +87,8 @@ def serving_benchmark(
     """Static vs continuous batching on a mixed workload, tokens/s against batch size, and TTFT
     with and without a prefix cache; real runs of the model, each comparison side by side.
     Print the result with ``format_serving_results``."""
-    from ar_lab.data import builtin_corpus
-    from ar_lab.serving_measure import mixed_workload, prefix_ttft
+    from ar_lab.model.data import builtin_corpus
+    from ar_lab.perf.serving_measure import mixed_workload, prefix_ttft
 
     source = "the model passed in"
     if model is None:

@@ -13,9 +13,9 @@ from collections.abc import Callable
 
 import torch
 
+from ar_lab.base.timing import machine, steady_clock, synchronize
 from ar_lab.bench.common import checked_count, checked_device, torch_threads
 from ar_lab.bench.table import format_table
-from ar_lab.timing import machine, steady_clock, synchronize
 
 SPEEDUP_TARGET = 1.5  # greedy, at the best gamma
 PREDICTION_TOLERANCE = 0.15  # measured / predicted within 1 +- this
@@ -48,7 +48,7 @@ def _checked_sizes(gammas, **sizes) -> list[int]:
 
 def _checkpoints(target, draft, device: torch.device) -> tuple[object, object, dict]:
     """The models (the shipped checkpoints on ``device`` where not given) and where each came from."""
-    from ar_lab.train import checkpoint_path, load_checkpoint
+    from ar_lab.model.train import checkpoint_path, load_checkpoint
 
     models, sources = {"target": target, "draft": draft}, {}
     for role, name in [("target", "course"), ("draft", "draft")]:
@@ -63,8 +63,8 @@ def _checkpoints(target, draft, device: torch.device) -> tuple[object, object, d
 
 def _prompts(target, draft, n: int, length: int, tokens: int) -> list[list[int]]:
     """The ``n`` validation prompts, each checked to fit both models' windows with ``tokens`` new tokens."""
-    from ar_lab.prompts import checked_prompt
-    from ar_lab.speculative_view import benchmark_prompts
+    from ar_lab.engine.prompts import checked_prompt
+    from ar_lab.model.data import benchmark_prompts
 
     prompts = benchmark_prompts(n, length)
     for p in prompts:  # checked before anything runs, not when its turn comes
@@ -87,7 +87,7 @@ def _timer(clock: Callable[[], float], device: torch.device):
 
 def _plain_steps(target, draft, prompt: list[int], tokens: int, repeats: int, timed) -> tuple[float, float]:
     """One plain greedy decode step of each model (fastest of ``repeats``, after one warm-up round)."""
-    from ar_lab.generate import generate
+    from ar_lab.engine.generate import generate
 
     step_times = {"target": [], "draft": []}
     for r in range(repeats + 1):
@@ -103,8 +103,8 @@ def _paired_runs(target, draft, prompts, tokens, *, gammas, params, seed, repeat
 
     Returns (fastest plain seconds per prompt, {(prompt index, gamma): (seconds, stats)}).
     """
-    from ar_lab.generate import generate
-    from ar_lab.speculative import speculative_generate
+    from ar_lab.engine.generate import generate
+    from ar_lab.engine.speculative import speculative_generate
 
     def gen(s):
         return torch.Generator(target.device).manual_seed(s)
@@ -147,7 +147,7 @@ def _paired_runs(target, draft, prompts, tokens, *, gammas, params, seed, repeat
 
 def _mode_summary(plain_best: list[float], fastest: dict, gammas: list[int], tokens: int) -> dict:
     """Per gamma: alpha, tokens per target call, verify cost, measured and predicted speedups."""
-    from ar_lab.speculative import alpha_for_speedup, best_gamma, expected_speedup, expected_tokens_per_iteration
+    from ar_lab.engine.speculative import alpha_for_speedup, best_gamma, expected_speedup, expected_tokens_per_iteration
 
     n = len(plain_best)
     plain_s = sum(plain_best)
@@ -240,7 +240,7 @@ def speculative_benchmark(
     plain tokens exactly. ``device``: where the shipped checkpoints are loaded when the
     models are not given (models passed in stay where they are).
     """
-    from ar_lab.sampling import GREEDY, SamplingParams
+    from ar_lab.engine.sampling import GREEDY, SamplingParams
 
     say = progress or (lambda _m: None)
     gammas = _checked_sizes(gammas, tokens=tokens, prompts=prompts, prompt_tokens=prompt_tokens, repeats=repeats)

@@ -1,0 +1,1 @@
+"""The shared base under every layer: argument checks (``args``) and the clock (``timing``)."""

@@ -1,0 +1,34 @@
+"""Argument checks every layer shares: whole numbers, finite numbers and seeds, with messages
+that name the argument and say what to pass. Each public function checks what a user hands it
+here, once; internal calls trust their inputs."""
+
+from __future__ import annotations
+
+import math
+import numbers
+
+
+def positive_int(name: str, value, minimum: int = 1) -> int:
+    """``value`` if it is an int (not a bool) >= ``minimum``; else a ValueError naming ``name``."""
+    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
+        raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
+    return value
+
+
+def finite_number(name: str, value, *, minimum: float = 0.0, above: bool = False) -> float:
+    """``value`` as a float if it is a finite real number >= ``minimum`` (> with ``above``); else a
+    ValueError naming ``name`` (NaN, infinity, text and bools are refused)."""
+    real = isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value)
+    if not real or (value <= minimum if above else value < minimum):
+        raise ValueError(f"{name} must be {'>' if above else '>='} {minimum:g} (a finite number), got {value!r}")
+    return float(value)
+
+
+SEED_MAX = 2**64 - 1  # the largest seed torch.Generator.manual_seed takes
+
+
+def check_seed(seed, name: str = "seed") -> int:
+    """``seed`` if it is a whole number torch can seed a generator with (0 .. 2**64 - 1)."""
+    if not isinstance(seed, numbers.Integral) or isinstance(seed, bool) or not 0 <= seed <= SEED_MAX:
+        raise ValueError(f"{name} must be a whole number from 0 to 2**64 - 1, got {seed!r}")
+    return int(seed)

@@ -1,0 +1,359 @@
+"""Exercise checkers: when something is wrong, say what, where, and what was expected.
+
+Every checker raises ``CheckFailed`` (an ``AssertionError``, so nbgrader counts it as a
+failed test) with a message a learner can act on, and prints a short confirmation
+when the check passes.
+
+An exercise asks the learner to *write* a piece the package already has. ``no_delegation``
+(and ``own_work``) run the learner's code while the package's reference for that exercise (and e.g.
+PyTorch's fused attention, where attention is the exercise) is made to raise, so an
+answer that only calls the reference fails with a message that says to write it out.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import sys
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from typing import Any
+
+import torch
+
+
+class CheckFailed(AssertionError):
+    pass
+
+
+class Delegated(CheckFailed):
+    """The learner's code called the reference implementation the exercise asks them to write."""
+
+
+def _fail(what: str, detail: str, hint: str = "") -> None:
+    msg = f"{what}: {detail}"
+    if hint:
+        msg += f"\nHint: {hint}"
+    raise CheckFailed(msg)
+
+
+def _not_implemented(what: str, fn: Callable, *args, **kwargs):
+    try:
+        return fn(*args, **kwargs)
+    except NotImplementedError:
+        _fail(what, "not implemented yet", "replace `raise NotImplementedError()` with your code")
+
+
+def _resolve(reference: str | Callable) -> tuple[str, Any, Any]:
+    """(dotted name, object, owning class or None) of a reference: an object, or a dotted name
+    such as ``"ar_lab.engine.sampling.filter_top_p"`` or ``"ar_lab.model.cache.KVCache.update"``."""
+    if not isinstance(reference, str):
+        name = f"{getattr(reference, '__module__', '?')}.{getattr(reference, '__qualname__', repr(reference))}"
+        return name, reference, None
+    parts = reference.split(".")
+    for cut in range(len(parts) - 1, 0, -1):  # the longest importable module prefix, then attributes
+        try:
+            obj = importlib.import_module(".".join(parts[:cut]))
+        except ImportError:
+            continue
+        owner = None
+        try:
+            for attr in parts[cut:]:
+                owner, obj = obj, getattr(obj, attr)
+        except AttributeError as e:
+            raise ValueError(f"no reference named {reference!r} to forbid: {e}") from None
+        return reference, obj, owner if isinstance(owner, type) else None
+    raise ValueError(f"no reference named {reference!r} to forbid: no module to import")
+
+
+def _namespaces(extra: Iterable[dict]) -> list[dict]:
+    """The dicts a learner's code can reach a reference through: ar_lab's and torch's modules, the notebook."""
+    names = [n for n in list(sys.modules) if n.split(".")[0] in ("ar_lab", "torch") or n == "__main__"]
+    spaces = [getattr(sys.modules.get(n), "__dict__", None) for n in names]
+    return [s for s in spaces if isinstance(s, dict)] + list(extra)
+
+
+def _codes(obj: Any) -> set:
+    """Every code object of a learner's function, class or object (nested functions and methods included)."""
+    obj = getattr(obj, "func", obj)  # a functools.partial
+    obj = getattr(obj, "__func__", obj)  # a bound method
+    if not isinstance(obj, type) and not hasattr(obj, "__code__"):
+        obj = type(obj)  # an instance (e.g. the learner's nn.Module): its class's methods
+    if not isinstance(obj, type):
+        found, todo = set(), [obj.__code__]
+        while todo:
+            code = todo.pop()
+            found.add(code)
+            todo += [c for c in code.co_consts if hasattr(c, "co_code") and c not in found]
+        return found
+    found = set()
+    for klass in obj.__mro__:
+        if klass.__module__.split(".")[0] in ("builtins", "torch", "ar_lab"):
+            continue  # library classes it builds on are not the learner's code
+        for value in vars(klass).values():
+            value = getattr(value, "fget", None) or getattr(value, "__func__", None) or value
+            if hasattr(value, "__code__"):
+                found |= _codes(value)
+    return found
+
+
+def _learner_on_stack(codes: set) -> bool:
+    frame = sys._getframe(2)
+    while frame is not None:
+        if frame.f_code in codes:
+            return True
+        frame = frame.f_back
+    return False
+
+
+@contextlib.contextmanager
+def no_delegation(
+    *learner: Callable, forbid: Iterable[str | Callable] = (), exercise: str = "this exercise", namespaces=()
+) -> Iterator[list]:
+    """While the block runs, the ``forbid`` references raise ``Delegated`` when the learner's code calls them.
+
+    ``learner``: the learner's functions or classes (their code, nested functions and methods
+    included, counts as theirs); with none, every call raises. ``forbid``: functions, methods or
+    classes (a class: its constructor and ``forward``), as objects or dotted names
+    (``"ar_lab.engine.sampling.filter_top_p"``, ``"ar_lab.model.cache.KVCache.update"``). Every module
+    attribute and notebook name bound to a forbidden function is swapped for a stand-in that
+    calls the original unless the learner's code is on the call stack, so the test's own
+    reference values can be computed inside the block. All is put back on exit. A learner
+    whose code caught the error is caught too.
+    """
+    codes = set().union(*(_codes(f) for f in learner)) if learner else None
+    forbid = [_resolve(ref) for ref in forbid]
+    for name, obj, _ in forbid:
+        for f in learner:
+            if f is obj or getattr(f, "func", getattr(f, "__wrapped__", f)) is obj:
+                raise Delegated(
+                    f"{exercise}: your answer is `{name}` itself, a ready-made implementation of what the "
+                    "exercise asks you to write: write the computation yourself."
+                )
+            if isinstance(f, type) and isinstance(obj, type) and issubclass(f, obj):
+                raise Delegated(
+                    f"{exercise}: your class `{f.__name__}` is built on `{name}`, a ready-made implementation "
+                    "of what the exercise asks you to write: subclass torch.nn.Module and write it yourself."
+                )
+    calls: list[str] = []
+    swaps: list[tuple[Any, str, Any, bool]] = []  # (where, name, original, is_dict)
+
+    def stand_in(name: str, original: Callable) -> Callable:
+        def delegated(*args, **kwargs):
+            if codes is not None and not _learner_on_stack(codes):
+                return original(*args, **kwargs)
+            calls.append(name)
+            raise Delegated(
+                f"{exercise}: your code called `{name}`, a ready-made implementation of what "
+                "the exercise asks you to write: replace that call with your own tensor operations."
+            )
+
+        return delegated
+
+    spaces = _namespaces(namespaces)
+    try:
+        for name, obj, owner in forbid:
+            # A class: making one, and its forward (instances made earlier included). A method: on its class.
+            targets = [(obj, m) for m in ("__init__", "forward") if hasattr(obj, m)] if isinstance(obj, type) else []
+            targets += [(owner, name.rsplit(".", 1)[1])] if owner is not None else []
+            for cls, method in targets:
+                swaps.append((cls, method, cls.__dict__.get(method), False))
+                setattr(cls, method, stand_in(f"{name}.{method}" if cls is obj else name, getattr(cls, method)))
+            fake = stand_in(name, obj)
+            for space in spaces if not targets else ():
+                for key, value in list(space.items()):
+                    if value is obj:
+                        swaps.append((space, key, value, True))
+                        space[key] = fake
+        yield calls
+    finally:
+        for where, key, original, is_dict in reversed(swaps):
+            if is_dict:
+                where[key] = original
+            elif original is None:
+                delattr(where, key)
+            else:
+                setattr(where, key, original)
+    if calls:
+        raise Delegated(
+            f"{exercise}: your code called `{calls[0]}`, a ready-made implementation of what the "
+            "exercise asks you to write (and caught the error): write the computation yourself."
+        )
+
+
+def own_work(what: str, fn: Callable, *args, forbidden: Iterable[str | Callable] = (), **kwargs):
+    """``fn(*args, **kwargs)`` (the learner's code) with the ``forbidden`` references made to raise
+    (see ``no_delegation``). The learner's own module globals are searched too, so
+    ``from ar_lab.x import f`` in the notebook does not slip past."""
+    extra = [fn.__globals__] if hasattr(fn, "__globals__") else []
+    with no_delegation(fn, forbid=forbidden, exercise=what, namespaces=extra):
+        return _not_implemented(what, fn, *args, **kwargs)
+
+
+def check_shape(what: str, got: Any, shape: tuple[int, ...], hint: str = "") -> None:
+    if not isinstance(got, torch.Tensor):
+        _fail(what, f"expected a tensor of shape {tuple(shape)}, got {type(got).__name__}", hint)
+    if tuple(got.shape) != tuple(shape):
+        _fail(what, f"expected shape {tuple(shape)}, got {tuple(got.shape)}", hint)
+
+
+def check_close(what: str, got: Any, expected: torch.Tensor, atol: float = 1e-5, rtol: float = 1e-4, hint: str = ""):
+    expected = torch.as_tensor(expected)
+    got_t = torch.as_tensor(got) if not isinstance(got, torch.Tensor) else got
+    check_shape(what, got_t, tuple(expected.shape), hint)
+    got_t, expected = got_t.detach().float().cpu(), expected.detach().float().cpu()
+    if not torch.allclose(got_t, expected, atol=atol, rtol=rtol, equal_nan=False):
+        diff = (got_t - expected).abs()
+        where = tuple(int(i) for i in torch.unravel_index(diff.argmax(), diff.shape)) if diff.ndim else ()
+        _fail(
+            what,
+            f"values differ; largest difference {diff.max().item():.3g} at index {where}: "
+            f"expected {expected[where].item():.6g}, got {got_t[where].item():.6g}",
+            hint,
+        )
+
+
+def check_equal(what: str, got: Any, expected: Any, hint: str = "") -> None:
+    if isinstance(got, torch.Tensor) or isinstance(expected, torch.Tensor):
+        ok = torch.equal(torch.as_tensor(got), torch.as_tensor(expected))
+    else:
+        ok = got == expected
+    if not ok:
+        _fail(what, f"expected {expected!r}, got {got!r}", hint)
+
+
+def check_cases(
+    name: str, fn: Callable, cases: Iterable[tuple[tuple, Any]], hint: str = "", forbidden: Iterable = ()
+) -> None:
+    """Call ``fn(*args)`` for each (args, expected) case; report the first failing one.
+
+    ``forbidden``: the package's references for this exercise, made to raise while ``fn`` runs
+    (see ``own_work``); compute the expected values before the call, not inside it.
+    """
+    forbidden = tuple(forbidden)
+    for args, expected in cases:
+        shown = ", ".join(repr(a) if not isinstance(a, torch.Tensor) else f"tensor{tuple(a.shape)}" for a in args)
+        got = own_work(f"{name}({shown})", fn, *args, forbidden=forbidden)
+        if isinstance(expected, torch.Tensor):
+            check_close(f"{name}({shown})", got, expected, hint=hint)
+        else:
+            check_equal(f"{name}({shown})", got, expected, hint=hint)
+
+
+def passed(message: str = "All checks passed.") -> None:
+    print(f"✔ {message}")
+
+
+# --- checkers that explain where two computations part ---------------------------------
+
+
+def first_mismatch(got: torch.Tensor, expected: torch.Tensor, dim: int = 0, atol: float = 1e-5, rtol: float = 1e-4):
+    """The first index along ``dim`` (a position, a training step) where ``got`` and ``expected`` differ, or None."""
+    bad = ~torch.isclose(got.detach().float().cpu(), expected.detach().float().cpu(), atol=atol, rtol=rtol)
+    per_index = bad.movedim(dim, 0).reshape(bad.shape[dim], -1).any(dim=1)
+    hits = per_index.nonzero()
+    return int(hits[0]) if len(hits) else None
+
+
+def _rms(t: torch.Tensor) -> float:
+    return t.pow(2).mean().sqrt().item()
+
+
+def check_matches(
+    what: str,
+    got: Any,
+    expected: torch.Tensor,
+    *,
+    atol: float = 1e-5,
+    rtol: float = 1e-4,
+    dim: int | None = None,
+    dim_name: str = "position",
+    mistakes: dict[str, torch.Tensor] | None = None,
+    hint: str = "",
+) -> None:
+    """``check_close`` that explains a difference: the known mistake it matches (``mistakes``: a
+    description -> the output that mistake gives, e.g. from ``ar_lab.course.model_checks``), a wrong overall
+    size, and the first index along ``dim`` that differs (``dim_name``: what that index is)."""
+    expected = torch.as_tensor(expected).detach().float().cpu()
+    check_shape(what, got, tuple(expected.shape), hint)
+    got = got.detach().float().cpu()
+    if not torch.isfinite(got).all():
+        _fail(what, f"{int((~torch.isfinite(got)).sum())} of its values are NaN or infinite", hint)
+    if torch.allclose(got, expected, atol=atol, rtol=rtol):
+        return
+    for mistake, output in (mistakes or {}).items():
+        output = output.detach().float().cpu()
+        if output.shape == got.shape and torch.allclose(got, output, atol=atol, rtol=rtol):
+            _fail(what, f"your output is what {mistake} gives", hint)
+    found = []
+    ratio = _rms(got) / max(_rms(expected), 1e-12)
+    if not 0.8 <= ratio <= 1.25:
+        found.append(
+            f"its values are {ratio:.3g}x the expected size (root mean square {_rms(got):.3g}, "
+            f"expected {_rms(expected):.3g})"
+        )
+    if dim is not None and got.ndim:
+        k = first_mismatch(got, expected, dim, atol, rtol)
+        agree = f" ({dim_name} 0 agrees)" if k == 1 else f" ({dim_name}s 0 to {k - 1} agree)" if k else ""
+        found.append(f"the first {dim_name} that differs is {k}{agree}")
+    diff = (got - expected).abs()
+    where = tuple(int(i) for i in torch.unravel_index(diff.argmax(), diff.shape)) if diff.ndim else ()
+    found.append(
+        f"largest difference {diff.max().item():.3g} at index {where}: "
+        f"expected {expected[where].item():.6g}, got {got[where].item():.6g}"
+    )
+    _fail(what, "values differ: " + "; ".join(found), hint)
+
+
+def check_sequence(what: str, got: Sequence, expected: Sequence, hint: str = "") -> None:
+    """Two token lists are equal; otherwise say where they first part and how many agree before."""
+    got, expected = [int(t) for t in got], [int(t) for t in expected]
+    k = next((i for i, (a, b) in enumerate(zip(got, expected, strict=False)) if a != b), min(len(got), len(expected)))
+    if got == expected:
+        return
+    if k == min(len(got), len(expected)):
+        _fail(what, f"expected {len(expected)} tokens, got {len(got)} (the first {k} agree)", hint)
+    _fail(what, f"token {k} differs: expected {expected[k]}, got {got[k]} (tokens 0 to {k - 1} agree)", hint)
+
+
+def check_same_names(what: str, module: torch.nn.Module, reference: torch.nn.Module, hint: str = "") -> None:
+    """``module`` has ``reference``'s state-dict names and shapes, so the reference's weights load into it."""
+    mine = {k: tuple(v.shape) for k, v in module.state_dict().items()}
+    ref = {k: tuple(v.shape) for k, v in reference.state_dict().items()}
+    missing, extra = sorted(set(ref) - set(mine)), sorted(set(mine) - set(ref))
+    problems = [f"missing {missing[:4]}"] if missing else []
+    problems += [f"unexpected {extra[:4]}"] if extra else []
+    problems += [f"`{k}` has shape {mine[k]}, expected {ref[k]}" for k in ref if k in mine and mine[k] != ref[k]][:2]
+    if problems:
+        _fail(what, "its parameters do not have the course model's names and shapes: " + "; ".join(problems), hint)
+
+
+def _first_different_parameter(model: torch.nn.Module, other: torch.nn.Module, atol: float, rtol: float):
+    theirs = other.state_dict()
+    for name, value in model.state_dict().items():
+        same = name in theirs and torch.allclose(value.float().cpu(), theirs[name].float().cpu(), atol=atol, rtol=rtol)
+        if not same:
+            return name
+    return None
+
+
+def check_parameters(
+    what: str,
+    model: torch.nn.Module,
+    expected: torch.nn.Module,
+    *,
+    atol: float = 1e-6,
+    rtol: float = 1e-4,
+    mistakes: dict[str, torch.nn.Module] | None = None,
+    hint: str = "",
+) -> None:
+    """Every parameter of ``model`` (after training, say) equals ``expected``'s; otherwise name the known
+    mistake it matches (``mistakes``: a description -> a model that mistake gives) or the first that differs."""
+    name = _first_different_parameter(model, expected, atol, rtol)
+    if name is None:
+        return
+    for mistake, other in (mistakes or {}).items():
+        if _first_different_parameter(model, other, atol, rtol) is None:
+            _fail(what, f"your parameters are what {mistake} gives", hint)
+    a, b = model.state_dict()[name].float().cpu(), expected.state_dict().get(name)
+    size = f"largest difference {(a - b.float().cpu()).abs().max().item():.3g}" if b is not None else "missing"
+    _fail(what, f"parameter `{name}` is the first that differs ({size})", hint)

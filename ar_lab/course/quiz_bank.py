@@ -1,0 +1,400 @@
+"""Self-check questions, one short quiz per chapter (shown by ``ar_lab.course.quiz.show``).
+
+Each question: the prompt, the choices, the index of the right one *in the list as
+written here*, and an explanation shown after an attempt (right or wrong).
+True/false questions have the choices ["True", "False"] and are shown in that order;
+``ar_lab.course.quiz.questions`` shows the choices of every other question in a fixed order
+derived from its prompt, so where an answer is written here says nothing about where
+it appears. Write wrong choices that a learner could believe, about as long as the
+right one: ``tests/test_quiz.py`` fails if the key becomes guessable by position or
+by length. (If a new question tips the positions over the limit, list its choices
+here in another order: the shown order is a fixed permutation of the written one.)
+"""
+
+TF = ["True", "False"]
+
+QUIZZES: dict[str, list[dict]] = {
+    "00": [
+        {
+            "q": "How many tokens does the course's tokenizer use for the text 'é'?",
+            "choices": ["1", "2", "3"],
+            "answer": 1,
+            "why": "Tokens are UTF-8 bytes, and 'é' is two bytes in UTF-8 (0xC3 0xA9).",
+        },
+        {
+            "q": "A test cell fails with 'not implemented yet'. What should you do?",
+            "choices": [
+                "Replace the `raise NotImplementedError()` line in the exercise cell above",
+                "Edit the test cell so that it calls ar_lab's own version of the function",
+                "Restart the kernel and run all cells: the error comes from running out of order",
+            ],
+            "answer": 0,
+            "why": "Test cells are locked; the exercise cell above holds the stub to replace. Later cells use "
+            "ar_lab's own version, so the rest of the chapter still runs.",
+        },
+        {
+            "q": "Every notebook in the course runs on a CPU without a GPU.",
+            "choices": TF,
+            "answer": 0,
+            "why": "Everything is sized for a laptop CPU or a free Binder; a GPU, when present, is used automatically.",
+        },
+    ],
+    "01": [
+        {
+            "q": "Why is decoding sequential?",
+            "choices": [
+                "The input of step t+1 contains the token picked at step t, which does not exist earlier",
+                "Processors cannot run the positions of one sequence in parallel, so each needs a pass",
+                "The causal mask forbids computing any position before every earlier one has been computed",
+            ],
+            "answer": 0,
+            "why": "Each new token depends on the previous one, so steps cannot overlap. Training is parallel "
+            "because the whole text is known in advance; the causal mask is what makes that parallel pass honest.",
+        },
+        {
+            "q": "The chain rule p(x1..xn) = Π p(xt | x<t) is an approximation that ignores long-range effects.",
+            "choices": TF,
+            "answer": 1,
+            "why": "It is an exact identity of probability. Approximations come only from the model of each factor "
+            "(a bigram model, for example, looks at one previous token).",
+        },
+        {
+            "q": "A loop generates 50 tokens and then the model picks EOS. What happens?",
+            "choices": [
+                "It keeps going to max_new_tokens",
+                "It stops; EOS is not part of the text",
+                "It stops and keeps EOS in the text",
+            ],
+            "answer": 1,
+            "why": "EOS (id 256 here) ends the text and is not returned with it. ar_lab.generate reports "
+            "stop_reason='eos'.",
+        },
+        {
+            "q": "Why do we add log-probabilities instead of multiplying probabilities?",
+            "choices": [
+                "Adding is faster than multiplying, and decoding is limited by arithmetic",
+                "A product of hundreds of probabilities below 1 underflows to 0.0",
+                "The model outputs log-probabilities, so exponentiating them wastes time",
+            ],
+            "answer": 1,
+            "why": "A product of hundreds of probabilities falls below the smallest float; a sum of logs does not. "
+            "(The model outputs logits, and speed has nothing to do with it.)",
+        },
+    ],
+    "02": [
+        {
+            "q": "What does the causal mask do during training?",
+            "choices": [
+                "It hides a random share of the tokens for the model to fill in",
+                "It stops each position from attending to later positions",
+                "It zeroes the attention paid to padding in a batch of short texts",
+            ],
+            "answer": 1,
+            "why": "Scores of future positions become -inf, so their weights are 0: training sees only the past, "
+            "exactly as generation will. Hiding random tokens is BERT's objective; a padding mask is another mask.",
+        },
+        {
+            "q": "Why divide attention scores by √d?",
+            "choices": [
+                "To keep the softmax from going nearly one-hot as the head size grows",
+                "To scale each value vector to unit length before the weighted sum",
+                "To make the scores of future positions small enough for the mask to work",
+            ],
+            "answer": 0,
+            "why": "Dot products of d-dimensional vectors grow like √d; dividing keeps the scores' scale independent "
+            "of d and the softmax trainable. The mask sets future scores to -inf, whatever their scale.",
+        },
+        {
+            "q": "In multi-query attention (MQA) all query heads share one key/value head.",
+            "choices": TF,
+            "answer": 0,
+            "why": "MQA: one K/V head; GQA: groups of query heads share a K/V head; MHA: one K/V head per query head.",
+        },
+    ],
+    "03": [
+        {
+            "q": "The loss of a freshly initialised course model is close to:",
+            "choices": ["1/257 ≈ 0.0039 nats", "ln 257 ≈ 5.55 nats", "log₂ 257 ≈ 8.01 nats"],
+            "answer": 1,
+            "why": "An untrained model spreads probability almost evenly over 257 tokens: −ln(1/257) = ln 257. "
+            "(log₂ 257 is the same loss in bits.)",
+        },
+        {
+            "q": "Weight tying means:",
+            "choices": [
+                "The output layer reuses the token-embedding matrix",
+                "Every block shares one set of attention and MLP weights",
+                "The key and value projections share one weight matrix",
+            ],
+            "answer": 0,
+            "why": "GPT-2 ties the output projection to the token embedding, saving V × C parameters.",
+        },
+        {
+            "q": "Our GPT gives the same logits as Hugging Face's GPT2LMHeadModel with the same weights.",
+            "choices": TF,
+            "answer": 0,
+            "why": "The MHA configuration is exactly GPT-2's architecture; a test checks logits and greedy tokens.",
+        },
+    ],
+    "04": [
+        {
+            "q": "Generating 1,000 tokens from a 1-token prompt without a KV cache processes how many positions?",
+            "choices": ["1,000", "500,500", "1,000,000"],
+            "answer": 1,
+            "why": "Step n feeds n positions: 1 + 2 + … + 1,000 = 500,500. With a cache: 1 + 999 × 1 = 1,000.",
+        },
+        {
+            "q": "Turning off the KV cache 'for safety' only costs a little time.",
+            "choices": TF,
+            "answer": 1,
+            "why": "The work grows quadratically with length instead of linearly; chapter 04 measures the gap growing "
+            "with the output length. The cache changes no output.",
+        },
+        {
+            "q": "Which change shrinks the KV cache without shrinking the number of query heads?",
+            "choices": [
+                "Tying the output layer to the token embedding",
+                "Grouped-query attention: fewer KV heads per layer",
+                "A longer context window at the same batch size",
+            ],
+            "answer": 1,
+            "why": "Cache bytes = layers × KV heads × head dim × sequence × batch × 2 × bytes per value. Weight tying "
+            "saves parameters, not cache; a longer context grows the cache.",
+        },
+        {
+            "q": "ar_lab.engine.lean runs the same arithmetic as a cached GPT.forward() decode step and gives the same "
+            "tokens in less time. What does it leave out?",
+            "choices": [
+                "The attention over cached positions, which a one-token step can skip",
+                "Pushing one token through layers built for batches: module calls, bookkeeping",
+                "The copy of the whole KV cache that GPT.forward() makes at every step",
+            ],
+            "answer": 1,
+            "why": "Chapter 04 measures both above a weights-only floor: direct tensor calls keep every product, the "
+            "attention over the cache included, and drop the per-layer machinery (nn.Module calls, shape "
+            "bookkeeping, an attention kernel set up for batches). The preallocated cache copies nothing either way.",
+        },
+    ],
+    "05": [
+        {
+            "q": "Decode at batch size 1 is usually limited by:",
+            "choices": [
+                "Arithmetic: a token costs 2 FLOPs for every weight",
+                "Memory bandwidth: every weight is read for one token",
+                "The sampler: a softmax over the vocabulary every step",
+            ],
+            "answer": 1,
+            "why": "One token does ~2 FLOPs per weight but reads every weight once: arithmetic intensity ~1 FLOP/byte "
+            "(fp16), far below the ridge point. Picking the token is a small share of a step.",
+        },
+        {
+            "q": "The first token of a long prompt is slow, later tokens fast. Which fix targets this?",
+            "choices": [
+                "Caching the static prompt prefix, so only what follows it is prefilled",
+                "Quantising the weights to int8 to halve their bytes",
+                "Speculative decoding with a small draft model",
+            ],
+            "answer": 0,
+            "why": "TTFT is prefill (compute-bound on the prompt): a prefix cache or a shorter prompt cuts it. "
+            "Fewer bytes per weight and speculative decoding speed up the later tokens, the memory-bound decode.",
+        },
+        {
+            "q": "Why do time to first token (TTFT) and tokens per second need different fixes?",
+            "choices": [
+                "Prefill reads the whole prompt from memory and is bandwidth-bound; decode is bound by FLOP/s",
+                "Prefill is limited by FLOP/s; each decode step by the bytes it must read from memory",
+                "TTFT is mostly tokenizing and queueing; only the later tokens depend on the model",
+            ],
+            "answer": 1,
+            "why": "Prefill runs the whole prompt in one parallel pass, each weight read serving every prompt token: "
+            "compute-bound, so TTFT falls with more FLOP/s, a cached prompt prefix or a shorter prompt. A decode "
+            "step reads all the weights and the KV cache for one token per sequence: memory-bound, so tokens per "
+            "second rise with fewer bytes per token (quantised weights, batching, speculative decoding, a smaller "
+            "KV cache).",
+        },
+        {
+            "q": "Batching more requests into one decode step moves it toward the compute roof.",
+            "choices": TF,
+            "answer": 0,
+            "why": "The weights are read once for the whole batch, so FLOPs per byte grow with the batch size; but "
+            "each sequence reads its own KV cache, so at long contexts the intensity levels off below a GPU's ridge.",
+        },
+        {
+            "q": "'Generate 800 tokens' takes about the same time as processing an 800-token prompt.",
+            "choices": TF,
+            "answer": 1,
+            "why": "Latency = TTFT + (N − 1) × TPOT; 799 sequential decode steps each read all the weights, while a "
+            "prompt is processed in one parallel pass.",
+        },
+    ],
+    "06": [
+        {
+            "q": "Top-p with p = 0.9 keeps:",
+            "choices": [
+                "Every token whose own probability is at least 0.9, or the top token if none is",
+                "The fewest most likely tokens whose mass reaches 0.9, the crossing token included",
+                "The most likely tokens whose total mass stays below 0.9, without the crossing token",
+            ],
+            "answer": 1,
+            "why": "Nucleus sampling (Holtzman et al., 2020) keeps the head of the sorted distribution up to and "
+            "including the token that makes the cumulative mass reach p; without that token, p = 0.5 on a "
+            "0.6-probability token would keep nothing.",
+        },
+        {
+            "q": "Temperature 0 means:",
+            "choices": [
+                "Uniform sampling over the whole vocabulary",
+                "Greedy: always the most likely token",
+                "An error: the logits would be divided by zero",
+            ],
+            "answer": 1,
+            "why": "As T → 0 the softmax puts all mass on the argmax; ar_lab treats T below a small epsilon as greedy "
+            "instead of dividing by it. Uniform sampling is the other end, T → ∞.",
+        },
+        {
+            "q": "Changing the sampler changes the model's forward pass.",
+            "choices": TF,
+            "answer": 1,
+            "why": "The logits are identical; only the pick from them changes.",
+        },
+    ],
+    "07": [
+        {
+            "q": "Speculative decoding improves the quality of answers.",
+            "choices": TF,
+            "answer": 1,
+            "why": "It is exact: its outputs have precisely the target model's distribution (a statistical test shows "
+            "it). It changes speed, never quality.",
+        },
+        {
+            "q": "When a draft token x is rejected, the replacement is drawn from:",
+            "choices": ["The target distribution p", "The residual norm(max(0, p − q))", "The draft distribution q"],
+            "answer": 1,
+            "why": "Resampling from the residual corrects exactly for the mass the draft over-proposed "
+            "(Leviathan et al., 2023; Chen et al., 2023).",
+        },
+        {
+            "q": "With acceptance rate α and γ drafts, the expected tokens per target call is:",
+            "choices": ["1 + α + α² + … + α^γ", "1 + γ·α", "1 + α + α² + … + α^(γ+1)"],
+            "answer": 0,
+            "why": "The accepted prefix stops at the first rejection, so at least k drafts pass with probability α^k "
+            "(k ≤ γ), plus one token from the target (a correction or the bonus token): the sum is "
+            "(1 − α^(γ+1)) / (1 − α).",
+        },
+        {
+            "q": "All γ drafts of an iteration pass the acceptance test. What else does the iteration emit?",
+            "choices": [
+                "Nothing more: the target's one pass scored only the γ drafted positions",
+                "A bonus token, drawn from the target's next distribution",
+                "One more draft token, kept without a test because the previous γ all passed",
+            ],
+            "answer": 1,
+            "why": "The verifying pass scores γ + 1 positions: the γ drafts and the one after them. When every draft "
+            "passes, p at that last position is already computed, so a token is drawn from it: γ + 1 tokens for one "
+            "target call. Skipping it wastes a token per iteration; drawing it from another row breaks exactness.",
+        },
+        {
+            "q": "Distilling the shipped draft from the course model made the draft's own loss on the text worse. "
+            "What happened to the speculative speedup?",
+            "choices": [
+                "It fell: a draft that predicts the text worse guesses fewer tokens right",
+                "It rose: α measures agreement with the target, not with the text",
+                "Nothing changed: the speedup depends only on how cheap the draft is",
+            ],
+            "answer": 1,
+            "why": "α = 1 − TV(p, q) compares the draft with the target, not with the text; distillation raised greedy "
+            "α and the best speedup of the shipped draft (dated figures: the README, \"Checkpoints\").",
+        },
+    ],
+    "08": [
+        {
+            "q": "Streams that slow down as they go are most likely caused by:",
+            "choices": [
+                "The sampler: top-p sorts more candidates as the text grows",
+                "Context growth: every new token attends to all the positions before it",
+                "Prompt caching: the cached prefix is copied at every step",
+            ],
+            "answer": 1,
+            "why": "Per-token attention cost grows with the context; plot per-token latency against position. The "
+            "vocabulary a sampler sorts never grows, and a cached prefix is copied once per request.",
+        },
+        {
+            "q": "Continuous batching admits new requests as others finish instead of waiting for the whole batch.",
+            "choices": TF,
+            "answer": 0,
+            "why": "Short requests leave the batch early and free slots are refilled at once, raising throughput and "
+            "cutting queueing latency on mixed workloads.",
+        },
+        {
+            "q": "Reusing the KV cache of a shared system prompt changes the generated tokens.",
+            "choices": TF,
+            "answer": 1,
+            "why": "The prefix's keys and values are the same whoever computes them; only TTFT changes.",
+        },
+    ],
+    "09": [
+        {
+            "q": "A batch-1 decode step of a large model is memory-bound. Storing its weights in int8 instead of fp16 "
+            "predicts what speedup, if the kernels keep up?",
+            "choices": [
+                "About 2×: the step reads half the weight bytes",
+                "About 4×: int8 arithmetic is four times cheaper",
+                "None: the number of FLOPs per token is unchanged",
+            ],
+            "answer": 0,
+            "why": "A memory-bound step takes about bytes / bandwidth; int8 halves fp16's bytes. The FLOPs are the "
+            "same, but they were not the limit.",
+        },
+        {
+            "q": "With symmetric absmax quantization, scale = max |w| / 127, the largest rounding error of any "
+            "weight is:",
+            "choices": ["scale / 2", "scale", "max |w| / 2"],
+            "answer": 0,
+            "why": "q = round(w / scale) picks the nearest level, and levels are one scale apart, so no weight is "
+            "more than half a step from its level; nothing is clipped because max |w| maps to ±127 exactly.",
+        },
+        {
+            "q": "One weight in a row is 20 times larger than the rest. Which choice limits the damage to the fewest "
+            "other weights?",
+            "choices": [
+                "One scale for the whole tensor",
+                "One scale per output row",
+                "One scale per group of 32 input columns",
+            ],
+            "answer": 2,
+            "why": "A scale is set by the largest weight that shares it: per tensor every weight is coarsened, per "
+            "row that row, per group only the outlier's 31 neighbours.",
+        },
+        {
+            "q": "On one CPU core, int4 weights decoded a model that streams from main memory only a little faster "
+            "than fp32, though they read about 6× fewer bytes. Why?",
+            "choices": [
+                "The kernel's unpacking and scaling arithmetic, not memory, became the limit",
+                "int4 weights do not fit in the CPU cache, so they are read twice",
+                "The roofline counts bytes wrongly for integers",
+            ],
+            "answer": 0,
+            "why": "Chapter 09 timed the kernels alone: per byte, the int8 and int4 kernels stream far more slowly "
+            "than fp32's matrix-vector product. A prediction from bytes assumes the memory stays the limit.",
+        },
+        {
+            "q": "An int4 copy of a model, used as the draft for the full-precision model in speculative decoding, "
+            "changes the generated text slightly.",
+            "choices": TF,
+            "answer": 1,
+            "why": "Speculative decoding is exact whatever the draft (chapter 07): the text has the target's "
+            "distribution. The quantized draft's high α (near 1) only makes it fast where its step is cheap.",
+        },
+        {
+            "q": "Why does the course model (14 MB in fp32) barely speed up with int8 weights on a CPU?",
+            "choices": [
+                "Its weights fit in the CPU's cache, so memory bandwidth was not the limit",
+                "int8 rounding makes it generate longer replies",
+                "Its weights are already stored in 8 bits",
+            ],
+            "answer": 0,
+            "why": "After the first steps a model that fits in the last-level cache is read from the cache; the "
+            "per-step overhead and arithmetic weigh as much as the bytes, so a byte ratio predicts little.",
+        },
+    ],
+}

@@ -1,0 +1,230 @@
+"""Speculative decoding measured on real prompts: what chapter 07's explorer and benchmark show.
+
+``speculation_view`` runs plain and speculative decoding of one prompt side by side, with
+the same settings, and gathers the measured acceptance rate alpha, the cost ratio c and
+the speedup next to the theory's curves (``ar_lab.engine.speculative``). The explorer widget is
+a thin shell over it, drawing with ``plot_speculation_view`` and ``speculation_text_html``
+(the text coloured by who chose each token). ``benchmark_prompts`` gives the fixed
+validation prompts that the chapter and ``python -m ar_lab.bench speculative`` time on.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from ar_lab.model.data import corpus_tokens, train_val_split
+from ar_lab.engine.generate import generate
+from ar_lab.engine.sampling import GREEDY, SamplingParams
+from ar_lab.engine.speculative import SpeculativeGeneration, expected_speedup, expected_tokens_per_iteration, speculative_generate, token_sources
+from ar_lab.base.timing import steady_clock, synchronize
+from ar_lab.model.tokenizer import EOS_ID, StreamDecoder, encode
+
+
+@dataclass
+class SpeculationView:
+    """One setting of the explorer: a speculative run, the plain run it is timed against, the theory."""
+
+    prompt: str
+    draft_name: str
+    gamma: int
+    sampling: SamplingParams
+    seed: int
+    result: SpeculativeGeneration
+    baseline: object  # ar_lab.engine.generate.Generation: plain cached decoding with the target, same settings
+    baseline_time: float  # seconds for the plain run (the fastest of the repeats)
+    speculative_time: float  # seconds for the speculative run (the fastest of the repeats)
+    clock_name: str = "wall clock"
+    max_gamma: int = 8
+
+    @property
+    def alpha(self) -> float:
+        return self.result.stats.alpha
+
+    @property
+    def tokens_per_target_call(self) -> float:
+        return self.result.stats.tokens_per_target_call
+
+    @property
+    def target_step_time(self) -> float:
+        """Seconds per token of plain decoding: one target step, as plain decoding pays it."""
+        return self.baseline_time / max(1, len(self.baseline.tokens))
+
+    @property
+    def cost_ratio(self) -> float:
+        """c: one draft forward pass (with its pick) / one target step, both measured in this view."""
+        return self.result.stats.draft_time_per_call / self.target_step_time if self.gamma else 0.0
+
+    @property
+    def measured_speedup(self) -> float:
+        """Plain decoding's time / speculative decoding's, for the same number of tokens."""
+        return self.baseline_time / self.speculative_time
+
+    @property
+    def predicted_speedup(self) -> float:
+        return expected_speedup(min(max(self.alpha, 0.0), 1.0), self.gamma, self.cost_ratio)
+
+    @property
+    def same_tokens(self) -> bool:
+        return self.result.tokens == self.baseline.tokens
+
+    def theory(self) -> dict[str, list[float]]:
+        """The curves over gamma = 0..max_gamma for the measured alpha and c."""
+        a, c = min(max(self.alpha, 0.0), 1.0), self.cost_ratio
+        gammas = list(range(self.max_gamma + 1))
+        return {
+            "gamma": gammas,
+            "tokens_per_iteration": [expected_tokens_per_iteration(a, g) for g in gammas],
+            "speedup": [expected_speedup(a, g, c) for g in gammas],
+        }
+
+
+def speculation_view(
+    target,
+    draft,
+    prompt: str,
+    *,
+    gamma: int = 4,
+    sampling: SamplingParams = GREEDY,
+    seed: int = 0,
+    max_new_tokens: int = 64,
+    draft_name: str = "draft",
+    max_gamma: int = 8,
+    repeats: int = 2,
+    clock: Callable[[], float] | None = None,
+) -> SpeculationView:
+    """Run plain and speculative decoding side by side on ``prompt`` and gather what the explorer shows.
+
+    Both runs generate exactly ``max_new_tokens`` tokens (no EOS stop, so their times
+    compare) with ``sampling``, each from a generator seeded with ``seed``. They alternate
+    ``repeats`` times and the fastest run of each is kept (a shared machine's hiccups
+    only ever add time), timed with ``clock`` (default: ``ar_lab.base.timing.steady_clock``). The
+    same arguments give the same tokens and counts; the times are measurements.
+    """
+    if not isinstance(prompt, str) or not prompt:
+        raise ValueError("the prompt is empty: type at least one character")
+    if not isinstance(max_gamma, int) or isinstance(max_gamma, bool) or max_gamma < 1:
+        raise ValueError(f"max_gamma must be an int >= 1, got {max_gamma!r}")
+    if not isinstance(gamma, int) or isinstance(gamma, bool) or not 1 <= gamma <= max_gamma:
+        raise ValueError(f"gamma must be a whole number from 1 to max_gamma ({max_gamma}), got {gamma!r}")
+    if not isinstance(repeats, int) or repeats < 1:
+        raise ValueError(f"repeats must be an int >= 1, got {repeats!r}")
+    device = target.device
+    clock = steady_clock(device) if clock is None else clock
+
+    def seeded():
+        return torch.Generator(device).manual_seed(seed)
+
+    def run(name: str):
+        if name == "plain":
+            return generate(target, prompt, max_new_tokens, sampling=sampling, generator=seeded(), eos_id=None)
+        return speculative_generate(
+            target,
+            draft,
+            prompt,
+            max_new_tokens,
+            gamma,
+            sampling=sampling,
+            generator=seeded(),
+            eos_id=None,
+            clock=clock,
+        )
+
+    generate(target, prompt, 2, sampling=sampling, generator=seeded(), eos_id=None)  # warm-up
+    best: dict[str, tuple[float, object]] = {}
+    for _ in range(repeats):
+        for name in ("plain", "speculative"):
+            t0 = clock()
+            out = run(name)
+            synchronize(device)
+            seconds = clock() - t0
+            if name not in best or seconds < best[name][0]:
+                best[name] = (seconds, out)
+    clock_name = "CPU time" if clock in (time.process_time, time.thread_time) else "wall clock"
+    (t_plain, baseline), (t_spec, result) = best["plain"], best["speculative"]
+    return SpeculationView(
+        prompt, draft_name, gamma, sampling, seed, result, baseline, t_plain, t_spec, clock_name, max_gamma
+    )
+
+
+def token_pieces(tokens: Sequence[int]) -> list[str]:
+    """The text each token completes, one string per token.
+
+    A character of several UTF-8 bytes (each byte a token) belongs to the token that completed
+    it; the tokens before it in that character get "". EOS is shown as "⟨EOS⟩" (bytes it cut
+    short become U+FFFD, on the token before it). Joined, the pieces read as the decoded text.
+    """
+    pieces: list[str] = []
+    decoder = StreamDecoder()
+    for token in tokens:
+        if token == EOS_ID:
+            if pieces:
+                pieces[-1] += decoder.flush()
+            pieces.append("⟨EOS⟩")
+            decoder = StreamDecoder()
+        else:
+            pieces.append(decoder.feed(token))
+    if pieces:
+        pieces[-1] += decoder.flush()
+    return pieces
+
+
+def speculation_text_html(view) -> str:
+    """The generated text with each character coloured by who chose the token that completed it:
+    an accepted draft token or the target."""
+    import html
+
+    from ar_lab.course.plots import COLORS
+
+    pieces = token_pieces(view.result.tokens)
+    spans = [
+        f"<span style='color:{COLORS[source]}'>{html.escape(piece)}</span>"
+        for piece, source in zip(pieces, token_sources(view.result.stats), strict=False)
+        if piece
+    ]
+    legend = (
+        f"<span style='color:{COLORS['draft']}'>■ accepted draft token</span> &nbsp; "
+        f"<span style='color:{COLORS['target']}'>■ token drawn by the target (residual or bonus)</span>"
+    )
+    prompt = html.escape(view.prompt)
+    return (
+        f"<div>{legend}</div><pre style='white-space:pre-wrap;margin:2px 0'>"
+        f"<span style='color:#7f8c8d'>{prompt}</span>{''.join(spans)}</pre>"
+    )
+
+
+def plot_speculation_view(axes, view):
+    """Two panels: tokens per target call and wall-clock speedup against gamma.
+
+    Lines: the theory for the alpha and c measured in ``view`` (Leviathan et al., 2023);
+    dots: what this run measured at its gamma.
+    """
+    from ar_lab.course.plots import COLORS
+
+    theory = view.theory()
+    gammas = theory["gamma"]
+    left, right = axes
+    left.plot(gammas, theory["tokens_per_iteration"], "-o", ms=3, color=COLORS["theory"], label="theory")
+    left.plot(gammas, [g + 1 for g in gammas], ":", color=COLORS["dropped"], label="ceiling γ + 1 (α = 1)")
+    left.plot([view.gamma], [view.tokens_per_target_call], "o", ms=9, color=COLORS["draft"], label="measured")
+    left.set_xlabel("γ (draft tokens per iteration)")
+    left.set_ylabel("tokens per target call")
+    left.set_title(f"α = {view.alpha:.2f} (measured)", fontsize=10.5)
+    left.legend(loc="upper left")
+    label = f"theory (c = {view.cost_ratio:.2f})"
+    right.plot(gammas, theory["speedup"], "-o", ms=3, color=COLORS["theory"], label=label)
+    right.axhline(1.0, color=COLORS["accent"], lw=1, ls="--", label="plain decoding")
+    right.plot([view.gamma], [view.measured_speedup], "o", ms=9, color=COLORS["draft"], label="measured")
+    right.set_xlabel("γ (draft tokens per iteration)")
+    right.set_ylabel("speedup over plain decoding (×)")
+    right.set_title(f"draft: {view.draft_name}, {view.sampling.label}", fontsize=10.5)
+    right.set_ylim(bottom=0)
+    right.legend(loc="best")
+    for ax in axes:
+        ax.set_xticks(gammas)
+    return axes
+
+

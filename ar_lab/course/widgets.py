@@ -1,0 +1,440 @@
+"""ipywidgets explorers for the notebooks.
+
+Every explorer is a thin shell: its callback calls a pure function from the chapter's
+module (which unit tests call directly), and the builder returns the widget so tests
+can set ``.value`` on its controls headlessly and read what it shows. Number controls
+are plain text boxes, not bounded ones or sliders (which silently clamp a typed 100 to
+their maximum): a value out of range is refused with a message in the widget that gives
+the allowed range (``whole_number``, ``sampler_params``, ``speculation_settings``).
+"""
+
+from __future__ import annotations
+
+import math
+
+from ar_lab.base.args import check_seed, finite_number
+from ar_lab.course.speculative_view import plot_speculation_view, speculation_text_html
+
+__all__ = ["plot_speculation_view", "speculation_text_html"]  # chapter 07 imports them from here too
+
+
+def whole_number(label: str, value, low: int, high: int | None = None, hint: str = "") -> int:
+    """``value`` if it is a whole number in [low, high]; else a ValueError naming the control by its label."""
+    if not isinstance(value, int) or isinstance(value, bool) or value < low or (high is not None and value > high):
+        allowed = f">= {low}" if high is None else f"from {low} to {high}"
+        raise ValueError(f"{label} must be a whole number {allowed}{hint}, got {value!r}")
+    return value
+
+
+def _fraction(label: str, value, *, open_low: bool) -> float:
+    """``value`` in (0, 1] (``open_low``) or [0, 1], else a ValueError giving the range."""
+    real = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    if not real or not (0 < value if open_low else 0 <= value) or value > 1:
+        raise ValueError(f"{label} must be in {'(0, 1]' if open_low else '[0, 1]'}, got {value!r}")
+    return float(value)
+
+
+class _Shown:
+    """Shows its ``widget`` when left last in a notebook cell."""
+
+    def _repr_mimebundle_(self, **kwargs):
+        return self.widget._repr_mimebundle_(**kwargs)
+
+
+# --- chapter 04: KV-cache size calculator --------------------------------------------
+
+
+def kv_cache_table_html(shape, seq_len: int, batch_size: int, dtype: str) -> tuple[dict[str, int], str]:
+    """Cache bytes per scheme for ``shape`` (an ``AttentionShape``) and an HTML table of them.
+
+    Pure apart from formatting: the numbers come from ``ar_lab.perf.kv_sizing.cache_sizes``.
+    """
+    import html
+
+    from ar_lab.perf.kv_sizing import BYTES_PER_VALUE, cache_sizes, format_bytes
+
+    if dtype not in BYTES_PER_VALUE:
+        raise ValueError(f"dtype must be one of {sorted(BYTES_PER_VALUE)}, got {dtype!r}")
+    nbytes = BYTES_PER_VALUE[dtype]
+    sizes = cache_sizes(shape, seq_len, batch_size, nbytes)
+    per_layer_values = {  # what one token stores in one layer, in values
+        "MHA": f"2 × {shape.n_head} heads × {shape.head_dim}",
+        "GQA": f"2 × {shape.n_kv_heads} KV heads × {shape.head_dim}",
+        "MQA": f"2 × 1 KV head × {shape.head_dim}",
+        "MLA": f"latent {shape.latent_dim} + RoPE key {shape.rope_dim}",
+    }
+    per_token = cache_sizes(shape, 1, 1, nbytes)
+    top = max(sizes.values()) or 1
+    rows = []
+    for scheme, total in sizes.items():
+        mine = scheme == shape.scheme
+        bar = f"<div style='background:#2471a3;height:12px;width:{max(1, round(200 * total / top))}px'></div>"
+        ratio = f"{sizes['MHA'] / total:,.1f}× smaller" if total and scheme != "MHA" else ""
+        cells = [
+            f"<b>{scheme}</b>" + (" ◀ this model" if mine else ""),
+            html.escape(per_layer_values[scheme]),
+            format_bytes(per_token[scheme]),
+            f"<b>{format_bytes(total)}</b>",
+            ratio,
+            bar,
+        ]
+        style = " style='background:#eaf2f8'" if mine else ""
+        td = "<td style='padding:2px 10px;white-space:nowrap'>"
+        rows.append(f"<tr{style}>" + "".join(f"{td}{c}</td>" for c in cells) + "</tr>")
+    head = ["scheme", "one token, one layer (values)", "per token", "total", "vs MHA", ""]
+    caption = f"{shape.n_layer} layers, {seq_len:,} positions × batch {batch_size}, {dtype} ({nbytes} B per value)"
+    if shape.source:
+        caption += f"; numbers from {html.escape(shape.source)}"
+    table = (
+        f"<div style='margin:4px 0'>{caption}</div><table><tr>"
+        + "".join(f"<th style='padding:2px 10px;text-align:left;white-space:nowrap'>{h}</th>" for h in head)
+        + "</tr>"
+        + "".join(rows)
+        + "</table>"
+    )
+    return sizes, table
+
+
+class KVCacheCalculator(_Shown):
+    """Preset, layers, heads, KV heads, head dim, MLA latent/RoPE sizes, sequence, batch and dtype
+    -> the KV cache size of MHA, GQA, MQA and MLA side by side.
+
+    Choosing a preset loads a published model shape (``ar_lab.perf.kv_sizing.KV_PRESETS``); editing
+    any number switches the preset to "custom". ``sizes`` holds the last result (bytes per
+    scheme) and ``error`` the message for an impossible shape, so tests can drive it headlessly.
+    """
+
+    def __init__(self, preset: str = "Llama 2 7B", dtype: str = "bfloat16"):
+        import ipywidgets as W
+
+        from ar_lab.perf.kv_sizing import BYTES_PER_VALUE, KV_PRESETS
+
+        if preset not in KV_PRESETS:
+            raise ValueError(f"unknown preset {preset!r}; choose one of {list(KV_PRESETS)}")
+        style = {"description_width": "120px"}
+        box = dict(style=style, layout=W.Layout(width="260px"))
+
+        if dtype not in BYTES_PER_VALUE:
+            raise ValueError(f"dtype must be one of {sorted(BYTES_PER_VALUE)}, got {dtype!r}")
+        self._lowest = {}  # control -> the smallest whole number it takes
+
+        def number(description, low):
+            control = W.IntText(1, description=description, tooltip=f"a whole number >= {low}", **box)
+            self._lowest[control] = low
+            return control
+
+        self.preset = W.Dropdown(options=[*KV_PRESETS, "custom"], value=preset, description="preset", **box)
+        self.layers = number("layers", 1)
+        self.heads = number("query heads", 1)
+        self.kv_heads = number("KV heads (GQA)", 1)
+        self.head_dim = number("head dim", 1)
+        self.latent = number("MLA latent", 1)
+        self.rope = number("MLA RoPE key", 0)
+        self.seq_len = number("sequence", 0)
+        self.batch = number("batch", 1)
+        self.dtype = W.Dropdown(options=list(BYTES_PER_VALUE), value=dtype, description="dtype", **box)
+        self.output = W.HTML()
+        self.sizes: dict[str, int] = {}
+        self.error = ""
+        self._loading = False
+        self._numbers = [self.layers, self.heads, self.kv_heads, self.head_dim, self.latent, self.rope]
+        self.preset.observe(lambda _change: self._load_preset(), names="value")
+        for c in [*self._numbers, self.seq_len, self.batch, self.dtype]:
+            c.observe(lambda change: self._edited(change), names="value")
+        left = W.VBox([self.preset, self.layers, self.heads, self.kv_heads, self.head_dim])
+        right = W.VBox([self.latent, self.rope, self.seq_len, self.batch, self.dtype])
+        self.widget = W.VBox([W.HBox([left, right]), self.output])
+        self._load_preset()
+
+    def _load_preset(self) -> None:
+        from ar_lab.perf.kv_sizing import KV_PRESETS
+
+        name = self.preset.value
+        if name in KV_PRESETS:
+            s = KV_PRESETS[name]
+            self._loading = True
+            try:
+                values = [s.n_layer, s.n_head, s.n_kv_heads, s.head_dim, s.latent_dim, s.rope_dim]
+                for control, value in zip(self._numbers, values, strict=True):
+                    control.value = value
+                self.seq_len.value = s.context
+            finally:
+                self._loading = False
+        self.update()
+
+    def _edited(self, change) -> None:
+        if self._loading:
+            return
+        if change["owner"] in self._numbers and self.preset.value != "custom":
+            self.preset.value = "custom"  # the numbers no longer are the published model's (updates)
+        else:
+            self.update()
+
+    @property
+    def shape(self):
+        """The ``AttentionShape`` the controls describe (raises ValueError if impossible)."""
+        from ar_lab.perf.kv_sizing import KV_PRESETS, AttentionShape
+
+        for control, low in self._lowest.items():
+            whole_number(control.description, control.value, low)
+        heads, kv = int(self.heads.value), int(self.kv_heads.value)
+        if self.preset.value in KV_PRESETS:
+            scheme, source = KV_PRESETS[self.preset.value].scheme, KV_PRESETS[self.preset.value].source
+        else:
+            scheme, source = ("MHA" if kv == heads else "MQA" if kv == 1 else "GQA"), ""
+        return AttentionShape(
+            int(self.layers.value),
+            heads,
+            kv,
+            int(self.head_dim.value),
+            int(self.latent.value),
+            int(self.rope.value),
+            context=max(1, int(self.seq_len.value)),
+            scheme=scheme,
+            source=source,
+        )
+
+    def update(self) -> None:
+        import html
+
+        try:
+            self.sizes, table = kv_cache_table_html(
+                self.shape, int(self.seq_len.value), int(self.batch.value), self.dtype.value
+            )
+        except ValueError as e:
+            self.sizes, self.error = {}, str(e)
+            self.output.value = f"<b style='color:#c0392b'>{html.escape(self.error)}</b>"
+            return
+        self.error = ""
+        self.output.value = table
+
+
+def kv_cache_calculator(preset: str = "Llama 2 7B", dtype: str = "bfloat16") -> KVCacheCalculator:
+    """Build the chapter-04 calculator (display it by leaving it last in a cell)."""
+    return KVCacheCalculator(preset, dtype)
+
+
+# --- chapter 06: sampler explorer ----------------------------------------------------
+
+
+def plot_sampler_view(ax, view, top: int = 20, legend: bool = True):
+    """Bars of the model's distribution (grey) and the sampler's (blue) for the ``top`` most likely tokens.
+
+    Tokens the sampler dropped keep their grey bar and get a grey label; the title says
+    how many tokens are kept, how much of the model's mass they hold, and the entropy.
+    """
+    from ar_lab.course.plots import COLORS, token_label
+
+    order = view.before.argsort(descending=True)[:top].tolist()
+    xs = range(len(order))
+    ax.bar([x - 0.2 for x in xs], view.before[order].numpy(), width=0.4, color=COLORS["dropped"], label="model (T = 1)")
+    ax.bar([x + 0.2 for x in xs], view.after[order].numpy(), width=0.4, color=COLORS["kept"], label="sampler")
+    ax.set_xticks(list(xs), [token_label(i) for i in order])
+    for tick, i in zip(ax.get_xticklabels(), order, strict=True):
+        tick.set_color("black" if bool(view.kept[i]) else COLORS["theory"])
+    ax.set_xlabel(f"next token (the {len(order)} most likely under the model; grey label: dropped)")
+    ax.set_ylabel("probability")
+    ax.set_title(
+        f"{view.params.label}: {view.n_kept} kept ({view.kept_mass:.0%} of the mass), "
+        f"entropy {view.entropy_before:.2f} → {view.entropy_after:.2f} bits",
+        fontsize=10.5,
+    )
+    if legend:
+        ax.legend(loc="upper right")
+    return ax
+
+
+class SamplerExplorer(_Shown):
+    """Prompt, temperature, top-k, top-p, min-p and seed -> the next-token distribution and samples.
+
+    Every change calls ``ar_lab.course.sampler_view.sampler_view`` (a pure function) and redraws.
+    ``view`` holds the last result and ``error`` the last message for invalid input
+    (shown in the widget instead of raising), so tests can drive the controls headlessly.
+    """
+
+    def __init__(self, model, prompt: str = "The ", n_samples: int = 4, max_new_tokens: int = 40, top: int = 20):
+        import ipywidgets as W
+
+        self.model, self.n_samples, self.max_new_tokens, self.top = model, n_samples, max_new_tokens, top
+        style = {"description_width": "90px"}
+        box = dict(style=style, layout=W.Layout(width="220px"))
+        self.prompt = W.Text(value=prompt, description="prompt", continuous_update=False, style=style)
+        self.temperature = W.FloatText(1.0, step=0.05, description="temperature", tooltip=">= 0 (0: greedy)", **box)
+        self.top_k = W.IntText(0, description="top-k (0 off)", tooltip="a whole number >= 0", **box)
+        self.top_p = W.FloatText(1.0, step=0.01, description="top-p", tooltip="in (0, 1]", **box)
+        self.min_p = W.FloatText(0.0, step=0.01, description="min-p", tooltip="in [0, 1]", **box)
+        self.seed = W.IntText(0, description="seed", style=style, layout=W.Layout(width="200px"))
+        self.status = W.HTML()
+        self.image = W.Image(format="png")
+        self.samples = W.HTML()
+        self.view = None
+        self.error = ""
+        controls = [self.prompt, self.temperature, self.top_k, self.top_p, self.min_p, self.seed]
+        for c in controls:
+            c.observe(lambda _change: self.update(), names="value")
+        self.widget = W.VBox([W.VBox(controls), self.status, self.image, self.samples])
+        self.update()
+
+    @property
+    def params(self):
+        """The ``SamplingParams`` the controls describe (a ValueError naming the control if one is out of range)."""
+        return sampler_params(self.temperature.value, self.top_k.value, self.top_p.value, self.min_p.value)
+
+    def update(self) -> None:
+        import html
+
+        import matplotlib.pyplot as plt
+
+        from ar_lab.course.sampler_view import sampler_view
+        from ar_lab.course.plots import png_bytes
+
+        try:
+            view = sampler_view(
+                self.model,
+                self.prompt.value,
+                self.params,
+                seed=check_seed(self.seed.value),
+                n_samples=self.n_samples,
+                max_new_tokens=self.max_new_tokens,
+            )
+        except ValueError as e:
+            self.error = str(e)
+            self.status.value = f"<b style='color:#c0392b'>{html.escape(self.error)}</b>"
+            return
+        self.view, self.error = view, ""
+        self.status.value = (
+            f"<b>{html.escape(view.params.label)}</b>: {view.n_kept} token(s) can be picked, holding "
+            f"{view.kept_mass:.1%} of the model's probability; entropy {view.entropy_before:.2f} → "
+            f"{view.entropy_after:.2f} bits"
+        )
+        fig, ax = plt.subplots(figsize=(8.5, 3.4))
+        plot_sampler_view(ax, view, self.top)
+        fig.tight_layout()
+        self.image.value = png_bytes(fig)
+        prompt = html.escape(view.prompt)
+        rows = "".join(
+            f"<pre style='white-space:pre-wrap;margin:2px 0'><span style='color:#7f8c8d'>{prompt}</span>"
+            f"<b>{html.escape(text)}</b></pre>"
+            for text in view.continuations
+        )
+        self.samples.value = (
+            f"<div>{len(view.continuations)} samples ({html.escape(view.params.label)}, seed {view.seed}):</div>{rows}"
+        )
+
+
+def sampler_params(temperature, top_k, top_p, min_p):
+    """The sampler explorer's controls as ``SamplingParams`` (top-k 0: off), each checked with its label and range."""
+    from ar_lab.engine.sampling import SamplingParams
+
+    k = whole_number("top-k", top_k, 0, hint=" (0 turns it off)")
+    return SamplingParams(
+        temperature=finite_number("temperature", temperature),
+        top_k=k or None,
+        top_p=_fraction("top-p", top_p, open_low=True),
+        min_p=_fraction("min-p", min_p, open_low=False),
+    )
+
+
+def sampler_explorer(model, prompt: str = "The ", n_samples: int = 4, max_new_tokens: int = 40) -> SamplerExplorer:
+    """Build the chapter-06 explorer (display it by leaving it last in a cell)."""
+    return SamplerExplorer(model, prompt, n_samples, max_new_tokens)
+
+
+# --- chapter 07: speculative decoding explorer ---------------------------------------
+
+
+class SpeculationExplorer(_Shown):
+    """γ, temperature, draft model and prompt -> measured α, tokens per target call and speedup,
+    beside the theory's curves.
+
+    Every change calls ``ar_lab.course.speculative_view.speculation_view`` (plain and speculative decoding
+    of the same prompt, timed side by side) and redraws. ``view`` holds the last result and
+    ``error`` the message for invalid input, so tests can drive the controls headlessly.
+    """
+
+    def __init__(
+        self, target, drafts: dict, prompt: str = "The ", gamma: int = 4, max_new_tokens: int = 64, max_gamma: int = 8
+    ):
+        import ipywidgets as W
+
+        if not drafts:
+            raise ValueError("drafts must name at least one draft model, e.g. {'draft checkpoint': draft}")
+        self.target, self.drafts, self.max_new_tokens, self.max_gamma = target, dict(drafts), max_new_tokens, max_gamma
+        style = {"description_width": "90px"}
+        box = dict(style=style, layout=W.Layout(width="220px"))
+        self.prompt = W.Text(value=prompt, description="prompt", continuous_update=False, style=style)
+        self.gamma = W.IntText(gamma, description="γ", tooltip=f"a whole number from 1 to {max_gamma}", **box)
+        self.temperature = W.FloatText(0.0, step=0.05, description="temperature", tooltip=">= 0 (0: greedy)", **box)
+        self.draft = W.Dropdown(options=list(self.drafts), description="draft", style=style)
+        self.seed = W.IntText(0, description="seed", style=style, layout=W.Layout(width="200px"))
+        self.status = W.HTML()
+        self.image = W.Image(format="png")
+        self.text = W.HTML()
+        self.view = None
+        self.error = ""
+        controls = [self.prompt, self.gamma, self.temperature, self.draft, self.seed]
+        for c in controls:
+            c.observe(lambda _change: self.update(), names="value")
+        self.widget = W.VBox([W.HBox([W.VBox(controls[:3]), W.VBox(controls[3:])]), self.status, self.image, self.text])
+        self.update()
+
+    def update(self) -> None:
+        import html
+
+        import matplotlib.pyplot as plt
+
+        from ar_lab.course.plots import png_bytes
+        from ar_lab.course.speculative_view import speculation_view
+
+        try:
+            gamma, sampling, seed = speculation_settings(
+                self.gamma.value, self.temperature.value, self.seed.value, self.max_gamma
+            )
+            view = speculation_view(
+                self.target,
+                self.drafts[self.draft.value],
+                self.prompt.value,
+                gamma=gamma,
+                sampling=sampling,
+                seed=seed,
+                max_new_tokens=self.max_new_tokens,
+                draft_name=self.draft.value,
+                max_gamma=self.max_gamma,
+            )
+        except ValueError as e:
+            self.error = str(e)
+            self.status.value = f"<b style='color:#c0392b'>{html.escape(self.error)}</b>"
+            return
+        self.view, self.error = view, ""
+        s = view.result.stats
+        exact = ""
+        if view.sampling.greedy:
+            exact = " Same tokens as plain greedy decoding: " + ("<b>yes</b>" if view.same_tokens else "<b>NO</b>")
+        self.status.value = (
+            f"<b>{html.escape(view.draft_name)}</b>, γ = {view.gamma}, {html.escape(view.sampling.label)}: "
+            f"α = <b>{view.alpha:.2f}</b> ({s.acceptances}/{s.tested} tested drafts accepted), "
+            f"<b>{view.tokens_per_target_call:.2f}</b> tokens per target call "
+            f"({s.target_calls} calls for {s.produced} tokens);<br>c = {view.cost_ratio:.3f}; "
+            f"speedup measured <b>{view.measured_speedup:.2f}×</b> ({view.clock_name}), "
+            f"theory {view.predicted_speedup:.2f}×.{exact}"
+        )
+        fig, axes = plt.subplots(1, 2, figsize=(10, 3.4))
+        plot_speculation_view(axes, view)
+        fig.tight_layout()
+        self.image.value = png_bytes(fig)
+        self.text.value = speculation_text_html(view)
+
+
+def speculation_settings(gamma, temperature, seed, max_gamma: int = 8):
+    """The speculative explorer's controls as (gamma, ``SamplingParams``, seed), each checked with its label."""
+    from ar_lab.engine.sampling import SamplingParams
+
+    gamma = whole_number("γ", gamma, 1, max_gamma)
+    return gamma, SamplingParams(temperature=finite_number("temperature", temperature)), check_seed(seed)
+
+
+def speculation_explorer(
+    target, drafts: dict, prompt: str = "The ", gamma: int = 4, max_new_tokens: int = 64
+) -> SpeculationExplorer:
+    """Build the chapter-07 explorer (display it by leaving it last in a cell)."""
+    return SpeculationExplorer(target, drafts, prompt, gamma, max_new_tokens)

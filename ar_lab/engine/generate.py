@@ -1,0 +1,356 @@
+"""The autoregressive loop: predict, pick, append, repeat until EOS or the cap.
+
+One loop serves every use: ``token_steps`` yields token ids, ``stream`` turns them into
+text as they are produced, and ``generate`` runs the stream to the end and returns the
+tokens, the text and the counters. ``use_cache=False`` feeds the whole sequence every
+step (what a model without a KV cache must do); ``use_cache=True`` feeds the prompt once
+(prefill) and then one token per step (decode). ``sample_batch`` runs the same loop on
+several prompts at once, one batched forward per step, and ``sampler_view`` gathers what
+the chapter-06 explorer shows (the sampler's distribution and a few continuations).
+
+The public functions check their arguments once (``ar_lab.engine.prompts``) and hand checked
+token ids to private loops. Each model step runs inside ``eval_mode`` on its own, so a
+paused ``stream`` leaves the model in the mode it was in and gradients on.
+
+Counters are instrumentation, not formulas: ``positions_processed`` adds up the
+sequence length of every forward call actually made.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from ar_lab.engine.lean import engine_for
+from ar_lab.engine.prompts import (
+    check_eos,
+    checked_prompt,
+    eval_mode,
+    prompt_batch,
+    stop_list,
+)
+from ar_lab.engine.sampling import GREEDY, SamplingParams, sample
+from ar_lab.model.cache import KVCache
+from ar_lab.model.tokenizer import EOS_ID, N_BYTES, StreamDecoder
+
+
+@dataclass
+class GenerationStats:
+    forward_calls: int = 0
+    positions_processed: int = 0  # sum over forward calls of the tokens fed in
+    prefill_time: float = 0.0  # seconds from the start to the first token (TTFT)
+    decode_times: list[float] = field(default_factory=list)  # seconds for each later token
+    stop_reason: str = ""  # "eos", "max_new_tokens" or "stop_string"
+
+    @property
+    def total_time(self) -> float:
+        return self.prefill_time + sum(self.decode_times)
+
+    @property
+    def tokens(self) -> int:
+        return self.forward_calls
+
+    @property
+    def mean_tpot(self) -> float:
+        """Mean time per output token after the first (decode), in seconds."""
+        return sum(self.decode_times) / len(self.decode_times) if self.decode_times else float("nan")
+
+
+@dataclass
+class StreamEvent:
+    token: int  # the token id just produced
+    text: str  # the new text it completes ("" while inside a multi-byte character)
+    stats: GenerationStats  # counters so far (the same object throughout the stream)
+    latency: float = 0.0  # seconds this token took: TTFT for the first, its TPOT after (0 for held-back text)
+
+
+@dataclass
+class Generation:
+    prompt: list[int]
+    tokens: list[int]  # the new tokens (EOS, when it ended the text, is not included)
+    text: str  # the new text (cut before a stop string)
+    stats: GenerationStats
+
+
+# --- checks, once per public call ------------------------------------------------------
+
+
+def _check_cache(cache, use_cache: bool, ids: list[int], max_new_tokens: int) -> None:
+    if not use_cache:
+        raise ValueError("a cache was given with use_cache=False: pass use_cache=True to reuse it")
+    if not isinstance(cache, KVCache):
+        raise TypeError(f"cache must be a KVCache, got {type(cache).__name__}")
+    if cache.batch_size != 1:
+        raise ValueError(f"generation runs one sequence: the cache must have batch size 1, got {cache.batch_size}")
+    needed = len(ids) + max_new_tokens - 1
+    if cache.max_len < needed:
+        raise ValueError(
+            f"the cache holds {cache.max_len} positions but this generation needs {needed} "
+            "(prompt + new tokens - 1): build it with KVCache.for_model(model, max_len=...)"
+        )
+    cache.reusable(ids)  # raises if the cache holds positions whose token ids it does not know
+
+
+def check_sampling(sampling, name: str = "sampling") -> None:
+    if not isinstance(sampling, SamplingParams):
+        raise TypeError(f"{name} must be a SamplingParams, got {type(sampling).__name__}")
+
+
+def _stats(stats) -> GenerationStats:
+    if stats is None:
+        return GenerationStats()
+    if not isinstance(stats, GenerationStats):
+        raise TypeError(f"stats must be a GenerationStats (or None for a new one), got {type(stats).__name__}")
+    return stats
+
+
+def _checked_ids(model, prompt, max_new_tokens: int, use_cache: bool, sampling, cache) -> list[int]:
+    """The prompt's token ids, with every option of ``token_steps`` checked against ``model``."""
+    ids = checked_prompt(model, prompt, max_new_tokens)
+    check_sampling(sampling)
+    if not isinstance(use_cache, bool):
+        raise TypeError(f"use_cache must be True or False, got {use_cache!r}")
+    if cache is not None:
+        _check_cache(cache, use_cache, ids, max_new_tokens)
+    return ids
+
+
+# --- the loops (arguments already checked) ----------------------------------------------
+
+
+def _steps(
+    model, prompt: list[int], N: int, use_cache: bool, sampling, generator, stats, cache, lean: bool
+) -> Iterator[int]:
+    """``token_steps`` on checked arguments: the loop itself."""
+    P = len(prompt)
+    buf = torch.empty(1, P + N, dtype=torch.long, device=model.device)  # (1, P + N)
+    buf[0, :P] = torch.tensor(prompt)
+    skip = 0  # prompt positions whose keys/values the cache already holds
+    if cache is not None:
+        # Keep the positions whose recorded token ids are the prompt's start, never its last
+        # token (its logits give the first new token); the rest is prefilled again.
+        skip = cache.reusable(prompt)
+        cache.truncate(skip)
+    elif use_cache:
+        cache = KVCache.for_model(model, max_len=P + N - 1)
+    history = list(prompt) if sampling.repetition_penalty != 1.0 else ()
+    # Greedy without a penalty is the argmax of the raw logits: take it directly rather
+    # than have sample() build the one-token distribution every step.
+    greedy = sampling.greedy and sampling.repetition_penalty == 1.0
+    engine = engine_for(model) if (lean and cache is not None) else None
+    token = -1  # the token picked by the previous step
+    t_last = time.perf_counter()
+    for n in range(N):
+        end = P + n  # tokens known so far
+        with eval_mode(model):  # per step: nothing is held across the yield below
+            if engine is not None and n > 0:
+                logits = engine.step(token, cache)  # (vocab,): fed the token picked last step
+                fed = 1
+            else:
+                x = buf[:, end - 1 : end] if (cache is not None and n > 0) else buf[:, skip:end]
+                logits = model(x, cache)[0, -1]  # (vocab,)
+                fed = x.shape[1]
+            token = int(logits.argmax()) if greedy else -1
+            if not greedy or not math.isfinite(logits[token]):
+                # A NaN or inf would win the argmax: one look at the winner is enough,
+                # and sample() then raises its explanatory error.
+                token = int(sample(logits, sampling, generator, history))
+        stats.forward_calls += 1
+        stats.positions_processed += fed
+        if engine is None:  # the lean step takes the token itself, not the buffer
+            buf[0, end] = token
+        if history != ():
+            history.append(token)
+        now = time.perf_counter()  # int() above has synchronised the device
+        if n == 0:
+            stats.prefill_time = now - t_last
+        else:
+            stats.decode_times.append(now - t_last)
+        yield token
+        t_last = time.perf_counter()  # time spent by the consumer is not counted
+
+
+def _events(steps: Iterator[int], stats, eos_id, stops: tuple[str, ...]) -> Iterator[StreamEvent]:
+    """``stream`` on checked arguments: token ids -> text, with the stop rules."""
+    stats.stop_reason = "max_new_tokens"
+    decoder = StreamDecoder()
+    hold = max((len(s) for s in stops), default=1) - 1  # chars that might start a stop string
+    pending = ""
+    first = True
+    try:
+        for token in steps:
+            latency = stats.prefill_time if first else stats.decode_times[-1]
+            first = False
+            if eos_id is not None and token == eos_id:
+                stats.stop_reason = "eos"
+                break
+            pending += decoder.feed(token) if token < N_BYTES else ""
+            hits = [pending.find(s) for s in stops if s in pending]
+            if hits:
+                stats.stop_reason = "stop_string"
+                yield StreamEvent(token, pending[: min(hits)], stats, latency)
+                return
+            cut = max(0, len(pending) - hold)
+            yield StreamEvent(token, pending[:cut], stats, latency)
+            pending = pending[cut:]
+    finally:
+        steps.close()
+    pending += decoder.flush()
+    if pending:
+        yield StreamEvent(-1, pending, stats)  # held-back text released at the end
+
+
+# --- the public entry points --------------------------------------------------------------
+
+
+def token_steps(
+    model,
+    prompt: str | Sequence[int],
+    max_new_tokens: int,
+    *,
+    use_cache: bool = True,
+    sampling: SamplingParams = GREEDY,
+    generator: torch.Generator | None = None,
+    stats: GenerationStats | None = None,
+    cache: KVCache | None = None,
+    lean: bool = True,
+) -> Iterator[int]:
+    """Yield new token ids one at a time (no stop rule other than the count).
+
+    The inner loop, kept lean: the token buffer and the cache are allocated once, and with
+    a cache each decode step of a ``GPT`` runs through ``ar_lab.engine.lean`` (the same arithmetic
+    without nn.Module layers; ``lean=False`` calls ``model.forward`` instead, to compare).
+    ``cache``: a cache of your own, e.g. from an earlier call (a shared prefix, the earlier turns
+    of a conversation): the positions whose recorded token ids (``KVCache.token_ids``) agree with
+    the prompt's start are reused, and only the rest of the prompt is prefilled; the cache is
+    left holding the sequence, for the next call. A cache holding positions whose ids it does
+    not know is refused. Arguments are checked here, before the first token is asked for.
+    """
+    ids = _checked_ids(model, prompt, max_new_tokens, use_cache, sampling, cache)
+    stats = _stats(stats)
+    return _steps(model, ids, max_new_tokens, use_cache, sampling, generator, stats, cache, lean)
+
+
+def stream(
+    model,
+    prompt: str | Sequence[int],
+    max_new_tokens: int = 200,
+    *,
+    use_cache: bool = True,
+    sampling: SamplingParams = GREEDY,
+    generator: torch.Generator | None = None,
+    eos_id: int | None = EOS_ID,
+    stop_strings: Sequence[str] | None = None,
+    stats: GenerationStats | None = None,
+    cache: KVCache | None = None,
+    lean: bool = True,
+) -> Iterator[StreamEvent]:
+    """Yield a ``StreamEvent`` per new token; text never splits a UTF-8 character.
+
+    Stops at EOS (unless ``eos_id`` is None), after ``max_new_tokens``, or once the
+    text contains one of ``stop_strings`` (a list, tuple or set of non-empty strings;
+    text is held back while it could still be the start of a stop string, and the stop
+    string itself is never yielded). An event with ``token == -1`` carries only such
+    held-back text, released at the end. Pass ``stats`` to have the counters filled in
+    an object of your own. Each event's ``latency`` is the model time of its token (TTFT
+    for the first, TPOT after), so a consumer can plot latency against position as the
+    stream goes. ``cache``: see ``token_steps`` (reuse the keys/values of the prompt's
+    start); so is ``lean``. Arguments are checked here, before the first event is asked for.
+    """
+    ids = _checked_ids(model, prompt, max_new_tokens, use_cache, sampling, cache)
+    stops = stop_list(stop_strings)
+    check_eos(model, eos_id)
+    stats = _stats(stats)
+    steps = _steps(model, ids, max_new_tokens, use_cache, sampling, generator, stats, cache, lean)
+    return _events(steps, stats, eos_id, stops)
+
+
+def generate(
+    model,
+    prompt: str | Sequence[int],
+    max_new_tokens: int = 200,
+    *,
+    use_cache: bool = True,
+    sampling: SamplingParams = GREEDY,
+    generator: torch.Generator | None = None,
+    eos_id: int | None = EOS_ID,
+    stop_strings: Sequence[str] | None = None,
+    cache: KVCache | None = None,
+    lean: bool = True,
+) -> Generation:
+    """Generate up to ``max_new_tokens`` tokens after ``prompt`` (text or token ids).
+
+    ``cache``: a cache from an earlier call (see ``token_steps``): the positions where its token
+    ids agree with the prompt's start are reused, only the rest is prefilled. ``lean=False``: every decode step
+    through ``model.forward`` instead of ``ar_lab.engine.lean`` (same tokens; for comparison).
+    """
+    ids = _checked_ids(model, prompt, max_new_tokens, use_cache, sampling, cache)
+    stops = stop_list(stop_strings)
+    check_eos(model, eos_id)
+    stats = GenerationStats()
+    steps = _steps(model, ids, max_new_tokens, use_cache, sampling, generator, stats, cache, lean)
+    tokens, pieces = [], []
+    for event in _events(steps, stats, eos_id, stops):
+        if event.token >= 0:
+            tokens.append(event.token)
+        pieces.append(event.text)
+    return Generation(ids, tokens, "".join(pieces), stats)
+
+
+# --- sampling many continuations at once ---------------------------------------------
+
+
+def sample_rows(model, idx: torch.Tensor, N: int, sampling, generator, use_cache: bool) -> torch.Tensor:
+    """The batched loop on checked prompts ``idx`` (B, P): returns all B x N new tokens."""
+    B, P = idx.shape
+    buf = torch.empty(B, P + N, dtype=torch.long, device=idx.device)  # (B, P + N)
+    buf[:, :P] = idx
+    cache = KVCache.for_model(model, batch_size=B, max_len=P + N - 1) if use_cache else None
+    seen = None
+    if sampling.repetition_penalty != 1.0:
+        seen = torch.zeros(B, model.config.vocab_size, dtype=torch.bool, device=idx.device)
+        seen.scatter_(1, idx, True)
+    with eval_mode(model):  # not a generator: one block for the whole loop
+        for n in range(N):
+            end = P + n
+            x = buf[:, end - 1 : end] if (cache is not None and n > 0) else buf[:, :end]
+            logits = model(x, cache)[:, -1]  # (B, vocab)
+            token = sample(logits, sampling, generator, seen if seen is not None else ())  # (B,)
+            buf[:, end] = token
+            if seen is not None:
+                seen.scatter_(1, token[:, None], True)
+    return buf[:, P:]
+
+
+def sample_batch(
+    model,
+    prompts: Sequence[str | Sequence[int]],
+    max_new_tokens: int,
+    *,
+    sampling: SamplingParams = SamplingParams(),
+    generator: torch.Generator | None = None,
+    eos_id: int | None = EOS_ID,
+    use_cache: bool = True,
+) -> list[list[int]]:
+    """Continue each of several equal-length prompts at once (one batched forward per step).
+
+    Row i is what ``generate(model, prompts[i], ..., sampling=sampling)`` would do (the
+    repetition penalty sees each row's own prompt and tokens); the random draws of all
+    rows come from the one ``generator``. The default ``sampling`` draws from the model's
+    own distribution (T = 1). Each list stops before its first EOS.
+    """
+    check_sampling(sampling)
+    check_eos(model, eos_id)
+    idx = prompt_batch(model, prompts, max_new_tokens)  # (B, P)
+    out = []
+    for row in sample_rows(model, idx, max_new_tokens, sampling, generator, use_cache).tolist():
+        if eos_id is not None and eos_id in row:
+            row = row[: row.index(eos_id)]
+        out.append(row)
+    return out
+
+

@@ -1,0 +1,430 @@
+"""One sequence with a KV cache, run the way an inference engine runs it: no framework layers.
+
+``GPT.forward`` serves training and every batch shape through ``nn.Module`` calls. For
+one sequence and one new token that generality costs real time: a decode step of the
+course model is some seventy tiny kernels, each paying microseconds of Python and
+dispatch, and the scaled-dot-product kernel sets up tiles for a query of length one.
+On a CPU that overhead is a large share of the step (chapter 04 measures it). ``LeanGPT`` does
+the same arithmetic on the model's own weights with direct tensor calls:
+
+- ``step``: one new token. Every weight matrix is applied to one vector (``addmv``), the
+  new key and value are written into the cache in place, and attention over the cache's
+  filled prefix is two batched matrix-vector products with the softmax between (the
+  1/sqrt(D) scale rides on the first, ``baddbmm``'s alpha). A single query sees every
+  cached position, so there is no mask.
+- ``extend``: several new tokens after the cached ones (the target's verify pass in
+  speculative decoding, chapter 07), as matrix-matrix products.
+
+The engine holds the model's parameters themselves, never copies of them, so every change
+of the weights (an optimizer step, ``load_state_dict``, a write through ``p.data``,
+``p.data = other``) is what the next step computes with, as in ``GPT.forward``. Its working
+memory is per thread, so one engine (and one model) serves several threads at once. The one
+copy is opt-in: for a handful of rows, MKL's CPU kernels are markedly faster against (in, out)
+weights than against nn.Linear's (out, in), so ``transposed_copies(model)`` makes such copies,
+kept per model and compared with the model's weights, value for value, each time they are
+asked for; ``speculative_generate`` asks once per call and hands them to ``extend``.
+
+A block's Linear layer may be a ``QuantizedLinear`` (``ar_lab.engine.quant``, chapter 09): the step and
+``extend`` then call its kernel, which reads the layer's narrow weights (its buffers) at every
+call, so edits are seen there too; no copy is ever made of them.
+
+The results equal ``GPT.forward``'s up to float rounding (tests: logits within 1e-5, the
+same greedy tokens). ``for_model(model)`` makes an engine (cheap: it copies nothing).
+Call it under ``torch.inference_mode()``, as ``ar_lab.generate`` does.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+import weakref
+from collections.abc import Sequence
+from typing import NamedTuple
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ar_lab.base.args import positive_int
+from ar_lab.base.timing import synchronize
+from ar_lab.engine.kv_quant import Int8KVCache
+from ar_lab.engine.quant import QuantizedLinear, bf16_addmv, quantized_addmm, quantized_addmv
+from ar_lab.model.cache import KVCache
+from ar_lab.model.gpt import GPT, MLP, Block, CausalSelfAttention
+
+# A weight matrix as the step reads it: nn.Linear's parameter, or a whole QuantizedLinear (chapter 09),
+# whose own kernel multiplies with its narrow weights (read from the module at every call).
+Matrix = torch.Tensor | QuantizedLinear
+
+
+class LayerWeights(NamedTuple):
+    """One block's parameters, in the order a decode step uses them (C = n_embd, KD = KV heads x D)."""
+
+    ln1_weight: torch.Tensor  # (C,)
+    ln1_bias: torch.Tensor  # (C,)
+    qkv_weight: Matrix  # (C + 2 KD, C): queries, keys, values
+    qkv_bias: torch.Tensor  # (C + 2 KD,)
+    attn_proj_weight: Matrix  # (C, C)
+    attn_proj_bias: torch.Tensor  # (C,)
+    ln2_weight: torch.Tensor  # (C,)
+    ln2_bias: torch.Tensor  # (C,)
+    fc_weight: Matrix  # (4C, C)
+    fc_bias: torch.Tensor  # (4C,)
+    mlp_proj_weight: Matrix  # (C, 4C)
+    mlp_proj_bias: torch.Tensor  # (C,)
+
+
+class TransposedWeights(NamedTuple):
+    """(in, out) layouts of one block's four weight matrices: what ``extend``'s matrix products read."""
+
+    qkv: Matrix  # (C, C + 2 KD)
+    attn_proj: Matrix  # (C, C)
+    fc: Matrix  # (C, 4C)
+    mlp_proj: Matrix  # (4C, C)
+
+
+class Transposed(NamedTuple):
+    """Every matrix ``extend`` multiplies by, (in, out): per block, then the tied output projection."""
+
+    layers: list[TransposedWeights]
+    out: torch.Tensor  # (C, vocab)
+
+
+class _Work(threading.local):
+    """One thread's working memory for ``step``: the fused q|k|v output and the attention output,
+    with the views the step reads them through, and the cache it last checked (with its
+    per-layer (K, V) views). ``threading.local`` runs ``__init__`` once in every thread that uses it."""
+
+    def __init__(self, C: int, Hk: int, G: int, D: int, dtype: torch.dtype, device: torch.device) -> None:
+        KD = Hk * D
+        qkv = torch.empty(C + 2 * KD, dtype=dtype, device=device)
+        q = qkv[:C].view(Hk, G, D)  # query heads grouped by their KV head
+        k, v = qkv[C : C + KD].view(Hk, D), qkv[C + KD :].view(Hk, D)
+        y = torch.empty(Hk, G, D, dtype=dtype, device=device)
+        self.buffers = (qkv, q, k, v, y)  # one tuple: each attribute of a thread-local costs a lookup
+        self.cache: KVCache | None = None
+        self.kv: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+
+def _no_grad_needed() -> None:
+    raise RuntimeError(
+        "LeanGPT computes with the model's own parameters and records no gradients: call it under "
+        "torch.inference_mode() (or torch.no_grad()), as ar_lab.generate does"
+    )
+
+
+class LeanGPT:
+    """The batch-1 cached inference of a ``GPT``: ``step`` (one token) and ``extend`` (several).
+
+    It reads the model's parameters at every call (no copies) and keeps its working memory per
+    thread, so several threads may use one engine, each with its own cache.
+    """
+
+    def __init__(self, model: GPT) -> None:
+        layers = _stock_layers(model)
+        if layers is None:
+            raise NotLean(
+                f"LeanGPT runs a GPT with the stock modules and GPT.forward (see lean.supports), got "
+                f"{type(model).__name__}: call the model itself"
+            )
+        cfg = model.config
+        self.config = cfg
+        self.C, self.Hk, self.D = cfg.n_embd, cfg.kv_heads, cfg.head_dim
+        self.G = cfg.n_head // cfg.kv_heads  # query heads per KV head (1: MHA)
+        self.KD = self.Hk * self.D  # width of the keys (and of the values) of one position
+        self.scale = 1.0 / math.sqrt(self.D)
+        self.shape = (self.C,)
+        self.eps = model.ln_f.eps
+        # The parameters themselves (not .detach() aliases, not copies): `p.data = t` swaps what
+        # p holds, and a step must see it, as forward() does.
+        self.wte, self.wpe = model.wte.weight, model.wpe.weight
+        self.ln_f = (model.ln_f.weight, model.ln_f.bias)
+        self.device, dtype = self.wte.device, self.wte.dtype
+        self.layers = layers
+        # Matrix products: torch's own for nn.Linear weights, the dispatching ones if a layer is quantized.
+        quantized = any(type(m) is QuantizedLinear for lw in layers for m in lw)
+        slow_addmv = dtype == torch.bfloat16 and self.device.type == "cpu"  # (see quant.bf16_addmv)
+        self._mv = quantized_addmv if quantized else bf16_addmv if slow_addmv else torch.addmv
+        self._mm = quantized_addmm if quantized else torch.addmm
+        self._zero = torch.zeros(1, 1, 1, dtype=dtype, device=self.device)  # baddbmm's ignored input (beta 0)
+        self._work = _Work(self.C, self.Hk, self.G, self.D, dtype, self.device)
+
+    def _check(self, cache: KVCache, T: int) -> int:
+        if not isinstance(cache, KVCache):
+            raise TypeError(f"cache must be a KVCache, got {type(cache).__name__}")
+        if cache.batch_size != 1:
+            raise ValueError(f"LeanGPT runs one sequence: the cache must have batch size 1, got {cache.batch_size}")
+        if len(cache.k) != len(self.layers) or cache.k[0].shape[1:] != (self.Hk, cache.max_len, self.D):
+            raise ValueError(f"{cache!r} is not shaped for this model: build it with KVCache.for_model(model)")
+        end = cache.length + T
+        if end > self.config.block_size:
+            raise ValueError(
+                f"{end} positions exceed the context window of {self.config.block_size} tokens "
+                f"(config.block_size); shorten the prompt or generate fewer tokens"
+            )
+        if end > cache.max_len:
+            raise ValueError(f"KV cache full: positions up to {end} requested, capacity is {cache.max_len}")
+        dtype = cache.dtype if type(cache) is Int8KVCache else cache.k[0].dtype  # int8: what it dequantizes to
+        if dtype != self.wte.dtype or cache.k[0].device != self.device:
+            raise ValueError(
+                f"the cache holds {dtype} on {cache.k[0].device}, the model {self.wte.dtype} on "
+                f"{self.device}: build it with KVCache.for_model(model)"
+            )
+        return cache.length
+
+    def step(self, token: int, cache: KVCache) -> torch.Tensor:
+        """Logits (vocab,) after feeding one token at position ``cache.length``; the cache advances by one."""
+        w = self._work  # this thread's buffers
+        if cache is not w.cache:
+            self._check(cache, 0)
+            w.cache, w.kv = cache, [(k[0], v[0]) for k, v in zip(cache.k, cache.v, strict=True)]
+        pos = cache.length
+        if not 0 <= token < self.config.vocab_size:
+            raise ValueError(f"token id {token} is outside the vocabulary [0, {self.config.vocab_size - 1}]")
+        if pos >= cache.max_len or pos >= self.config.block_size:
+            self._check(cache, 1)  # raises the explanatory error
+        if torch.is_grad_enabled():
+            _no_grad_needed()
+        qkv, q, k, v, y = w.buffers
+        C, shape, eps, scale, zero, mv = self.C, self.shape, self.eps, self.scale, self._zero, self._mv
+        L = pos + 1  # keys the new query attends over: all cached positions and its own
+        x = self.wte[token] + self.wpe[pos]  # (C,)
+        int8_cache = cache if type(cache) is Int8KVCache else None  # (ar_lab.engine.kv_quant)
+        for i, (lw, (K, V)) in enumerate(zip(self.layers, w.kv, strict=True)):
+            h = torch.layer_norm(x, shape, lw.ln1_weight, lw.ln1_bias, eps)
+            mv(lw.qkv_bias, lw.qkv_weight, h, out=qkv)  # q | k | v
+            if int8_cache is None:
+                K[:, pos] = k  # the new key and value, written in place
+                V[:, pos] = v
+                scores = torch.baddbmm(zero, q, K[:, :L].transpose(1, 2), beta=0, alpha=scale)  # (Hk, G, L)
+                torch.bmm(torch.softmax(scores, -1), V[:, :L], out=y)  # (Hk, G, D)
+            else:
+                int8_cache.attend(i, pos, q, k, v, scale, y)  # the same, on int8 keys and values
+            x = mv(lw.attn_proj_bias, lw.attn_proj_weight, y.view(C)).add_(x)  # heads side by side + residual
+            h = torch.layer_norm(x, shape, lw.ln2_weight, lw.ln2_bias, eps)
+            h = F.gelu(mv(lw.fc_bias, lw.fc_weight, h), approximate="tanh")
+            x = mv(lw.mlp_proj_bias, lw.mlp_proj_weight, h).add_(x)  # MLP out + residual
+        cache.length = L
+        cache.record(pos, [token])
+        return torch.mv(self.wte, torch.layer_norm(x, shape, *self.ln_f, eps))  # tied output projection
+
+    def extend(
+        self, tokens: Sequence[int] | torch.Tensor, cache: KVCache, transposed: Transposed | None = None
+    ) -> torch.Tensor:
+        """Logits (T, vocab) after feeding T tokens at positions ``cache.length ..``; the cache advances by T.
+
+        ``transposed``: ``transposed_copies(model)`` (faster on CPU), taken after the weights last
+        changed; without it the products read the parameters through transposed views.
+        """
+        if len(tokens) == 1 and not isinstance(tokens, torch.Tensor):  # one token: the decode step
+            return self.step(int(tokens[0]), cache)[None]
+        if type(cache) is Int8KVCache:
+            raise TypeError("extend writes float keys and values: give it a KVCache (an Int8KVCache runs step)")
+        idx = torch.as_tensor(tokens, dtype=torch.long, device=self.device)
+        if idx.ndim != 1 or idx.numel() == 0:
+            raise ValueError(f"tokens must be a non-empty 1-D sequence of ids, got shape {tuple(idx.shape)}")
+        T = idx.numel()
+        pos = self._check(cache, T)
+        if torch.is_grad_enabled():
+            _no_grad_needed()
+        C, Hk, G, D, KD, shape, eps, mm = self.C, self.Hk, self.G, self.D, self.KD, self.shape, self.eps, self._mm
+        L = pos + T
+        x = self.wte[idx] + self.wpe[pos:L]  # (T, C)
+        hidden = torch.ones(T, L, dtype=torch.bool, device=self.device).triu_(pos + 1)  # query i sees keys <= pos + i
+        layers_t, out_t = transposed if transposed is not None else self._views()
+        for w, wt, K, V in zip(self.layers, layers_t, cache.k, cache.v, strict=True):
+            K, V = K[0], V[0]  # (Hk, T_max, D)
+            h = torch.layer_norm(x, shape, w.ln1_weight, w.ln1_bias, eps)  # (T, C)
+            qkv = mm(w.qkv_bias, h, wt.qkv)  # (T, C + 2 KD)
+            K[:, pos:L] = qkv[:, C : C + KD].view(T, Hk, D).transpose(0, 1)
+            V[:, pos:L] = qkv[:, C + KD :].view(T, Hk, D).transpose(0, 1)
+            q = qkv[:, :C].view(T, Hk, G, D).permute(1, 2, 0, 3).reshape(Hk, G * T, D)  # (Hk, G T, D)
+            scores = torch.baddbmm(self._zero, q, K[:, :L].transpose(1, 2), beta=0, alpha=self.scale)
+            scores = scores.view(Hk, G, T, L).masked_fill_(hidden, float("-inf"))
+            y = torch.bmm(torch.softmax(scores, -1).view(Hk, G * T, L), V[:, :L])  # (Hk, G T, D)
+            y = y.view(Hk, G, T, D).permute(2, 0, 1, 3).reshape(T, C)  # heads side by side again
+            x = mm(w.attn_proj_bias, y, wt.attn_proj).add_(x)
+            h = torch.layer_norm(x, shape, w.ln2_weight, w.ln2_bias, eps)
+            h = F.gelu(mm(w.fc_bias, h, wt.fc), approximate="tanh")
+            x = mm(w.mlp_proj_bias, h, wt.mlp_proj).add_(x)
+        cache.length = L
+        cache.record(pos, tokens.tolist() if isinstance(tokens, torch.Tensor) else [int(t) for t in tokens])
+        return torch.mm(torch.layer_norm(x, shape, *self.ln_f, eps), out_t)  # (T, vocab)
+
+    def _views(self) -> Transposed:
+        """The parameters' (in, out) views: always current, no copy (slower than copies on CPU for a few rows)."""
+        layers = [
+            TransposedWeights(
+                qkv=_t(w.qkv_weight),
+                attn_proj=_t(w.attn_proj_weight),
+                fc=_t(w.fc_weight),
+                mlp_proj=_t(w.mlp_proj_weight),
+            )
+            for w in self.layers
+        ]
+        return Transposed(layers, self.wte.t())
+
+
+def _t(m: Matrix) -> Matrix:
+    """(in, out) view of a weight; a QuantizedLinear stands for its own transpose (its kernel takes x rows)."""
+    return m if type(m) is QuantizedLinear else m.t()
+
+
+class NotLean(TypeError):
+    """The model is not one ``LeanGPT`` reproduces (see ``supports``)."""
+
+
+def supports(model) -> bool:
+    """True for a ``GPT`` that runs ``GPT.forward`` with the stock modules: what ``LeanGPT`` reproduces.
+
+    A subclass with its own ``forward``, a module swapped for another or subclassed (an experiment
+    in a notebook, a parametrized weight), or an output projection no longer tied to the token
+    embedding keeps going through ``forward``, so ``generate`` never silently skips it. A block's Linear
+    layer may be a ``QuantizedLinear`` (``ar_lab.engine.quant``): the step then calls its kernel.
+    """
+    return _stock_layers(model) is not None
+
+
+def _stock_layers(model) -> list[LayerWeights] | None:
+    """Each block's parameters, if every module is the stock one (else None); one walk over the model."""
+    if not (isinstance(model, GPT) and type(model).forward is GPT.forward):
+        return None
+    head, ln_f = model.lm_head, model.ln_f
+    if not (
+        type(head) is nn.Linear
+        and head.weight is model.wte.weight
+        and head.bias is None
+        and type(model.wte) is nn.Embedding
+        and type(model.wpe) is nn.Embedding
+        and type(ln_f) is nn.LayerNorm
+    ):
+        return None
+    layers = []
+    for b in model.blocks:
+        if type(b) is not Block or type(b.attn) is not CausalSelfAttention or type(b.mlp) is not MLP:
+            return None
+        ln1, ln2, attn, mlp = b.ln1, b.ln2, b.attn, b.mlp
+        qkv, proj, fc, mlp_proj = attn.qkv, attn.proj, mlp.fc, mlp.proj
+        if not (
+            all(type(m) in (nn.Linear, QuantizedLinear) for m in (qkv, proj, fc, mlp_proj))
+            and type(ln1) is type(ln2) is nn.LayerNorm
+            and ln1.eps == ln2.eps == ln_f.eps  # the step normalises every layer with one epsilon
+        ):
+            return None
+        layers.append(
+            LayerWeights(
+                ln1_weight=ln1.weight,
+                ln1_bias=ln1.bias,
+                qkv_weight=_matrix(qkv),
+                qkv_bias=qkv.bias,
+                attn_proj_weight=_matrix(proj),
+                attn_proj_bias=proj.bias,
+                ln2_weight=ln2.weight,
+                ln2_bias=ln2.bias,
+                fc_weight=_matrix(fc),
+                fc_bias=fc.bias,
+                mlp_proj_weight=_matrix(mlp_proj),
+                mlp_proj_bias=mlp_proj.bias,
+            )
+        )
+    return layers
+
+
+def _matrix(linear: nn.Linear | QuantizedLinear) -> Matrix:
+    """What the step multiplies by: an nn.Linear's weight parameter, or the QuantizedLinear itself."""
+    return linear if type(linear) is QuantizedLinear else linear.weight
+
+
+def for_model(model: GPT) -> LeanGPT:
+    """A ``LeanGPT`` for ``model``: cheap to make (it copies nothing), always on the model's current weights."""
+    return LeanGPT(model)
+
+
+def engine_for(model) -> LeanGPT | None:
+    """``for_model(model)`` when ``supports(model)``, else None (the caller then runs ``model.forward``)."""
+    try:
+        return LeanGPT(model)  # checks and gathers the weights in one walk over the model
+    except NotLean:
+        return None
+
+
+# --- (in, out) copies for extend, compared with the originals every time they are handed out ---
+
+
+class _Copies(NamedTuple):
+    originals: list[Matrix]  # plain copies of the matrices to compare the model's against (quantized: the layer)
+    transposed: Transposed
+
+
+_COPIES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> _Copies
+_COPIES_LOCK = threading.Lock()
+
+
+def _matrices(model: GPT) -> list[Matrix]:
+    """The matrices ``extend`` multiplies by, in ``Transposed`` order (4 per block, then the embedding).
+
+    A QuantizedLinear is its own entry: its kernel reads the module's buffers at each call, no copy."""
+    out = []
+    for b in model.blocks:
+        out += [_matrix(b.attn.qkv), _matrix(b.attn.proj), _matrix(b.mlp.fc), _matrix(b.mlp.proj)]
+    return [*out, model.wte.weight]
+
+
+_BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}  # an integer dtype of each width
+
+
+def _same(a: Matrix, b: Matrix) -> bool:
+    """``a`` and ``b`` hold the same values, bit for bit (a NaN weight is equal to itself)."""
+    if type(a) is QuantizedLinear or type(b) is QuantizedLinear:
+        return a is b  # the layer itself is kept, never a copy
+    if a.shape != b.shape or a.dtype != b.dtype or a.device != b.device:
+        return False
+    bits = _BITS.get(a.element_size())
+    if a.device.type != "cpu" or bits is None or not (a.is_contiguous() and b.is_contiguous()):
+        return bool(torch.equal(a, b))
+    # numpy compares two integer arrays at memory speed (torch.equal takes longer on a CPU)
+    return bool(np.array_equal(a.detach().view(bits).numpy(), b.view(bits).numpy()))
+
+
+def transposed_copies(model: GPT) -> Transposed:
+    """(in, out) copies of every matrix ``LeanGPT.extend`` multiplies by, equal to ``model``'s weights now.
+
+    Kept per model and compared with its weights, value for value, on every call (no cheaper
+    test sees a write through ``p.data``, which bumps no version counter); remade when they
+    differ. The comparison reads the weights once, so take the copies once per generation and
+    not across a change of weights: ``speculative_generate`` takes them at the start of each call.
+    """
+    if not supports(model):
+        raise TypeError(f"transposed_copies takes a GPT that LeanGPT runs, got {type(model).__name__}")
+    live = _matrices(model)
+    with _COPIES_LOCK, torch.no_grad():
+        hit = _COPIES.get(model)
+        if hit is None or len(hit.originals) != len(live) or not all(map(_same, live, hit.originals)):
+            originals = [m if type(m) is QuantizedLinear else m.detach().clone() for m in live]
+            t = [m if type(m) is QuantizedLinear else m.t().contiguous() for m in originals]
+            layers = [TransposedWeights(*t[i : i + 4]) for i in range(0, len(t) - 1, 4)]
+            hit = _Copies(originals, Transposed(layers, t[-1]))
+            _COPIES[model] = hit
+        return hit.transposed
+
+
+def weights_only_pass(model, steps: int) -> None:
+    """Apply every weight matrix of ``model`` to one vector, ``steps`` times, and nothing else.
+
+    The floor under any batch-1 decoder of the model (no attention, no LayerNorm, no sampling,
+    no Python around it): time it to see what a decode step adds on top. Matrix-vector
+    products, the fastest kernel for one vector (the one ``LeanGPT.step`` uses); a ``QuantizedLinear``'s own kernel.
+    """
+    positive_int("steps", steps)
+    calls = []  # (product, its input)
+    for m in model.modules():
+        if type(m) is QuantizedLinear:
+            calls.append((m.matmul, torch.randn(1, m.in_features)))  # (the CPU kernels: one row)
+        elif isinstance(m, torch.nn.Linear):
+            calls.append((m.weight.mv, torch.randn(m.in_features, device=m.weight.device, dtype=m.weight.dtype)))
+    with torch.inference_mode():
+        for _ in range(steps):
+            for product, x in calls:
+                product(x)
+    synchronize(calls[0][1].device)

@@ -1,0 +1,180 @@
+"""Prompts and the arguments of a decode loop, checked once at the public entry point.
+
+Every decode loop in the package (``generate``, batched sampling, beam search, serving,
+speculative decoding) takes a prompt as text or token ids and a token budget. This leaf
+module turns the prompt into ids and checks it against the model, so they all accept the
+same inputs and give the same messages. It also holds ``eval_mode``, the one way the
+package runs a model for inference.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import numbers
+import threading
+from collections.abc import Iterator, Sequence
+
+import torch
+
+from ar_lab.base.args import positive_int
+from ar_lab.model.tokenizer import encode
+
+
+def prompt_ids(prompt: str | Sequence[int]) -> list[int]:
+    """Token ids of ``prompt`` (text is encoded; ids are checked to be integers)."""
+    if isinstance(prompt, str):
+        ids = encode(prompt)
+    elif isinstance(prompt, torch.Tensor):
+        if prompt.dim() != 1 or prompt.dtype.is_floating_point or prompt.dtype.is_complex or prompt.dtype == torch.bool:
+            raise TypeError(
+                f"a prompt tensor must be 1-D integer token ids, got {prompt.dtype} of shape {tuple(prompt.shape)}"
+            )
+        ids = prompt.tolist()
+    elif isinstance(prompt, (bytes, bytearray)) or not isinstance(prompt, Sequence):
+        raise TypeError(f"the prompt must be text or a list of token ids, got {type(prompt).__name__}")
+    else:
+        ids = list(prompt)
+        for t in ids:
+            if isinstance(t, bool) or not isinstance(t, numbers.Integral):
+                raise TypeError(f"token ids must be integers, got {t!r} ({type(t).__name__}) in the prompt")
+        ids = [int(t) for t in ids]
+    if not ids:
+        raise ValueError("the prompt is empty: give at least one token (e.g. a character of text)")
+    return ids
+
+
+def stop_list(stop_strings) -> tuple[str, ...]:
+    """``stop_strings`` as a tuple of non-empty strings (None: no stop strings)."""
+    if stop_strings is None:
+        return ()
+    if isinstance(stop_strings, str) or not isinstance(stop_strings, (Sequence, set, frozenset)):
+        raise ValueError("stop_strings must be a list of non-empty strings, e.g. ['\\n\\n']")
+    stops = tuple(stop_strings)
+    if not all(isinstance(s, str) and s for s in stops):
+        raise ValueError("stop_strings must be a list of non-empty strings, e.g. ['\\n\\n']")
+    return stops
+
+
+
+def check_eos(model, eos_id) -> int | None:
+    """``eos_id`` if it is None (no end token) or a token id of ``model``'s vocabulary."""
+    vocab = model.config.vocab_size
+    if eos_id is not None and (not isinstance(eos_id, numbers.Integral) or isinstance(eos_id, bool)
+                               or not 0 <= eos_id < vocab):
+        raise ValueError(f"eos_id must be a token id in [0, {vocab - 1}] or None (never stop early), got {eos_id!r}")
+    return eos_id
+
+
+def check_budget(max_new_tokens) -> int:
+    return positive_int("max_new_tokens", max_new_tokens)
+
+
+def check_prompt(model, ids: list[int], max_new_tokens: int) -> None:
+    """Raise if ``ids`` holds a token outside the vocabulary or the window cannot hold the text.
+
+    The last new token is never fed back, so the model sees at most P + N - 1 positions.
+    """
+    check_budget(max_new_tokens)
+    if not hasattr(getattr(model, "config", None), "block_size"):
+        raise TypeError(f"model must be an ar_lab model (a GPT, or anything with a GPTConfig .config), got {model!r}")
+    vocab, window = model.config.vocab_size, model.config.block_size
+    bad = [t for t in ids if not 0 <= t < vocab]
+    if bad:
+        raise ValueError(f"prompt holds token id {bad[0]}, outside the vocabulary [0, {vocab - 1}]")
+    if len(ids) > window:
+        raise ValueError(
+            f"the prompt has {len(ids)} tokens but the context window holds {window}; "
+            f"shorten it to at most {window} tokens"
+        )
+    if len(ids) + max_new_tokens - 1 > window:
+        raise ValueError(
+            f"a {len(ids)}-token prompt plus {max_new_tokens} new tokens needs "
+            f"{len(ids) + max_new_tokens - 1} positions, more than the context window of {window}; "
+            f"ask for at most {window - len(ids) + 1} new tokens"
+        )
+
+
+def checked_prompt(model, prompt: str | Sequence[int], max_new_tokens: int) -> list[int]:
+    """``prompt_ids(prompt)``, checked against ``model`` for ``max_new_tokens`` new tokens."""
+    ids = prompt_ids(prompt)
+    check_prompt(model, ids, max_new_tokens)
+    return ids
+
+
+def prompt_batch(model, prompts, max_new_tokens: int) -> torch.Tensor:
+    """Token ids (B, P) for a list of equal-length prompts (text or ids), each checked."""
+    if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Sequence) or not prompts:
+        raise ValueError("prompts must be a non-empty list of prompts (texts or lists of token ids)")
+    ids = [checked_prompt(model, p, max_new_tokens) for p in prompts]
+    lengths = sorted({len(p) for p in ids})
+    if len(lengths) > 1:
+        raise ValueError(
+            f"the prompts must all have the same number of tokens (the model has no padding), got lengths {lengths}"
+        )
+    return torch.tensor(ids, dtype=torch.long, device=model.device)
+
+
+# Models some eval_mode has switched to eval mode: id -> [model, how many eval_modes use the switch,
+# every submodule's own flag to restore]. Shared by all threads, changed under the lock.
+_SWITCHED: dict[int, list] = {}
+_SWITCH_LOCK = threading.RLock()  # re-entrant: a module's own train() may run eval_mode
+
+
+@contextlib.contextmanager
+def eval_mode(*models: torch.nn.Module) -> Iterator[None]:
+    """Run ``models`` for inference: eval mode (no dropout) and ``torch.inference_mode``,
+    both restored on exit.
+
+    Enter it per step in a generator, never across a ``yield``: a paused generator must
+    leave the notebook as it was (training mode, gradients on).
+
+    Safe across threads: a model in training mode is switched by the first thread that enters
+    and switched back by the last one to leave, so one thread's exit never puts a model back
+    in training mode (dropout on) under another thread's step.
+    """
+    entered = _switch_to_eval(models)
+    try:
+        with torch.inference_mode():
+            yield
+    finally:
+        _switch_back(entered)
+
+
+def _switch_to_eval(models) -> list[list]:
+    entered = []
+    with _SWITCH_LOCK:
+        for m in models:
+            entry = _SWITCHED.get(id(m))
+            if entry is None:
+                if not m.training:
+                    continue  # in eval mode of its own: nothing to switch (the check is cheap enough per step)
+                # Every submodule's own flag is recorded, so a child kept in eval mode stays so.
+                flags = [(sub, sub.training) for sub in m.modules()]
+                _set_modes(flags, False)
+                entry = _SWITCHED[id(m)] = [m, 0, flags]
+            entry[1] += 1
+            entered.append(entry)
+    return entered
+
+
+def _switch_back(entered: list[list]) -> None:
+    with _SWITCH_LOCK:
+        for entry in entered:
+            entry[1] -= 1
+            if entry[1] == 0:  # the last user of the switch: back to the recorded flags
+                del _SWITCHED[id(entry[0])]
+                _set_modes(entry[2], None)
+
+
+def _set_modes(flags: list[tuple[torch.nn.Module, bool]], mode: bool | None) -> None:
+    """Set each module's training flag to ``mode`` (None: back to its recorded flag).
+
+    ``flags`` lists parents before children (``Module.modules`` order), so a module with its own
+    ``train()`` may recurse: its children are set again right after it.
+    """
+    for sub, training in flags:
+        target = training if mode is None else mode
+        if type(sub).train is torch.nn.Module.train:
+            sub.training = target
+        else:
+            sub.train(target)

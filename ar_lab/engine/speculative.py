@@ -1,0 +1,451 @@
+"""Speculative decoding: a cheap draft proposes, the target verifies many tokens in one pass.
+
+Batch-1 decoding is memory-bound (chapter 05): one decode step reads every weight to
+produce one token, so scoring a handful of positions in one forward pass costs the
+target about as much as scoring one. Speculative sampling (Leviathan, Kalman & Matias,
+2023; Chen et al., 2023) turns that spare capacity into tokens:
+
+1. the **draft** model q proposes gamma tokens x_1..x_gamma, one at a time (cheap);
+2. the **target** model p scores all gamma + 1 positions in **one** forward pass;
+3. each x_i, in order, is **accepted** with probability min(1, p(x_i) / q(x_i));
+4. at the first rejection, one token is drawn from the **residual**
+   norm(max(0, p - q)) at that position and the iteration ends; if all gamma pass, a
+   **bonus** token is drawn from the target's next distribution p_{gamma+1}.
+
+Every iteration emits between 1 and gamma + 1 tokens for one target call, and the
+output has *exactly* the target's distribution: for any token x,
+P(x) = q(x) min(1, p(x)/q(x)) + (1 - sum_y min(p(y), q(y))) * residual(x)
+     = min(p(x), q(x)) + max(0, p(x) - q(x)) = p(x).
+So speculative decoding changes the speed, never the text's distribution; with greedy
+settings on both sides it emits the target's greedy text token for token.
+
+p and q are the exact distributions the sampler draws from (``ar_lab.engine.sampling.probabilities``
+with the same ``SamplingParams`` on both sides), so temperature, top-k/top-p/min-p and the
+repetition penalty are honoured. Both KV caches are rolled back (``KVCache.truncate``)
+past rejected tokens; after a full accept the draft has not yet seen its own last
+proposal, which the next iteration feeds together with the bonus token.
+
+The theory (Leviathan et al., 2023, section 3): with a per-token acceptance
+probability alpha = sum_x min(p(x), q(x)) = 1 - TV(p, q), an iteration emits
+(1 - alpha^(gamma+1)) / (1 - alpha) tokens on average, and if a draft step costs c
+target steps, the expected wall-clock speedup is that divided by (gamma c + 1);
+``ar_lab.course.speculative_view`` measures all of this on real prompts (chapter 07's explorer).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from ar_lab.base.args import positive_int
+from ar_lab.base.timing import synchronize
+from ar_lab.engine.lean import LeanGPT, Transposed, engine_for, transposed_copies
+from ar_lab.engine.prompts import check_eos, check_prompt, eval_mode, prompt_ids
+from ar_lab.engine.sampling import GREEDY, SamplingParams, probabilities
+from ar_lab.model.cache import KVCache
+from ar_lab.model.tokenizer import EOS_ID, N_BYTES, decode
+
+# --- the theory ------------------------------------------------------------------------
+
+
+def _check_alpha(alpha: float) -> float:
+    if not isinstance(alpha, int | float) or isinstance(alpha, bool) or not 0.0 <= alpha <= 1.0:
+        raise ValueError(f"alpha (the acceptance rate) must be a number in [0, 1], got {alpha!r}")
+    return float(alpha)
+
+
+def _check_gamma(gamma: int) -> int:
+    return positive_int("gamma (draft tokens per iteration)", gamma, minimum=0)
+
+
+def _check_cost(c: float) -> float:
+    if not isinstance(c, int | float) or isinstance(c, bool) or not (math.isfinite(c) and c >= 0):
+        raise ValueError(f"c (draft step cost / target step cost) must be a finite number >= 0, got {c!r}")
+    return float(c)
+
+
+def acceptance_rate(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """alpha = sum_x min(p(x), q(x)): the probability that a draft token drawn from q is accepted.
+
+    Works along the last axis, so (vocab,) gives a scalar and (T, vocab) one value per row.
+    """
+    if not isinstance(p, torch.Tensor) or not isinstance(q, torch.Tensor):
+        raise TypeError(f"p and q must be probability tensors, got {type(p).__name__} and {type(q).__name__}")
+    if p.shape != q.shape:
+        raise ValueError(f"p and q must have the same shape, got {tuple(p.shape)} and {tuple(q.shape)}")
+    return torch.minimum(p, q).sum(dim=-1)
+
+
+def total_variation(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """TV(p, q) = sum_x |p(x) - q(x)| / 2; alpha = 1 - TV."""
+    if p.shape != q.shape:
+        raise ValueError(f"p and q must have the same shape, got {tuple(p.shape)} and {tuple(q.shape)}")
+    return (p - q).abs().sum(dim=-1) / 2
+
+
+def expected_tokens_per_iteration(alpha: float, gamma: int) -> float:
+    """(1 - alpha^(gamma+1)) / (1 - alpha) = 1 + alpha + ... + alpha^gamma; gamma + 1 at alpha = 1.
+
+    Each of the gamma drafts is accepted with probability alpha (independently, the
+    theory's simplification) until the first rejection; the iteration then adds one
+    token of its own (the residual draw, or the bonus when all passed).
+    """
+    alpha, gamma = _check_alpha(alpha), _check_gamma(gamma)
+    if alpha == 1.0:
+        return float(gamma + 1)
+    if alpha == 0.0:
+        return 1.0
+    # The closed form loses digits as alpha -> 1 (1 - alpha^(g+1) and 1 - alpha both -> 0);
+    # expm1 keeps them: alpha^k - 1 = expm1(k log alpha), and log is accurate near 1.
+    log_a = math.log(alpha)
+    return math.expm1((gamma + 1) * log_a) / math.expm1(log_a)
+
+
+def expected_speedup(alpha: float, gamma: int, c: float) -> float:
+    """Expected wall-clock speedup over plain decoding: tokens per iteration / (gamma c + 1).
+
+    An iteration costs gamma draft steps (c target steps each) plus one target pass,
+    which the theory counts as one target step (scoring gamma + 1 positions is memory-
+    bound like a single step). gamma = 0 is plain decoding: speedup 1.
+    """
+    c = _check_cost(c)
+    return expected_tokens_per_iteration(alpha, gamma) / (gamma * c + 1.0)
+
+
+def best_gamma(alpha: float, c: float, max_gamma: int = 64) -> int:
+    """The gamma in 0..max_gamma with the largest expected speedup (0: speculation does not pay).
+
+    The speedup rises then falls in gamma, except at alpha = 1 and c = 0, where every
+    draft is free and always accepted (then max_gamma wins). Ties go to the smaller gamma.
+    """
+    _check_alpha(alpha), _check_cost(c)
+    if not isinstance(max_gamma, int) or isinstance(max_gamma, bool) or max_gamma < 0:
+        raise ValueError(f"max_gamma must be an int >= 0, got {max_gamma!r}")
+    speedups = [expected_speedup(alpha, g, c) for g in range(max_gamma + 1)]
+    return max(range(max_gamma + 1), key=lambda g: (speedups[g], -g))
+
+
+def alpha_for_speedup(speedup: float, gamma: int, c: float, verify_cost: float = 1.0) -> float | None:
+    """The smallest alpha at which (tokens per iteration) / (gamma c + verify_cost) reaches ``speedup``.
+
+    ``verify_cost`` is the verifying pass in target steps (the theory's 1; measure it on a
+    real machine). None if even alpha = 1 falls short. Found by bisection: the expected
+    tokens per iteration grow with alpha.
+    """
+    _check_gamma(gamma), _check_cost(c)
+    if not (speedup > 0 and verify_cost > 0):
+        raise ValueError(f"speedup and verify_cost must be > 0, got {speedup!r} and {verify_cost!r}")
+    need = speedup * (gamma * c + verify_cost)  # tokens per iteration needed
+    if expected_tokens_per_iteration(1.0, gamma) < need:
+        return None
+    if expected_tokens_per_iteration(0.0, gamma) >= need:
+        return 0.0
+    lo, hi = 0.0, 1.0
+    for _ in range(60):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if expected_tokens_per_iteration(mid, gamma) < need else (lo, mid)
+    return hi
+
+
+# --- the pieces of one iteration (small, so tests can swap one for a wrong version) ----
+
+
+def accepted_count(p_x: torch.Tensor, q_x: torch.Tensor, u: torch.Tensor) -> int:
+    """How many drafts pass, in order, before the first rejection.
+
+    ``p_x[i]``, ``q_x[i]``: the target's and the draft's probability of draft token x_i;
+    ``u[i]``: a uniform draw in [0, 1). x_i passes if u_i < p(x_i) / q(x_i), which happens
+    with probability min(1, p(x_i) / q(x_i)) (compared as u q < p: no division, and
+    p >= q always passes).
+    """
+    passed = (u * q_x < p_x).tolist()
+    return passed.index(False) if False in passed else len(passed)
+
+
+def residual_distribution(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """norm(max(0, p - q)): what a rejected position draws from, so that the total is p.
+
+    Where q over-proposed, the rejections freed exactly that mass; it is handed to the
+    tokens q under-proposed. (If p <= q everywhere, p = q up to rounding and nothing
+    can be rejected; p is returned for safety.)
+    """
+    r = (p.double() - q.double()).clamp_min(0.0)
+    total = float(r.sum())
+    return (r / total).float() if total > 0 else p
+
+
+def draw(dist: torch.Tensor, generator: torch.Generator | None) -> int:
+    """One token from a probability vector (vocab,)."""
+    return int(torch.multinomial(dist, 1, generator=generator))
+
+
+def finish_iteration(
+    drafts: list[int], p: torch.Tensor, q: list[torch.Tensor], n: int, generator: torch.Generator | None
+) -> list[int]:
+    """The tokens an iteration emits: the n accepted drafts, then one token drawn on the target side.
+
+    ``p`` (gamma + 1, vocab) holds the target's distributions at the draft positions and
+    the one after; ``q[i]`` the draft's distribution x_i was drawn from.
+    """
+    if n < len(drafts):
+        dist = residual_distribution(p[n], q[n])  # the first rejection
+    else:
+        dist = p[n]  # every draft passed: the bonus token, from the target's next distribution
+    return drafts[:n] + [draw(dist, generator)]
+
+
+def _fast_greedy(sampling: SamplingParams) -> bool:
+    # Greedy without a penalty: p and q are one-hot at the argmax of the raw logits, so
+    # accept <=> the draft's argmax equals the target's, and the last token is the target's
+    # argmax. Taken directly (no distributions built); tests compare it with the general path.
+    return sampling.greedy and sampling.repetition_penalty == 1.0
+
+
+# --- the decode loop -----------------------------------------------------------------------
+
+
+@dataclass
+class SpeculativeStats:
+    gamma: int
+    target_calls: int = 0  # target forward passes: one per iteration (the first also reads the prompt)
+    draft_calls: int = 0  # draft forward passes: gamma per iteration (fewer near the end)
+    proposals: int = 0  # draft tokens proposed
+    tested: int = 0  # draft tokens the target decided on (up to and including the first rejection)
+    acceptances: int = 0  # draft tokens accepted
+    produced: int = 0  # tokens emitted, EOS included (what max_new_tokens counts)
+    alpha_sum: float = 0.0  # sum over tested positions of sum_x min(p, q), the exact acceptance probability
+    accepted_per_iteration: list[int] = field(default_factory=list)
+    emitted_per_iteration: list[int] = field(default_factory=list)  # tokens each iteration added (EOS cuts)
+    target_positions: int = 0  # positions fed to the target (prompt + draft blocks)
+    draft_positions: int = 0
+    target_time: float = 0.0  # seconds in target forward passes (and their distributions)
+    draft_time: float = 0.0  # seconds in draft forward passes (and their draws)
+    total_time: float = 0.0  # seconds from the first forward pass to the last token (as generate counts)
+    stop_reason: str = ""  # "eos" or "max_new_tokens"
+
+    @property
+    def alpha(self) -> float:
+        """Measured acceptance rate: accepted / tested draft tokens (the theory's alpha)."""
+        return self.acceptances / self.tested if self.tested else float("nan")
+
+    @property
+    def alpha_exact(self) -> float:
+        """Mean of sum_x min(p, q) over the tested positions: alpha without the coin flips' noise."""
+        return self.alpha_sum / self.tested if self.tested else float("nan")
+
+    @property
+    def tokens_per_target_call(self) -> float:
+        return self.produced / self.target_calls if self.target_calls else float("nan")
+
+    @property
+    def draft_time_per_call(self) -> float:
+        return self.draft_time / self.draft_calls if self.draft_calls else float("nan")
+
+
+@dataclass
+class SpeculativeGeneration:
+    prompt: list[int]
+    tokens: list[int]  # the new tokens (EOS, when it ended the text, is not included)
+    text: str
+    stats: SpeculativeStats
+
+
+class Speculation:
+    """The state of one speculative generation: both models, their caches, the text so far, the counters.
+
+    ``iteration`` runs one draft-then-verify round; ``speculative_generate`` loops it.
+    """
+
+    def __init__(
+        self, target, draft, prompt: list[int], max_new_tokens: int, gamma: int, *, sampling, generator, clock, lean
+    ):
+        self.target, self.draft, self.sampling, self.generator, self.clock = target, draft, sampling, generator, clock
+        self.seq = list(prompt)  # prompt + tokens emitted so far
+        self.stats = SpeculativeStats(gamma=gamma)
+        # Neither model ever needs the last emitted token's keys: at most P + N - 1 positions.
+        max_len = len(prompt) + max_new_tokens - 1
+        self.target_cache = KVCache.for_model(target, max_len=max_len)
+        self.draft_cache = KVCache.for_model(draft, max_len=max_len)
+        # Each call has its own engines (their working memory is this call's); the verify pass reads
+        # (in, out) copies of the weights, checked against the model's own now (nothing changes them
+        # during the call: this is not a generator).
+        self.engines: dict[int, LeanGPT | None] = {}
+        self.transposed: dict[int, Transposed] = {}
+        for m in (target, draft):
+            self.engines[id(m)] = engine = engine_for(m) if lean else None
+            if engine is not None and id(m) not in self.transposed:
+                self.transposed[id(m)] = transposed_copies(m)
+        self.fast = _fast_greedy(sampling)
+        self.penalised = sampling.repetition_penalty != 1.0
+        self.device = target.device
+
+    def forward(self, model, new: list[int], cache: KVCache) -> torch.Tensor:
+        """Logits (len(new), V) of the new tokens after the cached ones."""
+        engine = self.engines[id(model)]
+        if engine is None or cache.length == 0:  # the prompt: one prefill through forward()
+            return model(torch.tensor([new], device=self.device), cache)[0]
+        return engine.extend(new, cache, self.transposed[id(model)])  # one token goes straight to the decode step
+
+    def propose(self, g: int) -> tuple[list[int], list[torch.Tensor]]:
+        """The draft's g tokens, one forward pass each, and the distributions q they were drawn from.
+
+        The draft's cache may lag behind the text by two tokens (after a full accept): the first
+        pass feeds whatever it lacks.
+        """
+        drafts: list[int] = []
+        qs: list[torch.Tensor] = []
+        for i in range(g):
+            new = self.seq[self.draft_cache.length :] if i == 0 else drafts[-1:]
+            logits = self.forward(self.draft, new, self.draft_cache)[-1]  # (V,)
+            self.stats.draft_calls += 1
+            self.stats.draft_positions += len(new)
+            if self.fast:
+                drafts.append(int(logits.argmax()))
+            else:
+                q = probabilities(logits, self.sampling, self.seq + drafts if self.penalised else ())
+                qs.append(q)
+                drafts.append(draw(q, self.generator))
+        self.stats.proposals += g
+        return drafts, qs
+
+    def verify(self, drafts: list[int], qs: list[torch.Tensor]) -> tuple[int, list[int]]:
+        """The target scores the g + 1 positions in one forward pass and accepts drafts in order.
+
+        Returns how many drafts were accepted and the tokens the iteration emits.
+        """
+        g, stats = len(drafts), self.stats
+        new = self.seq[self.target_cache.length :] + drafts
+        logits = self.forward(self.target, new, self.target_cache)[-(g + 1) :]  # (g + 1, V)
+        stats.target_calls += 1
+        stats.target_positions += len(new)
+        if self.fast:
+            best = logits.argmax(dim=-1).tolist()  # the target's greedy token at each position
+            n = next((i for i in range(g) if drafts[i] != best[i]), g)
+            stats.alpha_sum += n  # one-hot p and q: sum min(p, q) is 1 if they agree, else 0
+            return n, drafts[:n] + [best[n]]
+        p = probabilities(logits, self.sampling, self._history(drafts))  # (g + 1, V)
+        n = 0
+        if g:
+            q = torch.stack(qs)  # (g, V)
+            rows, x = torch.arange(g, device=self.device), torch.tensor(drafts, device=self.device)
+            u = torch.rand(g, generator=self.generator, device=self.device, dtype=torch.float64)
+            n = accepted_count(p[rows, x].double(), q[rows, x].double(), u)
+            tested = min(g, n + 1)
+            stats.alpha_sum += float(acceptance_rate(p[:tested], q[:tested]).sum())
+        return n, finish_iteration(drafts, p, qs, n, self.generator)
+
+    def _history(self, drafts: list[int]) -> torch.Tensor | tuple:
+        """What the repetition penalty sees at each of the g + 1 positions: row i, the text and drafts[:i]."""
+        if not self.penalised:
+            return ()
+        history = torch.zeros(len(drafts) + 1, self.target.config.vocab_size, dtype=torch.bool, device=self.device)
+        history[:, self.seq] = True
+        for i, x in enumerate(drafts):
+            history[i + 1 :, x] = True
+        return history  # (g + 1, V)
+
+    def iteration(self, g: int, eos_id: int | None) -> None:
+        """One round: the draft proposes g tokens, the target verifies them, the text grows by 1 to g + 1."""
+        stats, clock = self.stats, self.clock
+        t0 = clock()
+        drafts, qs = self.propose(g)
+        synchronize(self.device)
+        t1 = clock()
+        stats.draft_time += t1 - t0
+        n, emitted = self.verify(drafts, qs)
+        synchronize(self.device)
+        stats.target_time += clock() - t1
+        stats.tested += min(g, n + 1)
+        stats.acceptances += n
+        stats.accepted_per_iteration.append(n)
+        # Emit; roll both caches back to tokens that stay (each keeps at most len(seq) - 1).
+        if eos_id is not None and eos_id in emitted:
+            emitted = emitted[: emitted.index(eos_id) + 1]
+        self.seq += emitted
+        stats.produced += len(emitted)
+        stats.emitted_per_iteration.append(len(emitted))
+        self.target_cache.truncate(min(self.target_cache.length, len(self.seq) - 1))
+        self.draft_cache.truncate(min(self.draft_cache.length, len(self.seq) - 1))
+
+
+def _check_pair(target, draft, prompt, max_new_tokens: int, gamma: int, sampling) -> list[int]:
+    """The prompt's ids, after checking every argument of ``speculative_generate`` once."""
+    ids = prompt_ids(prompt)
+    _check_gamma(gamma)
+    if not isinstance(sampling, SamplingParams):
+        raise TypeError(f"sampling must be a SamplingParams, got {type(sampling).__name__}")
+    if draft.config.vocab_size != target.config.vocab_size:
+        raise ValueError(
+            f"draft and target must share the vocabulary: draft has {draft.config.vocab_size} tokens, "
+            f"target {target.config.vocab_size}"
+        )
+    if draft.device != target.device:
+        raise ValueError(f"draft is on {draft.device}, target on {target.device}: put both on one device")
+    check_prompt(target, ids, max_new_tokens)
+    try:
+        check_prompt(draft, ids, max_new_tokens)
+    except ValueError as e:
+        raise ValueError(f"draft model: {e}") from None
+    return ids
+
+
+def speculative_generate(
+    target,
+    draft,
+    prompt: str | Sequence[int],
+    max_new_tokens: int = 200,
+    gamma: int = 4,
+    *,
+    sampling: SamplingParams = GREEDY,
+    generator: torch.Generator | None = None,
+    eos_id: int | None = EOS_ID,
+    clock: Callable[[], float] = time.perf_counter,
+    lean: bool = True,
+) -> SpeculativeGeneration:
+    """Generate like ``ar_lab.generate(target, ...)`` with ``draft`` proposing ``gamma`` tokens at a time.
+
+    The output has exactly the target's distribution under ``sampling`` (token for token
+    the same text when greedy); only the speed and ``stats`` differ. Stops at ``eos_id``
+    (not included in ``tokens``) or after ``max_new_tokens`` tokens, as ``generate`` does.
+    ``gamma = 0`` is plain decoding with the target. Random draws come from ``generator``.
+    ``clock`` times the stats (wall clock by default; see ``ar_lab.base.timing.steady_clock``). Forward
+    passes of a ``GPT`` after the prompt run through ``ar_lab.engine.lean`` (one token: its decode step; the
+    verify pass: its multi-token ``extend``), as ``generate``'s do; ``lean=False`` uses ``model.forward``.
+    """
+    ids = _check_pair(target, draft, prompt, max_new_tokens, gamma, sampling)
+    check_eos(target, eos_id)
+    run = Speculation(
+        target, draft, ids, max_new_tokens, gamma, sampling=sampling, generator=generator, clock=clock, lean=lean
+    )
+    stats = run.stats
+    with eval_mode(target, draft):
+        t_start = clock()  # as generate's clock: from the first forward pass on
+        while stats.produced < max_new_tokens:
+            run.iteration(min(gamma, max_new_tokens - stats.produced - 1), eos_id)  # never past max_new_tokens
+            if eos_id is not None and run.seq[-1] == eos_id:
+                break
+    tokens = run.seq[len(ids) :]
+    if eos_id is not None and tokens and tokens[-1] == eos_id:
+        tokens.pop()
+        stats.stop_reason = "eos"
+    else:
+        stats.stop_reason = "max_new_tokens"
+    stats.total_time = clock() - t_start
+    text = decode([t for t in tokens if t < N_BYTES])
+    return SpeculativeGeneration(ids, tokens, text, stats)
+
+
+def token_sources(stats: SpeculativeStats) -> list[str]:
+    """For each emitted token, who chose it: "draft" (an accepted proposal) or "target".
+
+    Iteration k emitted ``accepted_per_iteration[k]`` drafts, then one target token
+    (the residual draw or the bonus), unless EOS cut it short.
+    """
+    sources: list[str] = []
+    for n, emitted in zip(stats.accepted_per_iteration, stats.emitted_per_iteration, strict=True):
+        sources += (["draft"] * n + ["target"])[:emitted]
+    return sources

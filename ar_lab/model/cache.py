@@ -1,0 +1,315 @@
+"""A preallocated key/value cache.
+
+During decoding the keys and values of past tokens never change, so each layer keeps
+them instead of recomputing them every step. The buffers are allocated once at full
+size, per layer (B, H_kv, T_max, D); a step writes its new positions in place and
+attention reads the filled prefix. Nothing is re-allocated or concatenated per step.
+
+``truncate(n)`` rolls the cache back to its first n positions (speculative decoding
+uses it to discard rejected draft tokens): the stale entries beyond n are simply
+overwritten by the next write.
+
+A batch-1 cache also records which token id it holds at each position (``record``, called
+by ``GPT.forward`` and the lean step; ``token_ids`` reads them): keys and values are only
+valid for the tokens they were computed from, so ``generate(..., cache=c)`` reuses exactly
+the positions where the cached ids and the new prompt agree, and recomputes the rest.
+
+``BatchKVCache`` holds several sequences of different lengths in slots, for batched
+serving (chapter 08): each row has its own length, positions and attention mask.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+
+def _buffers(n_layer, batch, n_kv_heads, max_len, head_dim, dtype, device, batch_name="batch_size"):
+    """Per-layer key and value buffers (batch, H_kv, max_len, D), after checking every size."""
+    sizes = [("n_layer", n_layer), (batch_name, batch), ("n_kv_heads", n_kv_heads), ("max_len", max_len)]
+    for name, value in [*sizes, ("head_dim", head_dim)]:
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ValueError(f"{name} must be a positive int, got {value!r}")
+    shape = (batch, n_kv_heads, max_len, head_dim)
+    k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_layer)]
+    v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_layer)]
+    return k, v
+
+
+class KVCache:
+    def __init__(
+        self,
+        n_layer: int,
+        batch_size: int,
+        n_kv_heads: int,
+        max_len: int,
+        head_dim: int,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+    ) -> None:
+        self.k, self.v = _buffers(n_layer, batch_size, n_kv_heads, max_len, head_dim, dtype, device)
+        self.max_len = max_len
+        self.batch_size = batch_size
+        self.length = 0  # positions filled so far
+        self._ids: list[int] = []  # token ids recorded at positions 0, 1, ... (batch 1); see token_ids
+
+    @classmethod
+    def for_model(cls, model, batch_size: int = 1, max_len: int | None = None, dtype=None) -> KVCache:
+        """A cache shaped for ``model`` (max_len defaults to its context window)."""
+        cfg = model.config
+        max_len = cfg.block_size if max_len is None else max_len
+        if max_len > cfg.block_size:
+            raise ValueError(f"max_len={max_len} exceeds the model's context window ({cfg.block_size})")
+        p = next(model.parameters())
+        return cls(cfg.n_layer, batch_size, cfg.kv_heads, max_len, cfg.head_dim, dtype or p.dtype, p.device)
+
+    @classmethod
+    def from_buffers(cls, k: list[torch.Tensor], v: list[torch.Tensor], length: int = 0) -> KVCache:
+        """A cache over existing per-layer buffers (B, H_kv, T_max, D), e.g. views of one slot of a
+        ``BatchKVCache``: writes go straight into them, nothing is copied. The token ids of its first
+        ``length`` positions are unknown (``token_ids`` is None) until ``record`` names them."""
+        if not k or len(k) != len(v) or any(a.ndim != 4 or a.shape != b.shape for a, b in zip(k, v, strict=True)):
+            raise ValueError("k and v must be equal-length lists of (B, H_kv, T_max, D) buffers of the same shape")
+        self = cls.__new__(cls)
+        self.k, self.v = list(k), list(v)
+        self.batch_size, _, self.max_len, _ = k[0].shape
+        if not 0 <= length <= self.max_len:
+            raise ValueError(f"length must be in 0..{self.max_len}, got {length}")
+        self.length = length
+        self._ids = []
+        return self
+
+    def update(self, layer: int, start: int, k: torch.Tensor, v: torch.Tensor):
+        """Write k, v (B, H_kv, T, D) at positions start..start+T; return all keys/values so far.
+
+        Token ids recorded from ``start`` on are dropped: the caller records the new ones."""
+        end = start + k.shape[2]
+        if end > self.max_len:
+            raise ValueError(f"KV cache full: positions up to {end} requested, capacity is {self.max_len}")
+        del self._ids[start:]
+        self.k[layer][:, :, start:end] = k
+        self.v[layer][:, :, start:end] = v
+        return self.k[layer][:, :, :end], self.v[layer][:, :, :end]
+
+    def record(self, start: int, ids: list[int]) -> None:
+        """Note that positions ``start ..`` now hold the keys/values of token ``ids`` (a batch-1 cache).
+
+        If an id before ``start`` is unknown, so stay these (``token_ids`` is None)."""
+        if len(self._ids) >= start:
+            self._ids[start:] = ids
+
+    @property
+    def token_ids(self) -> list[int] | None:
+        """The token ids at positions 0 .. length - 1, or None if some were written without ``record``
+        (``GPT.forward`` on one row, ``ar_lab.engine.lean`` and ``PrefixCache`` record; ``update`` alone does not)."""
+        ids, n = self._ids, self.length
+        return ids[:n] if len(ids) >= n else None
+
+    def reusable(self, prompt: list[int]) -> int:
+        """``reusable_length`` of the recorded ids and ``prompt``; raises if some position's id is unknown."""
+        cached = self.token_ids
+        if cached is None:
+            raise ValueError(
+                f"the cache holds {self.length} positions but knows the token ids of only {len(self._ids)} of them "
+                "(filled by KVCache.update or by setting cache.length, which do not record ids), so it cannot tell "
+                "which positions belong to this prompt: fill it through the model (model(idx, cache), "
+                "ar_lab.generate, PrefixCache), or call cache.truncate(0) to reuse only its memory"
+            )
+        return reusable_length(cached, prompt)
+
+    def truncate(self, n: int) -> None:
+        """Keep only the first ``n`` positions (roll back)."""
+        if not 0 <= n <= self.length:
+            raise ValueError(f"can truncate to 0..{self.length} positions, got {n}")
+        self.length = n
+        del self._ids[n:]
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held by the preallocated buffers (keys and values, all layers)."""
+        return sum(t.nbytes for t in self.k) + sum(t.nbytes for t in self.v)
+
+    @property
+    def used_bytes(self) -> int:
+        """Bytes of the positions filled so far."""
+        return self.nbytes * self.length // self.max_len
+
+    def __repr__(self) -> str:
+        b, h, t, d = self.k[0].shape
+        return (
+            f"KVCache(layers={len(self.k)}, batch={b}, kv_heads={h}, max_len={t}, head_dim={d}, "
+            f"length={self.length}, nbytes={self.nbytes:,})"
+        )
+
+
+class BatchKVCache:
+    """Slots for sequences of *different* lengths that are decoded together (serving, chapter 08).
+
+    The buffers are KVCache's, per layer (B_max, H_kv, T_max, D), but every slot (row) has its
+    own length: slot i holds ``lengths[i]`` positions. The slots in use are always the first
+    ``rows``; a forward pass works on exactly those (a view, no gather), and ``remove`` keeps
+    them packed by moving the last used slot into the freed one.
+
+    A forward step through the model (``GPT.forward(idx, cache)`` with idx (rows, T)) puts row
+    i's new tokens at positions ``lengths[i] ..``: ``begin(T)`` gives those positions (for the
+    position embeddings) and the attention mask (row i's query at position p sees keys 0..p,
+    never another row's stale or unused entries); ``update`` writes the new keys/values at them;
+    ``advance(T)`` moves the lengths on.
+
+    A new request is prefilled alone into ``slot(rows)`` (a batch-1 ``KVCache`` over the slot's
+    buffers, so the prompt's keys/values land in place) and then joins with ``add``.
+    """
+
+    def __init__(
+        self,
+        n_layer: int,
+        max_batch: int,
+        n_kv_heads: int,
+        max_len: int,
+        head_dim: int,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+    ) -> None:
+        self.k, self.v = _buffers(n_layer, max_batch, n_kv_heads, max_len, head_dim, dtype, device, "max_batch")
+        self.max_batch, self.max_len = max_batch, max_len
+        self.lengths = [0] * max_batch  # positions filled in each slot
+        self.rows = 0  # slots 0..rows-1 are in use
+        self.device = torch.device(device)
+        self._steps = torch.arange(max_len, device=device)  # 0..T_max-1, sliced for positions and masks
+        self._slots = torch.arange(max_batch, device=device)[:, None]  # (B_max, 1) row indices
+        self._end = 0  # keys the current forward step attends over (set by begin)
+
+    @classmethod
+    def for_model(cls, model, max_batch: int, max_len: int | None = None, dtype=None) -> BatchKVCache:
+        """Slots shaped for ``model`` (max_len defaults to its context window)."""
+        cfg = model.config
+        max_len = cfg.block_size if max_len is None else max_len
+        if not isinstance(max_len, int) or not 1 <= max_len <= cfg.block_size:
+            raise ValueError(f"max_len must be an int in 1..{cfg.block_size} (the context window), got {max_len!r}")
+        p = next(model.parameters())
+        return cls(cfg.n_layer, max_batch, cfg.kv_heads, max_len, cfg.head_dim, dtype or p.dtype, p.device)
+
+    @property
+    def batch_size(self) -> int:
+        """Rows a forward step must feed: the slots in use."""
+        return self.rows
+
+    def slot(self, i: int) -> KVCache:
+        """Slot ``i`` as a batch-1 ``KVCache`` (views of the buffers, its current length)."""
+        if not 0 <= i < self.max_batch:
+            raise ValueError(f"slot must be in 0..{self.max_batch - 1}, got {i}")
+        return KVCache.from_buffers(
+            [k[i : i + 1] for k in self.k], [v[i : i + 1] for v in self.v], length=self.lengths[i]
+        )
+
+    def add(self, length: int) -> int:
+        """Put slot ``rows`` (prefilled with ``length`` positions, e.g. through ``slot``) in use; its index."""
+        if self.rows == self.max_batch:
+            raise ValueError(f"all {self.max_batch} slots are in use: remove a finished row first")
+        if not isinstance(length, int) or not 0 <= length <= self.max_len:
+            raise ValueError(f"length must be an int in 0..{self.max_len}, got {length!r}")
+        i = self.rows
+        self.lengths[i] = length
+        self.rows += 1
+        return i
+
+    def remove(self, i: int) -> int | None:
+        """Free row ``i``; the last row in use moves into it. Returns the index that moved (or None)."""
+        if not 0 <= i < self.rows:
+            raise ValueError(f"row must be in use (0..{self.rows - 1}), got {i}")
+        last = self.rows - 1
+        self.rows = last
+        self.lengths[i], moved = self.lengths[last], None
+        if i != last:
+            n = self.lengths[last]  # only the filled positions need to move
+            for buf in self.k + self.v:
+                buf[i, :, :n] = buf[last, :, :n]
+            moved = last
+        self.lengths[last] = 0
+        return moved
+
+    def begin(self, T: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Positions (rows, T) of the next T tokens of each row, and the attention mask (rows, 1, T, keys)."""
+        if self.rows == 0:
+            raise ValueError("no row is in use: add a prefilled slot first")
+        lengths = self.lengths[: self.rows]
+        self._end = max(lengths) + T
+        if self._end > self.max_len:
+            raise ValueError(f"KV cache full: positions up to {self._end} requested, capacity is {self.max_len}")
+        start = torch.tensor(lengths, device=self.device)  # (rows,)
+        positions = start[:, None] + self._steps[:T]  # (rows, T)
+        # Row b's query at position p sees keys 0..p: its own past and itself, nothing beyond.
+        mask = self._steps[: self._end] <= positions[:, :, None]  # (rows, T, keys)
+        return positions, mask[:, None]  # (rows, T), (rows, 1, T, keys): one mask for all heads
+
+    def update(self, layer: int, positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
+        """Write k, v (rows, H_kv, T, D) at each row's ``positions`` (rows, T).
+
+        Returns the keys/values attention reads, (rows, H_kv, keys, D).
+        """
+        rows = self._slots[: self.rows]  # (rows, 1): broadcasts against positions (rows, T)
+        # buf[rows, :, positions] selects (rows, T, H_kv, D): the advanced indices come first.
+        self.k[layer][rows, :, positions] = k.transpose(1, 2)
+        self.v[layer][rows, :, positions] = v.transpose(1, 2)
+        return self.k[layer][: self.rows, :, : self._end], self.v[layer][: self.rows, :, : self._end]
+
+    def advance(self, T: int) -> None:
+        for i in range(self.rows):
+            self.lengths[i] += T
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held by the preallocated buffers (keys and values, all layers, all slots)."""
+        return sum(t.nbytes for t in self.k) + sum(t.nbytes for t in self.v)
+
+    def __repr__(self) -> str:
+        b, h, t, d = self.k[0].shape
+        return (
+            f"BatchKVCache(layers={len(self.k)}, slots={b}, rows={self.rows}, kv_heads={h}, max_len={t}, "
+            f"head_dim={d}, lengths={self.lengths[: self.rows]}, nbytes={self.nbytes:,})"
+        )
+
+
+def common_prefix_length(a: Sequence[int], b: Sequence[int]) -> int:
+    """How many items ``a`` and ``b`` share from the start."""
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def reusable_length(cached: Sequence[int], prompt: Sequence[int]) -> int:
+    """Prompt positions whose keys/values a cache of ``cached`` tokens can serve: those the two
+    share from the start, never the prompt's last token (its logits give the first new token)."""
+    if len(prompt) == 0:
+        raise ValueError("the prompt is empty")
+    return min(common_prefix_length(cached, prompt), len(prompt) - 1)
+
+
+def check_sizes(**sizes) -> None:
+    for name, value in sizes.items():
+        low = 0 if name == "seq_len" else 1
+        if not isinstance(value, int) or isinstance(value, bool) or value < low:
+            raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
+
+
+def kv_cache_bytes(
+    n_layer: int, n_kv_heads: int, head_dim: int, seq_len: int, batch_size: int = 1, bytes_per_value: int = 4
+) -> int:
+    """layers x KV heads x head dim x sequence x batch x 2 (K and V) x bytes per value.
+
+    One formula for MHA (KV heads = query heads), GQA (fewer) and MQA (one).
+    """
+    check_sizes(
+        n_layer=n_layer,
+        n_kv_heads=n_kv_heads,
+        head_dim=head_dim,
+        seq_len=seq_len,
+        batch_size=batch_size,
+        bytes_per_value=bytes_per_value,
+    )
+    return n_layer * n_kv_heads * head_dim * seq_len * batch_size * 2 * bytes_per_value
+

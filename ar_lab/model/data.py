@@ -1,0 +1,153 @@
+"""Text corpora and training batches.
+
+The built-in corpus is the Python documentation that ships inside CPython
+(``pydoc_data.topics``): on every machine, no download, real technical English with
+code in it. Any UTF-8 text file of your own works too (``load_text``).
+
+Documents are separated by EOS so the model learns where a text ends.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+
+from ar_lab.model.tokenizer import EOS_ID, encode
+
+
+def data_dir() -> Path:
+    """The folder of the shipped checkpoints and reference measurements.
+
+    ``data/`` beside the package, unless the ``AR_LAB_DATA`` environment variable names
+    another folder (read on every call, so setting it in a running notebook takes effect).
+    """
+    return Path(os.environ.get("AR_LAB_DATA") or Path(__file__).resolve().parents[2] / "data")
+
+
+def check_writable(path: Path, what: str) -> None:
+    """Refuse a file path that cannot be written (a folder, or under a file) before the work that fills it."""
+    path = Path(path)
+    if path.is_dir():
+        raise ValueError(f"{what} {path} is a folder: give a file name, e.g. {path / 'out.json'}")
+    folder = path.parent
+    while not folder.exists() and folder != folder.parent:
+        folder = folder.parent
+    if not folder.is_dir():
+        raise ValueError(f"{what} {path} cannot be written: {folder} is a file, not a folder")
+
+
+def builtin_documents() -> list[str]:
+    """The Python documentation topics of this interpreter, sorted by topic name."""
+    from pydoc_data.topics import topics
+
+    return [topics[name].strip() + "\n" for name in sorted(topics)]
+
+
+def builtin_corpus() -> str:
+    """All built-in documents in one string (no EOS markers)."""
+    return "".join(builtin_documents())
+
+
+def load_text(path: str | Path) -> str:
+    """Read a UTF-8 text file, with errors a learner can act on."""
+    if not isinstance(path, (str, Path)):
+        raise TypeError(f"give the path of a UTF-8 text file (a str or Path), got {type(path).__name__}")
+    p = Path(path)
+    if not p.exists():
+        raise FileNotFoundError(f"no such text file: {p} (give the path of a UTF-8 text file)")
+    if p.is_dir():
+        raise IsADirectoryError(f"{p} is a folder; give the path of a text file inside it")
+    try:
+        text = p.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{p} is not UTF-8 text ({e.reason} at byte {e.start})") from None
+    if not text.strip():
+        raise ValueError(f"{p} is empty; a corpus needs some text to learn from")
+    return text
+
+
+def tokenize_documents(documents: list[str]) -> torch.Tensor:
+    """Encode documents, each followed by EOS, into one 1-D tensor of token ids."""
+    if isinstance(documents, str) or not isinstance(documents, (list, tuple)):
+        raise TypeError(f"documents must be a list of str (one text per document), got {type(documents).__name__}")
+    ids: list[int] = []
+    for doc in documents:
+        ids.extend(encode(doc))
+        ids.append(EOS_ID)
+    if not ids:
+        raise ValueError("no documents to tokenize")
+    return torch.tensor(ids, dtype=torch.long)
+
+
+def corpus_tokens(path: str | Path | None = None) -> torch.Tensor:
+    """Token ids of the built-in corpus, or of the text file at ``path``."""
+    if path is None:
+        return tokenize_documents(builtin_documents())
+    return tokenize_documents([load_text(path)])
+
+
+def train_val_split(tokens: torch.Tensor, val_fraction: float = 0.1) -> tuple[torch.Tensor, torch.Tensor]:
+    """Split a 1-D token tensor: the first part trains, the last ``val_fraction`` validates.
+
+    A contiguous tail (not a random sample) keeps validation text unseen during
+    training and makes the split the same on every run.
+    """
+    _check_tokens(tokens)
+    if not isinstance(val_fraction, (int, float)) or not 0.0 < val_fraction < 1.0:
+        raise ValueError(f"val_fraction must be in (0, 1), got {val_fraction}")
+    n_val = max(1, int(len(tokens) * val_fraction))
+    if len(tokens) - n_val < 2:
+        raise ValueError(f"only {len(tokens)} tokens: too few to split into train and validation")
+    return tokens[:-n_val], tokens[-n_val:]
+
+
+def get_batch(
+    tokens: torch.Tensor, batch_size: int, block_size: int, generator: torch.Generator | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random windows of ``block_size`` tokens: inputs x and next-token targets y.
+
+    Returns x, y of shape (batch_size, block_size) with y[:, t] = x[:, t + 1] shifted
+    by one in the source text: every position is a training example at once.
+    """
+    _check_tokens(tokens)
+    for name, value in (("batch_size", batch_size), ("block_size", block_size)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+    if len(tokens) < block_size + 1:
+        raise ValueError(
+            f"a window of {block_size} tokens needs at least {block_size + 1} tokens of text, "
+            f"got {len(tokens)}; use a smaller block_size or more text"
+        )
+    starts = torch.randint(0, len(tokens) - block_size, (batch_size,), generator=generator)
+    offsets = torch.arange(block_size + 1)
+    windows = tokens[starts[:, None] + offsets]  # (B, block_size + 1)
+    return windows[:, :-1].contiguous(), windows[:, 1:].contiguous()
+
+
+def _check_tokens(tokens) -> None:
+    if not isinstance(tokens, torch.Tensor) or tokens.dtype.is_floating_point or tokens.dtype == torch.bool:
+        got = f"a {tokens.dtype} tensor" if isinstance(tokens, torch.Tensor) else type(tokens).__name__
+        raise TypeError(f"tokens must be a 1-D integer tensor of token ids (e.g. corpus_tokens()), got {got}")
+    if tokens.ndim != 1:
+        raise ValueError(f"tokens must be 1-D, got shape {tuple(tokens.shape)}")
+
+
+def benchmark_prompts(n: int = 3, length: int = 32) -> list[list[int]]:
+    """``n`` prompts of up to ``length`` tokens, evenly spaced through the validation text.
+
+    Text the models never trained on; a window that crosses a document boundary starts
+    after its EOS. Chapter 07 and ``python -m ar_lab.bench speculative`` time on these.
+    """
+    if not isinstance(n, int) or n < 1 or not isinstance(length, int) or length < 1:
+        raise ValueError(f"n and length must be ints >= 1, got {n!r} and {length!r}")
+    _, val = train_val_split(corpus_tokens())
+    step = (len(val) - length) // n
+    prompts = []
+    for i in range(n):
+        window = val[i * step : i * step + length].tolist()
+        if EOS_ID in window:
+            window = window[window.index(EOS_ID) + 1 :] or window[: window.index(EOS_ID)]
+        prompts.append([t for t in window if t != EOS_ID] or encode(" "))
+    return prompts

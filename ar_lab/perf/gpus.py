@@ -1,0 +1,186 @@
+"""Real GPUs as data: the two roofs and the memory of each, from the vendor's own documents.
+
+Chapter 05 places prefill and decode of real models on these rooflines
+(``ar_lab.perf.llm_costs``) because most learners have no GPU to measure. Each row holds
+
+* ``tensor_flops``: dense 16-bit tensor-core FLOP/s (bf16, or fp16 where the chip has no
+  bf16), *without* 2:4 structured sparsity. Several datasheets print only the sparse
+  figure, with a footnote that the dense one is half: the row then says so and halves it.
+  Matmuls in PyTorch accumulate 16-bit products in fp32, so where a document gives both
+  accumulation modes (GeForce cards run fp32 accumulation at half the fp16 rate) the row
+  takes the fp32-accumulate figure.
+* ``fp32_flops``: plain (non-tensor) fp32 FLOP/s, the roof of fp32 weights: PyTorch does
+  not use TF32 for fp32 matmuls unless asked to.
+* ``bandwidth``: peak memory bandwidth in bytes/s; ``memory``: capacity in bytes, taken as
+  the datasheet's GB x 10^9 (cards hold a little more in binary GiB, and the driver,
+  the CUDA context and activations take some back).
+
+All of them are peak figures at the boost clock, as datasheets print them: what the
+chip cannot exceed, not what a program reaches (chapter 05 measures that where a GPU is
+present). ``source`` names the document each row's numbers come from.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from ar_lab.perf.roofline import ridge_point
+
+GB = 1e9
+TB = 1e12
+TFLOP = 1e12
+
+
+@dataclass(frozen=True)
+class GPUSpec:
+    """One accelerator's datasheet roofs: dense tensor and fp32 FLOP/s, bandwidth, memory."""
+
+    name: str
+    tensor_flops: float  # dense 16-bit tensor-core FLOP/s (no sparsity)
+    fp32_flops: float  # non-tensor fp32 FLOP/s
+    bandwidth: float  # bytes/s
+    memory: float  # bytes
+    source: str  # the vendor document the figures come from
+    quoted: str  # what the document prints for the tensor figure, and how the dense figure follows
+    device_names: str  # regular expression matching torch.cuda.get_device_name() of this exact product
+
+    @property
+    def ridge(self) -> float:
+        """FLOP per byte where the 16-bit tensor roof meets the bandwidth slope."""
+        return ridge_point(self.tensor_flops, self.bandwidth)
+
+    def peak_flops(self, weight_dtype: str = "bf16") -> float:
+        """The compute roof for a weight format: fp32 runs on the fp32 units; bf16, int8 and int4
+        weights (int8/int4 dequantized to bf16 for the arithmetic) on the 16-bit tensor cores."""
+        return self.fp32_flops if weight_dtype == "fp32" else self.tensor_flops
+
+
+GPUS: dict[str, GPUSpec] = {
+    spec.name: spec
+    for spec in [
+        GPUSpec(
+            "T4",
+            65 * TFLOP,
+            8.1 * TFLOP,
+            300 * GB,
+            16 * GB,
+            source="NVIDIA T4 Tensor Core GPU datasheet",
+            quoted="Mixed Precision (FP16/FP32) 65 TFLOPS (dense; Turing has no bf16). The datasheet "
+            "gives 300 GB/s; NVIDIA's T4 web page says 320+ GB/s",
+            device_names=r"\bT4\b",
+        ),
+        GPUSpec(
+            "L4",
+            242 * TFLOP / 2,
+            30.3 * TFLOP,
+            300 * GB,
+            24 * GB,
+            source="NVIDIA L4 Tensor Core GPU datasheet",
+            quoted="FP16 / BF16 Tensor Core 242 TFLOPS, printed with sparsity: dense is half, 121",
+            device_names=r"\bL4\b",
+        ),
+        GPUSpec(
+            "A10",
+            125 * TFLOP,
+            31.2 * TFLOP,
+            600 * GB,
+            24 * GB,
+            source="NVIDIA A10 Tensor Core GPU datasheet",
+            quoted="BF16 / FP16 Tensor Core 125 TFLOPS dense (250 with sparsity). Not AWS's A10G: "
+            "NVIDIA publishes no datasheet for that variant and its tensor throughput differs",
+            device_names=r"\bA10\b",
+        ),
+        GPUSpec(
+            "A100 40GB SXM",
+            312 * TFLOP,
+            19.5 * TFLOP,
+            1555 * GB,
+            40 * GB,
+            source="NVIDIA A100 Tensor Core GPU datasheet",
+            quoted="BF16 / FP16 Tensor Core 312 TFLOPS dense (624 with sparsity)",
+            device_names=r"A100.*40GB",  # the 40 GB PCIe card has the same roofs
+        ),
+        GPUSpec(
+            "A100 80GB SXM",
+            312 * TFLOP,
+            19.5 * TFLOP,
+            2039 * GB,
+            80 * GB,
+            source="NVIDIA A100 Tensor Core GPU datasheet",
+            quoted="BF16 / FP16 Tensor Core 312 TFLOPS dense (624 with sparsity)",
+            device_names=r"A100-SXM\d?-80GB",
+        ),
+        GPUSpec(
+            "H100 SXM",
+            1979 * TFLOP / 2,
+            67 * TFLOP,
+            3.35 * TB,
+            80 * GB,
+            source="NVIDIA H100 Tensor Core GPU datasheet",
+            quoted="BF16 / FP16 Tensor Core 1,979 TFLOPS, printed with sparsity: dense is half, 989.5",
+            device_names=r"H100 80GB HBM3",  # how the SXM5 module names itself (the PCIe card: "H100 PCIe")
+        ),
+        GPUSpec(
+            "H200 SXM",
+            1979 * TFLOP / 2,
+            67 * TFLOP,
+            4.8 * TB,
+            141 * GB,
+            source="NVIDIA H200 Tensor Core GPU datasheet",
+            quoted="BF16 / FP16 Tensor Core 1,979 TFLOPS, printed with sparsity: dense is half, 989.5",
+            device_names=r"\bH200\b(?!.*NVL)",
+        ),
+        GPUSpec(
+            "RTX 4090",
+            165.2 * TFLOP,
+            82.6 * TFLOP,
+            1008 * GB,
+            24 * GB,
+            source="NVIDIA Ada GPU Architecture whitepaper (GeForce RTX 4090 specifications)",
+            quoted="Peak FP16 / BF16 Tensor TFLOPS with FP32 accumulate 165.2 dense (330.4 with sparsity); "
+            "with FP16 accumulate 330.3, which PyTorch's matmuls do not use",
+            device_names=r"RTX 4090$",
+        ),
+    ]
+}
+
+
+def match_gpu(device_name: str) -> GPUSpec | None:
+    """The table's row for a CUDA device name (``torch.cuda.get_device_name()``), or None if not tabulated.
+
+    Only the exact products of the table match: an "H100 PCIe" or an "A10G" has other
+    roofs and gets None, not a neighbour's figures.
+    """
+    for spec in GPUS.values():
+        if re.search(spec.device_names, device_name.strip()):
+            return spec
+    return None
+
+
+def gpu(name: str) -> GPUSpec:
+    """The row named ``name`` (a key of ``GPUS``), with a clear error for anything else."""
+    if name not in GPUS:
+        raise ValueError(f"unknown GPU {name!r}; choose one of {list(GPUS)}")
+    return GPUS[name]
+
+
+SPEC_HEADERS = ["GPU", "16-bit tensor TFLOP/s", "fp32 TFLOP/s", "bandwidth TB/s", "memory GB", "ridge FLOP/B", "source"]
+
+
+def spec_rows(specs=None) -> list[list]:
+    """Rows under ``SPEC_HEADERS``: the table as a learner reads it, ridge computed."""
+    rows = []
+    for s in GPUS.values() if specs is None else specs:
+        rows.append(
+            [
+                s.name,
+                round(s.tensor_flops / TFLOP, 1),
+                round(s.fp32_flops / TFLOP, 1),
+                round(s.bandwidth / TB, 3),
+                round(s.memory / GB),
+                round(s.ridge),
+                s.source,
+            ]
+        )
+    return rows

@@ -1,0 +1,299 @@
+"""Prefill and decode of real model shapes, counted from first principles and placed on a GPU's roofline.
+
+``ar_lab.perf.roofline`` counts the course's own GPT (a ``GPTConfig``: GELU MLP four times
+the width, tied embeddings, learned positions). Production models differ in ways that
+move the numbers: a gated MLP (SwiGLU: three matrices of an arbitrary width), separate
+input and output embeddings, grouped-query attention. ``ModelShape`` describes such a
+model and ``forward_cost`` counts one forward pass of it the same way ``ar_lab.perf.roofline``
+does (and returns the same ``PhaseCost``, so both draw alike):
+
+* FLOPs: 2 per matmul weight per token; attention 4 x (query heads x head_dim) per key
+  per layer (query . key, then the weighted value);
+* bytes: every weight once per pass (the input embedding only for the rows used), the KV
+  cache of each sequence read once and the new positions written, and each matmul's input
+  and output once per token (attention scores never reach memory: a fused kernel).
+
+``place_decode`` answers the questions a decode batch raises on a given GPU (from
+``ar_lab.perf.gpus``): at which batch the sequences' own KV reads outweigh the shared weight
+read, whether batching ever reaches the ridge, and the largest batch whose KV cache fits.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from ar_lab.base.args import positive_int
+from ar_lab.model.gpt import GPTConfig
+from ar_lab.perf.roofline import PhaseCost
+
+# Bytes per weight for each storage format. int8 / int4 are weight-only formats: the
+# weights are read at that size and turned back into bf16 for the arithmetic, and the
+# KV cache and activations stay 16-bit (the scales of grouped quantisation, ~1-3 % more
+# bytes, are left out).
+WEIGHT_BYTES = {"fp32": 4.0, "bf16": 2.0, "int8": 1.0, "int4": 0.5}
+
+
+def value_bytes(weight_dtype: str) -> int:
+    """Bytes per KV-cache and activation value: 4 with fp32 weights, 2 (bf16) with any other."""
+    check_dtype(weight_dtype)
+    return 4 if weight_dtype == "fp32" else 2
+
+
+def check_dtype(weight_dtype: str) -> str:
+    if weight_dtype not in WEIGHT_BYTES:
+        raise ValueError(f"weight_dtype must be one of {list(WEIGHT_BYTES)}, got {weight_dtype!r}")
+    return weight_dtype
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """The sizes that set a decoder-only transformer's FLOPs and bytes."""
+
+    name: str
+    n_layer: int
+    d_model: int
+    n_head: int
+    n_kv_heads: int  # == n_head: MHA; 1: MQA; in between: GQA
+    head_dim: int
+    d_ff: int  # MLP hidden width
+    vocab: int
+    max_context: int
+    gated_mlp: bool = True  # SwiGLU: gate and up (d -> d_ff each), down (d_ff -> d); else fc and proj (GELU)
+    tied_embeddings: bool = False  # the output head reuses the input embedding
+    learned_positions: bool = False  # a position table (GPT-2); RoPE models have none
+    layer_norm: bool = False  # LayerNorm (weight and bias); else RMSNorm (weight only)
+    biases: str = "none"  # "none", "qkv" (query/key/value projections only) or "all" (every linear but the head)
+    source: str = ""
+
+    def __post_init__(self) -> None:
+        for f in ("n_layer", "d_model", "n_head", "n_kv_heads", "head_dim", "d_ff", "vocab", "max_context"):
+            positive_int(f"ModelShape.{f}", getattr(self, f))
+        if self.n_head % self.n_kv_heads:
+            raise ValueError(f"n_head ({self.n_head}) must be a multiple of n_kv_heads ({self.n_kv_heads})")
+        if self.biases not in ("none", "qkv", "all"):
+            raise ValueError(f"biases must be 'none', 'qkv' or 'all', got {self.biases!r}")
+
+    @property
+    def q_width(self) -> int:
+        return self.n_head * self.head_dim
+
+    @property
+    def kv_width(self) -> int:
+        return self.n_kv_heads * self.head_dim
+
+    @property
+    def mlp_out(self) -> int:
+        """Width of the MLP's first matmul output: gate and up side by side, or the one fc."""
+        return 2 * self.d_ff if self.gated_mlp else self.d_ff
+
+    @property
+    def layer_matmul_weights(self) -> int:
+        d = self.d_model
+        attention = d * (self.q_width + 2 * self.kv_width) + self.q_width * d
+        return attention + d * self.mlp_out + self.d_ff * d
+
+    @property
+    def matmul_weights(self) -> int:
+        """Weights that multiply every token: all layers' projections and the output head."""
+        return self.n_layer * self.layer_matmul_weights + self.vocab * self.d_model
+
+    @property
+    def parameters(self) -> int:
+        """All parameters (a tied embedding counted once)."""
+        d = self.d_model
+        qkv = self.q_width + 2 * self.kv_width
+        bias = {"none": 0, "qkv": qkv, "all": qkv + d + self.mlp_out + d}[self.biases]
+        norm = 2 * d if self.layer_norm else d
+        per_layer = self.layer_matmul_weights + bias + 2 * norm
+        embeddings = (0 if self.tied_embeddings else self.vocab * d) + (
+            self.max_context * d if self.learned_positions else 0
+        )
+        return self.n_layer * per_layer + self.vocab * d + embeddings + norm  # + the final norm
+
+    @property
+    def kv_values_per_token(self) -> int:
+        """Values one position adds to the cache: a key and a value per KV head per layer."""
+        return 2 * self.n_layer * self.kv_width
+
+
+def from_gpt_config(cfg: GPTConfig, name: str = "GPT") -> ModelShape:
+    """The course's ``GPTConfig`` as a ``ModelShape`` (GPT-2's layout): costs equal ``ar_lab.perf.roofline``'s."""
+    return ModelShape(
+        name,
+        cfg.n_layer,
+        cfg.n_embd,
+        cfg.n_head,
+        cfg.kv_heads,
+        cfg.head_dim,
+        4 * cfg.n_embd,
+        cfg.vocab_size,
+        cfg.block_size,
+        gated_mlp=False,
+        tied_embeddings=True,
+        learned_positions=True,
+        layer_norm=True,
+        biases="all",
+        source="ar_lab GPTConfig",
+    )
+
+
+MODELS: dict[str, ModelShape] = {
+    m.name: m
+    for m in [
+        # The seed's 13 B example as a real model: hidden_size 5120, intermediate_size 13824,
+        # 40 layers, 40 heads, 40 KV heads (MHA), vocabulary 32000, untied head, 4096 positions.
+        ModelShape(
+            "Llama-2-13B", 40, 5120, 40, 40, 128, 13824, 32000, 4096, source="meta-llama/Llama-2-13b-hf config.json"
+        ),
+        # GQA: 32 query heads share 8 KV heads; SwiGLU width 14336; vocabulary 128256; 8192 positions.
+        ModelShape(
+            "Llama-3-8B", 32, 4096, 32, 8, 128, 14336, 128256, 8192, source="meta-llama/Meta-Llama-3-8B config.json"
+        ),
+        # 28 layers, hidden 3584, 28 heads, 4 KV heads, intermediate 18944, vocabulary 152064, biases on
+        # q/k/v, untied; 32,768 positions without rope scaling.
+        ModelShape(
+            "Qwen2.5-7B", 28, 3584, 28, 4, 128, 18944, 152064, 32768, biases="qkv", source="Qwen/Qwen2.5-7B config.json"
+        ),
+        from_gpt_config(GPTConfig(), "ar_lab course model"),
+    ]
+}
+
+
+def model(name: str) -> ModelShape:
+    """The preset named ``name`` (a key of ``MODELS``), with a clear error for anything else."""
+    if name not in MODELS:
+        raise ValueError(f"unknown model {name!r}; choose one of {list(MODELS)}")
+    return MODELS[name]
+
+
+def forward_cost(
+    shape: ModelShape, batch: int, tokens: int, past: int, weight_dtype: str = "bf16", phase: str = ""
+) -> PhaseCost:
+    """FLOPs and bytes of feeding ``tokens`` new tokens to each of ``batch`` sequences after ``past`` cached ones."""
+    positive_int("batch", batch)
+    positive_int("tokens", tokens)
+    positive_int("past", past, minimum=0)
+    wb, vb = WEIGHT_BYTES[check_dtype(weight_dtype)], value_bytes(weight_dtype)
+    if past + tokens > shape.max_context:
+        raise ValueError(f"{past + tokens:,} positions exceed {shape.name}'s context window of {shape.max_context:,}")
+    d, L = shape.d_model, shape.n_layer
+    n = batch * tokens  # tokens through the model
+    keys = tokens * past + tokens * (tokens + 1) // 2  # per sequence: positions each new token attends to, summed
+    weights = shape.parameters
+    if shape.learned_positions:  # only the rows of the new positions are read
+        weights += (tokens - shape.max_context) * d
+    if not shape.tied_embeddings:  # the input table: only the rows of the tokens fed (the head reads its own)
+        weights += (min(n, shape.vocab) - shape.vocab) * d
+    per_layer = (d + shape.q_width + 2 * shape.kv_width) + (shape.q_width + d) + (d + shape.mlp_out) + (shape.d_ff + d)
+    return PhaseCost(
+        phase=phase or ("decode" if tokens == 1 and past > 0 else "prefill"),
+        batch=batch,
+        tokens=tokens,
+        context=past + tokens,
+        matmul_flops=float(2 * shape.matmul_weights * n),
+        attention_flops=float(4 * shape.q_width * L * batch * keys),
+        weight_bytes=float(weights * wb),
+        kv_bytes=float(batch * (past + 2 * tokens) * shape.kv_values_per_token * vb),
+        activation_bytes=float(n * (L * per_layer + d + (d + shape.vocab)) * vb),  # + embedding out, head in/out
+    )
+
+
+def prefill_cost(shape: ModelShape, prompt_len: int, batch: int = 1, weight_dtype: str = "bf16") -> PhaseCost:
+    """One pass over ``batch`` prompts of ``prompt_len`` tokens, cache empty before."""
+    return forward_cost(shape, batch, prompt_len, 0, weight_dtype, phase="prefill")
+
+
+def decode_cost(shape: ModelShape, context: int, batch: int = 1, weight_dtype: str = "bf16") -> PhaseCost:
+    """One decode step: one new token per sequence, attending to ``context`` positions (itself included)."""
+    positive_int("context", context)
+    return forward_cost(shape, batch, 1, context - 1, weight_dtype, phase="decode")
+
+
+# --- memory -------------------------------------------------------------------------
+
+
+def weight_memory(shape: ModelShape, weight_dtype: str = "bf16") -> float:
+    """Bytes the weights occupy on the device."""
+    return shape.parameters * WEIGHT_BYTES[check_dtype(weight_dtype)]
+
+
+def kv_memory(shape: ModelShape, context: int, batch: int = 1, weight_dtype: str = "bf16") -> float:
+    """Bytes of the KV cache holding ``context`` positions for each of ``batch`` sequences."""
+    return batch * context * shape.kv_values_per_token * value_bytes(weight_dtype)
+
+
+def memory_needed(shape: ModelShape, context: int, batch: int = 1, weight_dtype: str = "bf16") -> float:
+    """Weights + KV cache (activations and the framework's workspace come on top)."""
+    return weight_memory(shape, weight_dtype) + kv_memory(shape, context, batch, weight_dtype)
+
+
+def max_batch(shape: ModelShape, memory: float, context: int, weight_dtype: str = "bf16") -> int:
+    """The most sequences of ``context`` positions whose KV cache fits beside the weights (0: none)."""
+    free = memory - weight_memory(shape, weight_dtype)
+    per_sequence = kv_memory(shape, positive_int("context", context), 1, weight_dtype)
+    return max(0, math.floor(free / per_sequence))
+
+
+# --- a decode batch on a GPU --------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class DecodePlacement:
+    """Where decode steps at one context land on a GPU's roofline as the batch grows.
+
+    A step's bytes are ``shared_bytes`` (the weights, read once for the whole batch) plus
+    ``bytes_per_sequence`` (each sequence's own KV cache and activations) times the batch;
+    its FLOPs are ``flops_per_sequence`` times the batch. So the intensity rises with the
+    batch toward ``intensity_limit`` = flops / bytes of one sequence alone, and never past it.
+    """
+
+    context: int
+    weight_dtype: str
+    ridge: float
+    shared_bytes: float
+    bytes_per_sequence: float
+    flops_per_sequence: float
+    weights_stop_dominating_batch: int  # smallest batch whose own bytes reach the shared weight bytes
+    compute_bound_batch: int | None  # smallest batch at or past the ridge; None: never, at any batch
+    max_batch: int  # the largest batch whose KV cache fits beside the weights
+
+    @property
+    def intensity_limit(self) -> float:
+        return self.flops_per_sequence / self.bytes_per_sequence
+
+    def intensity(self, batch: int) -> float:
+        return batch * self.flops_per_sequence / (self.shared_bytes + batch * self.bytes_per_sequence)
+
+    @property
+    def turns_compute_bound(self) -> bool:
+        """True when some batch that fits in memory reaches the ridge."""
+        return self.compute_bound_batch is not None and self.compute_bound_batch <= self.max_batch
+
+
+def place_decode(shape: ModelShape, gpu, context: int, weight_dtype: str = "bf16") -> DecodePlacement:
+    """Decode at ``context`` on ``gpu`` (an ``ar_lab.perf.gpus.GPUSpec``): the batches where the picture changes."""
+    one, two = decode_cost(shape, context, 1, weight_dtype), decode_cost(shape, context, 2, weight_dtype)
+    per_seq = two.bytes - one.bytes  # the step's bytes are linear in the batch
+    shared, flops = one.bytes - per_seq, one.flops
+    ridge = gpu.peak_flops(weight_dtype) / gpu.bandwidth
+    compute = None
+    if flops > ridge * per_seq:  # intensity(B) >= ridge  <=>  B (flops - ridge per_seq) >= ridge shared
+        compute = max(1, math.ceil(ridge * shared / (flops - ridge * per_seq)))
+    return DecodePlacement(
+        context=context,
+        weight_dtype=weight_dtype,
+        ridge=ridge,
+        shared_bytes=shared,
+        bytes_per_sequence=per_seq,
+        flops_per_sequence=flops,
+        weights_stop_dominating_batch=max(1, math.ceil(shared / per_seq)),
+        compute_bound_batch=compute,
+        max_batch=max_batch(shape, gpu.memory, context, weight_dtype),
+    )
+
+
+def predicted_time(cost: PhaseCost, gpu, weight_dtype: str = "bf16") -> float:
+    """The roofline's time for a pass on ``gpu``: the slower of its FLOPs at the compute roof and its bytes
+    at the bandwidth (a floor: real kernels reach a fraction of both roofs)."""
+    return cost.time_at(gpu.peak_flops(weight_dtype), gpu.bandwidth)

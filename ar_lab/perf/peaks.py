@@ -1,0 +1,168 @@
+"""The two roofs of chapter 05's roofline, measured on this machine now.
+
+The compute roof is the fastest dense matmul (``measure_matmul_peak``); the
+bandwidth slope is the fastest stream through a buffer far larger than the caches
+(``measure_bandwidth``, over the kernels of ``streaming_kernels``). ``measure_peaks``
+measures both in the form a roofline result stores them. Each roof is the fastest
+repeat: the best this machine demonstrably did for this program; the medians are
+reported beside them. On a CPU the numbers are fp32, on CUDA bf16 (``default_dtype``).
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from ar_lab.base.args import positive_int
+from ar_lab.base.timing import checked_device, default_device, time_call
+
+
+def checked_peaks(peaks, where: str = "peaks") -> dict:
+    """``peaks`` if it holds both roofs as positive finite numbers (the form ``measure_peaks`` returns)."""
+    if not isinstance(peaks, dict):
+        raise ValueError(f"{where} must be a dict like measure_peaks() returns, got {type(peaks).__name__}")
+    for k in ("matmul_flops_per_s", "bandwidth_bytes_per_s"):
+        v = peaks.get(k)
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v < math.inf:
+            raise ValueError(f"{where}.{k} must be a positive number, got {v!r}")
+    return peaks
+
+
+def default_dtype(device: torch.device | str) -> torch.dtype:
+    """fp32 on CPU (what its matmul kernels are fastest at); bf16 on a GPU (its tensor cores)."""
+    return torch.bfloat16 if checked_device(device, present=False).type == "cuda" else torch.float32
+
+
+def cache_bytes() -> int | None:
+    """The largest CPU cache this machine reports (usually the L3), or None if unknown."""
+    sizes = []
+    for f in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*/size"):
+        text = f.read_text().strip()
+        mult = {"K": 2**10, "M": 2**20, "G": 2**30}.get(text[-1:], 1)
+        try:
+            sizes.append(int(text.rstrip("KMG")) * mult)
+        except ValueError:
+            continue
+    return max(sizes) if sizes else None
+
+
+def measure_matmul_peak(
+    device: torch.device | str | None = None,
+    dtype: torch.dtype | None = None,
+    *,
+    size: int | None = None,
+    repeats: int = 5,
+) -> dict:
+    """Dense square matmul FLOP/s (2 n^3 FLOPs per n x n product): the compute roof.
+
+    The roof is the *fastest* repeat (the best the machine demonstrably did: on a shared
+    machine the slower repeats measure the neighbours); the median is reported beside it.
+    """
+    device = default_device() if device is None else checked_device(device)
+    dtype = default_dtype(device) if dtype is None else dtype
+    size = (8192 if device.type == "cuda" else 2048) if size is None else positive_int("size", size)
+    g = torch.Generator(device=device).manual_seed(0)
+    a = torch.randn(size, size, device=device, dtype=dtype, generator=g)
+    b = torch.randn(size, size, device=device, dtype=dtype, generator=g)
+    out = torch.empty(size, size, device=device, dtype=dtype)
+    times = time_call(lambda: torch.mm(a, b, out=out), repeats=repeats, warmup=2, device=device)
+    flops = 2.0 * size**3
+    return {
+        "flops_per_s": flops / min(times),
+        "flops_per_s_median": flops / statistics.median(times),
+        "size": size,
+        "times": times,
+    }
+
+
+def default_buffer_bytes(device: torch.device | str) -> int:
+    """A streaming buffer far larger than the caches: 4 GiB on a GPU; max(1 GiB, 4 x L3) on a CPU."""
+    if checked_device(device, present=False).type == "cuda":
+        return 4 * 2**30
+    return max(2**30, 4 * (cache_bytes() or 0))
+
+
+def measure_bandwidth(
+    device: torch.device | str | None = None,
+    dtype: torch.dtype | None = None,
+    *,
+    nbytes: int | None = None,
+    repeats: int = 5,
+) -> dict:
+    """Streaming memory bandwidth (bytes/s) over one buffer of ``nbytes`` (far larger than the caches).
+
+    Four kernels, each touching the whole buffer once per call, counted the way
+    STREAM counts them (bytes the program asks to read plus bytes it writes):
+    ``copy`` (second half = first half), ``add`` (last third = first + second third),
+    ``read`` (sum of everything) and ``matvec`` (the buffer as a matrix times a vector
+    of ones: a read-only stream through the BLAS library's best-tuned loop, which on a
+    single CPU core often pulls more bandwidth than the others). The bandwidth roof is
+    the fastest repeat of the fastest kernel: the best this memory system demonstrably
+    delivered to this program (medians are reported beside it).
+    """
+    device = default_device() if device is None else checked_device(device)
+    kernels, buffer_bytes = streaming_kernels(device, dtype, nbytes=nbytes)
+    by_kernel, by_kernel_median, times_by_kernel = {}, {}, {}
+    for name, (fn, moved) in kernels.items():
+        times = time_call(fn, repeats=repeats, warmup=1, device=device)
+        by_kernel[name] = moved / min(times)
+        by_kernel_median[name] = moved / statistics.median(times)
+        times_by_kernel[name] = times
+    best = max(by_kernel, key=by_kernel.get)
+    return {
+        "bytes_per_s": by_kernel[best],
+        "kernel": best,
+        "by_kernel": by_kernel,
+        "by_kernel_median": by_kernel_median,
+        "times": times_by_kernel,
+        "buffer_bytes": buffer_bytes,
+    }
+
+
+def streaming_kernels(
+    device: torch.device | str | None = None, dtype: torch.dtype | None = None, *, nbytes: int | None = None
+) -> tuple[dict[str, tuple[Callable[[], object], int]], int]:
+    """The bandwidth kernels over one fresh buffer: ({name: (function, bytes moved per call)}, buffer bytes)."""
+    device = default_device() if device is None else checked_device(device)
+    dtype = default_dtype(device) if dtype is None else dtype
+    nbytes = default_buffer_bytes(device) if nbytes is None else positive_int("nbytes", nbytes)
+    item = torch.empty((), dtype=dtype).element_size()
+    n = (nbytes // item) // 6 * 6  # divisible into halves and thirds
+    if n < 6:
+        raise ValueError(f"nbytes={nbytes} is too small for a bandwidth measurement")
+    buf = torch.ones(n, device=device, dtype=dtype)  # written once: the pages are really there
+    half, third = buf.view(2, n // 2), buf.view(3, n // 3)
+    cols = min(4096, n)
+    matrix, ones = buf[: n // cols * cols].view(-1, cols), torch.ones(cols, device=device, dtype=dtype)
+    kernels = {
+        "copy": (lambda: half[1].copy_(half[0]), n * item),
+        "add": (lambda: torch.add(third[0], third[1], out=third[2]), n * item),
+        "read": (lambda: buf.sum(), n * item),
+        "matvec": (lambda: torch.mv(matrix, ones), matrix.numel() * item),
+    }
+    return kernels, n * item
+
+
+def measure_peaks(
+    device: torch.device | str | None = None,
+    dtype: torch.dtype | None = None,
+    *,
+    matmul_size: int | None = None,
+    buffer_bytes: int | None = None,
+) -> dict:
+    """Both roofs, measured now: {"matmul_flops_per_s", "bandwidth_bytes_per_s", ...} (the JSON's "peaks")."""
+    mm = measure_matmul_peak(device, dtype, size=matmul_size)
+    bw = measure_bandwidth(device, dtype, nbytes=buffer_bytes)
+    return {
+        "matmul_flops_per_s": mm["flops_per_s"],
+        "matmul_flops_per_s_median": mm["flops_per_s_median"],
+        "matmul_size": mm["size"],
+        "bandwidth_bytes_per_s": bw["bytes_per_s"],
+        "bandwidth_kernel": bw["kernel"],
+        "bandwidth_by_kernel": bw["by_kernel"],
+        "bandwidth_buffer_bytes": bw["buffer_bytes"],
+    }

@@ -1,0 +1,161 @@
+"""What quantization costs in quality: three measures of a model against its full-precision reference.
+
+- ``bits_per_byte``: the validation loss in bits per byte on the built-in corpus' held-out
+  text (``ar_lab.model.train.evaluate``'s cross-entropy, converted). Lower is better; a quantized
+  model is usually a little above its reference.
+- ``greedy_agreement``: how often the model picks the reference's greedy token. Measured
+  teacher-forced: both models read the reference's own greedy continuation, and at every
+  position we compare their argmax (top-1 agreement). Each position is judged on the same
+  text, so one early disagreement does not decide every later one. Beside it, the length of
+  the two models' free-running greedy continuations before they first differ.
+- ``self_draft_acceptance``: the acceptance rate alpha when the quantized model drafts for the
+  full-precision one in speculative decoding (chapter 07): greedy, and sampled at T = 1 (where
+  the exact alpha = sum_x min(p, q) is the mean of 1 - total variation). A quantized model is
+  a draft that costs fewer bytes per token and agrees with the target almost always.
+- ``kv_cache_agreement``: the same two agreement figures for an int8 KV cache
+  (``ar_lab.engine.kv_quant``) against a float one, on one model.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from ar_lab.base.args import positive_int
+from ar_lab.engine.generate import generate
+from ar_lab.engine.kv_quant import Int8KVCache
+from ar_lab.engine.prompts import eval_mode, prompt_ids
+from ar_lab.engine.sampling import GREEDY, SamplingParams
+from ar_lab.engine.speculative import speculative_generate
+from ar_lab.model.data import benchmark_prompts, corpus_tokens, train_val_split
+from ar_lab.model.train import evaluate
+
+
+@functools.lru_cache(maxsize=1)
+def _validation_tokens() -> torch.Tensor:
+    return train_val_split(corpus_tokens())[1]
+
+
+def bits_per_byte(
+    model, tokens: int | None = None, *, block_size: int = 256, batch_size: int = 8, seed: int = 0
+) -> float:
+    """Validation loss in bits per byte: ``ar_lab.model.train.evaluate`` on the built-in corpus' validation split.
+
+    ``tokens`` predicted tokens (default 4 batches of ``batch_size`` x ``block_size`` = 8,192),
+    rounded up to whole batches, on windows drawn with ``seed`` (the same windows for every model
+    given the same arguments). The tokenizer is byte-level, so a token is a byte; the EOS between
+    documents (a tiny share) is counted as one too. bits = nats / ln 2.
+    """
+    positive_int("block_size", block_size)
+    positive_int("batch_size", batch_size)
+    per_batch = batch_size * block_size
+    batches = 4 if tokens is None else math.ceil(positive_int("tokens", tokens) / per_batch)
+    nats = evaluate(model, _validation_tokens(), block_size, batches=batches, batch_size=batch_size, seed=seed)
+    return nats / math.log(2)
+
+
+def _prompts(prompts) -> list[list[int]]:
+    if prompts is None:
+        return benchmark_prompts(4)
+    if isinstance(prompts, str) or not isinstance(prompts, Sequence) or not prompts:
+        raise ValueError("prompts must be a non-empty list of prompts (text or token ids)")
+    return [prompt_ids(p) for p in prompts]
+
+
+@dataclass(frozen=True)
+class GreedyAgreement:
+    """Teacher-forced top-1 agreement and free-running first divergence, over several prompts."""
+
+    top1: float  # share of positions where the model's argmax equals the reference's (teacher-forced)
+    first_divergence: float  # mean number of greedy tokens before the two continuations first differ
+    n_tokens: int  # tokens per prompt
+    per_prompt_top1: list[float]
+    per_prompt_divergence: list[int]
+
+
+def _argmax_on(model, ids: list[int], n: int, cache=None) -> torch.Tensor:
+    """The model's argmax at each of the last ``n`` positions of ``ids`` (what it predicts for them), (n,);
+    with ``cache`` (empty), the pass writes its keys/values there and attends over what it holds."""
+    with eval_mode(model):
+        logits = model(torch.tensor([ids[:-1]], device=model.device), cache)[0, -n:]  # predicts ids[-n:]
+    return logits.float().argmax(-1).cpu()
+
+
+def greedy_agreement(reference, other, prompts=None, n_tokens: int = 32) -> GreedyAgreement:
+    """How often ``other`` picks ``reference``'s greedy token (see the module docstring for the definitions).
+
+    For each prompt: the reference's greedy continuation of ``n_tokens`` tokens (no EOS stop);
+    both models then read prompt + continuation in one forward pass each, and their argmaxes
+    at the ``n_tokens`` predicted positions are compared. Separately, ``other``'s own greedy
+    continuation is compared with the reference's until the first difference (``n_tokens`` if
+    none). ``prompts`` default to four prompts from the validation text.
+    """
+    positive_int("n_tokens", n_tokens)
+    agree, diverge = [], []
+    for ids in _prompts(prompts):
+        ref = generate(reference, ids, n_tokens, eos_id=None).tokens
+        mine = generate(other, ids, n_tokens, eos_id=None).tokens
+        full = ids + ref
+        agree.append(float((_argmax_on(reference, full, n_tokens) == _argmax_on(other, full, n_tokens)).float().mean()))
+        diverge.append(next((i for i, (a, b) in enumerate(zip(ref, mine, strict=True)) if a != b), n_tokens))
+    return GreedyAgreement(sum(agree) / len(agree), sum(diverge) / len(diverge), n_tokens, agree, diverge)
+
+
+def kv_cache_agreement(model, prompts=None, n_tokens: int = 32) -> GreedyAgreement:
+    """``greedy_agreement`` of ``model`` with an ``Int8KVCache`` against the same model with a float cache.
+
+    Teacher-forced: one pass over prompt + the float-cache greedy continuation, its keys and
+    values written to an int8 cache and attention reading them back (so every position sees
+    quantized keys and values); free-running: ``generate`` with ``cache=Int8KVCache...``.
+    """
+    positive_int("n_tokens", n_tokens)
+    agree, diverge = [], []
+    for ids in _prompts(prompts):
+        ref = generate(model, ids, n_tokens, eos_id=None).tokens
+        cache = Int8KVCache.for_model(model, max_len=len(ids) + n_tokens - 1)
+        mine = generate(model, ids, n_tokens, eos_id=None, cache=cache).tokens
+        full = ids + ref
+        cache.truncate(0)
+        int8 = _argmax_on(model, full, n_tokens, cache)
+        agree.append(float((_argmax_on(model, full, n_tokens) == int8).float().mean()))
+        diverge.append(next((i for i, (a, b) in enumerate(zip(ref, mine, strict=True)) if a != b), n_tokens))
+    return GreedyAgreement(sum(agree) / len(agree), sum(diverge) / len(diverge), n_tokens, agree, diverge)
+
+
+@dataclass(frozen=True)
+class DraftAcceptance:
+    """Acceptance of a draft's proposals by the target, pooled over prompts (``SpeculativeStats``)."""
+
+    greedy: float  # accepted / tested draft tokens, greedy on both sides
+    sampled: float  # accepted / tested at T = 1 (coin flips included)
+    sampled_exact: float  # mean of sum_x min(p, q) over the tested positions at T = 1 (no coin-flip noise)
+    gamma: int
+
+
+def self_draft_acceptance(
+    target, draft, prompts=None, *, n_tokens: int = 32, gamma: int = 4, seed: int = 0
+) -> DraftAcceptance:
+    """The acceptance rate when ``draft`` (e.g. a quantized copy of ``target``) drafts for ``target``.
+
+    Runs ``speculative_generate`` greedy and at temperature 1 (draws from a generator seeded
+    with ``seed``) on each prompt and pools its statistics: alpha = accepted / tested.
+    """
+    positive_int("n_tokens", n_tokens)
+    positive_int("gamma", gamma)
+    ids = _prompts(prompts)
+    pooled = {}
+    for name, sampling in (("greedy", GREEDY), ("sampled", SamplingParams(temperature=1.0))):
+        g = torch.Generator(device=target.device).manual_seed(seed)
+        accepted = tested = 0
+        exact = 0.0
+        for p in ids:
+            stats = speculative_generate(
+                target, draft, p, n_tokens, gamma, sampling=sampling, generator=g, eos_id=None
+            ).stats
+            accepted, tested, exact = accepted + stats.acceptances, tested + stats.tested, exact + stats.alpha_sum
+        pooled[name] = (accepted / tested, exact / tested) if tested else (math.nan, math.nan)
+    return DraftAcceptance(pooled["greedy"][0], pooled["sampled"][0], pooled["sampled"][1], gamma)

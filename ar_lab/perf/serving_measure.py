@@ -1,0 +1,161 @@
+"""Serving measured: a mixed workload, both scheduling policies, batched decode, prefix reuse.
+
+The measurements chapter 08 and ``python -m ar_lab.bench serving`` make with the pieces of
+``ar_lab.engine.serving`` and ``ar_lab.engine.prefix_cache``. Each returns data (reports, rows, dicts);
+printing is the caller's. Runs that are compared alternate, so a change of load on a
+shared machine hits both sides alike.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Sequence
+
+import torch
+
+from ar_lab.base.args import positive_int
+from ar_lab.base.timing import synchronize
+from ar_lab.engine.generate import generate
+from ar_lab.engine.prefix_cache import PrefixCache
+from ar_lab.engine.prompts import eval_mode, prompt_ids
+from ar_lab.engine.serving import POLICIES, Request, ServeReport, serve
+from ar_lab.model.cache import BatchKVCache
+
+PROMPTS = [
+    "The for statement",
+    "A list comprehension",
+    "def ",
+    "Exceptions are raised when",
+    "The with statement",
+    "class ",
+    "import ",
+    "A dictionary maps",
+    "The return value of",
+    "Strings are immutable",
+    "The while loop",
+    "Keyword arguments",
+]
+
+
+def mixed_workload(n_requests: int = 12, short: int = 8, long: int = 96, long_every: int = 4) -> list[Request]:
+    """Requests of mixed lengths: every ``long_every``-th wants ``long`` new tokens, the rest ``short``.
+
+    Prompts cycle through a fixed list of short Python-docs openings of different lengths.
+    """
+    for name, v in [("n_requests", n_requests), ("short", short), ("long", long), ("long_every", long_every)]:
+        if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+            raise ValueError(f"{name} must be an int >= 1, got {v!r}")
+    return [
+        Request(PROMPTS[i % len(PROMPTS)], long if i % long_every == long_every - 1 else short, name=f"r{i}")
+        for i in range(n_requests)
+    ]
+
+
+def compare_policies(
+    model, requests: Sequence[Request], max_batch: int, *, repeats: int = 1, eos_id: int | None = None
+) -> dict[str, list[ServeReport]]:
+    """``serve`` the same requests under both policies, alternating, ``repeats`` times each
+    (so a load change on the machine hits both alike)."""
+    positive_int("repeats", repeats)
+    reports: dict[str, list[ServeReport]] = {p: [] for p in POLICIES}
+    for _ in range(repeats):
+        for policy in POLICIES:
+            reports[policy].append(serve(model, requests, max_batch=max_batch, policy=policy, eos_id=eos_id))
+    return reports
+
+
+def _random_batches(model, batch_sizes: Sequence[int], context: int, steps: int):
+    """For each batch size: a ``BatchKVCache`` with every row at ``context`` random positions, and
+    one random input token per row (timing depends on shapes, not contents)."""
+    g = torch.Generator(device=model.device).manual_seed(0)
+    caches, inputs = {}, {}
+    for b in batch_sizes:
+        c = BatchKVCache.for_model(model, max_batch=b, max_len=context + steps)
+        for buf in c.k + c.v:
+            buf.normal_(generator=g)
+        for _ in range(b):
+            c.add(context)
+        caches[b] = c
+        inputs[b] = torch.randint(0, model.config.vocab_size, (b, 1), generator=g, device=model.device)  # (b, 1)
+    return caches, inputs
+
+
+def decode_throughput(
+    model, batch_sizes: Sequence[int], *, context: int = 64, steps: int = 16, repeats: int = 3
+) -> list[dict]:
+    """Tokens/s of batched decode steps at each batch size, every row at ``context`` positions.
+
+    The cache is filled with random keys/values (timing depends on shapes, not contents);
+    each repeat runs ``steps`` decode steps per batch size, interleaved across batch sizes so
+    a load change on the machine hits them alike. Medians are reported.
+    """
+    if not batch_sizes or any(not isinstance(b, int) or isinstance(b, bool) or b < 1 for b in batch_sizes):
+        raise ValueError(f"batch_sizes must be ints >= 1, got {list(batch_sizes)}")
+    positive_int("context", context), positive_int("steps", steps), positive_int("repeats", repeats)
+    if context + steps > model.config.block_size:
+        raise ValueError(f"context + steps must fit in the context window ({model.config.block_size})")
+    caches, inputs = _random_batches(model, batch_sizes, context, steps)
+    times: dict[int, list[float]] = {b: [] for b in batch_sizes}
+    with eval_mode(model):
+        for r in range(repeats + 1):  # the first round warms up
+            for b in batch_sizes:
+                c = caches[b]
+                c.lengths[:b] = [context] * b
+                t0 = time.perf_counter()
+                for _ in range(steps):
+                    model(inputs[b], c)
+                synchronize(c.device)
+                if r:
+                    times[b].append((time.perf_counter() - t0) / steps)
+    out = []
+    for b in batch_sizes:
+        step = statistics.median(times[b])
+        out.append({"batch": b, "step_s": step, "tokens_per_s": b / step})
+    return out
+
+
+def prefix_ttft(
+    model,
+    prefix: str | Sequence[int],
+    suffixes: Sequence[str | Sequence[int]],
+    *,
+    max_new_tokens: int = 8,
+    repeats: int = 3,
+) -> dict:
+    """Time to first token for prefix + each suffix, prefilled whole vs reusing a ``PrefixCache``.
+
+    The reuse side is charged for building its cache (allocate + copy the prefix) as well as
+    its prefill; building the prefix cache itself is paid once (``build_s``). Runs alternate,
+    medians are reported, and the tokens of both sides are compared.
+    """
+    if isinstance(suffixes, str) or not isinstance(suffixes, Sequence):
+        raise TypeError(f"suffixes must be a list of suffixes (texts or token ids), got {type(suffixes).__name__}")
+    if not suffixes:
+        raise ValueError("give at least one suffix (the part of each prompt after the shared prefix)")
+    positive_int("repeats", repeats)
+    pc = PrefixCache(model, prefix)
+    prompts = [pc.tokens + prompt_ids(s) for s in suffixes]
+    plain_t, reuse_t, same = [], [], []
+    for _ in range(repeats):
+        for p in prompts:
+            plain = generate(model, p, max_new_tokens, eos_id=None)
+            t0 = time.perf_counter()
+            cache = pc.cache_for(p, max_new_tokens)
+            synchronize(model.device)
+            copy = time.perf_counter() - t0
+            reused = generate(model, p, max_new_tokens, eos_id=None, cache=cache)
+            plain_t.append(plain.stats.prefill_time)
+            reuse_t.append(copy + reused.stats.prefill_time)
+            same.append(plain.tokens == reused.tokens)
+    plain_s, reuse_s = statistics.median(plain_t), statistics.median(reuse_t)
+    return {
+        "prefix_tokens": len(pc),
+        "suffix_tokens": [len(p) - len(pc) for p in prompts],
+        "ttft_plain_s": plain_s,
+        "ttft_reused_s": reuse_s,
+        "speedup": plain_s / reuse_s,
+        "build_s": pc.build_time,
+        "identical_outputs": sum(same),
+        "runs": len(same),
+    }
