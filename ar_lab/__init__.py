@@ -1,6 +1,9 @@
 """ar_lab: autoregressive generation, built from scratch and measured.
 
-Each module holds one idea and pairs with the notebook that teaches it (see README).
+The package is four layers, each a folder, imports pointing one way: ``course`` (the notebooks'
+apparatus) -> ``perf`` (measuring and predicting speed) -> ``engine`` (every decoding loop, through
+one decoder interface) -> ``model`` (tokens, the GPT, its cache, training), all on a small ``base``
+(argument checks, timing). This module is the public API: the names most notebooks start from.
 """
 
 from ar_lab.engine.generate import Generation, GenerationStats, generate, stream

@@ -33,14 +33,14 @@ import torch
 
 from ar_lab.base import timing
 from ar_lab.course import quiz, speculative_view, widgets
-from ar_lab.engine import beam, lean, prefix_cache, prompts, sampling, serving, speculative
-from ar_lab.model import bigram, cache, data, tokenizer, train
-from ar_lab.perf import kv_sizing, measure, peaks, roofline, serving_measure, side_by_side
 from ar_lab.course.sampler_view import sampler_view
+from ar_lab.engine import beam, lean, prefix_cache, prompts, sampling, serving, speculative
 from ar_lab.engine.generate import generate, sample_batch, stream, token_steps
 from ar_lab.engine.sampling import SamplingParams
+from ar_lab.model import bigram, cache, data, tokenizer, train
 from ar_lab.model.gpt import GPT, GPTConfig
 from ar_lab.model.train import CheckpointError
+from ar_lab.perf import kv_sizing, measure, peaks, roofline, serving_measure, side_by_side
 
 # --- what the cases run on -----------------------------------------------------------------
 

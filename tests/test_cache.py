@@ -3,6 +3,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from ar_lab.engine.decoder import ForwardDecoder, decoder_for
 from ar_lab.engine.generate import generate
 from ar_lab.model.cache import KVCache, kv_cache_bytes
 from ar_lab.model.gpt import GPT, GPTConfig
@@ -85,26 +86,31 @@ def test_truncate_and_capacity_errors(tiny_model):
 
 
 def test_a_batch_1_cache_records_the_tokens_it_holds(tiny_model):
-    cache = KVCache.for_model(tiny_model, max_len=16)
+    """The decoders record which tokens a cache holds (what lets generate reuse it); the model does not."""
+    cache, decoder = KVCache.for_model(tiny_model, max_len=16), decoder_for(tiny_model)
     assert cache.token_ids == []
-    with torch.no_grad():
-        tiny_model(torch.tensor([[5, 6, 7]]), cache)
-        tiny_model(torch.tensor([[8]]), cache)
+    with torch.inference_mode():
+        decoder.prefill(torch.tensor([[5, 6, 7]]), cache, 0)
+        decoder.step(8, cache, 3)
     assert cache.token_ids == [5, 6, 7, 8]
     cache.truncate(2)
     assert cache.token_ids == [5, 6]
-    with torch.no_grad():
-        tiny_model(torch.tensor([[9, 10]]), cache)
-    assert cache.token_ids == [5, 6, 9, 10]
-    assert cache.reusable([5, 6, 9, 11, 12]) == 3  # the positions where cache and prompt agree
-    assert cache.reusable([5, 6, 9, 10]) == 3  # never the last prompt token: its logits are needed
+    with torch.inference_mode():
+        decoder.prefill(torch.tensor([[9, 10]]), cache, 2)
+        decoder.extend([11, 12], cache, 3)  # at position 3: drops 10, the position it rewrites
+    assert cache.token_ids == [5, 6, 9, 11, 12]
+    assert cache.reusable([5, 6, 9, 11, 13]) == 4  # the positions where cache and prompt agree
+    assert cache.reusable([5, 6, 9, 11]) == 3  # never the last prompt token: its logits are needed
     assert cache.reusable([1, 6]) == 0
+    with torch.no_grad():
+        tiny_model(torch.tensor([[1]]), cache)  # the model alone writes keys and values, names no token
+    assert cache.token_ids is None
 
 
 def test_positions_written_without_their_ids_are_unknown(tiny_model):
     cache = KVCache.for_model(tiny_model, max_len=16)
     with torch.no_grad():
-        tiny_model(torch.tensor([[5, 6, 7]]), cache)
+        ForwardDecoder(tiny_model).prefill(torch.tensor([[5, 6, 7]]), cache)
     k = torch.zeros(1, 4, 2, 8)
     cache.update(0, 1, k, k)  # rewrites positions 1..2 of one layer: their ids are no longer known
     assert cache.token_ids is None

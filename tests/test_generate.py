@@ -188,14 +188,25 @@ def test_a_paused_stream_leaves_training_mode_and_gradients_on(tiny_model):
         assert tiny_model.training, name
 
 
-def test_sampler_view_runs_the_model_in_eval_mode():
+def test_sampler_view_refuses_active_dropout_and_never_switches_the_model():
     torch.manual_seed(0)
     model = GPT(GPTConfig(block_size=64, n_layer=2, n_head=4, n_embd=32, dropout=0.5)).eval()
     want = sampler_view(model, "hello", SamplingParams(), seed=1, n_samples=2, max_new_tokens=5)
     model.train()
-    got = sampler_view(model, "hello", SamplingParams(), seed=1, n_samples=2, max_new_tokens=5)
-    assert model.training  # restored
+    with pytest.raises(ValueError, match="model.eval()"):
+        sampler_view(model, "hello", SamplingParams(), seed=1, n_samples=2, max_new_tokens=5)
+    assert model.training  # refused, not switched
+    got = sampler_view(model.eval(), "hello", SamplingParams(), seed=1, n_samples=2, max_new_tokens=5)
     assert torch.equal(got.before, want.before) and got.continuations == want.continuations
+
+
+def test_a_stream_paused_while_dropout_is_switched_on_refuses_its_next_step():
+    model = GPT(GPTConfig(block_size=64, n_layer=1, n_head=2, n_embd=16, dropout=0.2)).eval()
+    steps = token_steps(model, "ab", 5)
+    next(steps)
+    model.train()  # dropout on during the pause: the next step would be random
+    with pytest.raises(ValueError, match="model.eval()"):
+        next(steps)
 
 
 # --- sampling continuations in a batch -----------------------------------------------

@@ -1,7 +1,9 @@
 """The package's layout rules (DESIGN.md), read from the source with ``ast``.
 
-No import cycle inside ``ar_lab``; no module imports another module's ``_private`` name;
-no module much over 450 lines; no function over ~80 lines outside data tables.
+No import cycle inside ``ar_lab``; every module in a layer folder, and imports pointing down
+the layers only (base < model < engine < perf < course < bench); no module imports another
+module's ``_private`` name; no module much over 450 lines; no function over ~80 lines outside
+data tables.
 """
 
 from __future__ import annotations
@@ -16,6 +18,10 @@ MAX_MODULE_LINES = 450
 MAX_FUNCTION_LINES = 80
 # Modules that are data tables rather than logic (the quiz questions).
 DATA_TABLES = {"ar_lab.course.quiz_bank"}
+# The layer folders, lowest first. A module may import its own layer and any lower one; bench
+# (the benchmarks on top) may import anything, and so may the package's ``__init__`` (the public
+# API), which no layer below bench may import.
+LAYERS = ("base", "model", "engine", "perf", "course", "bench")
 
 
 def module_name(path: Path, package: Path = PACKAGE) -> str:
@@ -93,6 +99,38 @@ def import_graph(package: Path = PACKAGE) -> dict[str, set[str]]:
     return graph
 
 
+def layer_rank(module: str, root: str) -> int | None:
+    """Position of ``module``'s layer in ``LAYERS`` (the package itself ranks with bench, on top);
+    None for a module outside the layer folders."""
+    if module == root:
+        return len(LAYERS) - 1
+    parts = module.split(".")
+    return LAYERS.index(parts[1]) if len(parts) > 1 and parts[1] in LAYERS else None
+
+
+def layer_violations(package: Path = PACKAGE) -> list[str]:
+    """Every module outside the layer folders, and every import (a lazy one inside a function too)
+    from a lower layer to a higher one, or to a module outside the layers."""
+    root = package.name
+
+    def where(module: str, rank: int | None) -> str:
+        return "the public API" if module == root else "no layer" if rank is None else LAYERS[rank]
+
+    bad = []
+    for mod, found in imports(package).items():
+        if mod == root:
+            continue
+        own = layer_rank(mod, root)
+        if own is None:
+            bad.append(f"{mod} lives outside the layer folders ({', '.join(LAYERS)})")
+            continue
+        for target, _name, line in found:
+            rank = layer_rank(target, root)
+            if rank is None or rank > own:
+                bad.append(f"{mod}:{line} ({LAYERS[own]}) imports {target} ({where(target, rank)})")
+    return bad
+
+
 def private_imports(package: Path = PACKAGE) -> list[str]:
     bad = []
     for mod, found in imports(package).items():
@@ -126,6 +164,11 @@ def long_modules(package: Path = PACKAGE, limit: int = MAX_MODULE_LINES) -> list
 def test_no_import_cycle_inside_the_package():
     found = cycles(import_graph())
     assert not found, "import cycles: " + "; ".join(" -> ".join(c) for c in found)
+
+
+def test_no_layer_imports_a_higher_layer():
+    bad = layer_violations()
+    assert not bad, f"imports against the layer order {' < '.join(LAYERS)}: " + "; ".join(bad)
 
 
 def test_no_module_imports_another_modules_private_names():
@@ -180,3 +223,52 @@ def test_the_checks_pass_a_clean_package(tmp_path, text):
     assert cycles(import_graph(pkg)) == []
     assert private_imports(pkg) == []
     assert long_functions(pkg) == []
+
+
+LAYERED = {
+    "__init__.py": "from pkg.engine.generate import generate\n",
+    "base/__init__.py": "",
+    "base/args.py": "",
+    "model/__init__.py": "",
+    "model/gpt.py": "from pkg.base.args import check\n",
+    "engine/__init__.py": "",
+    "bench/__init__.py": "",
+}
+
+
+def test_the_layer_check_catches_upward_imports_and_stray_modules(tmp_path):
+    pkg = write_package(
+        tmp_path,
+        {
+            **LAYERED,
+            "model/train.py": "import math\n\n\ndef fit():\n    from pkg.engine.prompts import eval_mode\n",
+            "model/top.py": "from pkg.engine import prompts\nfrom .. import generate\n",
+            "engine/prompts.py": "",
+            "engine/generate.py": "",
+            "helpers.py": "",
+            "util/x.py": "from pkg.model import gpt\n",
+        },
+    )
+    assert layer_violations(pkg) == [
+        "pkg.helpers lives outside the layer folders (base, model, engine, perf, course, bench)",
+        "pkg.model.top:1 (model) imports pkg.engine.prompts (engine)",
+        "pkg.model.top:2 (model) imports pkg (the public API)",
+        "pkg.model.train:5 (model) imports pkg.engine.prompts (engine)",  # the lazy import inside fit()
+        "pkg.util.x lives outside the layer folders (base, model, engine, perf, course, bench)",
+    ]
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "from pkg.model.gpt import GPT\n",
+        "import pkg.model.gpt\n",
+        "from pkg.model import gpt\n",
+        "from ..model import gpt\n",
+        "from . import other\n",
+        "def f():\n    from pkg.base.args import check\n",
+    ],
+)
+def test_the_layer_check_passes_downward_imports(tmp_path, text):
+    files = {**LAYERED, "engine/generate.py": text, "engine/other.py": "", "bench/run.py": "import pkg\n"}
+    assert layer_violations(write_package(tmp_path, files)) == []

@@ -1,6 +1,5 @@
 """ar_lab.engine.lean: the batch-1 decode step without nn.Module layers must be GPT.forward's arithmetic."""
 
-import gc
 
 import pytest
 import torch
@@ -8,6 +7,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from ar_lab.engine import lean
+from ar_lab.engine.decoder import ForwardDecoder
 from ar_lab.engine.generate import generate
 from ar_lab.engine.sampling import SamplingParams
 from ar_lab.engine.speculative import speculative_generate
@@ -178,21 +178,29 @@ def generate_stream_tokens(model, prompt, n):
     return lambda lean_: token_steps(model, prompt, n, lean=lean_)
 
 
-def test_transposed_copies_are_shared_until_the_weights_change(tiny_model):
+def test_transposed_copies_are_fresh_copies_of_the_weights_now(tiny_model):
     first = lean.transposed_copies(tiny_model)
-    assert lean.transposed_copies(tiny_model) is first  # unchanged weights: the same copies
     block = tiny_model.blocks[1]
     torch.testing.assert_close(first.layers[1].fc, block.mlp.fc.weight.t(), rtol=0, atol=0)
     assert first.layers[1].fc.is_contiguous() and first.out.shape == (tiny_model.config.n_embd, 257)
+    assert first.layers[1].fc.data_ptr() != block.mlp.fc.weight.data_ptr()  # a copy, not a view
     block.mlp.fc.weight.data[0, 0] += 1.0  # one value, through .data: no version counter moves
     second = lean.transposed_copies(tiny_model)
-    assert second is not first
-    assert second.layers[1].fc[0, 0] == block.mlp.fc.weight[0, 0]
+    assert second.layers[1].fc[0, 0] == block.mlp.fc.weight[0, 0] != first.layers[1].fc[0, 0]
     with pytest.raises(TypeError, match="a GPT that LeanGPT runs"):
         lean.transposed_copies(ScriptedModel([1], 1))
-    block.mlp.fc.weight.data[0, 1] = float("nan")  # compared bit for bit: a NaN equals itself
-    third = lean.transposed_copies(tiny_model)
-    assert third is not second and lean.transposed_copies(tiny_model) is third
+
+
+def test_a_decoder_takes_its_copies_once_and_a_new_one_sees_an_edit(tiny_model):
+    """Copies live in the decoder of one generation (speculative_generate makes one per call)."""
+    prompt = [5, 6, 7, 8, 9]
+    before = speculative_generate(tiny_model, tiny_model, prompt, 12, 3, eos_id=None).tokens
+    assert before == generate(tiny_model, prompt, 12, eos_id=None).tokens
+    with torch.no_grad():
+        for b in tiny_model.blocks:
+            b.mlp.fc.weight.data.mul_(-1.0)
+    after = speculative_generate(tiny_model, tiny_model, prompt, 12, 3, eos_id=None).tokens
+    assert after == generate(tiny_model, prompt, 12, eos_id=None).tokens != before
 
 
 def test_models_with_their_own_forward_or_blocks_are_not_bypassed(tiny_model):
@@ -224,15 +232,6 @@ def test_models_with_their_own_forward_or_blocks_are_not_bypassed(tiny_model):
     assert not lean.supports(swapped)
     got = generate(swapped, "hello", 20, eos_id=None).tokens
     assert got == generate(swapped, "hello", 20, eos_id=None, use_cache=False).tokens
-
-
-def test_copies_do_not_keep_models_alive():
-    model = GPT(GPTConfig(block_size=16, n_layer=1, n_head=1, n_embd=8))
-    lean.transposed_copies(model)
-    n = len(lean._COPIES)
-    del model
-    gc.collect()
-    assert len(lean._COPIES) == n - 1
 
 
 def test_bad_input_is_explained(tiny_model):
@@ -277,7 +276,7 @@ def test_layer_weights_are_the_blocks_own_parameters_by_name(tiny_model):
 def test_steps_record_their_tokens_and_need_inference_mode(tiny_model):
     engine, cache = lean.for_model(tiny_model), KVCache.for_model(tiny_model)
     with torch.inference_mode():
-        tiny_model(torch.tensor([[1, 2]]), cache)
+        ForwardDecoder(tiny_model).prefill(torch.tensor([[1, 2]]), cache)  # (the model alone records nothing)
         engine.step(3, cache)
         engine.extend([4, 5, 6], cache)
     assert cache.token_ids == [1, 2, 3, 4, 5, 6]

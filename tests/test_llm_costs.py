@@ -3,8 +3,6 @@
 import math
 
 import pytest
-from hypothesis import given
-from hypothesis import strategies as st
 
 from ar_lab.model.gpt import GPTConfig
 from ar_lab.perf import gpus
@@ -105,29 +103,41 @@ def test_published_parameter_counts():
     assert lc.kv_memory(lc.MODELS["Llama-3-8B"], 1) == 131_072
 
 
-@st.composite
-def gpt_configs(draw):
-    n_kv = draw(st.sampled_from([1, 2, 4]))
-    n_head = n_kv * draw(st.sampled_from([1, 2]))
-    return GPTConfig(
-        vocab_size=draw(st.integers(3, 300)),
-        block_size=draw(st.integers(8, 64)),
-        n_layer=draw(st.integers(1, 4)),
-        n_head=n_head,
-        n_kv_heads=n_kv,
-        n_embd=n_head * draw(st.sampled_from([2, 4, 8])),
-    )
+# The course's GPT layout with GQA: one layer, d = 4, 2 query heads sharing 1 KV head of width 2,
+# GELU MLP 4 x 4 = 16 wide, tied head, vocabulary 10, a learned table of 8 positions.
+GQA_CFG = GPTConfig(vocab_size=10, block_size=8, n_layer=1, n_head=2, n_kv_heads=1, n_embd=4)
 
 
-@given(gpt_configs(), st.integers(1, 8), st.integers(1, 7), st.integers(0, 8), st.sampled_from(["fp32", "bf16"]))
-def test_gpt_shapes_cost_what_the_course_roofline_counts(cfg, batch, tokens, past, dtype):
-    tokens, past = min(tokens, cfg.block_size), min(past, cfg.block_size - min(tokens, cfg.block_size))
-    shape = lc.from_gpt_config(cfg)
-    assert shape.parameters == rl.parameter_count(cfg)
-    assert shape.matmul_weights == rl.matmul_parameters(cfg)
-    mine = lc.forward_cost(shape, batch, tokens, past, dtype)
-    theirs = rl.forward_cost(cfg, batch, tokens, past, lc.value_bytes(dtype))
-    assert mine == theirs
+def test_both_forward_costs_count_the_gpt_layout_by_hand():
+    shape = lc.from_gpt_config(GQA_CFG)
+    # matmul weights: qkv 4x8 = 32, proj 4x4 = 16, fc 4x16 = 64, proj 16x4 = 64 -> 176; head 10x4 = 40
+    assert shape.matmul_weights == rl.matmul_parameters(GQA_CFG) == 216
+    # + biases (8 + 4 + 16 + 4) and 2 LayerNorms (8 each) per layer, token table 40, position
+    # table 32 (not tied), final LayerNorm 8
+    assert shape.parameters == rl.parameter_count(GQA_CFG) == 176 + 32 + 16 + 40 + 32 + 8 == 304
+    per_token = (4 + 8) + (4 + 4) + (4 + 16) + (16 + 4) + 4 + (4 + 10)  # matmul ins and outs, embedding, head
+    prefill = {  # 2 sequences of 3 tokens, 2 bytes per weight and per value
+        "matmul_flops": 2 * 216 * 6,
+        "attention_flops": 4 * 4 * 2 * (1 + 2 + 3),  # 4 x (2 heads x 2) per key; token i sees i keys
+        "weight_bytes": 2 * (304 - 32 + 3 * 4),  # 3 position rows; the tied token table read whole by the head
+        "kv_bytes": 2 * 2 * (0 + 2 * 3) * 4,  # per sequence 3 positions written and read, 4 values each
+        "activation_bytes": 2 * 6 * per_token,
+    }
+    decode = {  # 2 sequences, one new token after 4 cached
+        "matmul_flops": 2 * 216 * 2,
+        "attention_flops": 4 * 4 * 2 * 5,
+        "weight_bytes": 2 * (304 - 32 + 4),
+        "kv_bytes": 2 * 2 * (4 + 2) * 4,
+        "activation_bytes": 2 * 2 * per_token,
+    }
+    for cost in (lc.forward_cost(shape, 2, 3, 0, "bf16"), rl.forward_cost(GQA_CFG, 2, 3, 0, 2)):
+        assert {k: getattr(cost, k) for k in prefill} == prefill and cost.phase == "prefill"
+    for cost in (lc.decode_cost(shape, 5, 2, "bf16"), rl.decode_cost(GQA_CFG, 5, 2, 2)):
+        assert {k: getattr(cost, k) for k in decode} == decode and cost.phase == "decode"
+    # fp32 is 4 bytes for every weight and value in both spellings; int8 only shrinks the weights
+    assert lc.forward_cost(shape, 2, 3, 0, "fp32") == rl.forward_cost(GQA_CFG, 2, 3, 0, 4)
+    int8 = lc.forward_cost(shape, 2, 3, 0, "int8")
+    assert int8.weight_bytes == prefill["weight_bytes"] / 2 and int8.kv_bytes == prefill["kv_bytes"]
 
 
 def test_cost_errors():

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from ar_lab.course.plots import plot_roofline
-from ar_lab.model.gpt import GPTConfig
+from ar_lab.model.gpt import GPT, GPTConfig
 from ar_lab.perf import measure, peaks, side_by_side
 from ar_lab.perf.roofline import decode_cost, forward_cost, prefill_cost
 
@@ -61,7 +61,7 @@ class Recorder(torch.nn.Module):
 
 
 def test_measure_prefill_and_decode_run_the_pass_they_claim(tiny_model):
-    rec = Recorder(tiny_model)
+    rec = Recorder(tiny_model).eval()
     p = measure.measure_prefill(rec, 20, batch=2, repeats=3)
     assert rec.calls == [((2, 20), 0, True, False)] * 4  # warm-up + 3, each into an empty cache, in eval mode
     assert p.cost == prefill_cost(tiny_model.config, 20, 2) and len(p.times) == 3
@@ -79,14 +79,17 @@ def test_measure_prefill_and_decode_run_the_pass_they_claim(tiny_model):
         measure.measure_decode(tiny_model, 65)
 
 
-def test_measuring_restores_the_model_mode(tiny_model):
-    rec = Recorder(tiny_model).train()
+def test_measuring_never_switches_the_model_mode(tiny_model):
+    rec = Recorder(tiny_model).train()  # no dropout: training mode computes what eval mode does
     measure.measure_decode(rec, 8, repeats=1)
-    assert rec.training and all(not training for *_, training in rec.calls)  # ran in eval, handed back in train
+    assert rec.training and all(training for *_, training in rec.calls)  # run as it is, left as it is
     rec.calls.clear()
     fn, *_ = measure.prepare_forward(rec, 1, 7)
     fn()
-    assert rec.training and rec.calls[-1][-1] is False  # the prepared pass too
+    assert rec.training and rec.calls[-1][-1] is True  # the prepared pass too
+    dropout = GPT(GPTConfig(block_size=16, n_layer=1, n_head=1, n_embd=8, dropout=0.5)).train()
+    with pytest.raises(ValueError, match="model.eval()"):
+        measure.measure_decode(dropout, 8, repeats=1)
     tiny_model.eval()
     measure.measure_decode(tiny_model, 8, repeats=1)
     assert not tiny_model.training

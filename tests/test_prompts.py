@@ -1,4 +1,4 @@
-"""The shared prompt checks, eval_mode, the timing helpers and the data folder."""
+"""The shared prompt checks, the inference rule, the timing helpers and the data folder."""
 
 import time
 
@@ -6,9 +6,10 @@ import pytest
 import torch
 
 from ar_lab.base import timing
-from ar_lab.engine.prompts import check_prompt, checked_prompt, eval_mode, prompt_batch, prompt_ids, stop_list
+from ar_lab.engine.prompts import check_prompt, checked_prompt, prompt_batch, prompt_ids, stop_list
 from ar_lab.model.data import data_dir
 from ar_lab.model.gpt import GPT, GPTConfig
+from ar_lab.model.inference import check_inference_ready, inference
 from ar_lab.model.tokenizer import encode
 
 
@@ -68,17 +69,33 @@ def test_prompt_batch_needs_equal_lengths(model):
         prompt_batch(model, "ab", 3)
 
 
-def test_eval_mode_restores_every_flag_and_gradients(model):
-    model.train()
+def test_inference_never_switches_the_model_and_restores_gradients(model):
+    model.train()  # no dropout: training mode computes what eval mode computes
     model.blocks[0].attn.eval()  # a child deliberately in eval mode stays so
-    with eval_mode(model):
-        assert not model.training and not model.blocks[0].mlp.training
+    flags = [m.training for m in model.modules()]
+    with inference(model):
+        assert [m.training for m in model.modules()] == flags
         assert torch.is_inference_mode_enabled()
-    assert model.training and model.blocks[0].mlp.training and not model.blocks[0].attn.training
+    assert [m.training for m in model.modules()] == flags
     assert torch.is_grad_enabled() and not torch.is_inference_mode_enabled()
-    with pytest.raises(RuntimeError, match="boom"), eval_mode(model):
+    with pytest.raises(RuntimeError, match="boom"), inference(model):
         raise RuntimeError("boom")
-    assert model.training
+    assert torch.is_grad_enabled() and not torch.is_inference_mode_enabled()
+
+
+def test_inference_refuses_a_model_whose_training_mode_is_random():
+    model = GPT(GPTConfig(block_size=8, n_layer=1, n_head=1, n_embd=8, dropout=0.1)).train()
+    with pytest.raises(ValueError, match=r"training mode .*dropout p=0\.1.*call model\.eval\(\)"):
+        check_inference_ready(model)
+    with pytest.raises(ValueError, match="model.eval"), inference(model):
+        pass
+    assert model.training  # refused, not switched
+    check_inference_ready(model.eval())  # eval mode: dropout off, accepted
+    bn = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.BatchNorm1d(2)).train()
+    with pytest.raises(ValueError, match="BatchNorm1d"):
+        check_inference_ready(bn)
+    with pytest.raises(TypeError, match="torch.nn.Module"):
+        check_inference_ready("model")
 
 
 def test_time_call_counts_calls_and_checks_its_options():

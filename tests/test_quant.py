@@ -322,10 +322,14 @@ def test_edits_of_quantized_weights_are_seen(course, weights, edit):
     a, b = KVCache.for_model(model), KVCache.for_model(model)
     with torch.inference_mode():
         want_logits = model(ids, b)[0]
+        unedited = quantize_model(course, weights=weights)(ids)[0]
         model(ids[:, :1], a)
         torch.testing.assert_close(engine.step(6, a), want_logits[1], atol=1e-4, rtol=1e-4)
         got = engine.extend([7, 8], a, lean.transposed_copies(model))
-    torch.testing.assert_close(got, want_logits[2:], atol=1e-4, rtol=1e-4)
+    # A zeroed matrix leaves each layer's MLP a constant, and LayerNorm then magnifies float rounding:
+    # some CPUs' kernels differ by a few 1e-3 there. The edit itself moves the logits by far more.
+    torch.testing.assert_close(got, want_logits[2:], atol=2e-2, rtol=1e-3)
+    assert (got - unedited[2:]).abs().max() > 0.5
 
 
 def test_threads_share_a_quantized_model(quantized):

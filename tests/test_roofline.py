@@ -149,6 +149,15 @@ def test_cost_errors():
         rl.decode_cost(HAND, 3, batch=0)
     with pytest.raises(ValueError, match="past must be an int >= 0"):
         rl.forward_cost(HAND, 1, 1, -1)
+    with pytest.raises(TypeError, match="GPTConfig"):
+        rl.matmul_parameters("small")
+    shape = rl.from_gpt_config(HAND)
+    with pytest.raises(TypeError, match="shape must be a ModelShape"):
+        rl.shape_cost(HAND, 1, 1, 0, 4, 4)
+    with pytest.raises(ValueError, match="weight_bytes must be > 0"):
+        rl.shape_cost(shape, 1, 1, 0, 0, 4)
+    with pytest.raises(ValueError, match="9 positions exceed GPT's context window of 8"):
+        rl.shape_cost(shape, 1, 9, 0, 4, 4)
 
 
 # --- the benchmark command ----------------------------------------------------------

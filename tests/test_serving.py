@@ -5,6 +5,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
+from ar_lab.engine.decoder import ForwardDecoder
 from ar_lab.engine.generate import generate, stream
 from ar_lab.engine.prefix_cache import PrefixCache, reusable_length
 from ar_lab.engine.sampling import SamplingParams
@@ -68,7 +69,7 @@ def test_rows_of_different_lengths_give_each_sequence_its_own_logits(cfg_seed, l
         steps = []
         for k in range(3):
             idx = torch.tensor([s[n + k * chunk : n + (k + 1) * chunk] for n, s in zip(lengths, seqs, strict=True)])
-            steps.append(model(idx, cache))  # (rows, chunk, vocab)
+            steps.append(ForwardDecoder(model).prefill(idx, cache, None))  # (rows, chunk, vocab)
         for row, (n, s) in enumerate(zip(lengths, seqs, strict=True)):
             full = model(torch.tensor([s]))[0, n:]  # (3 * chunk, vocab)
             batched = torch.cat([st_[row] for st_ in steps])
@@ -136,15 +137,13 @@ def test_batch_cache_slots_stay_packed():
 
 def test_batch_cache_errors(tiny_model):
     c = BatchKVCache.for_model(tiny_model, max_batch=2, max_len=6)
-    with pytest.raises(ValueError, match="0 rows in use, got a batch of 1"):
-        tiny_model(torch.tensor([[1]]), c)
+    with pytest.raises(ValueError, match="rows sit at lengths of their own: feed it with"):
+        tiny_model(torch.tensor([[1]]), c)  # forward alone cannot place rows of different lengths
     with pytest.raises(ValueError, match="no row is in use"):
-        c.begin(1)
+        ForwardDecoder(tiny_model).step(torch.tensor([1]), c, None)
     c.add(5)
-    with pytest.raises(ValueError, match="1 rows in use, got a batch of 2"):
-        tiny_model(torch.tensor([[1], [2]]), c)
     with pytest.raises(ValueError, match="KV cache full"):
-        tiny_model(torch.tensor([[1, 2]]), c)
+        ForwardDecoder(tiny_model).prefill(torch.tensor([[1, 2]]), c, None)
     with pytest.raises(ValueError, match="max_len must be"):
         BatchKVCache.for_model(tiny_model, max_batch=2, max_len=65)
     with pytest.raises(ValueError, match="max_batch must be a positive int"):

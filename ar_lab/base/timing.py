@@ -2,7 +2,8 @@
 
 Every measurement in the course (benchmarks, chapter 04's timings, chapter 05's roofline,
 chapter 07's speculative speedups) times work through these functions, so they all wait
-for the device the same way and describe the machine the same way.
+for the device the same way and describe the machine the same way. Figures that are
+compared are timed in turns with ``interleaved``, so a shared machine's drift hits all alike.
 """
 
 from __future__ import annotations
@@ -14,10 +15,13 @@ import statistics
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import TypeVar
 
 import torch
 
 from ar_lab.base.args import positive_int
+
+Name = TypeVar("Name")  # what names the sides ``interleaved`` compares: a string, a tuple, ...
 
 
 def default_device() -> torch.device:
@@ -88,6 +92,58 @@ def time_call(
             t0 = time.perf_counter()
             fn()
             times.append(time.perf_counter() - t0)
+    return times
+
+
+def interleaved(
+    runs: dict[Name, Callable[[], object]],
+    rounds: int,
+    *,
+    warmup: int = 0,
+    rotate: bool = True,
+    clock: Callable[[], float] | None = None,
+    device: torch.device | str | None = None,
+    progress: Callable[[int], None] | None = None,
+) -> dict[Name, list[float]]:
+    """Seconds of each call of every function in ``runs``, called in turns: one call of each per round.
+
+    The load on a shared machine drifts from second to second; taking turns lets the drift
+    hit every side alike, where timing all of one side and then all of the other would not.
+    ``warmup`` untimed rounds run first. With ``rotate`` each round starts one side later than
+    the round before (A B C, B C A, C A B, ...), so no side always follows the same one; without
+    it every round keeps the given order (for pairs where one call must follow another).
+    ``clock`` is read around each call, with ``device`` synchronised before and after it (e.g.
+    ``steady_clock(device)``, or ``time.perf_counter`` for the wall clock); ``None`` times as
+    ``time_call`` does (CUDA events on a CUDA device, else ``time.perf_counter``). ``progress``
+    is called with each round's index (from 0, warm-up rounds included) before it runs.
+    """
+    if not isinstance(runs, dict) or not runs:
+        raise ValueError(f"runs must be a non-empty dict {{name: function of no arguments}}, got {runs!r}")
+    for name, fn in runs.items():
+        if not callable(fn):
+            raise TypeError(f"runs[{name!r}] must be a function of no arguments, e.g. lambda: model(x); got {fn!r}")
+    positive_int("rounds", rounds)
+    positive_int("warmup", warmup, minimum=0)
+    if clock is not None and not callable(clock):
+        raise TypeError(f"clock must be a function returning seconds, e.g. time.perf_counter; got {clock!r}")
+    device = None if device is None else checked_device(device)
+    names = list(runs)
+    times: dict[Name, list[float]] = {name: [] for name in names}
+    for r in range(warmup + rounds):
+        if progress is not None:
+            progress(r)
+        first = r % len(names) if rotate else 0
+        for name in names[first:] + names[:first]:
+            if r < warmup:
+                runs[name]()
+            elif clock is None:
+                times[name].append(time_call(runs[name], repeats=1, warmup=0, device=device)[0])
+            else:
+                synchronize(device)
+                t0 = clock()
+                runs[name]()
+                synchronize(device)
+                times[name].append(clock() - t0)
     return times
 
 

@@ -49,7 +49,7 @@ def add_options(p: argparse.ArgumentParser) -> None:
 
 def _transformers_peer(model, prompt_ids: list[int]) -> Callable[[int], list[int]]:
     """``theirs(n)``: n greedy tokens from transformers' ``generate`` on ``model``'s weights."""
-    from ar_lab.engine.prompts import eval_mode
+    from ar_lab.model.inference import inference
     from ar_lab.model.reference import to_hf_gpt2
     from ar_lab.model.tokenizer import EOS_ID
 
@@ -63,7 +63,7 @@ def _transformers_peer(model, prompt_ids: list[int]) -> Callable[[int], list[int
     ids = torch.tensor([prompt_ids])
 
     def theirs(n: int) -> list[int]:
-        with eval_mode(hf):
+        with inference(hf):
             out = hf.generate(
                 ids,
                 attention_mask=torch.ones_like(ids),
@@ -184,7 +184,8 @@ def decode_benchmark(
     must produce exactly ar_lab's tokens (``AssertionError`` otherwise). ``threads``: torch
     CPU threads for the runs (None: leave as is); restored afterwards.
     """
-    from ar_lab.engine.prompts import checked_prompt, eval_mode
+    from ar_lab.engine.prompts import checked_prompt
+    from ar_lab.model.inference import inference
 
     checked_count("tokens", tokens)
     checked_count("repeats", repeats)
@@ -201,7 +202,7 @@ def decode_benchmark(
     if threads is not None:
         torch.set_num_threads(threads)
     try:
-        with eval_mode(model):
+        with inference(model):
             runs = _timed_repeats(runners, tokens, repeats, uncached_repeats, say)
         ran_on = machine(model.device)
     finally:

@@ -17,7 +17,7 @@ from collections.abc import Callable
 
 import torch
 
-from ar_lab.base.timing import median
+from ar_lab.base.timing import interleaved, median
 from ar_lab.bench.common import checked_count, course_model_or_random, torch_threads
 from ar_lab.bench.table import format_table
 
@@ -72,13 +72,8 @@ def kernel_timings(shapes=((1024, 256), (4096, 1024)), repeats: int = 30) -> lis
         torch.manual_seed(0)
         w, x = torch.randn(n_out, n_in), torch.randn(n_in)
         calls = _kernel_calls(w, x)
-        times: dict[str, list[float]] = {k: [] for k in calls}
         with torch.inference_mode():
-            for _ in range(repeats):
-                for name, (fn, _) in calls.items():
-                    t0 = time.perf_counter()
-                    fn()
-                    times[name].append(time.perf_counter() - t0)
+            times = interleaved({name: fn for name, (fn, _) in calls.items()}, repeats, clock=time.perf_counter)
             for name, (fn, matrix) in calls.items():
                 want = matrix @ x
                 err = float((fn().float() - want).abs().max() / want.abs().max())

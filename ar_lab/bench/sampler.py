@@ -46,10 +46,10 @@ def sampler_benchmark(model=None, context: int = 128, *, rounds: int = 30, calls
     medians over the rounds are reported, with each sampler's time as a fraction of the
     decode step's. Print the result with ``format_sampler_results``.
     """
-    from ar_lab.engine.lean import engine_for
-    from ar_lab.engine.prompts import eval_mode
+    from ar_lab.engine.decoder import decoder_for
     from ar_lab.engine.sampling import sample
     from ar_lab.model.cache import KVCache
+    from ar_lab.model.inference import inference
 
     for name, value in [("context", context), ("rounds", rounds), ("calls", calls)]:
         checked_count(name, value)
@@ -62,20 +62,17 @@ def sampler_benchmark(model=None, context: int = 128, *, rounds: int = 30, calls
     gen = torch.Generator(device=device).manual_seed(0)
     history = torch.randint(0, model.config.vocab_size, (context,), generator=gen, device=device)
     cache = KVCache.for_model(model, max_len=context + 1)
-    step_in = history[-1:].view(1, 1)
-    with eval_mode(model):
-        model(history[None, :context], cache)  # prefill: the cache now holds `context` positions
-        # The decode step ar_lab.generate runs: the lean one for a GPT (ar_lab.engine.lean), else forward().
-        engine = engine_for(model)
-    token = int(step_in)
+    decoder = decoder_for(model)  # the decoder ar_lab.generate runs: the lean step for a GPT
+    with inference(model):
+        decoder.prefill(history[None, :context], cache)  # the cache now holds `context` positions
+    token = int(history[-1])
 
     def decode_step():
-        cache.truncate(context)  # every timed step decodes position `context` again
-        return engine.step(token, cache) if engine is not None else model(step_in, cache)[0, -1]
+        return decoder.step(token, cache, context)  # every timed step decodes position `context` again
 
     samplers = _samplers(history.tolist())
     times: dict[str, list[float]] = {"decode step": [], **{k: [] for k in samplers}}
-    with eval_mode(model):
+    with inference(model):
         logits = decode_step()
         for _ in range(rounds):  # interleaved, so load changes hit every column alike
             times["decode step"].append(median(time_call(decode_step, repeats=calls, warmup=1, device=device)))

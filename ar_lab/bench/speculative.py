@@ -13,7 +13,7 @@ from collections.abc import Callable
 
 import torch
 
-from ar_lab.base.timing import machine, steady_clock, synchronize
+from ar_lab.base.timing import interleaved, machine, steady_clock
 from ar_lab.bench.common import checked_count, checked_device, torch_threads
 from ar_lab.bench.table import format_table
 
@@ -73,32 +73,20 @@ def _prompts(target, draft, n: int, length: int, tokens: int) -> list[list[int]]
     return prompts
 
 
-def _timer(clock: Callable[[], float], device: torch.device):
-    """``timed(fn, *args, **kwargs) -> (seconds, fn's result)`` on ``clock``, waiting for ``device``."""
-
-    def timed(fn, *args, **kwargs):
-        t0 = clock()
-        out = fn(*args, **kwargs)
-        synchronize(device)
-        return clock() - t0, out
-
-    return timed
-
-
-def _plain_steps(target, draft, prompt: list[int], tokens: int, repeats: int, timed) -> tuple[float, float]:
+def _plain_steps(target, draft, prompt: list[int], tokens: int, repeats: int, clock) -> tuple[float, float]:
     """One plain greedy decode step of each model (fastest of ``repeats``, after one warm-up round)."""
     from ar_lab.engine.generate import generate
 
-    step_times = {"target": [], "draft": []}
-    for r in range(repeats + 1):
-        for role, model in [("target", target), ("draft", draft)]:
-            seconds, _ = timed(generate, model, prompt, tokens, eos_id=None)
-            if r:  # the first round warms up
-                step_times[role].append(seconds / tokens)
-    return min(step_times["target"]), min(step_times["draft"])
+    def plain(model) -> Callable[[], object]:
+        return lambda: generate(model, prompt, tokens, eos_id=None)
+
+    times = interleaved(
+        {"target": plain(target), "draft": plain(draft)}, repeats, warmup=1, clock=clock, device=target.device
+    )
+    return min(times["target"]) / tokens, min(times["draft"]) / tokens
 
 
-def _paired_runs(target, draft, prompts, tokens, *, gammas, params, seed, repeats, timed, clock, say, mode):
+def _paired_runs(target, draft, prompts, tokens, *, gammas, params, seed, repeats, clock, say, mode):
     """Every speculative run right after a plain run of the same prompt; the fastest of each kept.
 
     Returns (fastest plain seconds per prompt, {(prompt index, gamma): (seconds, stats)}).
@@ -114,34 +102,38 @@ def _paired_runs(target, draft, prompts, tokens, *, gammas, params, seed, repeat
     speculative_generate(
         target, draft, prompts[0], 8, gamma=max(gammas), sampling=params, generator=gen(seed), eos_id=None
     )
+    pairs = [(k, g) for k in range(len(prompts)) for g in gammas]
+    outs: dict[tuple[int, int, str], list] = {(k, g, s): [] for k, g in pairs for s in ("plain", "spec")}
+
+    def run(k: int, g: int, side: str) -> None:
+        kw = {"sampling": params, "generator": gen(seed + k), "eos_id": None}
+        if side == "plain":
+            out = generate(target, prompts[k], tokens, **kw)
+        else:
+            out = speculative_generate(target, draft, prompts[k], tokens, gamma=g, clock=clock, **kw)
+        outs[k, g, side].append(out)
+
+    # Each round keeps this order (no rotation), so every speculative run follows the plain run it is paired with.
+    times = interleaved(
+        {key: lambda key=key: run(*key) for key in outs},
+        repeats,
+        rotate=False,
+        clock=clock,
+        device=target.device,
+        progress=lambda r: say(f"{mode}: repeat {r + 1}/{repeats}"),
+    )
     # Load from other processes only ever adds time, so the minimum is the cleanest estimate
     # of the work itself. Runs with the same seed repeat the same tokens.
     plain_best = [float("inf")] * len(prompts)
     fastest: dict[tuple[int, int], tuple[float, object]] = {}
-    for r in range(repeats):
-        say(f"{mode}: repeat {r + 1}/{repeats}")
-        for k, prompt in enumerate(prompts):
-            for g in gammas:
-                t_plain, plain = timed(
-                    generate, target, prompt, tokens, sampling=params, generator=gen(seed + k), eos_id=None
-                )
-                t_spec, out = timed(
-                    speculative_generate,
-                    target,
-                    draft,
-                    prompt,
-                    tokens,
-                    gamma=g,
-                    sampling=params,
-                    generator=gen(seed + k),
-                    eos_id=None,
-                    clock=clock,
-                )
-                if params.greedy and out.tokens != plain.tokens:
-                    raise AssertionError(f"greedy speculative decoding (gamma {g}) differs from plain decoding")
-                plain_best[k] = min(plain_best[k], t_plain)
-                if (k, g) not in fastest or t_spec < fastest[k, g][0]:
-                    fastest[k, g] = (t_spec, out.stats)
+    for k, g in pairs:
+        plain, spec = outs[k, g, "plain"], outs[k, g, "spec"]
+        if params.greedy and any(a.tokens != b.tokens for a, b in zip(plain, spec, strict=True)):
+            raise AssertionError(f"greedy speculative decoding (gamma {g}) differs from plain decoding")
+        plain_best[k] = min(plain_best[k], *times[k, g, "plain"])
+        t = times[k, g, "spec"]
+        i = t.index(min(t))  # the first of the fastest
+        fastest[k, g] = (t[i], spec[i].stats)
     return plain_best, fastest
 
 
@@ -250,10 +242,9 @@ def speculative_benchmark(
     # CPU time of this process on a one-thread CPU run (other processes on a shared machine
     # cannot inflate it), else the wall clock; both runs of a pair are timed the same way.
     clock = steady_clock(target.device)
-    timed = _timer(clock, target.device)
     # For reference: one plain decode step of the draft / one of the target, side by side.
     say("plain decoding of each model")
-    target_step, draft_step = _plain_steps(target, draft, prompt_ids[0], tokens, repeats, timed)
+    target_step, draft_step = _plain_steps(target, draft, prompt_ids[0], tokens, repeats, clock)
     results = {}
     for mode, params in modes.items():
         plain_best, fastest = _paired_runs(
@@ -265,7 +256,6 @@ def speculative_benchmark(
             params=params,
             seed=seed,
             repeats=repeats,
-            timed=timed,
             clock=clock,
             say=say,
             mode=mode,

@@ -9,7 +9,8 @@ import torch
 
 from ar_lab.base.args import check_seed
 from ar_lab.engine.generate import check_sampling, sample_rows
-from ar_lab.engine.prompts import check_prompt, eval_mode, prompt_ids
+from ar_lab.engine.prompts import check_prompt, prompt_ids
+from ar_lab.model.inference import inference
 from ar_lab.engine.sampling import SamplingParams, entropy_bits, probabilities
 from ar_lab.model.tokenizer import decode
 
@@ -76,7 +77,7 @@ def sampler_view(
     window = model.config.block_size
     ids = prompt_ids(prompt)[-window:]
     check_prompt(model, ids, 1)
-    with eval_mode(model):
+    with inference(model):
         logits = model(torch.tensor([ids], device=model.device))[0, -1].float()  # (vocab,)
     history = ids if params.repetition_penalty != 1.0 else ()
     before = torch.softmax(logits, dim=-1)

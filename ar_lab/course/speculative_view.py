@@ -4,7 +4,7 @@
 the same settings, and gathers the measured acceptance rate alpha, the cost ratio c and
 the speedup next to the theory's curves (``ar_lab.engine.speculative``). The explorer widget is
 a thin shell over it, drawing with ``plot_speculation_view`` and ``speculation_text_html``
-(the text coloured by who chose each token). ``benchmark_prompts`` gives the fixed
+(the text coloured by who chose each token). ``ar_lab.model.data.benchmark_prompts`` gives the fixed
 validation prompts that the chapter and ``python -m ar_lab.bench speculative`` time on.
 """
 
@@ -16,12 +16,17 @@ from dataclasses import dataclass
 
 import torch
 
-from ar_lab.model.data import corpus_tokens, train_val_split
+from ar_lab.base.timing import interleaved, steady_clock
 from ar_lab.engine.generate import generate
 from ar_lab.engine.sampling import GREEDY, SamplingParams
-from ar_lab.engine.speculative import SpeculativeGeneration, expected_speedup, expected_tokens_per_iteration, speculative_generate, token_sources
-from ar_lab.base.timing import steady_clock, synchronize
-from ar_lab.model.tokenizer import EOS_ID, StreamDecoder, encode
+from ar_lab.engine.speculative import (
+    SpeculativeGeneration,
+    expected_speedup,
+    expected_tokens_per_iteration,
+    speculative_generate,
+    token_sources,
+)
+from ar_lab.model.tokenizer import EOS_ID, StreamDecoder
 
 
 @dataclass
@@ -99,9 +104,10 @@ def speculation_view(
     """Run plain and speculative decoding side by side on ``prompt`` and gather what the explorer shows.
 
     Both runs generate exactly ``max_new_tokens`` tokens (no EOS stop, so their times
-    compare) with ``sampling``, each from a generator seeded with ``seed``. They alternate
-    ``repeats`` times and the fastest run of each is kept (a shared machine's hiccups
-    only ever add time), timed with ``clock`` (default: ``ar_lab.base.timing.steady_clock``). The
+    compare) with ``sampling``, each from a generator seeded with ``seed``. They take turns
+    ``repeats`` times (``ar_lab.base.timing.interleaved``) and the fastest run of each is kept
+    (a shared machine's hiccups only ever add time), timed with ``clock`` (default:
+    ``ar_lab.base.timing.steady_clock``). The
     same arguments give the same tokens and counts; the times are measurements.
     """
     if not isinstance(prompt, str) or not prompt:
@@ -110,7 +116,7 @@ def speculation_view(
         raise ValueError(f"max_gamma must be an int >= 1, got {max_gamma!r}")
     if not isinstance(gamma, int) or isinstance(gamma, bool) or not 1 <= gamma <= max_gamma:
         raise ValueError(f"gamma must be a whole number from 1 to max_gamma ({max_gamma}), got {gamma!r}")
-    if not isinstance(repeats, int) or repeats < 1:
+    if not isinstance(repeats, int) or isinstance(repeats, bool) or repeats < 1:
         raise ValueError(f"repeats must be an int >= 1, got {repeats!r}")
     device = target.device
     clock = steady_clock(device) if clock is None else clock
@@ -134,17 +140,17 @@ def speculation_view(
         )
 
     generate(target, prompt, 2, sampling=sampling, generator=seeded(), eos_id=None)  # warm-up
-    best: dict[str, tuple[float, object]] = {}
-    for _ in range(repeats):
-        for name in ("plain", "speculative"):
-            t0 = clock()
-            out = run(name)
-            synchronize(device)
-            seconds = clock() - t0
-            if name not in best or seconds < best[name][0]:
-                best[name] = (seconds, out)
+    outs: dict[str, list] = {"plain": [], "speculative": []}  # every run's output, in the order of its times
+    runs = {name: lambda name=name: outs[name].append(run(name)) for name in outs}
+    times = interleaved(runs, repeats, clock=clock, device=device)
+
+    def fastest(name: str) -> tuple[float, object]:
+        """A side's fastest run (the first, if tied) and its output."""
+        i = times[name].index(min(times[name]))
+        return times[name][i], outs[name][i]
+
     clock_name = "CPU time" if clock in (time.process_time, time.thread_time) else "wall clock"
-    (t_plain, baseline), (t_spec, result) = best["plain"], best["speculative"]
+    (t_plain, baseline), (t_spec, result) = fastest("plain"), fastest("speculative")
     return SpeculationView(
         prompt, draft_name, gamma, sampling, seed, result, baseline, t_plain, t_spec, clock_name, max_gamma
     )
@@ -226,5 +232,3 @@ def plot_speculation_view(axes, view):
     for ax in axes:
         ax.set_xticks(gammas)
     return axes
-
-

@@ -22,8 +22,10 @@ from dataclasses import dataclass
 
 import torch
 
-from ar_lab.engine.prompts import eval_mode, prompt_batch
+from ar_lab.engine.decoder import ForwardDecoder
+from ar_lab.engine.prompts import prompt_batch
 from ar_lab.model.cache import KVCache
+from ar_lab.model.inference import inference
 from ar_lab.model.tokenizer import EOS_ID, decode
 
 
@@ -241,10 +243,14 @@ def beam_search_batch(
     beams = _Beams.start(N, K)
     cache = KVCache.for_model(model, batch_size=N * K, max_len=P + T_new - 1) if use_cache else None
     calls = positions = 0
-    with eval_mode(model):  # not a generator: one block for the whole search
+    decoder = ForwardDecoder(model)  # N x K rows: through forward
+    with inference(model):  # not a generator: one block for the whole search
         x = idx.repeat_interleave(K, dim=0)  # (N*K, P) prompt of each beam
         for t in range(T_new):
-            logits = model(x, cache)[:, -1]  # (N*K, V)
+            if cache is not None and t > 0:
+                logits = decoder.step(x[:, 0], cache, P + t - 1)  # (N*K, V): each beam's newest token
+            else:
+                logits = decoder.prefill(x, cache)[:, -1]  # (N*K, V)
             calls += 1
             positions += x.shape[1]
             logp = torch.log_softmax(logits.float(), dim=-1).double().cpu().view(N, K, V)

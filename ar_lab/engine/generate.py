@@ -9,7 +9,7 @@ several prompts at once, one batched forward per step, and ``sampler_view`` gath
 the chapter-06 explorer shows (the sampler's distribution and a few continuations).
 
 The public functions check their arguments once (``ar_lab.engine.prompts``) and hand checked
-token ids to private loops. Each model step runs inside ``eval_mode`` on its own, so a
+token ids to private loops. Each model step runs inside ``inference`` on its own, so a
 paused ``stream`` leaves the model in the mode it was in and gradients on.
 
 Counters are instrumentation, not formulas: ``positions_processed`` adds up the
@@ -25,16 +25,16 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ar_lab.engine.lean import engine_for
+from ar_lab.engine.decoder import ForwardDecoder, decoder_for
 from ar_lab.engine.prompts import (
     check_eos,
     checked_prompt,
-    eval_mode,
     prompt_batch,
     stop_list,
 )
 from ar_lab.engine.sampling import GREEDY, SamplingParams, sample
 from ar_lab.model.cache import KVCache
+from ar_lab.model.inference import check_inference_ready, inference
 from ar_lab.model.tokenizer import EOS_ID, N_BYTES, StreamDecoder
 
 
@@ -108,61 +108,77 @@ def _stats(stats) -> GenerationStats:
     return stats
 
 
-def _checked_ids(model, prompt, max_new_tokens: int, use_cache: bool, sampling, cache) -> list[int]:
-    """The prompt's token ids, with every option of ``token_steps`` checked against ``model``."""
+@dataclass
+class _Plan:
+    """One generation, checked: what the loop runs (built once per public call by ``_plan``)."""
+
+    decoder: ForwardDecoder
+    prompt: list[int]
+    max_new_tokens: int
+    use_cache: bool
+    sampling: SamplingParams
+    generator: torch.Generator | None
+    cache: KVCache | None
+    stats: GenerationStats
+
+
+def _plan(model, prompt, max_new_tokens: int, *, use_cache, sampling, generator, stats, cache, lean) -> _Plan:
+    """Check every option of ``token_steps`` against ``model`` and pick the decoder: the public boundary."""
     ids = checked_prompt(model, prompt, max_new_tokens)
     check_sampling(sampling)
     if not isinstance(use_cache, bool):
         raise TypeError(f"use_cache must be True or False, got {use_cache!r}")
+    if not isinstance(lean, bool):
+        raise TypeError(f"lean must be True or False, got {lean!r}")
     if cache is not None:
         _check_cache(cache, use_cache, ids, max_new_tokens)
-    return ids
+    check_inference_ready(model)
+    decoder = decoder_for(model, lean=lean and use_cache)
+    return _Plan(decoder, ids, max_new_tokens, use_cache, sampling, generator, cache, _stats(stats))
 
 
 # --- the loops (arguments already checked) ----------------------------------------------
 
 
-def _steps(
-    model, prompt: list[int], N: int, use_cache: bool, sampling, generator, stats, cache, lean: bool
-) -> Iterator[int]:
-    """``token_steps`` on checked arguments: the loop itself."""
-    P = len(prompt)
-    buf = torch.empty(1, P + N, dtype=torch.long, device=model.device)  # (1, P + N)
-    buf[0, :P] = torch.tensor(prompt)
-    skip = 0  # prompt positions whose keys/values the cache already holds
+def _steps(plan: _Plan) -> Iterator[int]:
+    """``token_steps`` on a checked plan: the loop itself."""
+    decoder, prompt, N, sampling, generator, stats = (
+        plan.decoder, plan.prompt, plan.max_new_tokens, plan.sampling, plan.generator, plan.stats
+    )
+    model, P = decoder.model, len(prompt)
+    cache, skip = plan.cache, 0  # skip: prompt positions whose keys/values the cache already holds
     if cache is not None:
         # Keep the positions whose recorded token ids are the prompt's start, never its last
         # token (its logits give the first new token); the rest is prefilled again.
         skip = cache.reusable(prompt)
-        cache.truncate(skip)
-    elif use_cache:
+    elif plan.use_cache:
         cache = KVCache.for_model(model, max_len=P + N - 1)
+    seq = torch.empty(1, P + N, dtype=torch.long, device=model.device)  # (1, P + N): the text so far
+    seq[0, :P] = torch.tensor(prompt)
     history = list(prompt) if sampling.repetition_penalty != 1.0 else ()
     # Greedy without a penalty is the argmax of the raw logits: take it directly rather
     # than have sample() build the one-token distribution every step.
     greedy = sampling.greedy and sampling.repetition_penalty == 1.0
-    engine = engine_for(model) if (lean and cache is not None) else None
-    token = -1  # the token picked by the previous step
+    token = None  # the token picked by the previous step
     t_last = time.perf_counter()
     for n in range(N):
         end = P + n  # tokens known so far
-        with eval_mode(model):  # per step: nothing is held across the yield below
-            if engine is not None and n > 0:
-                logits = engine.step(token, cache)  # (vocab,): fed the token picked last step
-                fed = 1
-            else:
-                x = buf[:, end - 1 : end] if (cache is not None and n > 0) else buf[:, skip:end]
-                logits = model(x, cache)[0, -1]  # (vocab,)
-                fed = x.shape[1]
-            token = int(logits.argmax()) if greedy else -1
-            if not greedy or not math.isfinite(logits[token]):
+        with inference(model):  # per step: nothing is held across the yield below
+            if cache is None:  # no cache: the whole sequence, every step
+                logits, fed = decoder.prefill(seq[:, :end], None)[0, -1], end
+            elif n == 0:  # prefill: the prompt, past what the cache already holds
+                logits, fed = decoder.prefill(seq[:, skip:end], cache, skip)[0, -1], end - skip
+            else:  # decode: the token picked last step, at the next position
+                logits, fed = decoder.step(token, cache, end - 1), 1
+            token = int(logits.argmax()) if greedy else None
+            if token is None or not math.isfinite(logits[token]):
                 # A NaN or inf would win the argmax: one look at the winner is enough,
                 # and sample() then raises its explanatory error.
                 token = int(sample(logits, sampling, generator, history))
         stats.forward_calls += 1
         stats.positions_processed += fed
-        if engine is None:  # the lean step takes the token itself, not the buffer
-            buf[0, end] = token
+        if cache is None:  # (with a cache, the next step is fed the token itself)
+            seq[0, end] = token
         if history != ():
             history.append(token)
         now = time.perf_counter()  # int() above has synchronised the device
@@ -230,9 +246,11 @@ def token_steps(
     left holding the sequence, for the next call. A cache holding positions whose ids it does
     not know is refused. Arguments are checked here, before the first token is asked for.
     """
-    ids = _checked_ids(model, prompt, max_new_tokens, use_cache, sampling, cache)
-    stats = _stats(stats)
-    return _steps(model, ids, max_new_tokens, use_cache, sampling, generator, stats, cache, lean)
+    plan = _plan(
+        model, prompt, max_new_tokens, use_cache=use_cache, sampling=sampling, generator=generator, stats=stats,
+        cache=cache, lean=lean,
+    )
+    return _steps(plan)
 
 
 def stream(
@@ -261,12 +279,13 @@ def stream(
     stream goes. ``cache``: see ``token_steps`` (reuse the keys/values of the prompt's
     start); so is ``lean``. Arguments are checked here, before the first event is asked for.
     """
-    ids = _checked_ids(model, prompt, max_new_tokens, use_cache, sampling, cache)
+    plan = _plan(
+        model, prompt, max_new_tokens, use_cache=use_cache, sampling=sampling, generator=generator, stats=stats,
+        cache=cache, lean=lean,
+    )
     stops = stop_list(stop_strings)
     check_eos(model, eos_id)
-    stats = _stats(stats)
-    steps = _steps(model, ids, max_new_tokens, use_cache, sampling, generator, stats, cache, lean)
-    return _events(steps, stats, eos_id, stops)
+    return _events(_steps(plan), plan.stats, eos_id, stops)
 
 
 def generate(
@@ -288,17 +307,18 @@ def generate(
     ids agree with the prompt's start are reused, only the rest is prefilled. ``lean=False``: every decode step
     through ``model.forward`` instead of ``ar_lab.engine.lean`` (same tokens; for comparison).
     """
-    ids = _checked_ids(model, prompt, max_new_tokens, use_cache, sampling, cache)
+    plan = _plan(
+        model, prompt, max_new_tokens, use_cache=use_cache, sampling=sampling, generator=generator, stats=None,
+        cache=cache, lean=lean,
+    )
     stops = stop_list(stop_strings)
     check_eos(model, eos_id)
-    stats = GenerationStats()
-    steps = _steps(model, ids, max_new_tokens, use_cache, sampling, generator, stats, cache, lean)
     tokens, pieces = [], []
-    for event in _events(steps, stats, eos_id, stops):
+    for event in _events(_steps(plan), plan.stats, eos_id, stops):
         if event.token >= 0:
             tokens.append(event.token)
         pieces.append(event.text)
-    return Generation(ids, tokens, "".join(pieces), stats)
+    return Generation(plan.prompt, tokens, "".join(pieces), plan.stats)
 
 
 # --- sampling many continuations at once ---------------------------------------------
@@ -307,6 +327,7 @@ def generate(
 def sample_rows(model, idx: torch.Tensor, N: int, sampling, generator, use_cache: bool) -> torch.Tensor:
     """The batched loop on checked prompts ``idx`` (B, P): returns all B x N new tokens."""
     B, P = idx.shape
+    decoder = ForwardDecoder(model)  # rows of one batch: through forward
     buf = torch.empty(B, P + N, dtype=torch.long, device=idx.device)  # (B, P + N)
     buf[:, :P] = idx
     cache = KVCache.for_model(model, batch_size=B, max_len=P + N - 1) if use_cache else None
@@ -314,11 +335,13 @@ def sample_rows(model, idx: torch.Tensor, N: int, sampling, generator, use_cache
     if sampling.repetition_penalty != 1.0:
         seen = torch.zeros(B, model.config.vocab_size, dtype=torch.bool, device=idx.device)
         seen.scatter_(1, idx, True)
-    with eval_mode(model):  # not a generator: one block for the whole loop
+    with inference(model):  # not a generator: one block for the whole loop
         for n in range(N):
             end = P + n
-            x = buf[:, end - 1 : end] if (cache is not None and n > 0) else buf[:, :end]
-            logits = model(x, cache)[:, -1]  # (B, vocab)
+            if cache is not None and n > 0:
+                logits = decoder.step(buf[:, end - 1], cache, end - 1)  # (B, vocab)
+            else:
+                logits = decoder.prefill(buf[:, :end], cache)[:, -1]  # (B, vocab)
             token = sample(logits, sampling, generator, seen if seen is not None else ())  # (B,)
             buf[:, end] = token
             if seen is not None:

@@ -21,8 +21,8 @@ of the weights (an optimizer step, ``load_state_dict``, a write through ``p.data
 memory is per thread, so one engine (and one model) serves several threads at once. The one
 copy is opt-in: for a handful of rows, MKL's CPU kernels are markedly faster against (in, out)
 weights than against nn.Linear's (out, in), so ``transposed_copies(model)`` makes such copies,
-kept per model and compared with the model's weights, value for value, each time they are
-asked for; ``speculative_generate`` asks once per call and hands them to ``extend``.
+fresh at each call; a ``LeanDecoder`` (``ar_lab.engine.decoder``) takes them once per generation
+and hands them to ``extend``.
 
 A block's Linear layer may be a ``QuantizedLinear`` (``ar_lab.engine.quant``, chapter 09): the step and
 ``extend`` then call its kernel, which reads the layer's narrow weights (its buffers) at every
@@ -30,18 +30,16 @@ call, so edits are seen there too; no copy is ever made of them.
 
 The results equal ``GPT.forward``'s up to float rounding (tests: logits within 1e-5, the
 same greedy tokens). ``for_model(model)`` makes an engine (cheap: it copies nothing).
-Call it under ``torch.inference_mode()``, as ``ar_lab.generate`` does.
+Call it under ``torch.inference_mode()``; the decode loops reach it through ``LeanDecoder``.
 """
 
 from __future__ import annotations
 
 import math
 import threading
-import weakref
 from collections.abc import Sequence
 from typing import NamedTuple
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -341,24 +339,7 @@ def for_model(model: GPT) -> LeanGPT:
     return LeanGPT(model)
 
 
-def engine_for(model) -> LeanGPT | None:
-    """``for_model(model)`` when ``supports(model)``, else None (the caller then runs ``model.forward``)."""
-    try:
-        return LeanGPT(model)  # checks and gathers the weights in one walk over the model
-    except NotLean:
-        return None
-
-
-# --- (in, out) copies for extend, compared with the originals every time they are handed out ---
-
-
-class _Copies(NamedTuple):
-    originals: list[Matrix]  # plain copies of the matrices to compare the model's against (quantized: the layer)
-    transposed: Transposed
-
-
-_COPIES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> _Copies
-_COPIES_LOCK = threading.Lock()
+# --- (in, out) copies for extend ---------------------------------------------------------
 
 
 def _matrices(model: GPT) -> list[Matrix]:
@@ -371,42 +352,18 @@ def _matrices(model: GPT) -> list[Matrix]:
     return [*out, model.wte.weight]
 
 
-_BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}  # an integer dtype of each width
-
-
-def _same(a: Matrix, b: Matrix) -> bool:
-    """``a`` and ``b`` hold the same values, bit for bit (a NaN weight is equal to itself)."""
-    if type(a) is QuantizedLinear or type(b) is QuantizedLinear:
-        return a is b  # the layer itself is kept, never a copy
-    if a.shape != b.shape or a.dtype != b.dtype or a.device != b.device:
-        return False
-    bits = _BITS.get(a.element_size())
-    if a.device.type != "cpu" or bits is None or not (a.is_contiguous() and b.is_contiguous()):
-        return bool(torch.equal(a, b))
-    # numpy compares two integer arrays at memory speed (torch.equal takes longer on a CPU)
-    return bool(np.array_equal(a.detach().view(bits).numpy(), b.view(bits).numpy()))
-
-
 def transposed_copies(model: GPT) -> Transposed:
     """(in, out) copies of every matrix ``LeanGPT.extend`` multiplies by, equal to ``model``'s weights now.
 
-    Kept per model and compared with its weights, value for value, on every call (no cheaper
-    test sees a write through ``p.data``, which bumps no version counter); remade when they
-    differ. The comparison reads the weights once, so take the copies once per generation and
-    not across a change of weights: ``speculative_generate`` takes them at the start of each call.
+    Fresh copies each call, kept by whoever asked (a ``LeanDecoder``, for one generation): no
+    registry to consult, and a later change of the weights is never hidden behind a stale copy.
     """
     if not supports(model):
         raise TypeError(f"transposed_copies takes a GPT that LeanGPT runs, got {type(model).__name__}")
-    live = _matrices(model)
-    with _COPIES_LOCK, torch.no_grad():
-        hit = _COPIES.get(model)
-        if hit is None or len(hit.originals) != len(live) or not all(map(_same, live, hit.originals)):
-            originals = [m if type(m) is QuantizedLinear else m.detach().clone() for m in live]
-            t = [m if type(m) is QuantizedLinear else m.t().contiguous() for m in originals]
-            layers = [TransposedWeights(*t[i : i + 4]) for i in range(0, len(t) - 1, 4)]
-            hit = _Copies(originals, Transposed(layers, t[-1]))
-            _COPIES[model] = hit
-        return hit.transposed
+    with torch.no_grad():
+        t = [m if type(m) is QuantizedLinear else m.detach().t().contiguous() for m in _matrices(model)]
+    layers = [TransposedWeights(*t[i : i + 4]) for i in range(0, len(t) - 1, 4)]
+    return Transposed(layers, t[-1])
 
 
 def weights_only_pass(model, steps: int) -> None:

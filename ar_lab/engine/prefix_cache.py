@@ -16,8 +16,10 @@ from types import SimpleNamespace
 import torch
 
 from ar_lab.base.timing import synchronize
-from ar_lab.engine.prompts import check_prompt, eval_mode, prompt_ids
+from ar_lab.engine.decoder import decoder_for
+from ar_lab.engine.prompts import check_prompt, prompt_ids
 from ar_lab.model.cache import KVCache, reusable_length  # reusable_length: re-exported for chapter 08
+from ar_lab.model.inference import inference
 
 
 class PrefixCache:
@@ -36,9 +38,9 @@ class PrefixCache:
             )
         self.config = model.config
         self.cache = KVCache.for_model(model, max_len=len(self.tokens))
-        with eval_mode(model):
+        with inference(model):
             t0 = time.perf_counter()
-            model(torch.tensor([self.tokens], device=model.device), self.cache)
+            decoder_for(model).prefill(torch.tensor([self.tokens], device=model.device), self.cache)
             synchronize(model.device)
             self.build_time = time.perf_counter() - t0  # paid once, not per request
 

@@ -3,16 +3,13 @@
 Every decode loop in the package (``generate``, batched sampling, beam search, serving,
 speculative decoding) takes a prompt as text or token ids and a token budget. This leaf
 module turns the prompt into ids and checks it against the model, so they all accept the
-same inputs and give the same messages. It also holds ``eval_mode``, the one way the
-package runs a model for inference.
+same inputs and give the same messages.
 """
 
 from __future__ import annotations
 
-import contextlib
 import numbers
-import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 
 import torch
 
@@ -112,69 +109,3 @@ def prompt_batch(model, prompts, max_new_tokens: int) -> torch.Tensor:
             f"the prompts must all have the same number of tokens (the model has no padding), got lengths {lengths}"
         )
     return torch.tensor(ids, dtype=torch.long, device=model.device)
-
-
-# Models some eval_mode has switched to eval mode: id -> [model, how many eval_modes use the switch,
-# every submodule's own flag to restore]. Shared by all threads, changed under the lock.
-_SWITCHED: dict[int, list] = {}
-_SWITCH_LOCK = threading.RLock()  # re-entrant: a module's own train() may run eval_mode
-
-
-@contextlib.contextmanager
-def eval_mode(*models: torch.nn.Module) -> Iterator[None]:
-    """Run ``models`` for inference: eval mode (no dropout) and ``torch.inference_mode``,
-    both restored on exit.
-
-    Enter it per step in a generator, never across a ``yield``: a paused generator must
-    leave the notebook as it was (training mode, gradients on).
-
-    Safe across threads: a model in training mode is switched by the first thread that enters
-    and switched back by the last one to leave, so one thread's exit never puts a model back
-    in training mode (dropout on) under another thread's step.
-    """
-    entered = _switch_to_eval(models)
-    try:
-        with torch.inference_mode():
-            yield
-    finally:
-        _switch_back(entered)
-
-
-def _switch_to_eval(models) -> list[list]:
-    entered = []
-    with _SWITCH_LOCK:
-        for m in models:
-            entry = _SWITCHED.get(id(m))
-            if entry is None:
-                if not m.training:
-                    continue  # in eval mode of its own: nothing to switch (the check is cheap enough per step)
-                # Every submodule's own flag is recorded, so a child kept in eval mode stays so.
-                flags = [(sub, sub.training) for sub in m.modules()]
-                _set_modes(flags, False)
-                entry = _SWITCHED[id(m)] = [m, 0, flags]
-            entry[1] += 1
-            entered.append(entry)
-    return entered
-
-
-def _switch_back(entered: list[list]) -> None:
-    with _SWITCH_LOCK:
-        for entry in entered:
-            entry[1] -= 1
-            if entry[1] == 0:  # the last user of the switch: back to the recorded flags
-                del _SWITCHED[id(entry[0])]
-                _set_modes(entry[2], None)
-
-
-def _set_modes(flags: list[tuple[torch.nn.Module, bool]], mode: bool | None) -> None:
-    """Set each module's training flag to ``mode`` (None: back to its recorded flag).
-
-    ``flags`` lists parents before children (``Module.modules`` order), so a module with its own
-    ``train()`` may recurse: its children are set again right after it.
-    """
-    for sub, training in flags:
-        target = training if mode is None else mode
-        if type(sub).train is torch.nn.Module.train:
-            sub.training = target
-        else:
-            sub.train(target)

@@ -18,9 +18,8 @@ serve many, each tested against plain ``generate``:
 - **Prefix (prompt) caching** lives in ``ar_lab.engine.prefix_cache``: ``serve(..., prefix=...)``
   copies a shared prefix's keys/values into each request, which prefills only the rest.
 
-A new request is always prefilled alone (batch 1), straight into its slot's buffers, and
-joins the running batch for decoding. ``ar_lab.perf.serving_measure`` holds the workloads and
-measurements chapter 08 and ``python -m ar_lab.bench serving`` run.
+A new request is prefilled alone (batch 1) straight into its slot's buffers, then joins the
+running batch. The workloads and measurements of chapter 08 are in ``ar_lab.perf.serving_measure``.
 """
 
 from __future__ import annotations
@@ -35,17 +34,16 @@ from dataclasses import dataclass, field
 import torch
 
 from ar_lab.base.args import check_seed, finite_number
+from ar_lab.engine.decoder import ForwardDecoder
 from ar_lab.engine.generate import Generation, GenerationStats
 from ar_lab.engine.prefix_cache import PrefixCache
-from ar_lab.engine.prompts import checked_prompt, eval_mode
+from ar_lab.engine.prompts import checked_prompt
 from ar_lab.engine.sampling import GREEDY, SamplingParams, sample
 from ar_lab.model.cache import BatchKVCache
+from ar_lab.model.inference import inference
 from ar_lab.model.tokenizer import EOS_ID, decode
 
 POLICIES = ("static", "continuous")
-
-
-# --- streaming figures ------------------------------------------------------------------
 
 
 @dataclass(frozen=True)
@@ -238,6 +236,7 @@ class _Server:
         self.clock, self.t0, self.slots = clock, 0.0, slots
         max_len = max(len(p) + r.max_new_tokens - 1 for p, r in zip(prompts, requests, strict=True))
         self.cache = BatchKVCache.for_model(model, max_batch=slots, max_len=max_len)
+        self.decoder = ForwardDecoder(model)  # rows at lengths of their own: through forward
         device = model.device
         self.results = [RequestResult(r, p) for r, p in zip(requests, prompts, strict=True)]
         self.greedy = sampling.greedy and sampling.repetition_penalty == 1.0
@@ -281,7 +280,8 @@ class _Server:
         res.reused = self.prefix.copy_into(slot, ids) if self.prefix is not None else 0
         start = self.clock()
         res.admitted, res.admitted_step = start - self.t0, len(self.step_times)
-        logits = self.model(torch.tensor([ids[res.reused :]], device=self.model.device), slot)[0, -1]
+        new = torch.tensor([ids[res.reused :]], device=self.model.device)
+        logits = self.decoder.prefill(new, slot, res.reused)[0, -1]
         token = self.pick(logits, j)
         now = self.clock()
         res.prefill_time = now - start
@@ -295,7 +295,7 @@ class _Server:
         """One batched forward step: one more token for every row; finished rows leave their slots."""
         n, rows = len(self.rows), self.rows
         start = self.clock()
-        logits = self.model(self.last[:n, None], self.cache)[:, -1]  # (n, vocab): one token for every row
+        logits = self.decoder.step(self.last[:n], self.cache, None)  # (n, vocab): one token for every row
         if self.greedy and bool(torch.isfinite(logits).all()):
             tokens = logits.argmax(dim=-1)
             new = tokens.tolist()
@@ -355,7 +355,7 @@ def serve(
         clock=clock,
     )
     queue = deque(range(len(requests)))
-    with eval_mode(model):
+    with inference(model):
         server.t0 = clock()
         while queue or server.rows:
             if policy == "continuous" or not server.rows:

@@ -21,9 +21,10 @@ settings on both sides it emits the target's greedy text token for token.
 
 p and q are the exact distributions the sampler draws from (``ar_lab.engine.sampling.probabilities``
 with the same ``SamplingParams`` on both sides), so temperature, top-k/top-p/min-p and the
-repetition penalty are honoured. Both KV caches are rolled back (``KVCache.truncate``)
-past rejected tokens; after a full accept the draft has not yet seen its own last
-proposal, which the next iteration feeds together with the bonus token.
+repetition penalty are honoured. Both models run through decoders (``ar_lab.engine.decoder``) with
+explicit positions: each pass starts where the kept text ends, which drops the rejected tokens from
+the cache; after a full accept the draft has not yet seen its own last proposal, which the next
+iteration feeds together with the bonus token.
 
 The theory (Leviathan et al., 2023, section 3): with a per-token acceptance
 probability alpha = sum_x min(p(x), q(x)) = 1 - TV(p, q), an iteration emits
@@ -43,10 +44,11 @@ import torch
 
 from ar_lab.base.args import positive_int
 from ar_lab.base.timing import synchronize
-from ar_lab.engine.lean import LeanGPT, Transposed, engine_for, transposed_copies
-from ar_lab.engine.prompts import check_eos, check_prompt, eval_mode, prompt_ids
+from ar_lab.engine.decoder import decoder_for
+from ar_lab.engine.prompts import check_eos, check_prompt, prompt_ids
 from ar_lab.engine.sampling import GREEDY, SamplingParams, probabilities
 from ar_lab.model.cache import KVCache
+from ar_lab.model.inference import inference
 from ar_lab.model.tokenizer import EOS_ID, N_BYTES, decode
 
 # --- the theory ------------------------------------------------------------------------
@@ -270,25 +272,17 @@ class Speculation:
         max_len = len(prompt) + max_new_tokens - 1
         self.target_cache = KVCache.for_model(target, max_len=max_len)
         self.draft_cache = KVCache.for_model(draft, max_len=max_len)
-        # Each call has its own engines (their working memory is this call's); the verify pass reads
-        # (in, out) copies of the weights, checked against the model's own now (nothing changes them
-        # during the call: this is not a generator).
-        self.engines: dict[int, LeanGPT | None] = {}
-        self.transposed: dict[int, Transposed] = {}
-        for m in (target, draft):
-            self.engines[id(m)] = engine = engine_for(m) if lean else None
-            if engine is not None and id(m) not in self.transposed:
-                self.transposed[id(m)] = transposed_copies(m)
+        # Each call has its own decoders (their working memory and the verify pass's weight copies are
+        # this call's, taken from the weights as they are now: this is not a generator).
+        self.decoders = {id(m): decoder_for(m, lean=lean) for m in (target, draft)}
         self.fast = _fast_greedy(sampling)
         self.penalised = sampling.repetition_penalty != 1.0
         self.device = target.device
 
-    def forward(self, model, new: list[int], cache: KVCache) -> torch.Tensor:
-        """Logits (len(new), V) of the new tokens after the cached ones."""
-        engine = self.engines[id(model)]
-        if engine is None or cache.length == 0:  # the prompt: one prefill through forward()
-            return model(torch.tensor([new], device=self.device), cache)[0]
-        return engine.extend(new, cache, self.transposed[id(model)])  # one token goes straight to the decode step
+    def start(self, cache: KVCache) -> int:
+        """Where ``model``'s next pass starts: its cache's length, or the text's last token if the cache
+        holds rejected drafts beyond it (each cache keeps at most len(seq) - 1 positions)."""
+        return min(cache.length, len(self.seq) - 1)
 
     def propose(self, g: int) -> tuple[list[int], list[torch.Tensor]]:
         """The draft's g tokens, one forward pass each, and the distributions q they were drawn from.
@@ -299,8 +293,9 @@ class Speculation:
         drafts: list[int] = []
         qs: list[torch.Tensor] = []
         for i in range(g):
-            new = self.seq[self.draft_cache.length :] if i == 0 else drafts[-1:]
-            logits = self.forward(self.draft, new, self.draft_cache)[-1]  # (V,)
+            pos = self.start(self.draft_cache) if i == 0 else len(self.seq) + i - 1
+            new = self.seq[pos:] if i == 0 else drafts[-1:]
+            logits = self.decoders[id(self.draft)].extend(new, self.draft_cache, pos)[-1]  # (V,)
             self.stats.draft_calls += 1
             self.stats.draft_positions += len(new)
             if self.fast:
@@ -318,8 +313,9 @@ class Speculation:
         Returns how many drafts were accepted and the tokens the iteration emits.
         """
         g, stats = len(drafts), self.stats
-        new = self.seq[self.target_cache.length :] + drafts
-        logits = self.forward(self.target, new, self.target_cache)[-(g + 1) :]  # (g + 1, V)
+        pos = self.start(self.target_cache)
+        new = self.seq[pos:] + drafts
+        logits = self.decoders[id(self.target)].extend(new, self.target_cache, pos)[-(g + 1) :]  # (g + 1, V)
         stats.target_calls += 1
         stats.target_positions += len(new)
         if self.fast:
@@ -362,14 +358,12 @@ class Speculation:
         stats.tested += min(g, n + 1)
         stats.acceptances += n
         stats.accepted_per_iteration.append(n)
-        # Emit; roll both caches back to tokens that stay (each keeps at most len(seq) - 1).
+        # Emit (the next passes start at positions that drop the rejected drafts: see ``start``).
         if eos_id is not None and eos_id in emitted:
             emitted = emitted[: emitted.index(eos_id) + 1]
         self.seq += emitted
         stats.produced += len(emitted)
         stats.emitted_per_iteration.append(len(emitted))
-        self.target_cache.truncate(min(self.target_cache.length, len(self.seq) - 1))
-        self.draft_cache.truncate(min(self.draft_cache.length, len(self.seq) - 1))
 
 
 def _check_pair(target, draft, prompt, max_new_tokens: int, gamma: int, sampling) -> list[int]:
@@ -422,7 +416,7 @@ def speculative_generate(
         target, draft, ids, max_new_tokens, gamma, sampling=sampling, generator=generator, clock=clock, lean=lean
     )
     stats = run.stats
-    with eval_mode(target, draft):
+    with inference(target, draft):
         t_start = clock()  # as generate's clock: from the first forward pass on
         while stats.produced < max_new_tokens:
             run.iteration(min(gamma, max_new_tokens - stats.produced - 1), eos_id)  # never past max_new_tokens

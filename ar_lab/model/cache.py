@@ -9,8 +9,8 @@ attention reads the filled prefix. Nothing is re-allocated or concatenated per s
 uses it to discard rejected draft tokens): the stale entries beyond n are simply
 overwritten by the next write.
 
-A batch-1 cache also records which token id it holds at each position (``record``, called
-by ``GPT.forward`` and the lean step; ``token_ids`` reads them): keys and values are only
+A batch-1 cache also records which token id it holds at each position (``record``, called by the
+decode loops' decoders, ``ar_lab.engine.decoder``; ``token_ids`` reads them): keys and values are only
 valid for the tokens they were computed from, so ``generate(..., cache=c)`` reuses exactly
 the positions where the cached ids and the new prompt agree, and recomputes the rest.
 
@@ -102,7 +102,7 @@ class KVCache:
     @property
     def token_ids(self) -> list[int] | None:
         """The token ids at positions 0 .. length - 1, or None if some were written without ``record``
-        (``GPT.forward`` on one row, ``ar_lab.engine.lean`` and ``PrefixCache`` record; ``update`` alone does not)."""
+        (the decoders of ``ar_lab.engine`` and ``PrefixCache`` record; ``GPT.forward`` and ``update`` do not)."""
         ids, n = self._ids, self.length
         return ids[:n] if len(ids) >= n else None
 
@@ -112,9 +112,9 @@ class KVCache:
         if cached is None:
             raise ValueError(
                 f"the cache holds {self.length} positions but knows the token ids of only {len(self._ids)} of them "
-                "(filled by KVCache.update or by setting cache.length, which do not record ids), so it cannot tell "
-                "which positions belong to this prompt: fill it through the model (model(idx, cache), "
-                "ar_lab.generate, PrefixCache), or call cache.truncate(0) to reuse only its memory"
+                "(filled by model(idx, cache), KVCache.update or by setting cache.length, which do not record ids), "
+                "so it cannot tell which positions belong to this prompt: fill it through ar_lab.generate or a "
+                "PrefixCache, or call cache.truncate(0) to reuse only its memory"
             )
         return reusable_length(cached, prompt)
 
@@ -194,6 +194,15 @@ class BatchKVCache:
     def batch_size(self) -> int:
         """Rows a forward step must feed: the slots in use."""
         return self.rows
+
+    @property
+    def length(self) -> int:
+        """Not one number: each row has its own (``lengths``). Here so that ``model(idx, cache)`` explains."""
+        raise ValueError(
+            "a BatchKVCache's rows sit at lengths of their own: feed it with "
+            "ar_lab.engine.decoder.ForwardDecoder(model).prefill(idx, cache, None) or .step(tokens, cache, None), "
+            "or call model(idx, cache, positions=..., mask=...) with cache.begin(T), then cache.advance(T)"
+        )
 
     def slot(self, i: int) -> KVCache:
         """Slot ``i`` as a batch-1 ``KVCache`` (views of the buffers, its current length)."""

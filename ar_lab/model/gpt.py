@@ -8,7 +8,9 @@ it is exactly GPT-2's architecture (tests check it against Hugging Face's
 attention, where groups of query heads share one key/value head.
 
 ``forward(idx, cache)`` processes only the new tokens when a ``KVCache`` is given:
-their keys/values are appended to the cache and attention reads all of it.
+their keys/values are appended to the cache and attention reads all of it. The model computes
+and nothing else: the decode loops' bookkeeping (which tokens a cache holds, rolling it back,
+rows of different lengths) lives in ``ar_lab.engine``.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ar_lab.model.cache import BatchKVCache, KVCache
+from ar_lab.model.cache import KVCache
 from ar_lab.model.tokenizer import VOCAB_SIZE
 
 
@@ -178,14 +180,21 @@ class GPT(nn.Module):
     def device(self) -> torch.device:
         return self.wte.weight.device
 
-    def forward(self, idx: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        idx: torch.Tensor,
+        cache: KVCache | None = None,
+        *,
+        positions: torch.Tensor | None = None,
+        mask: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """Logits (B, T, vocab) for token ids idx (B, T).
 
-        Without a cache, idx is the whole sequence from position 0. With a cache, idx
-        holds only the new tokens; they sit at positions cache.length .. + T (a batch-1
-        cache records their ids: ``KVCache.token_ids``). With a
-        ``BatchKVCache`` (rows of different lengths), row i's tokens sit at positions
-        cache.lengths[i] .. + T, and idx must have one row per slot in use.
+        Without a cache, idx is the whole sequence from position 0. With a cache, idx holds only
+        the new tokens, at positions cache.length .. + T: ``cache.update`` stores their keys and
+        values, attention reads all of them, and cache.length moves on by T. ``positions`` (B, T)
+        and ``mask`` (B, 1, T, keys) place each row at positions of its own (a ``BatchKVCache``
+        of rows at different lengths, chapter 08): the caller then moves the cache on.
         """
         if idx.ndim != 2:
             raise ValueError(f"idx must have shape (batch, time), got {tuple(idx.shape)}")
@@ -194,49 +203,29 @@ class GPT(nn.Module):
         B, T = idx.shape
         if T == 0:
             raise ValueError("idx is empty: give at least one token")
-        if idx.device.type == "cpu" and (int(idx.min()) < 0 or int(idx.max()) >= self.config.vocab_size):
+        if positions is None:
+            start = 0 if cache is None else cache.length
+            end = start + T
+            if end > self.config.block_size:
+                raise ValueError(
+                    f"{end} positions exceed the context window of {self.config.block_size} tokens "
+                    f"(config.block_size); shorten the prompt or generate fewer tokens"
+                )
+            if cache is not None and cache.batch_size != B:
+                raise ValueError(f"cache was built for batch size {cache.batch_size}, got a batch of {B}")
+            where, pos_emb = start, self.wpe.weight[start:end]  # positions are a slice of wpe
+        else:
+            where, pos_emb = positions, self.wpe(positions)  # (B, T, C): each row at its own positions
+        try:
+            x = self.wte(idx) + pos_emb  # (B, T, C)
+        except IndexError:  # the embedding checks the ids as it gathers: nothing to pay when they are fine
             raise ValueError(
-                f"idx holds token ids outside the vocabulary [0, {self.config.vocab_size - 1}] "
-                f"(from {int(idx.min())} to {int(idx.max())})"
-            )
-        if isinstance(cache, BatchKVCache):
-            return self._forward_rows(idx, cache)
-        start = 0 if cache is None else cache.length
-        if start + T > self.config.block_size:
-            raise ValueError(
-                f"{start + T} positions exceed the context window of {self.config.block_size} tokens "
-                f"(config.block_size); shorten the prompt or generate fewer tokens"
-            )
-        if cache is not None and cache.batch_size != B:
-            raise ValueError(f"cache was built for batch size {cache.batch_size}, got a batch of {B}")
-        x = self.wte(idx) + self.wpe.weight[start : start + T]  # (B, T, C); positions are a slice of wpe
+                f"idx holds token ids outside the vocabulary [0, {self.config.vocab_size - 1}]"
+            ) from None
         if self.training:
             x = self.drop(x)  # (dropout is the identity in eval: skip the call)
         for layer, block in enumerate(self.blocks):
-            x = block(x, cache, layer, start)
-        if cache is not None:
-            cache.length = start + T
-            if B == 1 and isinstance(cache, KVCache):  # which tokens the new positions hold: what lets
-                # generate reuse the cache safely (a cache of the learner's own, chapter 04, keeps none)
-                cache.record(start, idx[0].tolist())
-        return self.lm_head(self.ln_f(x))  # (B, T, vocab)
-
-    def _forward_rows(self, idx: torch.Tensor, cache: BatchKVCache) -> torch.Tensor:
-        """Rows of different lengths: per-row positions and attention mask (serving, chapter 08)."""
-        B, T = idx.shape
-        if cache.rows != B:
-            raise ValueError(f"the cache has {cache.rows} rows in use, got a batch of {B}")
-        longest = max(cache.lengths[:B]) + T
-        if longest > self.config.block_size:
-            raise ValueError(
-                f"{longest} positions exceed the context window of {self.config.block_size} tokens "
-                f"(config.block_size); shorten the prompt or generate fewer tokens"
-            )
-        positions, mask = cache.begin(T)  # (B, T), (B, 1, T, keys)
-        x = self.wte(idx) + self.wpe(positions)  # (B, T, C): each row at its own positions
-        if self.training:
-            x = self.drop(x)
-        for layer, block in enumerate(self.blocks):
-            x = block(x, cache, layer, positions, mask)
-        cache.advance(T)
+            x = block(x, cache, layer, where, mask)
+        if cache is not None and positions is None:
+            cache.length = end
         return self.lm_head(self.ln_f(x))  # (B, T, vocab)

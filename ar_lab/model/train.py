@@ -24,7 +24,6 @@ import torch.nn.functional as F
 from tqdm.auto import tqdm
 
 from ar_lab.base.timing import default_device
-from ar_lab.engine.prompts import eval_mode
 from ar_lab.model.checkpoint import CheckpointError, load_checkpoint, read_checkpoint_metadata, save_checkpoint
 from ar_lab.model.data import check_writable, corpus_tokens, data_dir, get_batch, train_val_split
 from ar_lab.model.gpt import GPT, GPTConfig
@@ -112,11 +111,17 @@ def evaluate(
         raise ValueError(f"block_size {block_size} exceeds the model's context window {model.config.block_size}")
     g = torch.Generator().manual_seed(seed)
     losses = []
-    with eval_mode(model):
-        for _ in range(batches):
-            x, y = get_batch(tokens, batch_size, block_size, g)
-            x, y = x.to(model.device), y.to(model.device)
-            losses.append(F.cross_entropy(model(x).flatten(0, 1), y.flatten()).item())
+    flags = [(m, m.training) for m in model.modules()]  # evaluated in eval mode, then put back as it was
+    model.eval()
+    try:
+        with torch.inference_mode():
+            for _ in range(batches):
+                x, y = get_batch(tokens, batch_size, block_size, g)
+                x, y = x.to(model.device), y.to(model.device)
+                losses.append(F.cross_entropy(model(x).flatten(0, 1), y.flatten()).item())
+    finally:
+        for m, training in flags:
+            m.training = training
     return sum(losses) / len(losses)
 
 

@@ -3,9 +3,10 @@
 ``ar_lab.perf.roofline`` counts the course's own GPT (a ``GPTConfig``: GELU MLP four times
 the width, tied embeddings, learned positions). Production models differ in ways that
 move the numbers: a gated MLP (SwiGLU: three matrices of an arbitrary width), separate
-input and output embeddings, grouped-query attention. ``ModelShape`` describes such a
-model and ``forward_cost`` counts one forward pass of it the same way ``ar_lab.perf.roofline``
-does (and returns the same ``PhaseCost``, so both draw alike):
+input and output embeddings, grouped-query attention, weights stored in 8 or 4 bits.
+A ``ModelShape`` (defined in ``ar_lab.perf.roofline``) describes such a model, ``MODELS``
+holds some, and ``forward_cost`` counts one forward pass of one in a named weight format
+with ``ar_lab.perf.roofline.shape_cost``, the count the course model's passes use too:
 
 * FLOPs: 2 per matmul weight per token; attention 4 x (query heads x head_dim) per key
   per layer (query . key, then the weighted value);
@@ -25,7 +26,7 @@ from dataclasses import dataclass
 
 from ar_lab.base.args import positive_int
 from ar_lab.model.gpt import GPTConfig
-from ar_lab.perf.roofline import PhaseCost
+from ar_lab.perf.roofline import ModelShape, PhaseCost, from_gpt_config, shape_cost
 
 # Bytes per weight for each storage format. int8 / int4 are weight-only formats: the
 # weights are read at that size and turned back into bf16 for the arithmetic, and the
@@ -44,98 +45,6 @@ def check_dtype(weight_dtype: str) -> str:
     if weight_dtype not in WEIGHT_BYTES:
         raise ValueError(f"weight_dtype must be one of {list(WEIGHT_BYTES)}, got {weight_dtype!r}")
     return weight_dtype
-
-
-@dataclass(frozen=True)
-class ModelShape:
-    """The sizes that set a decoder-only transformer's FLOPs and bytes."""
-
-    name: str
-    n_layer: int
-    d_model: int
-    n_head: int
-    n_kv_heads: int  # == n_head: MHA; 1: MQA; in between: GQA
-    head_dim: int
-    d_ff: int  # MLP hidden width
-    vocab: int
-    max_context: int
-    gated_mlp: bool = True  # SwiGLU: gate and up (d -> d_ff each), down (d_ff -> d); else fc and proj (GELU)
-    tied_embeddings: bool = False  # the output head reuses the input embedding
-    learned_positions: bool = False  # a position table (GPT-2); RoPE models have none
-    layer_norm: bool = False  # LayerNorm (weight and bias); else RMSNorm (weight only)
-    biases: str = "none"  # "none", "qkv" (query/key/value projections only) or "all" (every linear but the head)
-    source: str = ""
-
-    def __post_init__(self) -> None:
-        for f in ("n_layer", "d_model", "n_head", "n_kv_heads", "head_dim", "d_ff", "vocab", "max_context"):
-            positive_int(f"ModelShape.{f}", getattr(self, f))
-        if self.n_head % self.n_kv_heads:
-            raise ValueError(f"n_head ({self.n_head}) must be a multiple of n_kv_heads ({self.n_kv_heads})")
-        if self.biases not in ("none", "qkv", "all"):
-            raise ValueError(f"biases must be 'none', 'qkv' or 'all', got {self.biases!r}")
-
-    @property
-    def q_width(self) -> int:
-        return self.n_head * self.head_dim
-
-    @property
-    def kv_width(self) -> int:
-        return self.n_kv_heads * self.head_dim
-
-    @property
-    def mlp_out(self) -> int:
-        """Width of the MLP's first matmul output: gate and up side by side, or the one fc."""
-        return 2 * self.d_ff if self.gated_mlp else self.d_ff
-
-    @property
-    def layer_matmul_weights(self) -> int:
-        d = self.d_model
-        attention = d * (self.q_width + 2 * self.kv_width) + self.q_width * d
-        return attention + d * self.mlp_out + self.d_ff * d
-
-    @property
-    def matmul_weights(self) -> int:
-        """Weights that multiply every token: all layers' projections and the output head."""
-        return self.n_layer * self.layer_matmul_weights + self.vocab * self.d_model
-
-    @property
-    def parameters(self) -> int:
-        """All parameters (a tied embedding counted once)."""
-        d = self.d_model
-        qkv = self.q_width + 2 * self.kv_width
-        bias = {"none": 0, "qkv": qkv, "all": qkv + d + self.mlp_out + d}[self.biases]
-        norm = 2 * d if self.layer_norm else d
-        per_layer = self.layer_matmul_weights + bias + 2 * norm
-        embeddings = (0 if self.tied_embeddings else self.vocab * d) + (
-            self.max_context * d if self.learned_positions else 0
-        )
-        return self.n_layer * per_layer + self.vocab * d + embeddings + norm  # + the final norm
-
-    @property
-    def kv_values_per_token(self) -> int:
-        """Values one position adds to the cache: a key and a value per KV head per layer."""
-        return 2 * self.n_layer * self.kv_width
-
-
-def from_gpt_config(cfg: GPTConfig, name: str = "GPT") -> ModelShape:
-    """The course's ``GPTConfig`` as a ``ModelShape`` (GPT-2's layout): costs equal ``ar_lab.perf.roofline``'s."""
-    return ModelShape(
-        name,
-        cfg.n_layer,
-        cfg.n_embd,
-        cfg.n_head,
-        cfg.kv_heads,
-        cfg.head_dim,
-        4 * cfg.n_embd,
-        cfg.vocab_size,
-        cfg.block_size,
-        gated_mlp=False,
-        tied_embeddings=True,
-        learned_positions=True,
-        layer_norm=True,
-        biases="all",
-        source="ar_lab GPTConfig",
-    )
 
 
 MODELS: dict[str, ModelShape] = {
@@ -170,33 +79,14 @@ def model(name: str) -> ModelShape:
 def forward_cost(
     shape: ModelShape, batch: int, tokens: int, past: int, weight_dtype: str = "bf16", phase: str = ""
 ) -> PhaseCost:
-    """FLOPs and bytes of feeding ``tokens`` new tokens to each of ``batch`` sequences after ``past`` cached ones."""
+    """FLOPs and bytes of feeding ``tokens`` new tokens to each of ``batch`` sequences after ``past`` cached ones,
+    the weights stored as ``weight_dtype`` (a key of ``WEIGHT_BYTES``) and the cache and activations as
+    ``value_bytes`` says: ``ar_lab.perf.roofline.shape_cost``."""
     positive_int("batch", batch)
     positive_int("tokens", tokens)
     positive_int("past", past, minimum=0)
     wb, vb = WEIGHT_BYTES[check_dtype(weight_dtype)], value_bytes(weight_dtype)
-    if past + tokens > shape.max_context:
-        raise ValueError(f"{past + tokens:,} positions exceed {shape.name}'s context window of {shape.max_context:,}")
-    d, L = shape.d_model, shape.n_layer
-    n = batch * tokens  # tokens through the model
-    keys = tokens * past + tokens * (tokens + 1) // 2  # per sequence: positions each new token attends to, summed
-    weights = shape.parameters
-    if shape.learned_positions:  # only the rows of the new positions are read
-        weights += (tokens - shape.max_context) * d
-    if not shape.tied_embeddings:  # the input table: only the rows of the tokens fed (the head reads its own)
-        weights += (min(n, shape.vocab) - shape.vocab) * d
-    per_layer = (d + shape.q_width + 2 * shape.kv_width) + (shape.q_width + d) + (d + shape.mlp_out) + (shape.d_ff + d)
-    return PhaseCost(
-        phase=phase or ("decode" if tokens == 1 and past > 0 else "prefill"),
-        batch=batch,
-        tokens=tokens,
-        context=past + tokens,
-        matmul_flops=float(2 * shape.matmul_weights * n),
-        attention_flops=float(4 * shape.q_width * L * batch * keys),
-        weight_bytes=float(weights * wb),
-        kv_bytes=float(batch * (past + 2 * tokens) * shape.kv_values_per_token * vb),
-        activation_bytes=float(n * (L * per_layer + d + (d + shape.vocab)) * vb),  # + embedding out, head in/out
-    )
+    return shape_cost(shape, batch, tokens, past, wb, vb, phase)
 
 
 def prefill_cost(shape: ModelShape, prompt_len: int, batch: int = 1, weight_dtype: str = "bf16") -> PhaseCost:

@@ -23,10 +23,10 @@ import torch
 
 from ar_lab.base.args import positive_int
 from ar_lab.base.timing import checked_device, default_device, machine, time_call
-from ar_lab.engine.prompts import eval_mode
 from ar_lab.model import data
 from ar_lab.model.cache import KVCache
 from ar_lab.model.gpt import GPT, GPTConfig
+from ar_lab.model.inference import inference
 from ar_lab.perf.peaks import checked_peaks, default_dtype, measure_peaks
 from ar_lab.perf.roofline import PhaseCost, attainable_flops, decode_cost, forward_cost, prefill_cost, ridge_point
 
@@ -102,7 +102,7 @@ def measure_forward(
     eagerly and ``Point.note`` says why. The model runs in eval mode; its own mode is
     restored afterwards.
     """
-    with eval_mode(model):
+    with inference(model):
         fn, cost, mode, note = prepare_forward(model, tokens, past, batch, phase=phase, cuda_graph=cuda_graph)
         times = time_call(fn, repeats=repeats, warmup=1 if tokens > 1 else 2, device=model.device)
     return Point(cost, times, mode, note)
@@ -119,7 +119,7 @@ def prepare_forward(
     positive_int("batch", batch)
     bytes_per_value = next(model.parameters()).element_size()
     cost = forward_cost(model.config, batch, tokens, past, bytes_per_value, phase)
-    with eval_mode(model):
+    with inference(model):
         cache = KVCache.for_model(model, batch_size=batch, max_len=past + tokens)
         g = torch.Generator(device=model.device).manual_seed(0)
         for buf in cache.k + cache.v:
@@ -129,7 +129,7 @@ def prepare_forward(
         idx = ids.to(model.device)  # (B, T)
 
         def step():
-            with eval_mode(model):
+            with inference(model):
                 cache.truncate(past)
                 model(idx, cache)
 

@@ -28,10 +28,11 @@ import torch
 from ar_lab.base.args import positive_int
 from ar_lab.engine.generate import generate
 from ar_lab.engine.kv_quant import Int8KVCache
-from ar_lab.engine.prompts import eval_mode, prompt_ids
+from ar_lab.engine.prompts import prompt_ids
 from ar_lab.engine.sampling import GREEDY, SamplingParams
 from ar_lab.engine.speculative import speculative_generate
 from ar_lab.model.data import benchmark_prompts, corpus_tokens, train_val_split
+from ar_lab.model.inference import inference
 from ar_lab.model.train import evaluate
 
 
@@ -80,7 +81,7 @@ class GreedyAgreement:
 def _argmax_on(model, ids: list[int], n: int, cache=None) -> torch.Tensor:
     """The model's argmax at each of the last ``n`` positions of ``ids`` (what it predicts for them), (n,);
     with ``cache`` (empty), the pass writes its keys/values there and attends over what it holds."""
-    with eval_mode(model):
+    with inference(model):
         logits = model(torch.tensor([ids[:-1]], device=model.device), cache)[0, -n:]  # predicts ids[-n:]
     return logits.float().argmax(-1).cpu()
 

@@ -19,8 +19,11 @@ I = P / W separates the memory-bound side (left) from the compute-bound side.
 This module is the analytic side, pencil-and-paper arithmetic from a ``GPTConfig``:
 ``forward_cost`` (and its two phases, ``prefill_cost`` and ``decode_cost``) counts
 the FLOPs and bytes of a pass; ``ridge_point`` and ``attainable_flops`` draw the
-roofline; the ``approx_*`` functions are the seed arithmetic from a parameter count
-alone. Measuring the roofs and the passes on this machine is ``ar_lab.perf.measure``;
+roofline. The counting itself is ``shape_cost`` on a ``ModelShape``, the sizes of any
+decoder-only transformer: ``from_gpt_config`` gives the course model's, and
+``ar_lab.perf.llm_costs`` uses the same count for production models (gated MLPs,
+untied heads, 8- and 4-bit weights). The ``approx_*`` functions are the seed arithmetic
+from a parameter count alone. Measuring the roofs and the passes on this machine is ``ar_lab.perf.measure``;
 drawing them is ``ar_lab.course.plots.plot_roofline``.
 """
 
@@ -40,13 +43,103 @@ def _check_cfg(cfg) -> None:
         raise TypeError(f"cfg must be a GPTConfig (e.g. GPTConfig(n_layer=4)), got {cfg!r}")
 
 
+@dataclass(frozen=True)
+class ModelShape:
+    """The sizes that set a decoder-only transformer's FLOPs and bytes."""
+
+    name: str
+    n_layer: int
+    d_model: int
+    n_head: int
+    n_kv_heads: int  # == n_head: MHA; 1: MQA; in between: GQA
+    head_dim: int
+    d_ff: int  # MLP hidden width
+    vocab: int
+    max_context: int
+    gated_mlp: bool = True  # SwiGLU: gate and up (d -> d_ff each), down (d_ff -> d); else fc and proj (GELU)
+    tied_embeddings: bool = False  # the output head reuses the input embedding
+    learned_positions: bool = False  # a position table (GPT-2); RoPE models have none
+    layer_norm: bool = False  # LayerNorm (weight and bias); else RMSNorm (weight only)
+    biases: str = "none"  # "none", "qkv" (query/key/value projections only) or "all" (every linear but the head)
+    source: str = ""
+
+    def __post_init__(self) -> None:
+        for f in ("n_layer", "d_model", "n_head", "n_kv_heads", "head_dim", "d_ff", "vocab", "max_context"):
+            positive_int(f"ModelShape.{f}", getattr(self, f))
+        if self.n_head % self.n_kv_heads:
+            raise ValueError(f"n_head ({self.n_head}) must be a multiple of n_kv_heads ({self.n_kv_heads})")
+        if self.biases not in ("none", "qkv", "all"):
+            raise ValueError(f"biases must be 'none', 'qkv' or 'all', got {self.biases!r}")
+
+    @property
+    def q_width(self) -> int:
+        return self.n_head * self.head_dim
+
+    @property
+    def kv_width(self) -> int:
+        return self.n_kv_heads * self.head_dim
+
+    @property
+    def mlp_out(self) -> int:
+        """Width of the MLP's first matmul output: gate and up side by side, or the one fc."""
+        return 2 * self.d_ff if self.gated_mlp else self.d_ff
+
+    @property
+    def layer_matmul_weights(self) -> int:
+        d = self.d_model
+        attention = d * (self.q_width + 2 * self.kv_width) + self.q_width * d
+        return attention + d * self.mlp_out + self.d_ff * d
+
+    @property
+    def matmul_weights(self) -> int:
+        """Weights that multiply every token: all layers' projections and the output head."""
+        return self.n_layer * self.layer_matmul_weights + self.vocab * self.d_model
+
+    @property
+    def parameters(self) -> int:
+        """All parameters (a tied embedding counted once)."""
+        d = self.d_model
+        qkv = self.q_width + 2 * self.kv_width
+        bias = {"none": 0, "qkv": qkv, "all": qkv + d + self.mlp_out + d}[self.biases]
+        norm = 2 * d if self.layer_norm else d
+        per_layer = self.layer_matmul_weights + bias + 2 * norm
+        embeddings = (0 if self.tied_embeddings else self.vocab * d) + (
+            self.max_context * d if self.learned_positions else 0
+        )
+        return self.n_layer * per_layer + self.vocab * d + embeddings + norm  # + the final norm
+
+    @property
+    def kv_values_per_token(self) -> int:
+        """Values one position adds to the cache: a key and a value per KV head per layer."""
+        return 2 * self.n_layer * self.kv_width
+
+
+def from_gpt_config(cfg: GPTConfig, name: str = "GPT") -> ModelShape:
+    """The course's ``GPTConfig`` as a ``ModelShape``: GPT-2's layout (a GELU MLP four times the
+    width, a tied head, a learned position table, LayerNorms, biases on every linear)."""
+    _check_cfg(cfg)
+    return ModelShape(
+        name,
+        cfg.n_layer,
+        cfg.n_embd,
+        cfg.n_head,
+        cfg.kv_heads,
+        cfg.head_dim,
+        4 * cfg.n_embd,
+        cfg.vocab_size,
+        cfg.block_size,
+        gated_mlp=False,
+        tied_embeddings=True,
+        learned_positions=True,
+        layer_norm=True,
+        biases="all",
+        source="ar_lab GPTConfig",
+    )
+
+
 def parameter_count(cfg: GPTConfig) -> int:
     """Parameters of ``GPT(cfg)`` (the tied embedding / output matrix counted once)."""
-    _check_cfg(cfg)
-    d, L = cfg.n_embd, cfg.n_layer
-    qkv = (cfg.n_head + 2 * cfg.kv_heads) * cfg.head_dim
-    per_layer = (d * qkv + qkv) + (d * d + d) + (d * 4 * d + 4 * d) + (4 * d * d + d) + 2 * (2 * d)  # + 2 LayerNorms
-    return cfg.vocab_size * d + cfg.block_size * d + L * per_layer + 2 * d  # + final LayerNorm
+    return from_gpt_config(cfg).parameters
 
 
 def matmul_parameters(cfg: GPTConfig) -> int:
@@ -56,9 +149,7 @@ def matmul_parameters(cfg: GPTConfig) -> int:
     LayerNorms and the embedding lookups are left out (a few FLOPs per value, not per
     weight), as are the position embeddings, which are read but not multiplied.
     """
-    d = cfg.n_embd
-    qkv = (cfg.n_head + 2 * cfg.kv_heads) * cfg.head_dim
-    return cfg.n_layer * (d * qkv + d * d + 2 * (d * 4 * d)) + cfg.vocab_size * d
+    return from_gpt_config(cfg).matmul_weights
 
 
 def kv_bytes_per_token(cfg: GPTConfig, bytes_per_value: int = 4) -> int:
@@ -111,52 +202,81 @@ class PhaseCost:
         return {**asdict(self), "flops": self.flops, "bytes": self.bytes, "intensity": self.intensity}
 
 
-def forward_cost(
-    cfg: GPTConfig, batch: int, tokens: int, past: int, bytes_per_value: int = 4, phase: str = ""
+def shape_cost(
+    shape: ModelShape,
+    batch: int,
+    tokens: int,
+    past: int,
+    weight_bytes: float,
+    value_bytes: float,
+    phase: str = "",
 ) -> PhaseCost:
-    """The cost of feeding ``tokens`` new tokens per sequence after ``past`` cached ones.
+    """The cost of feeding ``tokens`` new tokens to each of ``batch`` sequences after ``past`` cached ones.
+
+    ``weight_bytes`` is the size of one stored weight, ``value_bytes`` that of one KV-cache
+    or activation value (they differ for weight-only int8 / int4). Both ``forward_cost``
+    functions (here, from a ``GPTConfig``; ``ar_lab.perf.llm_costs``, from a named format)
+    are this count.
 
     FLOPs: 2 per matmul weight per token, plus attention: each new token at absolute
-    position p compares its query with p + 1 keys (2 x head_dim FLOPs per key per
-    head) and mixes as many values (the same again): 4 x n_embd x (p + 1) per layer.
+    position p compares its query with p + 1 keys (2 x head_dim FLOPs per key per query
+    head) and mixes as many values (the same again): 4 x q_width x (p + 1) per layer.
     Only the causal (unmasked) part is counted; kernels that do not skip masked blocks
     do up to twice the attention work in prefill.
 
-    Bytes: every weight once per forward pass (the position table only for the rows
-    used; the token table is read whole by the tied output head), the new keys/values
-    written and the whole cache (past + new) read once per sequence, and activations:
-    each matmul reads its input and writes its output once per token (norms, GELU and
-    residual adds that a fused kernel would keep in registers are not counted).
+    Bytes: every weight once per forward pass, but of the position table only the rows
+    of the new positions and of an untied input embedding only the rows of the tokens
+    fed (a tied table is read whole by the output head); the new keys/values written and
+    the whole cache (past + new) read once per sequence; and activations: each matmul
+    reads its input and writes its output once per token (norms, activation functions
+    and residual adds that a fused kernel keeps in registers are not counted, nor are
+    attention scores).
     """
-    _check_cfg(cfg)
+    if not isinstance(shape, ModelShape):
+        raise TypeError(f"shape must be a ModelShape, got {shape!r}")
     positive_int("batch", batch)
     positive_int("tokens", tokens)
-    if not isinstance(past, int) or isinstance(past, bool) or past < 0:
-        raise ValueError(f"past must be an int >= 0, got {past!r}")
-    positive_int("bytes_per_value", bytes_per_value)
-    if past + tokens > cfg.block_size:
-        raise ValueError(f"{past + tokens} positions exceed the context window of {cfg.block_size} (block_size)")
-    d, L, V = cfg.n_embd, cfg.n_layer, cfg.vocab_size
-    qkv = (cfg.n_head + 2 * cfg.kv_heads) * cfg.head_dim
+    positive_int("past", past, minimum=0)
+    finite_number("weight_bytes", weight_bytes, above=True)
+    finite_number("value_bytes", value_bytes, above=True)
+    if past + tokens > shape.max_context:
+        raise ValueError(f"{past + tokens:,} positions exceed {shape.name}'s context window of {shape.max_context:,}")
+    d, L = shape.d_model, shape.n_layer
     n = batch * tokens  # tokens through the model
-    keys = tokens * past + tokens * (tokens + 1) // 2  # sum over new tokens of the positions each attends to
-    matmul_flops = 2 * matmul_parameters(cfg) * n
-    attention_flops = 4 * d * L * batch * keys
-    weights = parameter_count(cfg) - cfg.block_size * d + tokens * d
-    kv = batch * (past + 2 * tokens) * kv_bytes_per_token(cfg, 1)
-    per_layer_values = (d + qkv) + (d + d) + (d + 4 * d) + (4 * d + d)  # in + out of the four matmuls
-    activations = n * (L * per_layer_values + d + (d + V))  # + embedding out, head in + logits out
+    keys = tokens * past + tokens * (tokens + 1) // 2  # per sequence: positions each new token attends to, summed
+    weights = shape.parameters
+    if shape.learned_positions:  # only the rows of the new positions are read
+        weights += (tokens - shape.max_context) * d
+    if not shape.tied_embeddings:  # the input table: only the rows of the tokens fed (the head reads its own)
+        weights += (min(n, shape.vocab) - shape.vocab) * d
+    per_layer = (d + shape.q_width + 2 * shape.kv_width) + (shape.q_width + d) + (d + shape.mlp_out) + (shape.d_ff + d)
+    per_token = L * per_layer + d + (d + shape.vocab)  # matmul ins and outs; embedding out; head in and logits out
     return PhaseCost(
         phase=phase or ("decode" if tokens == 1 and past > 0 else "prefill"),
         batch=batch,
         tokens=tokens,
         context=past + tokens,
-        matmul_flops=float(matmul_flops),
-        attention_flops=float(attention_flops),
-        weight_bytes=float(weights * bytes_per_value),
-        kv_bytes=float(kv * bytes_per_value),
-        activation_bytes=float(activations * bytes_per_value),
+        matmul_flops=float(2 * shape.matmul_weights * n),
+        attention_flops=float(4 * shape.q_width * L * batch * keys),
+        weight_bytes=float(weights * weight_bytes),
+        kv_bytes=float(batch * (past + 2 * tokens) * shape.kv_values_per_token * value_bytes),
+        activation_bytes=float(n * per_token * value_bytes),
     )
+
+
+def forward_cost(
+    cfg: GPTConfig, batch: int, tokens: int, past: int, bytes_per_value: int = 4, phase: str = ""
+) -> PhaseCost:
+    """The cost of feeding ``tokens`` new tokens per sequence after ``past`` cached ones, every weight
+    and value stored in ``bytes_per_value`` bytes: ``shape_cost`` of ``from_gpt_config(cfg)``."""
+    _check_cfg(cfg)
+    positive_int("batch", batch)
+    positive_int("tokens", tokens)
+    positive_int("past", past, minimum=0)
+    positive_int("bytes_per_value", bytes_per_value)
+    if past + tokens > cfg.block_size:
+        raise ValueError(f"{past + tokens} positions exceed the context window of {cfg.block_size} (block_size)")
+    return shape_cost(from_gpt_config(cfg), batch, tokens, past, bytes_per_value, bytes_per_value, phase)
 
 
 def prefill_cost(cfg: GPTConfig, prompt_len: int, batch: int = 1, bytes_per_value: int = 4) -> PhaseCost:

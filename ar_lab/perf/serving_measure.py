@@ -10,17 +10,19 @@ from __future__ import annotations
 
 import statistics
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
 from ar_lab.base.args import positive_int
-from ar_lab.base.timing import synchronize
+from ar_lab.base.timing import interleaved, synchronize
+from ar_lab.engine.decoder import ForwardDecoder
 from ar_lab.engine.generate import generate
 from ar_lab.engine.prefix_cache import PrefixCache
-from ar_lab.engine.prompts import eval_mode, prompt_ids
+from ar_lab.engine.prompts import prompt_ids
 from ar_lab.engine.serving import POLICIES, Request, ServeReport, serve
 from ar_lab.model.cache import BatchKVCache
+from ar_lab.model.inference import inference
 
 PROMPTS = [
     "The for statement",
@@ -87,8 +89,9 @@ def decode_throughput(
     """Tokens/s of batched decode steps at each batch size, every row at ``context`` positions.
 
     The cache is filled with random keys/values (timing depends on shapes, not contents);
-    each repeat runs ``steps`` decode steps per batch size, interleaved across batch sizes so
-    a load change on the machine hits them alike. Medians are reported.
+    each repeat runs ``steps`` decode steps per batch size, the batch sizes taking turns
+    (``ar_lab.base.timing.interleaved``) so a load change on the machine hits them alike.
+    Medians are reported.
     """
     if not batch_sizes or any(not isinstance(b, int) or isinstance(b, bool) or b < 1 for b in batch_sizes):
         raise ValueError(f"batch_sizes must be ints >= 1, got {list(batch_sizes)}")
@@ -96,21 +99,22 @@ def decode_throughput(
     if context + steps > model.config.block_size:
         raise ValueError(f"context + steps must fit in the context window ({model.config.block_size})")
     caches, inputs = _random_batches(model, batch_sizes, context, steps)
-    times: dict[int, list[float]] = {b: [] for b in batch_sizes}
-    with eval_mode(model):
-        for r in range(repeats + 1):  # the first round warms up
-            for b in batch_sizes:
-                c = caches[b]
-                c.lengths[:b] = [context] * b
-                t0 = time.perf_counter()
-                for _ in range(steps):
-                    model(inputs[b], c)
-                synchronize(c.device)
-                if r:
-                    times[b].append((time.perf_counter() - t0) / steps)
+    decoder = ForwardDecoder(model)
+
+    def decode_steps(b: int) -> Callable[[], None]:
+        def run() -> None:
+            caches[b].lengths[:b] = [context] * b  # every row back at `context` positions
+            for _ in range(steps):
+                decoder.step(inputs[b][:, 0], caches[b], None)  # one token for every row, as serve steps
+
+        return run
+
+    with inference(model):
+        runs = {b: decode_steps(b) for b in batch_sizes}
+        times = interleaved(runs, repeats, warmup=1, clock=time.perf_counter, device=model.device)  # 1 round warms up
     out = []
     for b in batch_sizes:
-        step = statistics.median(times[b])
+        step = statistics.median(t / steps for t in times[b])
         out.append({"batch": b, "step_s": step, "tokens_per_s": b / step})
     return out
 

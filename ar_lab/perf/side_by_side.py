@@ -18,8 +18,8 @@ from collections.abc import Callable, Sequence
 import torch
 
 from ar_lab.base.args import positive_int
-from ar_lab.base.timing import time_call
-from ar_lab.engine.prompts import eval_mode
+from ar_lab.base.timing import interleaved, time_call
+from ar_lab.model.inference import inference
 from ar_lab.perf.measure import prepare_forward
 from ar_lab.perf.peaks import streaming_kernels
 from ar_lab.perf.roofline import decode_cost
@@ -58,7 +58,7 @@ def decode_bandwidth_fraction(
     kernel = max(rates, key=rates.get)  # each kernel at its best call, as for the roof
     probe, probe_bytes = kernels[kernel]
     samples, steps = {}, {}  # variant -> [(probe seconds, step seconds)]; variant -> (function, mode, note)
-    with eval_mode(model):
+    with inference(model):
         try:
             for name, (t, graph) in variants.items():
                 torch.set_num_threads(t)
@@ -113,7 +113,7 @@ def decode_step_growth(model, short: int, long: int, *, pairs: int = 60) -> dict
     if long <= short:
         raise ValueError(f"long must be a longer context than short, got short={short}, long={long}")
     decode_cost(model.config, long)  # checks the context against the window before anything is timed
-    with eval_mode(model):
+    with inference(model):
         step_short = prepare_forward(model, 1, short - 1, phase="decode")[0]
         step_long = prepare_forward(model, 1, long - 1, phase="decode")[0]
         samples = _paired_times(step_short, step_long, pairs, model.device)
@@ -132,14 +132,9 @@ def _step_variants(device: torch.device, threads: Sequence[int] | None, original
 
 def _paired_times(probe: Callable, step: Callable, pairs: int, device) -> list[tuple[float, float]]:
     """``pairs`` times: one probe call timed, then one step timed right after it."""
-    time_call(step, repeats=1, warmup=2, device=device)  # the first calls after a switch are slower
-    time_call(probe, repeats=1, warmup=1, device=device)
-    out = []
-    for _ in range(pairs):
-        t_probe = time_call(probe, repeats=1, warmup=0, device=device)[0]
-        t_step = time_call(step, repeats=1, warmup=0, device=device)[0]
-        out.append((t_probe, t_step))
-    return out
+    step()  # the first calls after a switch are slower: one more warm-up call for the step
+    t = interleaved({"probe": probe, "step": step}, pairs, warmup=2, rotate=False, device=device)
+    return list(zip(t["probe"], t["step"], strict=True))
 
 
 def _fraction(samples: list[tuple[float, float]], step_bytes: float, probe_bytes: float) -> float:

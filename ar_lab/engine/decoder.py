@@ -1,0 +1,130 @@
+"""The decoder interface: the one way every decoding loop runs a model.
+
+A loop (generate, stream, batched sampling, beam search, speculative decoding, serving) never calls
+a model or an engine directly. It asks a decoder for logits, and says where the new tokens go:
+
+- ``prefill(tokens, cache, pos)``: a block of tokens (B, T) at positions pos .. pos + T - 1 (a
+  prompt, or what a reused prefix leaves of it); logits (B, T, vocab). ``cache=None`` runs the
+  whole sequence without a cache (what a model without one must do every step).
+- ``step(token, cache, pos)``: one new token per row at position pos; logits (vocab,) for an int
+  token of one sequence, (B, vocab) for a tensor of B tokens.
+- ``extend(tokens, cache, pos)``: several tokens of one sequence at once (the target's verify pass
+  in speculative decoding); logits (T, vocab).
+
+Positions are explicit, as in gpt-fast's ``input_pos``: feeding tokens at ``pos`` drops whatever
+the cache held from ``pos`` on (rejected drafts, the part of a cached prompt that differs).
+``pos=None`` is for a ``BatchKVCache``, whose rows sit at lengths of their own.
+
+Two decoders implement it. ``LeanDecoder`` runs a stock ``GPT`` with a batch-1 cache the way an
+inference engine does (``ar_lab.engine.lean``: no module layers in the decode step).
+``ForwardDecoder`` calls ``model(idx, cache)``: any model that keeps the cache contract (the
+learner's own, a quantized or wrapped one), any batch, and rows at different lengths.
+``decoder_for(model)`` picks the lean one where it reproduces the model. Decoders trust their
+inputs: the public functions check them once, before the first token.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+
+from ar_lab.engine.lean import LeanGPT, NotLean, Transposed, transposed_copies
+from ar_lab.model.cache import BatchKVCache, KVCache
+
+
+class Decoder(Protocol):
+    model: torch.nn.Module
+
+    def prefill(self, tokens: torch.Tensor, cache, pos: int = 0) -> torch.Tensor: ...
+
+    def step(self, token, cache, pos: int | None) -> torch.Tensor: ...
+
+    def extend(self, tokens: list[int], cache, pos: int) -> torch.Tensor: ...
+
+
+def _rewind(cache, pos: int | None) -> None:
+    """Drop the positions from ``pos`` on (a cache only ever rewinds: it is never ahead of its writes)."""
+    if pos is not None and cache.length != pos:
+        cache.truncate(pos)
+
+
+def _record(cache, pos: int, ids: list[int]) -> None:
+    """Note which tokens a batch-1 ``KVCache`` now holds from ``pos`` (what lets ``generate`` reuse it)."""
+    if isinstance(cache, KVCache) and cache.batch_size == 1:
+        cache.record(pos, ids)
+
+
+class ForwardDecoder:
+    """Every pass through ``model(idx, cache)``: any model keeping the cache contract, any batch."""
+
+    def __init__(self, model) -> None:
+        self.model = model
+
+    def prefill(self, tokens: torch.Tensor, cache, pos: int | None = 0) -> torch.Tensor:
+        if cache is None:
+            return self.model(tokens)  # (B, T, vocab): the whole sequence, no cache
+        if isinstance(cache, BatchKVCache):  # rows at lengths of their own: explicit positions and mask
+            positions, mask = cache.begin(tokens.shape[1])
+            logits = self.model(tokens, cache, positions=positions, mask=mask)
+            cache.advance(tokens.shape[1])
+            return logits
+        _rewind(cache, pos)
+        logits = self.model(tokens, cache)
+        if tokens.shape[0] == 1:
+            _record(cache, pos, tokens[0].tolist())
+        return logits
+
+    def step(self, token, cache, pos: int | None) -> torch.Tensor:
+        if isinstance(token, int):  # one sequence: (vocab,)
+            idx = torch.tensor([[token]], device=self.model.device)
+            _rewind(cache, pos)
+            logits = self.model(idx, cache)[0, -1]
+            _record(cache, pos, [token])
+            return logits
+        return self.prefill(token[:, None], cache, pos)[:, -1]  # (B, vocab): one token for every row
+
+    def extend(self, tokens: list[int], cache, pos: int) -> torch.Tensor:
+        return self.prefill(torch.tensor([tokens], device=self.model.device), cache, pos)[0]  # (T, vocab)
+
+
+class LeanDecoder(ForwardDecoder):
+    """A stock ``GPT`` with a batch-1 cache: the prompt through ``forward`` (one call), then the
+    lean engine's step and extend.
+
+    One decoder serves one generation: ``extend`` multiplies by (in, out) copies of the weights
+    made at its first use (faster on a CPU for a few rows), so make a new decoder after the
+    weights change. ``step`` reads the model's parameters themselves at every call.
+    """
+
+    def __init__(self, model) -> None:
+        super().__init__(model)
+        self.engine = LeanGPT(model)
+        self._transposed: Transposed | None = None
+
+    def step(self, token, cache, pos: int | None) -> torch.Tensor:
+        if not isinstance(token, int):
+            return super().step(token, cache, pos)  # a batch of rows: through forward
+        _rewind(cache, pos)
+        return self.engine.step(token, cache)  # records the token itself
+
+    def extend(self, tokens: list[int], cache, pos: int) -> torch.Tensor:
+        if pos == 0:  # a prompt: one prefill through forward
+            return super().extend(tokens, cache, pos)
+        _rewind(cache, pos)
+        if len(tokens) == 1:
+            return self.engine.step(tokens[0], cache)[None]  # (1, vocab)
+        if self._transposed is None:
+            self._transposed = transposed_copies(self.model)
+        return self.engine.extend(tokens, cache, self._transposed)  # (T, vocab)
+
+
+def decoder_for(model, *, lean: bool = True) -> ForwardDecoder:
+    """The decoder a loop runs ``model`` with: the lean engine where it reproduces the model (and
+    ``lean`` is on), else the model's own forward."""
+    if lean:
+        try:
+            return LeanDecoder(model)  # checks and gathers the weights in one walk over the model
+        except NotLean:
+            pass
+    return ForwardDecoder(model)
