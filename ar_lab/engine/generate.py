@@ -246,11 +246,8 @@ def token_steps(
     left holding the sequence, for the next call. A cache holding positions whose ids it does
     not know is refused. Arguments are checked here, before the first token is asked for.
     """
-    plan = _plan(
-        model, prompt, max_new_tokens, use_cache=use_cache, sampling=sampling, generator=generator, stats=stats,
-        cache=cache, lean=lean,
-    )
-    return _steps(plan)
+    options = dict(use_cache=use_cache, sampling=sampling, generator=generator, stats=stats, cache=cache, lean=lean)
+    return _steps(_plan(model, prompt, max_new_tokens, **options))
 
 
 def stream(
@@ -279,13 +276,16 @@ def stream(
     stream goes. ``cache``: see ``token_steps`` (reuse the keys/values of the prompt's
     start); so is ``lean``. Arguments are checked here, before the first event is asked for.
     """
-    plan = _plan(
-        model, prompt, max_new_tokens, use_cache=use_cache, sampling=sampling, generator=generator, stats=stats,
-        cache=cache, lean=lean,
-    )
+    options = dict(use_cache=use_cache, sampling=sampling, generator=generator, stats=stats, cache=cache, lean=lean)
+    return _stream(model, prompt, max_new_tokens, eos_id, stop_strings, options)[1]
+
+
+def _stream(model, prompt, max_new_tokens, eos_id, stop_strings, options: dict) -> tuple[_Plan, Iterator[StreamEvent]]:
+    """``stream``'s checks and its events, with the plan they run (``generate`` reads its prompt and stats)."""
+    plan = _plan(model, prompt, max_new_tokens, **options)
     stops = stop_list(stop_strings)
     check_eos(model, eos_id)
-    return _events(_steps(plan), plan.stats, eos_id, stops)
+    return plan, _events(_steps(plan), plan.stats, eos_id, stops)
 
 
 def generate(
@@ -307,14 +307,10 @@ def generate(
     ids agree with the prompt's start are reused, only the rest is prefilled. ``lean=False``: every decode step
     through ``model.forward`` instead of ``ar_lab.engine.lean`` (same tokens; for comparison).
     """
-    plan = _plan(
-        model, prompt, max_new_tokens, use_cache=use_cache, sampling=sampling, generator=generator, stats=None,
-        cache=cache, lean=lean,
-    )
-    stops = stop_list(stop_strings)
-    check_eos(model, eos_id)
+    options = dict(use_cache=use_cache, sampling=sampling, generator=generator, stats=None, cache=cache, lean=lean)
+    plan, events = _stream(model, prompt, max_new_tokens, eos_id, stop_strings, options)
     tokens, pieces = [], []
-    for event in _events(_steps(plan), plan.stats, eos_id, stops):
+    for event in events:
         if event.token >= 0:
             tokens.append(event.token)
         pieces.append(event.text)
