@@ -159,6 +159,10 @@ def apply_temperature(logits: torch.Tensor, temperature: float) -> torch.Tensor:
     """
     if not _is_real(temperature) or not math.isfinite(temperature) or temperature < 0:
         raise ValueError(f"temperature must be a finite number >= 0, got {temperature!r}")
+    return _temperature(logits, temperature)
+
+
+def _temperature(logits: torch.Tensor, temperature: float) -> torch.Tensor:
     if temperature < GREEDY_EPS:
         keep = F.one_hot(logits.argmax(dim=-1), logits.shape[-1]).bool()
         return torch.zeros_like(logits).masked_fill(~keep, float("-inf"))
@@ -174,6 +178,10 @@ def filter_top_k(logits: torch.Tensor, k: int) -> torch.Tensor:
     """
     if not isinstance(k, numbers.Integral) or isinstance(k, bool) or k < 1:
         raise ValueError(f"top_k must be an int >= 1, got {k!r}")
+    return _top_k(logits, k)
+
+
+def _top_k(logits: torch.Tensor, k: int) -> torch.Tensor:
     if k >= logits.shape[-1]:
         return logits
     kth = torch.topk(logits, k, dim=-1).values[..., -1:]
@@ -189,6 +197,10 @@ def filter_top_p(logits: torch.Tensor, p: float) -> torch.Tensor:
     """
     if not _is_real(p) or not 0.0 < p <= 1.0:
         raise ValueError(f"top_p must be in (0, 1], got {p!r}")
+    return _top_p(logits, p)
+
+
+def _top_p(logits: torch.Tensor, p: float) -> torch.Tensor:
     if p >= 1.0:
         return logits
     probs = torch.softmax(logits.float(), dim=-1)
@@ -209,6 +221,10 @@ def filter_min_p(logits: torch.Tensor, min_p: float) -> torch.Tensor:
     """
     if not _is_real(min_p) or not 0.0 <= min_p <= 1.0:
         raise ValueError(f"min_p must be in [0, 1], got {min_p!r}")
+    return _min_p(logits, min_p)
+
+
+def _min_p(logits: torch.Tensor, min_p: float) -> torch.Tensor:
     if min_p <= 0.0:
         return logits
     threshold = logits.amax(dim=-1, keepdim=True) + math.log(min_p)
@@ -242,13 +258,14 @@ def processed_logits(
     # One check covers NaN (max propagates it), +inf and all -inf; diagnose only on failure.
     if not torch.isfinite(x.amax(dim=-1)).all():
         raise _bad_logits(logits, x)
-    x = apply_temperature(x, params.temperature)
+    # SamplingParams checked its values when it was made: the steps run unchecked from here.
+    x = _temperature(x, params.temperature)
     if params.greedy:
         return x  # one token left; every filter keeps the most likely token anyway
     if params.top_k is not None:
-        x = filter_top_k(x, params.top_k)
-    x = filter_top_p(x, params.top_p)
-    return filter_min_p(x, params.min_p)
+        x = _top_k(x, params.top_k)
+    x = _top_p(x, params.top_p)
+    return _min_p(x, params.min_p)
 
 
 def probabilities(
