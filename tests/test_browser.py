@@ -279,7 +279,7 @@ def test_kv_cache_calculator_shows_ar_lab_sizes_as_the_controls_change(ran):
 
     def expected() -> dict[str, str]:
         """What ar_lab computes for the numbers the page's boxes hold."""
-        v = {k: int(b.locator("input").input_value()) for k, b in boxes.items()}
+        v = {k: int(float(b.locator("input").input_value())) for k, b in boxes.items()}  # float boxes: "64" or "64.0"
         shape = AttentionShape(v["layers"], v["heads"], v["kv"], v["head_dim"], v["latent"], v["rope"])
         sizes = cache_sizes(shape, v["seq"], v["batch"], BYTES_PER_VALUE[dtype.input_value()])
         return {scheme: format_bytes(b) for scheme, b in sizes.items()}
@@ -347,7 +347,7 @@ def test_gpu_explorer_shows_ar_lab_predictions_as_the_controls_change(ran):
 
     def expected():
         """What ar_lab predicts for the values the page's controls hold."""
-        v = {k: int(b.locator("input").input_value()) for k, b in boxes.items()}
+        v = {k: int(float(b.locator("input").input_value())) for k, b in boxes.items()}  # float boxes: "64" or "64.0"
         names = [" ".join(x.input_value().split()) for x in (gpu, model, dtype)]  # labels use non-breaking spaces
         return gpu_scenario(*names, v["batch"], v["prompt tokens"], v["decode context"])
 

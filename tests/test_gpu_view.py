@@ -34,9 +34,11 @@ def test_scenario_says_why_it_does_not_fit():
     assert s.weights < s.gpu.memory < s.memory
     assert "at most 4 sequence(s) fit" in s.verdict and s.placement.max_batch == 4
     assert gv.gpu_scenario("T4", "Llama-2-13B", "int4", 4, 2000, 2500).fits
-    # memory counts the longer of prompt and context
-    long_prompt = gv.gpu_scenario("H100 SXM", "Llama-3-8B", "bf16", 8, 8000, 100)
+    # memory counts the whole context, prompt included; a context shorter than the prompt is refused
+    long_prompt = gv.gpu_scenario("H100 SXM", "Llama-3-8B", "bf16", 8, 8000, 8000)
     assert long_prompt.memory == lc.memory_needed(lc.MODELS["Llama-3-8B"], 8000, 8)
+    with pytest.raises(ValueError, match=r"context \(100\) must be at least prompt_len \(8,000\)"):
+        gv.gpu_scenario("H100 SXM", "Llama-3-8B", "bf16", 8, 8000, 100)
 
 
 def test_smaller_weights_speed_up_decode_not_prefill():

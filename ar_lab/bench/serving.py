@@ -13,6 +13,7 @@ from ar_lab.bench.table import format_table
 
 # Questions after the shared prefix in the TTFT test.
 SUFFIXES = ["\nQ: What does the for statement do?\nA:", "\nQ: How are exceptions raised?\nA:"]
+PREFIX_ROOM = 64  # positions after the shared prefix: a question (SUFFIXES) and 8 answer tokens
 
 # policy summary key -> row label of the printed table
 POLICY_ROWS = [
@@ -86,6 +87,7 @@ def serving_benchmark(
 ) -> dict:
     """Static vs continuous batching on a mixed workload, tokens/s against batch size, and TTFT
     with and without a prefix cache; real runs of the model, each comparison side by side.
+    ``prefix_tokens`` is at most the context window less ``PREFIX_ROOM`` (refused, never cut short).
     Print the result with ``format_serving_results``."""
     from ar_lab.model.data import builtin_corpus
     from ar_lab.perf.serving_measure import mixed_workload, prefix_ttft
@@ -101,9 +103,14 @@ def serving_benchmark(
     window = model.config.block_size
     if context + 16 > window:  # the sweep decodes 16 steps after `context` positions
         raise ValueError(f"context {context} + 16 decode steps must fit in the context window ({window})")
+    if prefix_tokens > window - PREFIX_ROOM:  # refused, not cut short: the report would show another size
+        raise ValueError(
+            f"prefix_tokens must be at most {window - PREFIX_ROOM} (the context window of {window} less "
+            f"{PREFIX_ROOM} positions for each question and its answer), got {prefix_tokens}"
+        )
     policies, same = _policies(model, work, max_batch, repeats)
     sweep = _batch_sweep(model, batch_sizes, context, repeats)
-    prefix = builtin_corpus()[: min(prefix_tokens, model.config.block_size - 64)]
+    prefix = builtin_corpus()[:prefix_tokens]
     prefix_res = prefix_ttft(model, prefix, SUFFIXES, max_new_tokens=8, repeats=max(3, repeats))
     return {
         "benchmark": "serving",

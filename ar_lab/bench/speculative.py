@@ -38,9 +38,11 @@ def add_options(p: argparse.ArgumentParser) -> None:
 
 
 def _checked_sizes(gammas, **sizes) -> list[int]:
+    from ar_lab.engine.speculative import MAX_GAMMA
+
     gammas = list(range(1, 9)) if gammas is None else list(gammas)
-    if not gammas or any(isinstance(g, bool) or not isinstance(g, int) or g < 1 for g in gammas):
-        raise ValueError(f"gammas must be ints >= 1, got {gammas!r}")
+    if not gammas or any(isinstance(g, bool) or not isinstance(g, int) or not 1 <= g <= MAX_GAMMA for g in gammas):
+        raise ValueError(f"gammas must be ints >= 1 (at most {MAX_GAMMA:,}), got {gammas!r}")
     for name, value in sizes.items():
         checked_count(name, value)
     return gammas
@@ -232,9 +234,11 @@ def speculative_benchmark(
     plain tokens exactly. ``device``: where the shipped checkpoints are loaded when the
     models are not given (models passed in stay where they are).
     """
+    from ar_lab.base.args import check_seed
     from ar_lab.engine.sampling import GREEDY, SamplingParams
 
     say = progress or (lambda _m: None)
+    check_seed(seed)
     gammas = _checked_sizes(gammas, tokens=tokens, prompts=prompts, prompt_tokens=prompt_tokens, repeats=repeats)
     target, draft, sources = _checkpoints(target, draft, checked_device(device))
     modes = {"greedy": GREEDY, "T=1": SamplingParams(temperature=1.0)} if modes is None else modes

@@ -17,11 +17,31 @@ class ClaimFailed(AssertionError):
     """A notebook's sentence no longer matches what its cell measured."""
 
 
+def truth(holds) -> bool:
+    """``holds`` as a Python bool if it is a real boolean: a bool, a numpy bool or a 0-d bool array or
+    tensor (what a comparison of numpy / torch scalars gives). Anything else is a TypeError: a list,
+    a string, a number or NaN is "true" to ``bool()`` whatever was measured, a claim that cannot fail."""
+    if isinstance(holds, bool):
+        return holds
+    if getattr(holds, "ndim", None) == 0 and str(getattr(holds, "dtype", "")) in ("bool", "torch.bool"):
+        return bool(holds)
+    got = type(holds).__name__
+    if getattr(holds, "shape", None) is not None:
+        got += f" of shape {tuple(holds.shape)}, dtype {getattr(holds, 'dtype', None)}"
+    raise TypeError(
+        f"claim needs holds to be a boolean (a comparison such as x < y, or bool((a == b).all()) for arrays), "
+        f"got {got}: {holds!r}"[:400]
+    )
+
+
 def claim(name: str, holds: bool, measured: str = "") -> None:
-    """Raise ``ClaimFailed`` unless ``holds``; ``name`` quotes the claim, ``measured`` what was seen."""
-    if not isinstance(holds, bool):
-        holds = bool(holds)  # numpy / torch booleans
-    if not holds:
+    """Raise ``ClaimFailed`` unless ``holds``; ``name`` quotes the claim, ``measured`` what was seen.
+
+    ``holds`` must be a real boolean (``truth``), so that a claim can fail: the result of a comparison,
+    not the measured value itself."""
+    if not isinstance(name, str) or not name.strip():
+        raise TypeError(f"claim needs name to be the claim's sentence (a non-empty str), got {name!r}")
+    if not truth(holds):
         raise ClaimFailed(
             f"the notebook claims: {name!r}, but the measurement says otherwise"
             + (f" ({measured})" if measured else "")
@@ -33,12 +53,14 @@ def say(text: str) -> None:
     """Show ``text`` (Markdown, usually an f-string of measured values) as the cell's output."""
     from IPython.display import Markdown, display
 
+    if not isinstance(text, str):
+        raise TypeError(f"say needs text to be a str (Markdown, e.g. an f-string), got {text!r}")
     display(Markdown(text))
 
 
 def magnitude(x: float) -> str:
     """A positive number as a power of ten for prose: 6.2e5 -> '6 × 10⁵', 1.2e-3 -> '1 × 10⁻³'."""
-    if not (isinstance(x, (int, float)) and math.isfinite(x) and x > 0):
+    if isinstance(x, bool) or not (isinstance(x, numbers.Real) and math.isfinite(x) and x > 0):
         raise ValueError(f"magnitude needs a finite positive number, got {x!r}")
     exponent = math.floor(math.log10(x))
     mantissa = round(x / 10**exponent)
@@ -52,4 +74,6 @@ def plural(n: int, word: str, many: str | None = None) -> str:
     """A count with its noun for prose: plural(1, 'thread') -> '1 thread', plural(2, 'KV head') -> '2 KV heads'."""
     if isinstance(n, bool) or not isinstance(n, numbers.Integral):
         raise TypeError(f"plural needs an int count, got {n!r}")
+    if not isinstance(word, str) or not (many is None or isinstance(many, str)):
+        raise TypeError(f"plural needs word (and many, if given) to be str, got {word!r}, {many!r}")
     return f"{int(n):,} {word if n == 1 else (many or word + 's')}"

@@ -126,13 +126,34 @@ def graded_cells(nb: nbformat.NotebookNode) -> list[tuple[int, dict]]:
     return [(i, nbgrader_meta(c)) for i, c in enumerate(nb.cells) if nbgrader_meta(c).get("grade")]
 
 
-def select_notebooks(src: Path, chapters: list[str] | None = None) -> list[Path]:
-    """The source notebooks in ``src``: all of them, or the chapters named by number ("04", "6")."""
-    src = Path(src)
+def _folder(name: str, value) -> Path:
+    """``value`` as a folder path; an empty string (the current folder, by accident) or a non-path is refused."""
+    if not isinstance(value, (str, Path)) or not str(value).strip():
+        raise ValueError(f"{name} must be a folder path (a str or Path), got {value!r}")
+    return Path(value)
+
+
+def _chapters(chapters) -> list[str] | None:
+    """``chapters`` as a list: None (every chapter), one chapter ("04" or 4) or a non-empty list of them."""
+    if chapters is None:
+        return None
+    if isinstance(chapters, (str, int)) and not isinstance(chapters, bool):
+        return [chapters]  # one chapter, not the characters of "04"
+    if not isinstance(chapters, (list, tuple)) or not chapters:
+        raise ValueError(
+            f"chapters must be a chapter (e.g. '04'), a non-empty list of them or None (all), got {chapters!r}"
+        )
+    return list(chapters)
+
+
+def select_notebooks(src: Path, chapters: list[str] | str | None = None) -> list[Path]:
+    """The source notebooks in ``src``: all of them (``chapters=None``), or the chapters named by
+    number ("04", "6", 4): one, or a list of them."""
+    src, chapters = _folder("src", src), _chapters(chapters)
     if not src.is_dir():
         raise FileNotFoundError(f"no folder {src}")
     patterns = ["*.ipynb"]
-    if chapters:
+    if chapters is not None:
         for chapter in chapters:
             if not str(chapter).isdigit() or int(chapter) > 99:
                 raise ValueError(f"a chapter is a number such as 04, got {chapter!r}")
@@ -159,9 +180,10 @@ def release(src: Path = NOTEBOOKS, out: Path = ROOT / "course", *, chapters: lis
     """Write the student version of every notebook in ``src`` (or of ``chapters``) to ``out``.
 
     A notebook already in ``out`` is kept as it is: it may hold a learner's work. To get a
-    fresh copy, rename or delete it first. Returns the paths written.
+    fresh copy, rename or delete it first. Returns the paths written. ``chapters``: one chapter
+    ("04") or a list of them; None releases every notebook.
     """
-    src, out = Path(src), Path(out)
+    src, out = _folder("src", src), _folder("out", out)
     notebooks = select_notebooks(src, chapters)
     _refuse_source_folder(out, src, NOTEBOOKS)
     written = []
@@ -257,7 +279,7 @@ def course(
     """
     if isinstance(timeout, bool) or not isinstance(timeout, int) or timeout < 1:
         raise ValueError(f"timeout must be a whole number of seconds >= 1, got {timeout!r}")
-    folder, src = Path(folder), Path(src)
+    folder, src = _folder("folder", folder), _folder("src", src)
     notebooks = select_notebooks(src, chapters)
     _refuse_source_folder(folder, src, NOTEBOOKS)
     targets = {path: folder / "source" / path.stem / path.name for path in notebooks}
@@ -319,16 +341,23 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message}\n")
 
 
+def _folder_arg(text: str) -> Path:
+    """A command-line folder; an empty one is refused (it would write into the current folder)."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError("give a folder path, got an empty string")
+    return Path(text)
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="python -m ar_lab.course.exercises", description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="cmd", metavar="{release,course}", required=True, parser_class=_Parser)
     rel = sub.add_parser("release", help="write the student versions of notebooks/ to course/")
-    rel.add_argument("--src", type=Path, default=NOTEBOOKS, help="source notebooks (default: notebooks/)")
-    rel.add_argument("--out", type=Path, default=ROOT / "course", help="target folder (default: course/)")
+    rel.add_argument("--src", type=_folder_arg, default=NOTEBOOKS, help="source notebooks (default: notebooks/)")
+    rel.add_argument("--out", type=_folder_arg, default=ROOT / "course", help="target folder (default: course/)")
     rel.add_argument("--chapter", action="append", help="release only this chapter (e.g. 04); repeatable")
     crs = sub.add_parser("course", help="lay out an nbgrader course folder in DIR")
-    crs.add_argument("dir", type=Path, metavar="DIR")
-    crs.add_argument("--src", type=Path, default=NOTEBOOKS, help="source notebooks (default: notebooks/)")
+    crs.add_argument("dir", type=_folder_arg, metavar="DIR")
+    crs.add_argument("--src", type=_folder_arg, default=NOTEBOOKS, help="source notebooks (default: notebooks/)")
     crs.add_argument("--chapter", action="append", help="only this chapter (e.g. 06); repeatable")
     crs.add_argument("--timeout", type=int, default=120, help="seconds a cell may run when grading (default 120)")
     crs.add_argument("--overwrite", action="store_true", help="replace source notebooks already in DIR/source")

@@ -4,18 +4,23 @@ A thin shell over ``ar_lab.course.gpu_view.gpu_scenario`` (a pure function the t
 directly): GPU, model, weight format, batch, prompt and context -> the roofline with the
 prefill and decode points, predicted TTFT, TPOT, tokens/s and memory, or "does not fit".
 ``scenario`` holds the last result and ``error`` the message for impossible input, so
-tests can set ``.value`` on the controls and read what it shows.
+tests can set ``.value`` on the controls and read what it shows. The number boxes keep what
+was typed (a bounded box would clamp 0 to 1 and a fractional batch to a whole one, silently):
+a value that is not a whole number in range is refused with a message, the last plot kept.
 """
 
 from __future__ import annotations
 
 import html
 
+from ar_lab.base.args import finite_number
 from ar_lab.course.gpu_view import Scenario
+from ar_lab.course.widgets import whole_number
 
 
 def format_time(seconds: float) -> str:
     """Seconds as a reader wants them: "2.50 s", "8.3 ms" or "65 µs"."""
+    seconds = finite_number("seconds", seconds)
     if seconds >= 1:
         return f"{seconds:,.2f} s"
     return f"{seconds * 1e3:,.1f} ms" if seconds >= 1e-3 else f"{seconds * 1e6:,.0f} µs"
@@ -23,6 +28,8 @@ def format_time(seconds: float) -> str:
 
 def scenario_html(s: Scenario) -> str:
     """The explorer's summary: a 'does not fit' banner or the fit, then the predicted clocks."""
+    if not isinstance(s, Scenario):
+        raise TypeError(f"s must be a Scenario (from gpu_view.gpu_scenario(...)), got {s!r}")
     p = s.placement
     if s.fits:
         banner = (
@@ -51,8 +58,19 @@ def scenario_html(s: Scenario) -> str:
     )
 
 
+def typed_whole(label: str, value) -> int:
+    """A number box's ``value`` (a float box holds 4.0 for a typed 4) as an int if it is a whole number
+    >= 1; else ``widgets.whole_number``'s ValueError naming the box by its label."""
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)
+    return whole_number(label, value, 1)
+
+
 class GPUExplorer:
-    """GPU, model, weight format, batch, prompt and context -> roofline, TTFT, TPOT, tokens/s, memory."""
+    """GPU, model, weight format, batch, prompt and context -> roofline, TTFT, TPOT, tokens/s, memory.
+
+    An unknown GPU, model or weight format is a ValueError at construction (a dropdown holds only its
+    options); a number out of range is shown as ``error``, at construction too, like any later edit."""
 
     def __init__(
         self,
@@ -65,29 +83,46 @@ class GPUExplorer:
     ):
         import ipywidgets as W
 
-        from ar_lab.perf.gpus import GPUS
-        from ar_lab.perf.llm_costs import MODELS, WEIGHT_BYTES
+        from ar_lab.perf.gpus import GPUS, as_gpu
+        from ar_lab.perf.llm_costs import MODELS, WEIGHT_BYTES, as_model, check_dtype
 
+        gpu, model = as_gpu(gpu).name, as_model(model, "model").name  # unknown names: a ValueError listing them
+        weight_dtype = check_dtype(weight_dtype)
+        if model not in MODELS:
+            raise ValueError(f"model must be a name from MODELS, one of {list(MODELS)}, got {model!r}")
         style = {"description_width": "110px"}
         box = dict(style=style, layout=W.Layout(width="300px"))
         self.gpu = W.Dropdown(options=list(GPUS), value=gpu, description="GPU", **box)
         self.model = W.Dropdown(options=list(MODELS), value=model, description="model", **box)
         self.dtype = W.Dropdown(options=list(WEIGHT_BYTES), value=weight_dtype, description="weights", **box)
-        self.batch = W.BoundedIntText(batch, min=1, max=65_536, description="batch", **box)
-        self.prompt_len = W.BoundedIntText(prompt_len, min=1, max=1_000_000, description="prompt tokens", **box)
-        self.context = W.BoundedIntText(context, min=1, max=1_000_000, description="decode context", **box)
+
+        def number(value, description):
+            """A box that keeps what was typed (checked in ``update``); the refused value is shown as typed."""
+            shown = value if isinstance(value, (int, float)) and not isinstance(value, bool) else 0
+            control = W.FloatText(shown, step=1, description=description, tooltip="a whole number >= 1", **box)
+            self._typed[control] = value  # the value as given, for the check (a FloatText holds floats)
+            return control
+
+        self._typed: dict = {}
+        self.batch = number(batch, "batch")
+        self.prompt_len = number(prompt_len, "prompt tokens")
+        self.context = number(context, "decode context")
         self.status = W.HTML()
         self.image = W.Image(format="png")
         self.scenario: Scenario | None = None
         self.error = ""
         controls = [self.gpu, self.model, self.dtype, self.batch, self.prompt_len, self.context]
         for c in controls:
-            c.observe(lambda _change: self.update(), names="value")
+            c.observe(lambda change: self._edited(change), names="value")
         self.widget = W.VBox([W.HBox([W.VBox(controls[:3]), W.VBox(controls[3:])]), self.status, self.image])
         self.update()
 
     def _repr_mimebundle_(self, **kwargs):
         return self.widget._repr_mimebundle_(**kwargs)
+
+    def _edited(self, change) -> None:
+        self._typed.pop(change["owner"], None)  # a typed value replaces the constructor's
+        self.update()
 
     def update(self) -> None:
         import matplotlib.pyplot as plt
@@ -96,14 +131,9 @@ class GPUExplorer:
         from ar_lab.course.plots import png_bytes
 
         try:
-            s = gpu_scenario(
-                self.gpu.value,
-                self.model.value,
-                self.dtype.value,
-                int(self.batch.value),
-                int(self.prompt_len.value),
-                int(self.context.value),
-            )
+            boxes = (self.batch, self.prompt_len, self.context)
+            batch, prompt_len, context = (typed_whole(c.description, self._typed.get(c, c.value)) for c in boxes)
+            s = gpu_scenario(self.gpu.value, self.model.value, self.dtype.value, batch, prompt_len, context)
         except ValueError as e:
             self.scenario, self.error = None, str(e)
             self.status.value = f"<b style='color:#c0392b'>{html.escape(self.error)}</b>"

@@ -11,14 +11,15 @@ prediction for the same GPU; ``measure_gpu`` takes that measurement.
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from ar_lab.perf import llm_costs as lc
-from ar_lab.perf.gpus import GPUSpec, gpu, match_gpu
-from ar_lab.model.gpt import GPTConfig
+from ar_lab.base.args import finite_number, positive_int
 from ar_lab.course.plots import COLORS
-from ar_lab.base.args import positive_int
+from ar_lab.model.gpt import GPTConfig
+from ar_lab.perf import llm_costs as lc
+from ar_lab.perf.gpus import GPUSpec, as_gpu, match_gpu
 from ar_lab.perf.roofline import PhaseCost, attainable_flops, format_si
 
 PROMPT_LENS = (128, 256, 512, 1024, 2048, 4096, 8192)
@@ -81,12 +82,19 @@ class Scenario:
 def gpu_scenario(
     gpu_name: str, model_name: str, weight_dtype: str = "bf16", batch: int = 1, prompt_len: int = 2000, context=2500
 ) -> Scenario:
-    """The explorer's pure function: predictions for one setting (raises ValueError for impossible input)."""
-    spec, shape = gpu(gpu_name), lc.model(model_name)
-    lc.check_dtype(weight_dtype)
-    positive_int("batch", batch)
-    positive_int("prompt_len", prompt_len)
-    positive_int("context", context)
+    """The explorer's pure function: predictions for one setting (raises ValueError for impossible input).
+
+    ``gpu_name`` and ``model_name`` are names from ``GPUS`` and ``MODELS`` (or the rows themselves).
+    Decoding continues after the prompt, so ``context`` is at least ``prompt_len``."""
+    spec, shape = as_gpu(gpu_name, "gpu_name"), lc.as_model(model_name, "model_name")
+    weight_dtype = lc.check_dtype(weight_dtype)
+    batch, prompt_len = lc.count("batch", batch), lc.count("prompt_len", prompt_len)
+    context = lc.count("context", context)
+    if context < prompt_len:
+        raise ValueError(
+            f"context ({context:,}) must be at least prompt_len ({prompt_len:,}): decoding continues after "
+            f"the prompt, so the context a decode step attends to includes the whole prompt"
+        )
     longest = max(prompt_len, context)
     return Scenario(
         gpu=spec,
@@ -107,7 +115,9 @@ def gpu_scenario(
 
 
 def plot_gpu_roof(ax, spec: GPUSpec, weight_dtype: str = "bf16", *, lo=0.3, hi=3e4, color="black", label=None, ls="-"):
-    """The datasheet roofline of ``spec`` (compute roof for ``weight_dtype``), its ridge marked and labelled."""
+    """The datasheet roofline of ``spec`` (a ``GPUSpec`` or its name; compute roof for ``weight_dtype``),
+    its ridge marked and labelled."""
+    spec, weight_dtype = as_gpu(spec, "spec"), lc.check_dtype(weight_dtype)
     peak = spec.peak_flops(weight_dtype)
     xs = [lo * (hi / lo) ** (i / 200) for i in range(201)]
     roof = "fp32" if weight_dtype == "fp32" else "16-bit tensor"
@@ -141,6 +151,8 @@ def _path(ax, costs, fits, spec, weight_dtype, marker, color, label, labels):
 def plot_scenario(ax, s: Scenario, prompt_lens: Sequence[int] = PROMPT_LENS, batches: Sequence[int] = BATCHES):
     """``s``'s GPU roofline with prefill over ``prompt_lens`` and decode over ``batches`` (hollow: does not fit),
     the scenario's own two points ringed, and the batch where the weights stop dominating marked."""
+    if not isinstance(s, Scenario):
+        raise TypeError(f"s must be a Scenario (from gpu_scenario(...)), got {s!r}")
     shape, dt = s.model, s.weight_dtype
     lens = sorted({t for t in prompt_lens if t <= shape.max_context} | {s.prompt_len})
     sizes = sorted(set(batches) | {s.batch})
@@ -184,8 +196,12 @@ def plot_scenario(ax, s: Scenario, prompt_lens: Sequence[int] = PROMPT_LENS, bat
 
 def plot_decode_intensity(ax, shape, spec: GPUSpec, contexts: Sequence[int], weight_dtype="bf16", max_b=1024):
     """Decode intensity against the batch, one line per context, solid while the KV cache fits in memory;
-    the ridge as a horizontal line. Each line flattens toward its limit: one sequence's FLOPs per its own bytes."""
-    batches = [2**i for i in range(max_b.bit_length())]
+    the ridge as a horizontal line. Each line flattens toward its limit: one sequence's FLOPs per its own bytes.
+    ``shape`` and ``spec`` may be given by name; ``contexts`` is a list of context lengths."""
+    shape, spec, weight_dtype = lc.as_model(shape), as_gpu(spec, "spec"), lc.check_dtype(weight_dtype)
+    if isinstance(contexts, (str, numbers.Number)) or not isinstance(contexts, Sequence) or not contexts:
+        raise TypeError(f"contexts must be a non-empty list of context lengths (e.g. [128, 8192]), got {contexts!r}")
+    batches = [2**i for i in range(positive_int("max_b", max_b).bit_length())]
     colors = ["#16a085", "#2471a3", "#8e44ad", "#c0392b", "#e67e22"]
     ridge = spec.peak_flops(weight_dtype) / spec.bandwidth
     for i, ctx in enumerate(contexts):
@@ -228,9 +244,20 @@ def compact_legend(ax, **kwargs):
     return ax.legend(handles=roofs + markers, **kwargs)
 
 
+def check_result(result, keys=("device", "dtype", "peaks", "points")) -> dict:
+    """``result`` if it looks like a roofline result (``measure.load_result(path)`` or ``measure_gpu(...)``:
+    a dict with ``keys``); else a TypeError saying what to pass."""
+    if not isinstance(result, dict) or any(k not in result for k in keys):
+        raise TypeError(
+            f"result must be a roofline result dict with {list(keys)} (measure.load_result(path) or "
+            f"measure_gpu(device)), got {str(result)[:120]}"
+        )
+    return result
+
+
 def result_label(result: dict) -> str:
     """A measured result's device as a legend says it: name, dtype and, on a CPU, the thread count."""
-    d = result["device"]
+    d = check_result(result, ("device", "dtype"))["device"]
     threads = f", {d['threads']} thread{'s' if d['threads'] != 1 else ''}" if d["type"] == "cpu" else ""
     return f"{d['name']}, {result['dtype']}{threads}"
 
@@ -240,9 +267,10 @@ def spec_comparison(result: dict, spec: GPUSpec | None = None) -> dict:
 
     Returns {"spec", "roofs": {name: (measured, datasheet, ratio)}, "rows": [...]} where each row is a
     measured point with its predicted time at the datasheet roofs and the ratio measured / predicted.
-    Without a tabulated spec, "spec" is None and only the measured roofs predict.
+    Without a tabulated spec, "spec" is None and only the measured roofs predict. ``spec`` may be a name.
     """
-    spec = spec or match_gpu(result["device"]["name"])
+    check_result(result)
+    spec = match_gpu(result["device"]["name"]) if spec is None else as_gpu(spec, "spec")
     dtype = "fp32" if result["dtype"] in ("float32", "fp32") else "bf16"
     peaks = result["peaks"]
     mp, mb = peaks["matmul_flops_per_s"], peaks["bandwidth_bytes_per_s"]
@@ -274,6 +302,8 @@ COMPARISON_HEADERS = ["phase", "B", "T", "context", "FLOP/B", "measured ms", "da
 
 def comparison_rows(comparison: dict) -> list[list]:
     """Rows under ``COMPARISON_HEADERS`` (datasheet columns "-" when the GPU is not tabulated)."""
+    if not isinstance(comparison, dict) or "rows" not in comparison:
+        raise TypeError(f"comparison must be the dict spec_comparison(result) returns, got {str(comparison)[:120]}")
     out = []
     for r in comparison["rows"]:
         pred = r.get("predicted_s")
@@ -330,6 +360,7 @@ GPU_CONFIGS = {
 
 def measure_config(memory: float) -> GPTConfig:
     """The largest of ``GPU_CONFIGS`` for a device with ``memory`` bytes (the smallest below 12 GB)."""
+    memory = finite_number("memory (bytes)", memory)
     for need, cfg in sorted(GPU_CONFIGS.items(), reverse=True):
         if memory >= need:
             return cfg
@@ -352,9 +383,10 @@ def measure_gpu(
     batches whose weights + KV cache would take more than 60 % of the memory are left out."""
     import torch
 
+    from ar_lab.base.timing import checked_device
     from ar_lab.perf.measure import build_model, run_roofline
 
-    device = torch.device(device)
+    device = checked_device(device)  # "banana", "mps" or "cuda" without a GPU: a ValueError saying what to pass
     cuda = device.type == "cuda"
     memory = torch.cuda.get_device_properties(device).total_memory if cuda else 0
     cfg = measure_config(memory) if cfg is None else cfg

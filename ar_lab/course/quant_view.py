@@ -18,8 +18,9 @@ from dataclasses import dataclass
 
 import torch
 
-from ar_lab.model.gpt import GPTConfig
+from ar_lab.base.args import positive_int
 from ar_lab.engine.quant import QuantizationError, absmax_quantize, error_between
+from ar_lab.model.gpt import GPT, GPTConfig
 from ar_lab.perf.roofline import decode_cost, parameter_count
 
 BITS = (8, 4)
@@ -67,7 +68,8 @@ def dequantize_groups(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
 
 
 def group_error(weight: torch.Tensor, bits: int, group_size: int | None) -> QuantizationError:
-    """How far the dequantized weights are from ``weight`` (like ``ar_lab.engine.quant.quantization_error``, any group)."""
+    """How far the dequantized weights are from ``weight`` (like ``ar_lab.engine.quant.quantization_error``,
+    any group)."""
     w = weight.detach().float()
     return error_between(w, dequantize_groups(*quantize_groups(w, bits, group_size)))
 
@@ -85,7 +87,8 @@ def weight_bytes(cfg: GPTConfig, weights: str | int, group_size: int | None = No
     full = int(decode_cost(cfg, 1).weight_bytes)  # float32: every parameter once, one row of the position table
     if weights in ("fp32", "bf16"):
         return full if weights == "fp32" else full // 2
-    levels(weights)  # checks the bits
+    if weights not in BITS or isinstance(weights, bool):
+        raise ValueError(f"weights must be 'fp32', 'bf16' or a number of bits, 8 or 4, got {weights!r}")
     total = full
     for out, n_in in block_matrices(cfg):
         groups = 1 if group_size is None else n_in // check_group_size(group_size, n_in)
@@ -149,10 +152,18 @@ def quant_view(
 ) -> QuantView:
     """The explorer's numbers: ``weights[layer]`` quantized at ``bits`` with ``group_size`` (0 / None: per row),
     its error, and each model of ``configs`` at that format, in bytes per step and predicted speedup."""
-    if layer not in weights:
+    if not isinstance(weights, dict) or not isinstance(configs, dict):
+        raise TypeError(
+            f"weights and configs must be dicts (name -> 2-d tensor, name -> GPTConfig), got "
+            f"{type(weights).__name__} and {type(configs).__name__}"
+        )
+    if not isinstance(layer, str) or layer not in weights:
         raise ValueError(f"layer must be one of {sorted(weights)}, got {layer!r}")
+    if not isinstance(weights[layer], torch.Tensor) or weights[layer].ndim != 2:
+        raise ValueError(f"weights[{layer!r}] must be a 2-d weight matrix (out, in), got {weights[layer]!r}"[:200])
     w = weights[layer].detach().float()
     levels(bits)
+    context, shown = positive_int("context", context), positive_int("shown", shown)
     size = check_group_size(group_size, w.shape[1])
     models = []
     for name, cfg in configs.items():
@@ -241,6 +252,9 @@ class QuantExplorer:
         import ipywidgets as W
 
         self.weights, self.configs = dict(weights), dict(configs)
+        levels(bits)  # a dropdown holds only its options: an unknown bits or layer is an error here
+        if layer is not None and layer not in self.weights:
+            raise ValueError(f"layer must be one of {list(self.weights)}, got {layer!r}")
         style = {"description_width": "90px"}
         box = dict(style=style, layout=W.Layout(width="260px"))
         self.layer = W.Dropdown(
@@ -291,5 +305,7 @@ class QuantExplorer:
 def quant_explorer(model, configs: dict | None = None, **settings) -> QuantExplorer:
     """Build the chapter-09 explorer over ``model``'s block weights (display it by leaving it last in a cell).
     ``configs``: name -> GPTConfig of the models whose bytes it predicts (default: ``model``'s own)."""
+    if not isinstance(model, GPT):
+        raise TypeError(f"model must be a GPT (e.g. ar_lab.load_pretrained('course')), got {model!r}"[:200])
     weights = {name: p for name, p in model.named_parameters() if p.ndim == 2 and name.startswith("blocks.")}
     return QuantExplorer(weights, configs or {"this model": model.config}, **settings)

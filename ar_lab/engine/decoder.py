@@ -19,8 +19,10 @@ Two decoders implement it. ``LeanDecoder`` runs a stock ``GPT`` with a batch-1 c
 inference engine does (``ar_lab.engine.lean``: no module layers in the decode step).
 ``ForwardDecoder`` calls ``model(idx, cache)``: any model that keeps the cache contract (the
 learner's own, a quantized or wrapped one), any batch, and rows at different lengths.
-``decoder_for(model)`` picks the lean one where it reproduces the model. Decoders trust their
-inputs: the public functions check them once, before the first token.
+``decoder_for(model)`` picks the lean one where it reproduces the model. Decoders trust the token
+ids they are given (the public functions check them once, before the first token), but check each
+cache the first time they see it (``check_fits``: its type, shape, dtype and device against the
+model), so a cache built for another model is refused before it reaches torch's attention kernel.
 """
 
 from __future__ import annotations
@@ -59,11 +61,24 @@ class ForwardDecoder:
     """Every pass through ``model(idx, cache)``: any model keeping the cache contract, any batch."""
 
     def __init__(self, model) -> None:
+        if not isinstance(model, torch.nn.Module):
+            raise TypeError(f"model must be a torch.nn.Module (an ar_lab GPT), got {type(model).__name__}")
         self.model = model
+        self._checked: object = ForwardDecoder  # the cache last checked against the model (none yet)
+
+    def fits(self, cache) -> None:
+        """Raise unless ``cache`` is a ``KVCache`` or ``BatchKVCache`` that fits the model (checked once per cache)."""
+        if cache is self._checked:
+            return
+        if not isinstance(cache, (KVCache, BatchKVCache)):
+            raise TypeError(f"cache must be a KVCache or a BatchKVCache, got {type(cache).__name__}")
+        cache.check_fits(self.model)
+        self._checked = cache
 
     def prefill(self, tokens: torch.Tensor, cache, pos: int | None = 0) -> torch.Tensor:
         if cache is None:
             return self.model(tokens)  # (B, T, vocab): the whole sequence, no cache
+        self.fits(cache)
         if isinstance(cache, BatchKVCache):  # rows at lengths of their own: explicit positions and mask
             positions, mask = cache.begin(tokens.shape[1])
             logits = self.model(tokens, cache, positions=positions, mask=mask)
@@ -78,10 +93,13 @@ class ForwardDecoder:
     def step(self, token, cache, pos: int | None) -> torch.Tensor:
         if isinstance(token, int):  # one sequence: (vocab,)
             idx = torch.tensor([[token]], device=self.model.device)
+            self.fits(cache)
             _rewind(cache, pos)
             logits = self.model(idx, cache)[0, -1]
             _record(cache, pos, [token])
             return logits
+        if not isinstance(token, torch.Tensor) or token.ndim != 1:
+            raise TypeError(f"token must be an int (one sequence) or a 1-D tensor of B token ids, got {token!r}")
         return self.prefill(token[:, None], cache, pos)[:, -1]  # (B, vocab): one token for every row
 
     def extend(self, tokens: list[int], cache, pos: int) -> torch.Tensor:
@@ -105,12 +123,14 @@ class LeanDecoder(ForwardDecoder):
     def step(self, token, cache, pos: int | None) -> torch.Tensor:
         if not isinstance(token, int):
             return super().step(token, cache, pos)  # a batch of rows: through forward
+        self.fits(cache)
         _rewind(cache, pos)
         return self.engine.step(token, cache)  # records the token itself
 
     def extend(self, tokens: list[int], cache, pos: int) -> torch.Tensor:
         if pos == 0:  # a prompt: one prefill through forward
             return super().extend(tokens, cache, pos)
+        self.fits(cache)
         _rewind(cache, pos)
         if len(tokens) == 1:
             return self.engine.step(tokens[0], cache)[None]  # (1, vocab)
@@ -122,6 +142,10 @@ class LeanDecoder(ForwardDecoder):
 def decoder_for(model, *, lean: bool = True) -> ForwardDecoder:
     """The decoder a loop runs ``model`` with: the lean engine where it reproduces the model (and
     ``lean`` is on), else the model's own forward."""
+    if not isinstance(lean, bool):
+        raise TypeError(f"lean must be True or False, got {lean!r}")
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module (an ar_lab GPT), got {type(model).__name__}")
     if lean:
         try:
             return LeanDecoder(model)  # checks and gathers the weights in one walk over the model

@@ -132,6 +132,7 @@ def _plan(model, prompt, max_new_tokens: int, *, use_cache, sampling, generator,
         raise TypeError(f"lean must be True or False, got {lean!r}")
     if cache is not None:
         _check_cache(cache, use_cache, ids, max_new_tokens)
+        cache.check_fits(model)
     check_inference_ready(model)
     decoder = decoder_for(model, lean=lean and use_cache)
     return _Plan(decoder, ids, max_new_tokens, use_cache, sampling, generator, cache, _stats(stats))

@@ -40,7 +40,12 @@ class Int8KVCache(KVCache):
 
     ``k``/``v``: per layer (B, H_kv, T_max, D) int8; ``k_scale``/``v_scale``: per layer (B, H_kv, T_max)
     float32. ``dtype``: what the model computes in (attention receives dequantized values of it).
+
+    A key or value vector holding NaN or inf gets a NaN or inf scale, so it dequantizes to
+    non-finite values, as a float cache would hold them: never to a finite vector that hides the fault.
     """
+
+    storage_dtype = torch.int8  # the buffers; ``dtype`` is what attention reads
 
     def __init__(
         self,
@@ -52,13 +57,16 @@ class Int8KVCache(KVCache):
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
     ) -> None:
-        super().__init__(n_layer, batch_size, n_kv_heads, max_len, head_dim, torch.int8, device)
-        if not dtype.is_floating_point:
-            raise ValueError(f"dtype is the model's compute dtype, a floating-point one, got {dtype}")
-        self.dtype = dtype
+        super().__init__(n_layer, batch_size, n_kv_heads, max_len, head_dim, dtype, device)  # checks dtype
+        self._dtype = dtype
         shape = (batch_size, n_kv_heads, max_len)
         self.k_scale = [torch.ones(shape, device=device) for _ in range(n_layer)]
         self.v_scale = [torch.ones(shape, device=device) for _ in range(n_layer)]
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The model's compute dtype: what the int8 keys and values are dequantized to."""
+        return self._dtype
 
     @classmethod
     def from_buffers(cls, k, v, length: int = 0):

@@ -26,7 +26,9 @@ and hands them to ``extend``.
 
 A block's Linear layer may be a ``QuantizedLinear`` (``ar_lab.engine.quant``, chapter 09): the step and
 ``extend`` then call its kernel, which reads the layer's narrow weights (its buffers) at every
-call, so edits are seen there too; no copy is ever made of them.
+call, so edits are seen there too; no copy is ever made of them. A quantized model cast to
+another dtype afterwards (``.bfloat16()``) is not run here: ``supports`` says so, and ``generate``
+takes it through ``forward``, so ``lean=True`` and ``lean=False`` give the same tokens.
 
 The results equal ``GPT.forward``'s up to float rounding (tests: logits within 1e-5, the
 same greedy tokens). ``for_model(model)`` makes an engine (cheap: it copies nothing).
@@ -36,6 +38,7 @@ Call it under ``torch.inference_mode()``; the decode loops reach it through ``Le
 from __future__ import annotations
 
 import math
+import numbers
 import threading
 from collections.abc import Sequence
 from typing import NamedTuple
@@ -142,6 +145,12 @@ class LeanGPT:
         self.layers = layers
         # Matrix products: torch's own for nn.Linear weights, the dispatching ones if a layer is quantized.
         quantized = any(type(m) is QuantizedLinear for lw in layers for m in lw)
+        if _cast_after_quantizing(model, layers):
+            raise NotLean(
+                f"LeanGPT runs a quantized model on a float32 residual stream (what quantize_model makes); this one "
+                f"computes in {dtype} (cast after quantizing), which the step would round differently from "
+                "GPT.forward: call the model itself (generate does), or quantize the float32 model and keep it so"
+            )
         slow_addmv = dtype == torch.bfloat16 and self.device.type == "cpu"  # (see quant.bf16_addmv)
         self._mv = quantized_addmv if quantized else bf16_addmv if slow_addmv else torch.addmv
         self._mm = quantized_addmm if quantized else torch.addmm
@@ -163,7 +172,7 @@ class LeanGPT:
             )
         if end > cache.max_len:
             raise ValueError(f"KV cache full: positions up to {end} requested, capacity is {cache.max_len}")
-        dtype = cache.dtype if type(cache) is Int8KVCache else cache.k[0].dtype  # int8: what it dequantizes to
+        dtype = cache.dtype  # an Int8KVCache: what it dequantizes to
         if dtype != self.wte.dtype or cache.k[0].device != self.device:
             raise ValueError(
                 f"the cache holds {dtype} on {cache.k[0].device}, the model {self.wte.dtype} on "
@@ -174,6 +183,8 @@ class LeanGPT:
     def step(self, token: int, cache: KVCache) -> torch.Tensor:
         """Logits (vocab,) after feeding one token at position ``cache.length``; the cache advances by one."""
         w = self._work  # this thread's buffers
+        if type(token) is not int:
+            token = _token_id(token)
         if cache is not w.cache:
             self._check(cache, 0)
             w.cache, w.kv = cache, [(k[0], v[0]) for k, v in zip(cache.k, cache.v, strict=True)]
@@ -216,12 +227,14 @@ class LeanGPT:
         changed; without it the products read the parameters through transposed views.
         """
         if len(tokens) == 1 and not isinstance(tokens, torch.Tensor):  # one token: the decode step
-            return self.step(int(tokens[0]), cache)[None]
+            return self.step(tokens[0], cache)[None]
         if type(cache) is Int8KVCache:
             raise TypeError("extend writes float keys and values: give it a KVCache (an Int8KVCache runs step)")
-        idx = torch.as_tensor(tokens, dtype=torch.long, device=self.device)
+        idx = _token_ids(tokens, self.device)
         if idx.ndim != 1 or idx.numel() == 0:
             raise ValueError(f"tokens must be a non-empty 1-D sequence of ids, got shape {tuple(idx.shape)}")
+        if int(idx.min()) < 0 or int(idx.max()) >= self.config.vocab_size:
+            raise ValueError(f"tokens hold ids outside the vocabulary [0, {self.config.vocab_size - 1}]")
         T = idx.numel()
         pos = self._check(cache, T)
         if torch.is_grad_enabled():
@@ -264,6 +277,30 @@ class LeanGPT:
         return Transposed(layers, self.wte.t())
 
 
+def _token_id(token) -> int:
+    """``token`` as an int: a whole number or a one-element integer tensor (a bool or a float is a mistake)."""
+    if isinstance(token, torch.Tensor) and token.numel() == 1 and not token.is_floating_point():
+        token = token.item()
+    if isinstance(token, bool) or not isinstance(token, numbers.Integral):
+        raise TypeError(f"token must be an int token id, got {token!r}")
+    return int(token)
+
+
+def _token_ids(tokens, device: torch.device) -> torch.Tensor:
+    """``tokens`` (ids, or an integer tensor) as a long tensor; floats and bools are refused, not truncated."""
+    if isinstance(tokens, str):
+        raise TypeError("tokens must be token ids (a list of ints or an integer tensor), not a str: encode it first")
+    try:
+        t = torch.as_tensor(tokens, device=device)
+    except (TypeError, ValueError, RuntimeError):
+        raise TypeError(f"tokens must be token ids (a list of ints or an integer tensor), got {tokens!r}") from None
+    if t.numel() == 0:
+        raise ValueError(f"tokens must be a non-empty 1-D sequence of ids, got shape {tuple(t.shape)}")
+    if t.is_floating_point() or t.dtype == torch.bool or t.is_complex():
+        raise TypeError(f"tokens must be integer token ids, got {t.dtype}")
+    return t.long()
+
+
 def _t(m: Matrix) -> Matrix:
     """(in, out) view of a weight; a QuantizedLinear stands for its own transpose (its kernel takes x rows)."""
     return m if type(m) is QuantizedLinear else m.t()
@@ -279,9 +316,18 @@ def supports(model) -> bool:
     A subclass with its own ``forward``, a module swapped for another or subclassed (an experiment
     in a notebook, a parametrized weight), or an output projection no longer tied to the token
     embedding keeps going through ``forward``, so ``generate`` never silently skips it. A block's Linear
-    layer may be a ``QuantizedLinear`` (``ar_lab.engine.quant``): the step then calls its kernel.
+    layer may be a ``QuantizedLinear`` (``ar_lab.engine.quant``): the step then calls its kernel, as
+    long as the model keeps the float32 embeddings ``quantize_model`` gave it.
     """
-    return _stock_layers(model) is not None
+    layers = _stock_layers(model)
+    return layers is not None and not _cast_after_quantizing(model, layers)
+
+
+def _cast_after_quantizing(model: GPT, layers: list[LayerWeights]) -> bool:
+    """A quantized model whose embeddings are not float32 (cast after ``quantize_model``, e.g. ``.bfloat16()``):
+    its QuantizedLinear layers add float32 biases, and the step's reduced-precision attention would round
+    differently from ``GPT.forward``'s, so such a model goes through ``forward``."""
+    return model.wte.weight.dtype != torch.float32 and any(type(m) is QuantizedLinear for lw in layers for m in lw)
 
 
 def _stock_layers(model) -> list[LayerWeights] | None:
@@ -374,6 +420,8 @@ def weights_only_pass(model, steps: int) -> None:
     products, the fastest kernel for one vector (the one ``LeanGPT.step`` uses); a ``QuantizedLinear``'s own kernel.
     """
     positive_int("steps", steps)
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module (an ar_lab GPT), got {type(model).__name__}")
     calls = []  # (product, its input)
     for m in model.modules():
         if type(m) is QuantizedLinear:

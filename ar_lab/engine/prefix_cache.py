@@ -19,7 +19,8 @@ from ar_lab.base.timing import synchronize
 from ar_lab.engine.decoder import decoder_for
 from ar_lab.engine.prompts import check_prompt, prompt_ids
 from ar_lab.model.cache import KVCache, reusable_length  # reusable_length: re-exported for chapter 08
-from ar_lab.model.inference import inference
+from ar_lab.model.gpt import GPTConfig
+from ar_lab.model.inference import check_inference_ready, inference
 
 
 class PrefixCache:
@@ -31,10 +32,18 @@ class PrefixCache:
     """
 
     def __init__(self, model, prefix: str | Sequence[int]) -> None:
+        check_inference_ready(model)  # a torch module (in eval mode where that matters)
+        if not isinstance(getattr(model, "config", None), GPTConfig):
+            raise TypeError(f"model must be an ar_lab GPT (a module with a GPTConfig), got {type(model).__name__}")
         self.tokens = prompt_ids(prefix)
         if len(self.tokens) > model.config.block_size:
             raise ValueError(
                 f"the prefix has {len(self.tokens)} tokens but the context window holds {model.config.block_size}"
+            )
+        bad = [t for t in self.tokens if not 0 <= t < model.config.vocab_size]
+        if bad:
+            raise ValueError(
+                f"prefix holds token id {bad[0]}, outside the vocabulary [0, {model.config.vocab_size - 1}]"
             )
         self.config = model.config
         self.cache = KVCache.for_model(model, max_len=len(self.tokens))
@@ -51,9 +60,20 @@ class PrefixCache:
         return reusable_length(self.tokens, prompt_ids(prompt))
 
     def copy_into(self, cache: KVCache, prompt: str | Sequence[int]) -> int:
-        """Copy the reusable keys/values into ``cache`` (batch 1); returns how many positions."""
+        """Copy the reusable keys/values into ``cache`` (batch 1); returns how many positions.
+
+        They are written through ``cache.update``, so an ``Int8KVCache`` quantizes them as it does its own
+        (with their scales). The cache must compute in the prefix's dtype: keys of a float32 model are
+        not those of its bfloat16 copy."""
+        if not isinstance(cache, KVCache):
+            raise TypeError(f"cache must be a KVCache (batch 1), got {type(cache).__name__}")
         n = self.reusable(prompt)
         src = self.cache.k[0]
+        if cache.dtype != src.dtype or cache.k[0].device != src.device:
+            raise ValueError(
+                f"the cache computes in {cache.dtype} on {cache.k[0].device}, the prefix was computed in {src.dtype} "
+                f"on {src.device}: build the PrefixCache from the model that uses the cache"
+            )
         if cache.batch_size != 1 or len(cache.k) != len(self.cache.k) or cache.k[0].shape[1::2] != src.shape[1::2]:
             raise ValueError(
                 f"cannot copy a prefix cache of shape {tuple(src.shape)} per layer into one of "
@@ -61,8 +81,8 @@ class PrefixCache:
             )
         if cache.max_len < n:
             raise ValueError(f"the cache holds {cache.max_len} positions, the reusable prefix {n}")
-        for dst, s in zip(cache.k + cache.v, self.cache.k + self.cache.v, strict=True):
-            dst[:, :, :n] = s[:, :, :n]
+        for layer, (k, v) in enumerate(zip(self.cache.k, self.cache.v, strict=True)):
+            cache.update(layer, 0, k[:, :, :n], v[:, :, :n])  # (an Int8KVCache quantizes them)
         cache.length = n
         cache.record(0, self.tokens[:n])  # which tokens those positions hold (generate checks them)
         return n

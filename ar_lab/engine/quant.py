@@ -69,6 +69,29 @@ class QuantizedTensor:
     bits: int  # 8 or 4
     group_size: int | None  # consecutive input columns sharing a scale (None: the whole row)
 
+    def __post_init__(self) -> None:
+        """Refuse what no format here stores: the layer would pack it as something else without a word."""
+        q, scale, bits, group = self.q, self.scale, self.bits, self.group_size
+        if isinstance(bits, bool) or bits not in (8, 4):
+            raise ValueError(f"bits must be 8 or 4 (int8 or int4), got {bits!r}")
+        if not isinstance(q, torch.Tensor) or q.dtype != torch.int8 or q.ndim != 2:
+            what = f"{q.dtype} of shape {tuple(q.shape)}" if isinstance(q, torch.Tensor) else type(q).__name__
+            raise ValueError(f"q must be a 2-D (out, in) int8 tensor, got {what}")
+        out, n_in = q.shape
+        if bits == 8 and group is not None:
+            raise ValueError(f"int8 uses one scale per row: group_size must be None, got {group!r}")
+        if bits == 4:
+            _check_group_size(group, n_in)
+            low, high = int(q.min()), int(q.max())
+            if low < -8 or high > 7:
+                raise ValueError(f"int4 values must lie in [-8, 7], got q in [{low}, {high}]")
+        want = (out,) if bits == 8 else (out, n_in // group)
+        if not isinstance(scale, torch.Tensor) or not scale.is_floating_point() or tuple(scale.shape) != want:
+            what = f"{scale.dtype} of shape {tuple(scale.shape)}" if isinstance(scale, torch.Tensor) else repr(scale)
+            raise ValueError(f"scale must be a floating-point tensor of shape {want} for these q, got {what}")
+        if not bool((scale > 0).all()) or not bool(torch.isfinite(scale).all()):
+            raise ValueError("scale must hold finite positive values (max|w| / levels; 1 for an all-zero row or group)")
+
     @property
     def shape(self) -> torch.Size:
         return self.q.shape
@@ -111,9 +134,10 @@ def _check_weight(weight) -> torch.Tensor:
 
 
 def _scales(absmax: torch.Tensor, levels: int) -> torch.Tensor:
-    """absmax / levels, with 1 where that is 0 (an all-zero row or group, or one too small to divide)."""
+    """absmax / levels, with 1 where that is 0 (an all-zero row or group, or one too small to divide).
+    A NaN or inf absmax stays: the vector then dequantizes to NaN, never to a finite stand-in."""
     scale = absmax / levels
-    return torch.where(scale > 0, scale, torch.ones_like(scale))
+    return torch.where(scale == 0, torch.ones_like(scale), scale)
 
 
 def absmax_quantize(x: torch.Tensor, levels: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -209,6 +233,11 @@ class QuantizedLinear(nn.Module):
         super().__init__()
         if not isinstance(qt, QuantizedTensor):
             raise TypeError(f"QuantizedLinear takes a QuantizedTensor, got {type(qt).__name__}")
+        if bias is not None and (
+            not isinstance(bias, torch.Tensor) or not bias.is_floating_point() or tuple(bias.shape) != (qt.shape[0],)
+        ):
+            what = f"shape {tuple(bias.shape)}, {bias.dtype}" if isinstance(bias, torch.Tensor) else type(bias).__name__
+            raise ValueError(f"bias must be None or a floating-point tensor of shape ({qt.shape[0]},), got {what}")
         self.out_features, self.in_features = qt.shape
         self.bits, self.group_size = qt.bits, qt.group_size
         if qt.bits == 8:
@@ -235,6 +264,8 @@ class QuantizedLinear(nn.Module):
     @classmethod
     def from_linear(cls, linear: nn.Linear, bits: int, group_size: int | None = None) -> QuantizedLinear:
         """``linear`` quantized to ``bits`` (8: per row; 4: per group of ``group_size``, default 32)."""
+        if not isinstance(linear, nn.Linear):
+            raise TypeError(f"linear must be an nn.Linear, got {type(linear).__name__}")
         return cls(_quantize(linear.weight, bits, group_size), linear.bias)
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
@@ -257,8 +288,29 @@ class QuantizedLinear(nn.Module):
         return y.float() if bias is None else torch.add(bias, y)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not x.is_floating_point() or x.shape[-1:] != (self.in_features,):
+            raise ValueError(
+                f"x must be floating-point activations (..., {self.in_features}), "
+                f"got {x.dtype} of shape {tuple(x.shape)}"
+            )
         y = self.addmm(self.bias, x.reshape(-1, self.in_features))  # (B T, out)
         return y.view(*x.shape[:-1], self.out_features).to(x.dtype)
+
+    def _apply(self, fn, recurse: bool = True):
+        """A cast of the model around the layer (``model.to(torch.bfloat16)``, ``.half()``, ``.double()``)
+        leaves the layer's own dtypes as its kernels need them (bfloat16 scales, float32 bias; its
+        output follows its input's dtype); a move of device moves them with the narrow weights."""
+        scales = {name: self._buffers.pop(name) for name in ("scales", "scales_and_zeros") if name in self._buffers}
+        bias = self._parameters.pop("bias", None)
+        try:
+            super()._apply(fn, recurse)
+        finally:
+            device = self.qweight.device
+            self._buffers.update({name: t.to(device) for name, t in scales.items()})
+            if bias is not None and bias.device != device:
+                bias.data = bias.data.to(device)
+            self._parameters["bias"] = bias
+        return self
 
     def quantized(self) -> QuantizedTensor:
         """The layer's weights as a ``QuantizedTensor`` (int8 values unpacked; scales as stored, in float32)."""
@@ -338,7 +390,8 @@ def quantize_model(model: GPT, *, weights: str, group_size: int | None = None) -
         raise ValueError("this model is already quantized: quantize the full-precision model instead")
     if weights in ("fp32", "bf16"):
         dtype = torch.float32 if weights == "fp32" else torch.bfloat16
-        cast = {id(p): nn.Parameter(p.detach().to(dtype), p.requires_grad) for p in model.parameters()}
+        # copy=True: a float32 model's "fp32" copy must not share storage with it (edits would reach both).
+        cast = {id(p): nn.Parameter(p.detach().to(dtype, copy=True), p.requires_grad) for p in model.parameters()}
         return _copy(model, cast)
     if model.device.type != "cpu":
         raise ValueError(
@@ -348,10 +401,12 @@ def quantize_model(model: GPT, *, weights: str, group_size: int | None = None) -
     if bits == 4 and size not in INT4_GROUP_SIZES:
         raise ValueError(f"group_size must be one the int4 CPU kernel takes, {INT4_GROUP_SIZES}, got {size!r}")
     placeholder = nn.Parameter(torch.empty(0), requires_grad=False)  # replaced below, never copied
-    new = _copy(model, {id(getattr(m, name).weight): placeholder for m, name in linears})
+    weights_ids = {id(getattr(m, name).weight) for m, name in linears}
+    # The rest stays (or becomes) float32, whatever the model computed in: the residual stream the kernels expect.
+    params = [p for p in model.parameters() if id(p) not in weights_ids and p.dtype != torch.float32]
+    cast = {id(p): nn.Parameter(p.detach().float(), p.requires_grad) for p in params}
+    new = _copy(model, {**cast, **dict.fromkeys(weights_ids, placeholder)})
     for (old_parent, name), (parent, _) in zip(linears, _block_linears(new), strict=True):
         qt = _quantize(getattr(old_parent, name).weight, bits, size)  # checks that size divides the columns
         setattr(parent, name, QuantizedLinear(qt, getattr(parent, name).bias))
     return new
-
-

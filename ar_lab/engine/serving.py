@@ -24,6 +24,7 @@ running batch. The workloads and measurements of chapter 08 are in ``ar_lab.perf
 
 from __future__ import annotations
 
+import heapq
 import math
 import statistics
 import time
@@ -57,6 +58,8 @@ class StreamSummary:
 
     @classmethod
     def from_stats(cls, stats: GenerationStats) -> StreamSummary:
+        if not isinstance(stats, GenerationStats):
+            raise TypeError(f"stats must be a GenerationStats (a stream's or generate(...)'s .stats), got {stats!r}")
         if stats.forward_calls == 0:
             raise ValueError("the stream produced no token yet: nothing to summarise")
         tpot = statistics.median(stats.decode_times) if stats.decode_times else float("nan")
@@ -84,10 +87,10 @@ def latency_budget(ttft: float, tpot: float, n_tokens: int) -> float:
     """Seconds until the last of ``n_tokens`` arrives: TTFT + (n - 1) x TPOT.
 
     A request's time is not one unit: the first token costs a prefill of the whole
-    prompt, each later token one decode step.
+    prompt, each later token one decode step. ``n_tokens`` is at most 2**53, the counts a float holds exactly.
     """
-    if not isinstance(n_tokens, int) or isinstance(n_tokens, bool) or n_tokens < 1:
-        raise ValueError(f"n_tokens must be an int >= 1, got {n_tokens!r}")
+    if not isinstance(n_tokens, int) or isinstance(n_tokens, bool) or not 1 <= n_tokens <= 2**53:
+        raise ValueError(f"n_tokens must be an int from 1 to 2**53, got {n_tokens!r}")
     return finite_number("ttft (seconds)", ttft) + (n_tokens - 1) * finite_number("tpot (seconds)", tpot)
 
 
@@ -97,7 +100,9 @@ def tokens_within(budget: float, ttft: float, tpot: float) -> int:
     tpot = finite_number("tpot (seconds)", tpot, above=True)
     if budget < ttft:
         return 0
-    return 1 + math.floor((budget - ttft) / tpot + 1e-9)
+    if not math.isfinite(later := (budget - ttft) / tpot):
+        raise ValueError(f"budget / tpot is too large to count ({budget!r} s / {tpot!r} s): give a larger tpot")
+    return 1 + math.floor(later + 1e-9)
 
 
 # --- requests and the scheduler ----------------------------------------------------------
@@ -343,6 +348,8 @@ def serve(
         raise TypeError(f"prefix must be a PrefixCache(model, prefix_text) or None, got {type(prefix).__name__}")
     if eos_id is not None and (not isinstance(eos_id, int) or isinstance(eos_id, bool)):
         raise ValueError(f"eos_id must be None or a token id (an int), got {eos_id!r}")
+    if not callable(clock):
+        raise TypeError(f"clock must be a function returning seconds (e.g. time.perf_counter), got {clock!r}")
     prompts = _check_requests(model, requests)
     server = _Server(
         model,
@@ -419,31 +426,19 @@ def simulate(steps_needed: Sequence[int], max_batch: int, policy: str = "continu
     minus one; 0 means its prefill alone finishes it, and it never takes a slot). Every
     step advances every running request by one. Static: a new batch is admitted only
     when no request is running; continuous: free slots are refilled before every step.
-    This is ``serve``'s schedule: ``serve(...).results[i].finish_step`` is the same number.
+    This is ``serve``'s schedule: ``serve(...).results[i].finish_step`` is the same number. Counted
+    by events, not stepped: the time grows with the number of requests, not with their steps.
     """
     _check_schedule(max_batch, policy)
     if not isinstance(steps_needed, Sequence) or isinstance(steps_needed, str):
         raise ValueError(f"steps_needed must be a list of ints >= 0 (one per request), got {steps_needed!r}")
     if any(not isinstance(s, int) or isinstance(s, bool) or s < 0 for s in steps_needed):
         raise ValueError(f"steps_needed must hold ints >= 0, got {list(steps_needed)}")
-    queue = deque(range(len(steps_needed)))
-    left: dict[int, int] = {}  # running request -> steps still to go
-    finish = [0] * len(steps_needed)
-    step = 0
-    while queue or left:
-        if policy == "continuous" or not left:
-            while queue and len(left) < max_batch:
-                i = queue.popleft()
-                if steps_needed[i] == 0:
-                    finish[i] = step
-                else:
-                    left[i] = steps_needed[i]
-            if not left:
-                continue
-        step += 1
-        for i in list(left):
-            left[i] -= 1
-            if left[i] == 0:
-                finish[i] = step
-                del left[i]
+    finish, running, step = [], [], 0  # running: the steps at which the requests in slots finish
+    for s in steps_needed:  # each request, in order, admitted at the first step with a free slot
+        if len(running) == max_batch:  # no free slot: static waits for the whole batch, continuous for one
+            step, running = (max(running), []) if policy == "static" else (heapq.heappop(running), running)
+        finish.append(step + s)
+        if s:  # 0 steps: its prefill alone finishes it, and it never takes a slot
+            heapq.heappush(running, step + s)
     return finish

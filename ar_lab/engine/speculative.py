@@ -42,7 +42,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ar_lab.base.args import positive_int
+from ar_lab.base.args import finite_number, positive_int
 from ar_lab.base.timing import synchronize
 from ar_lab.engine.decoder import decoder_for
 from ar_lab.engine.prompts import check_eos, check_prompt, prompt_ids
@@ -53,6 +53,8 @@ from ar_lab.model.tokenizer import EOS_ID, N_BYTES, decode
 
 # --- the theory ------------------------------------------------------------------------
 
+MAX_GAMMA = 10_000  # the most draft tokens per iteration any function here takes (far past any useful gamma)
+
 
 def _check_alpha(alpha: float) -> float:
     if not isinstance(alpha, int | float) or isinstance(alpha, bool) or not 0.0 <= alpha <= 1.0:
@@ -60,14 +62,14 @@ def _check_alpha(alpha: float) -> float:
     return float(alpha)
 
 
-def _check_gamma(gamma: int) -> int:
-    return positive_int("gamma (draft tokens per iteration)", gamma, minimum=0)
+def _check_gamma(gamma: int, name: str = "gamma (draft tokens per iteration)") -> int:
+    if positive_int(name, gamma, minimum=0) > MAX_GAMMA:
+        raise ValueError(f"{name} must be at most {MAX_GAMMA:,} (this module's limit), got {gamma:,}")
+    return gamma
 
 
 def _check_cost(c: float) -> float:
-    if not isinstance(c, int | float) or isinstance(c, bool) or not (math.isfinite(c) and c >= 0):
-        raise ValueError(f"c (draft step cost / target step cost) must be a finite number >= 0, got {c!r}")
-    return float(c)
+    return finite_number("c (draft step cost / target step cost)", c)
 
 
 def acceptance_rate(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
@@ -75,17 +77,20 @@ def acceptance_rate(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
 
     Works along the last axis, so (vocab,) gives a scalar and (T, vocab) one value per row.
     """
+    _check_pq(p, q)
+    return torch.minimum(p, q).sum(dim=-1)
+
+
+def _check_pq(p, q) -> None:
     if not isinstance(p, torch.Tensor) or not isinstance(q, torch.Tensor):
         raise TypeError(f"p and q must be probability tensors, got {type(p).__name__} and {type(q).__name__}")
     if p.shape != q.shape:
         raise ValueError(f"p and q must have the same shape, got {tuple(p.shape)} and {tuple(q.shape)}")
-    return torch.minimum(p, q).sum(dim=-1)
 
 
 def total_variation(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
     """TV(p, q) = sum_x |p(x) - q(x)| / 2; alpha = 1 - TV."""
-    if p.shape != q.shape:
-        raise ValueError(f"p and q must have the same shape, got {tuple(p.shape)} and {tuple(q.shape)}")
+    _check_pq(p, q)
     return (p - q).abs().sum(dim=-1) / 2
 
 
@@ -121,12 +126,11 @@ def expected_speedup(alpha: float, gamma: int, c: float) -> float:
 def best_gamma(alpha: float, c: float, max_gamma: int = 64) -> int:
     """The gamma in 0..max_gamma with the largest expected speedup (0: speculation does not pay).
 
-    The speedup rises then falls in gamma, except at alpha = 1 and c = 0, where every
-    draft is free and always accepted (then max_gamma wins). Ties go to the smaller gamma.
+    The speedup rises then falls in gamma, except at alpha = 1 and c < 1, where every draft
+    is always accepted and costs less than a target step (then max_gamma wins). Ties go to the
+    smaller gamma. Every gamma is tried: ``max_gamma`` is at most ``MAX_GAMMA``.
     """
-    _check_alpha(alpha), _check_cost(c)
-    if not isinstance(max_gamma, int) or isinstance(max_gamma, bool) or max_gamma < 0:
-        raise ValueError(f"max_gamma must be an int >= 0, got {max_gamma!r}")
+    _check_alpha(alpha), _check_cost(c), _check_gamma(max_gamma, "max_gamma")
     speedups = [expected_speedup(alpha, g, c) for g in range(max_gamma + 1)]
     return max(range(max_gamma + 1), key=lambda g: (speedups[g], -g))
 
@@ -139,8 +143,8 @@ def alpha_for_speedup(speedup: float, gamma: int, c: float, verify_cost: float =
     tokens per iteration grow with alpha.
     """
     _check_gamma(gamma), _check_cost(c)
-    if not (speedup > 0 and verify_cost > 0):
-        raise ValueError(f"speedup and verify_cost must be > 0, got {speedup!r} and {verify_cost!r}")
+    speedup = finite_number("speedup", speedup, above=True)
+    verify_cost = finite_number("verify_cost", verify_cost, above=True)
     need = speedup * (gamma * c + verify_cost)  # tokens per iteration needed
     if expected_tokens_per_iteration(1.0, gamma) < need:
         return None
@@ -193,10 +197,8 @@ def finish_iteration(
     ``p`` (gamma + 1, vocab) holds the target's distributions at the draft positions and
     the one after; ``q[i]`` the draft's distribution x_i was drawn from.
     """
-    if n < len(drafts):
-        dist = residual_distribution(p[n], q[n])  # the first rejection
-    else:
-        dist = p[n]  # every draft passed: the bonus token, from the target's next distribution
+    # At the first rejection, its residual; if every draft passed, the bonus token from the target's next distribution.
+    dist = residual_distribution(p[n], q[n]) if n < len(drafts) else p[n]
     return drafts[:n] + [draw(dist, generator)]
 
 
@@ -366,24 +368,24 @@ class Speculation:
         stats.emitted_per_iteration.append(len(emitted))
 
 
-def _check_pair(target, draft, prompt, max_new_tokens: int, gamma: int, sampling) -> list[int]:
+def _check_pair(target, draft, prompt, max_new_tokens: int, gamma: int, sampling, generator, clock) -> list[int]:
     """The prompt's ids, after checking every argument of ``speculative_generate`` once."""
     ids = prompt_ids(prompt)
     _check_gamma(gamma)
     if not isinstance(sampling, SamplingParams):
         raise TypeError(f"sampling must be a SamplingParams, got {type(sampling).__name__}")
-    if draft.config.vocab_size != target.config.vocab_size:
-        raise ValueError(
-            f"draft and target must share the vocabulary: draft has {draft.config.vocab_size} tokens, "
-            f"target {target.config.vocab_size}"
-        )
+    if generator is not None and not isinstance(generator, torch.Generator) or not callable(clock):
+        raise TypeError(f"generator must be None or a torch.Generator, clock a function: got {generator!r}, {clock!r}")
+    for role, model in (("target", target), ("draft", draft)):  # each a model, the text within its window
+        try:
+            check_prompt(model, ids, max_new_tokens)
+        except (TypeError, ValueError) as e:  # a draft of another vocabulary: said as such, just below
+            if isinstance(e, TypeError) or model.config.vocab_size == target.config.vocab_size:
+                raise type(e)(f"{role} model: {e}") from None
+    if (vocab := draft.config.vocab_size) != target.config.vocab_size:
+        raise ValueError(f"draft and target must share the vocabulary: {vocab} vs {target.config.vocab_size} tokens")
     if draft.device != target.device:
         raise ValueError(f"draft is on {draft.device}, target on {target.device}: put both on one device")
-    check_prompt(target, ids, max_new_tokens)
-    try:
-        check_prompt(draft, ids, max_new_tokens)
-    except ValueError as e:
-        raise ValueError(f"draft model: {e}") from None
     return ids
 
 
@@ -405,12 +407,12 @@ def speculative_generate(
     The output has exactly the target's distribution under ``sampling`` (token for token
     the same text when greedy); only the speed and ``stats`` differ. Stops at ``eos_id``
     (not included in ``tokens``) or after ``max_new_tokens`` tokens, as ``generate`` does.
-    ``gamma = 0`` is plain decoding with the target. Random draws come from ``generator``.
+    ``gamma = 0`` is plain decoding with the target (at most ``MAX_GAMMA``). Random draws come from ``generator``.
     ``clock`` times the stats (wall clock by default; see ``ar_lab.base.timing.steady_clock``). Forward
     passes of a ``GPT`` after the prompt run through ``ar_lab.engine.lean`` (one token: its decode step; the
     verify pass: its multi-token ``extend``), as ``generate``'s do; ``lean=False`` uses ``model.forward``.
     """
-    ids = _check_pair(target, draft, prompt, max_new_tokens, gamma, sampling)
+    ids = _check_pair(target, draft, prompt, max_new_tokens, gamma, sampling, generator, clock)
     check_eos(target, eos_id)
     run = Speculation(
         target, draft, ids, max_new_tokens, gamma, sampling=sampling, generator=generator, clock=clock, lean=lean
@@ -439,6 +441,8 @@ def token_sources(stats: SpeculativeStats) -> list[str]:
     Iteration k emitted ``accepted_per_iteration[k]`` drafts, then one target token
     (the residual draw or the bonus), unless EOS cut it short.
     """
+    if not isinstance(stats, SpeculativeStats):
+        raise TypeError(f"stats must be a SpeculativeStats (speculative_generate(...).stats), got {stats!r}")
     sources: list[str] = []
     for n, emitted in zip(stats.accepted_per_iteration, stats.emitted_per_iteration, strict=True):
         sources += (["draft"] * n + ["target"])[:emitted]

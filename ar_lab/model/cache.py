@@ -24,13 +24,63 @@ from collections.abc import Sequence
 
 import torch
 
+from ar_lab.base.timing import checked_device
+
+
+def _index(name: str, value, low: int, high: int) -> int:
+    """``value`` if it is an int (not a bool) in low..high; else a ValueError naming ``name``."""
+    if not isinstance(value, int) or isinstance(value, bool) or not low <= value <= high:
+        raise ValueError(f"{name} must be an int in {low}..{high}, got {value!r}")
+    return value
+
+
+def check_dtype(dtype, name: str = "dtype") -> torch.dtype:
+    """``dtype`` if it is a floating-point ``torch.dtype`` (what a model computes keys and values in)."""
+    if not isinstance(dtype, torch.dtype):
+        raise TypeError(f"{name} must be a floating-point torch.dtype such as torch.float32, got {dtype!r}")
+    if not dtype.is_floating_point:
+        raise ValueError(f"{name} must be a floating-point torch.dtype (the model's compute dtype), got {dtype}")
+    return dtype
+
+
+def _config(model):
+    """The ``GPTConfig`` of ``model`` (what a cache is shaped from), or a TypeError saying what to pass."""
+    cfg = getattr(model, "config", None)
+    if not isinstance(model, torch.nn.Module) or not all(
+        isinstance(getattr(cfg, a, None), int) for a in ("n_layer", "kv_heads", "head_dim", "block_size")
+    ):
+        raise TypeError(f"model must be an ar_lab GPT (a module with a GPTConfig), got {type(model).__name__}")
+    return cfg
+
+
+def check_fits(cache, model) -> None:
+    """Raise unless ``cache`` (a ``KVCache`` or ``BatchKVCache``) fits ``model``: its layers, KV heads and
+    head size, the dtype its attention reads and the device. Checked at the public boundary, so a
+    cache built for another model fails here with what to do, not inside torch's attention kernel."""
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module (an ar_lab GPT), got {type(model).__name__}")
+    cfg, k0 = getattr(model, "config", None), cache.k[0]
+    sizes = [getattr(cfg, a, None) for a in ("n_layer", "kv_heads", "head_dim")]  # (a model without them: not checked)
+    if all(isinstance(n, int) for n in sizes) and (len(cache.k), k0.shape[1], k0.shape[3]) != tuple(sizes):
+        raise ValueError(
+            f"{cache!r} is not shaped for this model ({sizes[0]} layers, {sizes[1]} KV heads of size "
+            f"{sizes[2]}): build it with KVCache.for_model(model)"
+        )
+    p = next(model.parameters(), None)
+    if p is not None and (cache.dtype != p.dtype or k0.device != p.device):
+        raise ValueError(
+            f"the cache holds {cache.dtype} on {k0.device}, the model {p.dtype} on {p.device}: "
+            "build it with KVCache.for_model(model)"
+        )
+
 
 def _buffers(n_layer, batch, n_kv_heads, max_len, head_dim, dtype, device, batch_name="batch_size"):
-    """Per-layer key and value buffers (batch, H_kv, max_len, D), after checking every size."""
+    """Per-layer key and value buffers (batch, H_kv, max_len, D), after checking every size and the device."""
     sizes = [("n_layer", n_layer), (batch_name, batch), ("n_kv_heads", n_kv_heads), ("max_len", max_len)]
     for name, value in [*sizes, ("head_dim", head_dim)]:
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise ValueError(f"{name} must be a positive int, got {value!r}")
+    device = checked_device(device)
     shape = (batch, n_kv_heads, max_len, head_dim)
     k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_layer)]
     v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_layer)]
@@ -38,6 +88,8 @@ def _buffers(n_layer, batch, n_kv_heads, max_len, head_dim, dtype, device, batch
 
 
 class KVCache:
+    storage_dtype: torch.dtype | None = None  # what the buffers hold; None: the compute dtype (Int8KVCache: int8)
+
     def __init__(
         self,
         n_layer: int,
@@ -48,7 +100,10 @@ class KVCache:
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
     ) -> None:
-        self.k, self.v = _buffers(n_layer, batch_size, n_kv_heads, max_len, head_dim, dtype, device)
+        dtype = check_dtype(dtype)
+        self.k, self.v = _buffers(
+            n_layer, batch_size, n_kv_heads, max_len, head_dim, self.storage_dtype or dtype, device
+        )
         self.max_len = max_len
         self.batch_size = batch_size
         self.length = 0  # positions filled so far
@@ -57,26 +112,32 @@ class KVCache:
     @classmethod
     def for_model(cls, model, batch_size: int = 1, max_len: int | None = None, dtype=None) -> KVCache:
         """A cache shaped for ``model`` (max_len defaults to its context window)."""
-        cfg = model.config
+        cfg = _config(model)
         max_len = cfg.block_size if max_len is None else max_len
-        if max_len > cfg.block_size:
+        if isinstance(max_len, int) and not isinstance(max_len, bool) and max_len > cfg.block_size:
             raise ValueError(f"max_len={max_len} exceeds the model's context window ({cfg.block_size})")
+        _index("max_len", max_len, 1, cfg.block_size)
         p = next(model.parameters())
-        return cls(cfg.n_layer, batch_size, cfg.kv_heads, max_len, cfg.head_dim, dtype or p.dtype, p.device)
+        dtype = p.dtype if dtype is None else check_dtype(dtype)
+        return cls(cfg.n_layer, batch_size, cfg.kv_heads, max_len, cfg.head_dim, dtype, p.device)
 
     @classmethod
     def from_buffers(cls, k: list[torch.Tensor], v: list[torch.Tensor], length: int = 0) -> KVCache:
         """A cache over existing per-layer buffers (B, H_kv, T_max, D), e.g. views of one slot of a
         ``BatchKVCache``: writes go straight into them, nothing is copied. The token ids of its first
         ``length`` positions are unknown (``token_ids`` is None) until ``record`` names them."""
+        if not isinstance(k, (list, tuple)) or not isinstance(v, (list, tuple)):
+            raise TypeError(f"k and v must be lists of per-layer tensors, got {type(k).__name__}, {type(v).__name__}")
+        if not all(isinstance(a, torch.Tensor) for a in [*k, *v]):
+            raise TypeError("k and v must hold torch.Tensors (one per layer)")
         if not k or len(k) != len(v) or any(a.ndim != 4 or a.shape != b.shape for a, b in zip(k, v, strict=True)):
             raise ValueError("k and v must be equal-length lists of (B, H_kv, T_max, D) buffers of the same shape")
+        if not k[0].is_floating_point():
+            raise ValueError(f"k and v must be floating-point buffers, got {k[0].dtype}")
         self = cls.__new__(cls)
         self.k, self.v = list(k), list(v)
         self.batch_size, _, self.max_len, _ = k[0].shape
-        if not 0 <= length <= self.max_len:
-            raise ValueError(f"length must be in 0..{self.max_len}, got {length}")
-        self.length = length
+        self.length = _index("length", length, 0, self.max_len)
         self._ids = []
         return self
 
@@ -91,6 +152,15 @@ class KVCache:
         self.k[layer][:, :, start:end] = k
         self.v[layer][:, :, start:end] = v
         return self.k[layer][:, :, :end], self.v[layer][:, :, :end]
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The dtype attention reads the keys and values in (the model's): here the buffers' own."""
+        return self.k[0].dtype
+
+    def check_fits(self, model) -> None:
+        """Raise unless this cache fits ``model`` (layers, KV heads, head size, dtype, device): ``check_fits``."""
+        check_fits(self, model)
 
     def record(self, start: int, ids: list[int]) -> None:
         """Note that positions ``start ..`` now hold the keys/values of token ``ids`` (a batch-1 cache).
@@ -108,6 +178,8 @@ class KVCache:
 
     def reusable(self, prompt: list[int]) -> int:
         """``reusable_length`` of the recorded ids and ``prompt``; raises if some position's id is unknown."""
+        if isinstance(prompt, str) or not all(isinstance(t, int) for t in prompt):
+            raise TypeError(f"prompt must be a list of token ids (ints), got {type(prompt).__name__}")
         cached = self.token_ids
         if cached is None:
             raise ValueError(
@@ -119,9 +191,9 @@ class KVCache:
         return reusable_length(cached, prompt)
 
     def truncate(self, n: int) -> None:
-        """Keep only the first ``n`` positions (roll back)."""
-        if not 0 <= n <= self.length:
-            raise ValueError(f"can truncate to 0..{self.length} positions, got {n}")
+        """Keep only the first ``n`` positions (roll back). ``n`` is checked before anything changes."""
+        if not isinstance(n, int) or isinstance(n, bool) or not 0 <= n <= self.length:
+            raise ValueError(f"n must be an int: can truncate to 0..{self.length} positions, got {n!r}")
         self.length = n
         del self._ids[n:]
 
@@ -171,6 +243,7 @@ class BatchKVCache:
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
     ) -> None:
+        dtype = check_dtype(dtype)
         self.k, self.v = _buffers(n_layer, max_batch, n_kv_heads, max_len, head_dim, dtype, device, "max_batch")
         self.max_batch, self.max_len = max_batch, max_len
         self.lengths = [0] * max_batch  # positions filled in each slot
@@ -183,17 +256,27 @@ class BatchKVCache:
     @classmethod
     def for_model(cls, model, max_batch: int, max_len: int | None = None, dtype=None) -> BatchKVCache:
         """Slots shaped for ``model`` (max_len defaults to its context window)."""
-        cfg = model.config
+        cfg = _config(model)
         max_len = cfg.block_size if max_len is None else max_len
-        if not isinstance(max_len, int) or not 1 <= max_len <= cfg.block_size:
+        if not isinstance(max_len, int) or isinstance(max_len, bool) or not 1 <= max_len <= cfg.block_size:
             raise ValueError(f"max_len must be an int in 1..{cfg.block_size} (the context window), got {max_len!r}")
         p = next(model.parameters())
-        return cls(cfg.n_layer, max_batch, cfg.kv_heads, max_len, cfg.head_dim, dtype or p.dtype, p.device)
+        dtype = p.dtype if dtype is None else check_dtype(dtype)
+        return cls(cfg.n_layer, max_batch, cfg.kv_heads, max_len, cfg.head_dim, dtype, p.device)
 
     @property
     def batch_size(self) -> int:
         """Rows a forward step must feed: the slots in use."""
         return self.rows
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The dtype of the keys and values (the model's)."""
+        return self.k[0].dtype
+
+    def check_fits(self, model) -> None:
+        """Raise unless these slots fit ``model`` (layers, KV heads, head size, dtype, device): ``check_fits``."""
+        check_fits(self, model)
 
     @property
     def length(self) -> int:
@@ -206,8 +289,7 @@ class BatchKVCache:
 
     def slot(self, i: int) -> KVCache:
         """Slot ``i`` as a batch-1 ``KVCache`` (views of the buffers, its current length)."""
-        if not 0 <= i < self.max_batch:
-            raise ValueError(f"slot must be in 0..{self.max_batch - 1}, got {i}")
+        _index("slot", i, 0, self.max_batch - 1)
         return KVCache.from_buffers(
             [k[i : i + 1] for k in self.k], [v[i : i + 1] for v in self.v], length=self.lengths[i]
         )
@@ -216,7 +298,7 @@ class BatchKVCache:
         """Put slot ``rows`` (prefilled with ``length`` positions, e.g. through ``slot``) in use; its index."""
         if self.rows == self.max_batch:
             raise ValueError(f"all {self.max_batch} slots are in use: remove a finished row first")
-        if not isinstance(length, int) or not 0 <= length <= self.max_len:
+        if not isinstance(length, int) or isinstance(length, bool) or not 0 <= length <= self.max_len:
             raise ValueError(f"length must be an int in 0..{self.max_len}, got {length!r}")
         i = self.rows
         self.lengths[i] = length
@@ -225,8 +307,8 @@ class BatchKVCache:
 
     def remove(self, i: int) -> int | None:
         """Free row ``i``; the last row in use moves into it. Returns the index that moved (or None)."""
-        if not 0 <= i < self.rows:
-            raise ValueError(f"row must be in use (0..{self.rows - 1}), got {i}")
+        if not isinstance(i, int) or isinstance(i, bool) or not 0 <= i < self.rows:
+            raise ValueError(f"row must be in use: an int in 0..{self.rows - 1}, got {i!r}")
         last = self.rows - 1
         self.rows = last
         self.lengths[i], moved = self.lengths[last], None
@@ -242,6 +324,7 @@ class BatchKVCache:
         """Positions (rows, T) of the next T tokens of each row, and the attention mask (rows, 1, T, keys)."""
         if self.rows == 0:
             raise ValueError("no row is in use: add a prefilled slot first")
+        _index("T", T, 1, self.max_len)
         lengths = self.lengths[: self.rows]
         self._end = max(lengths) + T
         if self._end > self.max_len:
@@ -264,6 +347,8 @@ class BatchKVCache:
         return self.k[layer][: self.rows, :, : self._end], self.v[layer][: self.rows, :, : self._end]
 
     def advance(self, T: int) -> None:
+        """Move every row in use on by ``T`` positions (after a forward step wrote them)."""
+        _index("T", T, 0, self.max_len)
         for i in range(self.rows):
             self.lengths[i] += T
 
@@ -321,4 +406,3 @@ def kv_cache_bytes(
         bytes_per_value=bytes_per_value,
     )
     return n_layer * n_kv_heads * head_dim * seq_len * batch_size * 2 * bytes_per_value
-

@@ -30,6 +30,42 @@ class CheckpointError(ValueError):
     """A checkpoint file that cannot be loaded: corrupted, truncated, edited or mismatched."""
 
 
+def _path(path, name: str = "path") -> Path:
+    if not isinstance(path, (str, Path)):
+        raise TypeError(f"{name} must be a file path (str or pathlib.Path), got {type(path).__name__}")
+    return Path(path)
+
+
+def expected_shapes(config: GPTConfig) -> dict[str, torch.Size]:
+    """The tensors a checkpoint of ``config`` holds (name -> shape), found on the meta device: nothing is allocated,
+    so a header claiming a huge model is refused before any memory is spent on it."""
+    with torch.device("meta"):
+        skeleton = GPT(config)
+    return {k: v.shape for k, v in skeleton.state_dict().items() if k != "lm_head.weight"}
+
+
+def _mismatch(state: dict[str, torch.Tensor], expected: dict[str, torch.Size]) -> str:
+    """What differs between ``state`` and the tensors a stock GPT holds ("" if nothing): names, shapes, dtypes."""
+    missing = sorted(set(expected) - set(state))
+    extra = sorted(set(state) - set(expected))
+    wrong = [k for k in expected if k in state and state[k].shape != expected[k]]
+    dtypes = [k for k in expected if k in state and not state[k].is_floating_point()]
+    return "; ".join(
+        s
+        for s in [
+            f"missing {missing[:3]}" if missing else "",
+            f"unexpected {extra[:3]}" if extra else "",
+            f"shape of {wrong[0]}: file {tuple(state[wrong[0]].shape)} vs config {tuple(expected[wrong[0]])}"
+            if wrong
+            else "",
+            f"{dtypes[0]} is {state[dtypes[0]].dtype}, not floating point (the model holds float weights)"
+            if dtypes
+            else "",
+        ]
+        if s
+    )
+
+
 def checkpoint_digest(config: str, record: str | None, state: dict[str, torch.Tensor]) -> str:
     """SHA-256 (hex) of the config and record texts and of every tensor (name, dtype, shape, bytes)."""
     h = hashlib.sha256()
@@ -57,18 +93,21 @@ def save_checkpoint(path: str | Path, model: GPT, record: dict | None = None, dt
         raise TypeError(f"dtype must be a floating-point torch.dtype such as torch.float16, got {dtype!r}")
     if record is not None and not isinstance(record, dict):
         raise TypeError(f"record must be a dict (stored as JSON), got {type(record).__name__}")
-    path = Path(path)
+    path = _path(path)
     if path.is_dir():
         raise ValueError(f"{path} is a folder: give a file name, e.g. {path / 'model.safetensors'}")
     try:
         record_text = None if record is None else json.dumps(record)
     except (TypeError, ValueError) as e:
         raise ValueError(f"record must be JSON-serialisable (numbers, strings, lists, dicts): {e}") from None
-    state = {
-        k: v.detach().cpu().to(dtype or v.dtype).contiguous()
-        for k, v in model.state_dict().items()
-        if k != "lm_head.weight"
-    }
+    state = {k: v for k, v in model.state_dict().items() if k != "lm_head.weight"}
+    wrong = _mismatch(state, expected_shapes(model.config))
+    if wrong:  # e.g. QuantizedLinear layers (ar_lab.engine.quant): a file load_checkpoint would refuse
+        raise ValueError(
+            f"model holds tensors a GPT of its config does not ({wrong}): a quantized or modified model cannot be "
+            "saved as a checkpoint; save the full-precision model and quantize it again after loading"
+        )
+    state = {k: v.detach().cpu().to(dtype or v.dtype).contiguous() for k, v in state.items()}
     config = json.dumps(model.config.to_dict())
     meta = {"format": FORMAT, "config": config, "digest": checkpoint_digest(config, record_text, state)}
     if record_text is not None:
@@ -117,40 +156,38 @@ def _verify(path: Path, meta: dict[str, str], state: dict[str, torch.Tensor]) ->
 
 def read_checkpoint_metadata(path: str | Path) -> dict:
     """The config and training record stored in a checkpoint (checked against its digest), without building a model."""
-    path = Path(path)
+    path = _path(path)
     meta, config, record, state = _read(path)
     _verify(path, meta, state)
     return {"config": config, "record": record}
 
 
-def load_checkpoint(path: str | Path, device: str | torch.device | None = None) -> GPT:
-    """Build the model a checkpoint describes and load its weights (on ``device``, default cuda if present)."""
+def load_checkpoint(path: str | Path, device: str | torch.device | None = None, *, preset: str | None = None) -> GPT:
+    """Build the model a checkpoint describes and load its weights (on ``device``, default cuda if present).
+
+    Everything is checked before the model is built: the header, every tensor's name, shape and
+    dtype against the config (found without allocating), ``preset`` (when given: the preset its
+    record must name, e.g. "course", so a file swapped for another preset's is refused) and the digest.
+    """
     device = default_device() if device is None else checked_device(device)
-    path = Path(path)
+    if preset is not None and not isinstance(preset, str):
+        raise TypeError(f"preset must be a preset name (str) or None, got {type(preset).__name__}")
+    path = _path(path)
     meta, config_dict, record, state = _read(path)
     try:
         config = GPTConfig(**config_dict)
     except (TypeError, ValueError) as e:
         raise CheckpointError(f"{path} holds an invalid model config: {e}") from None
-    model = GPT(config)
-    expected = {k: v.shape for k, v in model.state_dict().items() if k != "lm_head.weight"}
-    missing = sorted(set(expected) - set(state))
-    extra = sorted(set(state) - set(expected))
-    wrong = [k for k in expected if k in state and state[k].shape != expected[k]]
-    if missing or extra or wrong:
-        detail = "; ".join(
-            s
-            for s in [
-                f"missing {missing[:3]}" if missing else "",
-                f"unexpected {extra[:3]}" if extra else "",
-                f"shape of {wrong[0]}: file {tuple(state[wrong[0]].shape)} vs config {tuple(expected[wrong[0]])}"
-                if wrong
-                else "",
-            ]
-            if s
+    wrong = _mismatch(state, expected_shapes(config))
+    if wrong:
+        raise CheckpointError(f"{path} does not match its config: {wrong}")
+    if preset is not None and record.get("preset") != preset:
+        raise CheckpointError(
+            f"{path} should hold the {preset!r} checkpoint, but its record says preset {record.get('preset')!r}: "
+            f"it was replaced by another file; {_REMEDY}"
         )
-        raise CheckpointError(f"{path} does not match its config: {detail}")
     _verify(path, meta, state)
+    model = GPT(config)
     model.load_state_dict(state, strict=False)  # lm_head.weight is tied to wte.weight
     model.checkpoint_record = record
     return model.to(device).eval()

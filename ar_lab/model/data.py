@@ -27,15 +27,26 @@ def data_dir() -> Path:
 
 
 def check_writable(path: Path, what: str) -> None:
-    """Refuse a file path that cannot be written (a folder, or under a file) before the work that fills it."""
+    """Refuse a file path that cannot be written before the work that fills it: a folder, a path under
+    a file, a name too long, or a folder this process may not write in. A test file is created beside it
+    (or in its nearest existing folder) and removed; an existing file is opened for appending, unchanged."""
     path = Path(path)
-    if path.is_dir():
-        raise ValueError(f"{what} {path} is a folder: give a file name, e.g. {path / 'out.json'}")
-    folder = path.parent
-    while not folder.exists() and folder != folder.parent:
-        folder = folder.parent
-    if not folder.is_dir():
-        raise ValueError(f"{what} {path} cannot be written: {folder} is a file, not a folder")
+    try:
+        if path.is_dir():
+            raise ValueError(f"{what} {path} is a folder: give a file name, e.g. {path / 'out.json'}")
+        folder = path.parent
+        while not folder.exists() and folder != folder.parent:
+            folder = folder.parent
+        if not folder.is_dir():
+            raise ValueError(f"{what} {path} cannot be written: {folder} is a file, not a folder")
+        test = path if folder == path.parent else folder / f".ar_lab_write_test_{os.getpid()}"
+        existed = test.exists()
+        with open(test, "ab"):
+            pass
+        if not existed:
+            test.unlink()
+    except OSError as e:  # a name too long, no permission, a read-only or virtual file system
+        raise ValueError(f"{what} {path} cannot be written ({e.strerror}): choose another path") from None
 
 
 def builtin_documents() -> list[str]:

@@ -33,6 +33,7 @@ __all__ = [  # ar_lab.model.checkpoint's functions and default_device too: chapt
     "CheckpointError",
     "TrainConfig",
     "TrainResult",
+    "check_model",
     "checkpoint_path",
     "default_device",
     "evaluate",
@@ -93,6 +94,16 @@ class TrainResult:
     seconds: float = 0.0
 
 
+def check_model(model, name: str = "model"):
+    """``model`` if it is an ar_lab model (a ``torch.nn.Module`` with a ``GPTConfig`` as ``.config``: a GPT,
+    a quantized copy of one, a ``BigramModel``); else a TypeError naming ``name`` and saying what to pass."""
+    if not isinstance(model, torch.nn.Module) or not isinstance(getattr(model, "config", None), GPTConfig):
+        raise TypeError(
+            f"{name} must be an ar_lab model (a GPT, e.g. load_pretrained('course')), got {type(model).__name__}"
+        )
+    return model
+
+
 def lr_at(step: int, tc: TrainConfig) -> float:
     """Linear warm-up, then cosine decay to ``min_lr_ratio`` x lr."""
     if step < tc.warmup_steps:
@@ -105,6 +116,7 @@ def evaluate(
     model: GPT, tokens: torch.Tensor, block_size: int, batches: int = 8, batch_size: int = 8, seed: int = 0
 ) -> float:
     """Mean next-token cross-entropy (nats) on random windows of ``tokens``, seeded."""
+    check_model(model)
     if not isinstance(batches, int) or isinstance(batches, bool) or batches < 1:
         raise ValueError(f"batches must be an int >= 1, got {batches!r}")
     if isinstance(block_size, int) and block_size > model.config.block_size:
@@ -142,10 +154,12 @@ def train(
     """
     if not isinstance(tc, TrainConfig):
         raise TypeError(f"tc must be a TrainConfig (e.g. TrainConfig(steps=100)), got {type(tc).__name__}")
+    check_model(model)
     for name, tokens in (("train_tokens", train_tokens), ("val_tokens", val_tokens)):
         if not isinstance(tokens, torch.Tensor) or tokens.ndim != 1 or tokens.dtype.is_floating_point:
             raise TypeError(f"{name} must be a 1-D tensor of token ids (see ar_lab.model.data.train_val_split)")
     if teacher is not None:
+        check_model(teacher, "teacher")  # a model, not a name: load_pretrained(name) loads a shipped one
         if teacher.config.vocab_size != model.config.vocab_size:
             raise ValueError(
                 f"teacher and model must share the vocabulary: {teacher.config.vocab_size} vs {model.config.vocab_size}"
@@ -264,7 +278,7 @@ def load_pretrained(name: str = "course", device=None) -> GPT:
     path = checkpoint_path(name)
     if not path.exists():
         raise FileNotFoundError(f"{path} is missing; run `make checkpoints` to train it")
-    return load_checkpoint(path, device)
+    return load_checkpoint(path, device, preset=name)
 
 
 def _starting_point(name: str, resume: Path | None) -> tuple[GPT, list[dict]]:
@@ -317,6 +331,7 @@ def _train_phases(name: str, start: tuple[GPT, list[dict]], out: Path | None, pr
     model, done = start
     train_tokens, val_tokens = train_val_split(corpus_tokens())
     out = Path(out or checkpoint_path(name))
+    check_writable(out, "out")  # before the training, not at its first save
     for i, tc in enumerate(phases[len(done) :], start=len(done)):
         teacher = load_checkpoint(checkpoint_path(tc.teacher), "cpu") if tc.teacher is not None else None
         result = train(model, train_tokens, val_tokens, tc, progress=progress, teacher=teacher)
@@ -351,9 +366,17 @@ def train_preset(name: str, out: Path | None = None, progress: bool = True, resu
 
     ``resume``: a checkpoint this function wrote after some of the preset's phases
     (its record lists them); training continues with the remaining phases, giving the
-    same result as running them all.
+    same result as running them all. ``out`` (default data/NAME.safetensors) is checked to be a
+    writable file path before any training, so a bad path costs nothing.
     """
     return _train_phases(name, _starting_point(name, resume), out, progress)
+
+
+def _file_arg(text: str) -> Path:
+    """A command-line file path; an empty one is refused (it would name the current folder)."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError("give a file path, got an empty string")
+    return Path(text)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -361,11 +384,13 @@ def main(argv: list[str] | None = None) -> None:
         prog="python -m ar_lab.model.train", description="Train the course checkpoints reproducibly."
     )
     parser.add_argument("--preset", choices=sorted(PRESETS), required=True)
-    parser.add_argument("--out", type=Path, default=None, help="where to write (default data/NAME.safetensors)")
+    parser.add_argument("--out", type=_file_arg, default=None, help="where to write (default data/NAME.safetensors)")
     parser.add_argument(
         "--threads", type=int, default=1, help="CPU threads (default 1: the shipped checkpoints' setting, reproducible)"
     )
-    parser.add_argument("--resume", type=Path, default=None, help="continue from a partial checkpoint (NAME.phaseK)")
+    parser.add_argument(
+        "--resume", type=_file_arg, default=None, help="continue from a partial checkpoint (NAME.phaseK)"
+    )
     args = parser.parse_args(argv)
     try:
         if args.threads < 1:

@@ -31,6 +31,29 @@ GB = 1e9
 TB = 1e12
 TFLOP = 1e12
 
+# The weight formats the roofs know (``ar_lab.perf.llm_costs.WEIGHT_BYTES`` counts their bytes), and
+# the other spellings a learner reaches for: names in any case, and torch dtypes (read by name).
+WEIGHT_FORMATS = ("fp32", "bf16", "int8", "int4")
+SPELLINGS = {"float32": "fp32", "bfloat16": "bf16"}
+
+
+def weight_format(weight_dtype) -> str:
+    """The short name in ``WEIGHT_FORMATS`` of a weight format: "fp32", "FP32", "float32" and
+    torch.float32 are all "fp32". Anything else is a ValueError listing the accepted values, never
+    a neighbour's roof: a misspelt fp32 must not get the 16-bit tensor roof, 15x higher."""
+    text = weight_dtype if isinstance(weight_dtype, str) else None
+    if type(weight_dtype).__module__ == "torch" and type(weight_dtype).__name__ == "dtype":
+        text = str(weight_dtype).removeprefix("torch.")
+    if text is not None:
+        text = text.strip().lower()
+        text = SPELLINGS.get(text, text)
+        if text in WEIGHT_FORMATS:
+            return text
+    raise ValueError(
+        f"weight_dtype must be one of {list(WEIGHT_FORMATS)} (or 'float32', 'bfloat16', a torch dtype such as "
+        f"torch.bfloat16), got {weight_dtype!r}"
+    )
+
 
 @dataclass(frozen=True)
 class GPUSpec:
@@ -50,10 +73,11 @@ class GPUSpec:
         """FLOP per byte where the 16-bit tensor roof meets the bandwidth slope."""
         return ridge_point(self.tensor_flops, self.bandwidth)
 
-    def peak_flops(self, weight_dtype: str = "bf16") -> float:
-        """The compute roof for a weight format: fp32 runs on the fp32 units; bf16, int8 and int4
-        weights (int8/int4 dequantized to bf16 for the arithmetic) on the 16-bit tensor cores."""
-        return self.fp32_flops if weight_dtype == "fp32" else self.tensor_flops
+    def peak_flops(self, weight_dtype="bf16") -> float:
+        """The compute roof for a weight format (any spelling ``weight_format`` takes): fp32 runs on the
+        fp32 units; bf16, int8 and int4 weights (int8/int4 dequantized to bf16 for the arithmetic) on
+        the 16-bit tensor cores."""
+        return self.fp32_flops if weight_format(weight_dtype) == "fp32" else self.tensor_flops
 
 
 GPUS: dict[str, GPUSpec] = {
@@ -152,6 +176,8 @@ def match_gpu(device_name: str) -> GPUSpec | None:
     Only the exact products of the table match: an "H100 PCIe" or an "A10G" has other
     roofs and gets None, not a neighbour's figures.
     """
+    if not isinstance(device_name, str):
+        raise TypeError(f"device_name must be a str (what torch.cuda.get_device_name() returns), got {device_name!r}")
     for spec in GPUS.values():
         if re.search(spec.device_names, device_name.strip()):
             return spec
@@ -160,18 +186,31 @@ def match_gpu(device_name: str) -> GPUSpec | None:
 
 def gpu(name: str) -> GPUSpec:
     """The row named ``name`` (a key of ``GPUS``), with a clear error for anything else."""
-    if name not in GPUS:
+    if not isinstance(name, str) or name not in GPUS:
         raise ValueError(f"unknown GPU {name!r}; choose one of {list(GPUS)}")
     return GPUS[name]
+
+
+def as_gpu(value, name: str = "gpu") -> GPUSpec:
+    """``value`` if it is a ``GPUSpec``, the row it names if it is a name from ``GPUS``; else an error
+    naming the argument ``name`` and what to pass (functions that take a GPU take either)."""
+    if isinstance(value, GPUSpec):
+        return value
+    if isinstance(value, str):
+        return gpu(value)
+    raise TypeError(f"{name} must be a GPUSpec or a name from GPUS such as 'H100 SXM', got {value!r}")
 
 
 SPEC_HEADERS = ["GPU", "16-bit tensor TFLOP/s", "fp32 TFLOP/s", "bandwidth TB/s", "memory GB", "ridge FLOP/B", "source"]
 
 
 def spec_rows(specs=None) -> list[list]:
-    """Rows under ``SPEC_HEADERS``: the table as a learner reads it, ridge computed."""
+    """Rows under ``SPEC_HEADERS``: the table as a learner reads it, ridge computed. ``specs``: a list of
+    ``GPUSpec`` rows or their names (default: the whole table)."""
+    if isinstance(specs, (str, GPUSpec)) or not (specs is None or hasattr(specs, "__iter__")):
+        raise TypeError(f"specs must be a list of GPUSpec rows or names (e.g. ['H100 SXM']), got {specs!r}")
     rows = []
-    for s in GPUS.values() if specs is None else specs:
+    for s in GPUS.values() if specs is None else [as_gpu(x, "each of specs") for x in specs]:
         rows.append(
             [
                 s.name,

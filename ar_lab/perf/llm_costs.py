@@ -22,10 +22,12 @@ read, whether batching ever reaches the ridge, and the largest batch whose KV ca
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import dataclass
 
-from ar_lab.base.args import positive_int
+from ar_lab.base.args import finite_number, positive_int
 from ar_lab.model.gpt import GPTConfig
+from ar_lab.perf.gpus import GPUSpec, as_gpu, weight_format
 from ar_lab.perf.roofline import ModelShape, PhaseCost, from_gpt_config, shape_cost
 
 # Bytes per weight for each storage format. int8 / int4 are weight-only formats: the
@@ -37,14 +39,40 @@ WEIGHT_BYTES = {"fp32": 4.0, "bf16": 2.0, "int8": 1.0, "int4": 0.5}
 
 def value_bytes(weight_dtype: str) -> int:
     """Bytes per KV-cache and activation value: 4 with fp32 weights, 2 (bf16) with any other."""
-    check_dtype(weight_dtype)
-    return 4 if weight_dtype == "fp32" else 2
+    return 4 if check_dtype(weight_dtype) == "fp32" else 2
 
 
-def check_dtype(weight_dtype: str) -> str:
-    if weight_dtype not in WEIGHT_BYTES:
-        raise ValueError(f"weight_dtype must be one of {list(WEIGHT_BYTES)}, got {weight_dtype!r}")
-    return weight_dtype
+def check_dtype(weight_dtype) -> str:
+    """The key of ``WEIGHT_BYTES`` for ``weight_dtype`` in any spelling ``ar_lab.perf.gpus.weight_format``
+    takes ("FP32", "bfloat16", torch.bfloat16 ...); a ValueError listing the formats otherwise."""
+    return weight_format(weight_dtype)
+
+
+def count(name: str, value, minimum: int = 1) -> int:
+    """``value`` as an int if it is a whole number (numpy's too, not a bool) >= ``minimum``; else
+    ``positive_int``'s ValueError naming ``name``."""
+    if isinstance(value, numbers.Integral) and not isinstance(value, bool):
+        value = int(value)
+    return positive_int(name, value, minimum)
+
+
+def as_model(shape, name: str = "shape") -> ModelShape:
+    """``shape`` if it is a ``ModelShape``, the preset it names if it is a key of ``MODELS``; else an
+    error naming the argument and what to pass."""
+    if isinstance(shape, ModelShape):
+        return shape
+    if isinstance(shape, str):
+        return model(shape)
+    raise TypeError(f"{name} must be a ModelShape or a name from MODELS such as 'Llama-3-8B', got {shape!r}")
+
+
+def check_positions(shape: ModelShape, context) -> int:
+    """``context`` if it is a whole number of positions from 1 to ``shape``'s window: the messages of
+    ``decode_cost``, so that memory and cost refuse the same contexts."""
+    context = count("context", context)
+    if context > shape.max_context:
+        raise ValueError(f"{context:,} positions exceed {shape.name}'s context window of {shape.max_context:,}")
+    return context
 
 
 MODELS: dict[str, ModelShape] = {
@@ -71,7 +99,7 @@ MODELS: dict[str, ModelShape] = {
 
 def model(name: str) -> ModelShape:
     """The preset named ``name`` (a key of ``MODELS``), with a clear error for anything else."""
-    if name not in MODELS:
+    if not isinstance(name, str) or name not in MODELS:
         raise ValueError(f"unknown model {name!r}; choose one of {list(MODELS)}")
     return MODELS[name]
 
@@ -82,21 +110,20 @@ def forward_cost(
     """FLOPs and bytes of feeding ``tokens`` new tokens to each of ``batch`` sequences after ``past`` cached ones,
     the weights stored as ``weight_dtype`` (a key of ``WEIGHT_BYTES``) and the cache and activations as
     ``value_bytes`` says: ``ar_lab.perf.roofline.shape_cost``."""
-    positive_int("batch", batch)
-    positive_int("tokens", tokens)
-    positive_int("past", past, minimum=0)
+    shape, batch = as_model(shape), count("batch", batch)
+    tokens, past = count("tokens", tokens), count("past", past, minimum=0)
     wb, vb = WEIGHT_BYTES[check_dtype(weight_dtype)], value_bytes(weight_dtype)
     return shape_cost(shape, batch, tokens, past, wb, vb, phase)
 
 
 def prefill_cost(shape: ModelShape, prompt_len: int, batch: int = 1, weight_dtype: str = "bf16") -> PhaseCost:
     """One pass over ``batch`` prompts of ``prompt_len`` tokens, cache empty before."""
-    return forward_cost(shape, batch, prompt_len, 0, weight_dtype, phase="prefill")
+    return forward_cost(shape, batch, count("prompt_len", prompt_len), 0, weight_dtype, phase="prefill")
 
 
 def decode_cost(shape: ModelShape, context: int, batch: int = 1, weight_dtype: str = "bf16") -> PhaseCost:
     """One decode step: one new token per sequence, attending to ``context`` positions (itself included)."""
-    positive_int("context", context)
+    context = count("context", context)
     return forward_cost(shape, batch, 1, context - 1, weight_dtype, phase="decode")
 
 
@@ -105,23 +132,30 @@ def decode_cost(shape: ModelShape, context: int, batch: int = 1, weight_dtype: s
 
 def weight_memory(shape: ModelShape, weight_dtype: str = "bf16") -> float:
     """Bytes the weights occupy on the device."""
-    return shape.parameters * WEIGHT_BYTES[check_dtype(weight_dtype)]
+    return as_model(shape).parameters * WEIGHT_BYTES[check_dtype(weight_dtype)]
 
 
 def kv_memory(shape: ModelShape, context: int, batch: int = 1, weight_dtype: str = "bf16") -> float:
-    """Bytes of the KV cache holding ``context`` positions for each of ``batch`` sequences."""
+    """Bytes of the KV cache holding ``context`` positions for each of ``batch`` sequences (``context``
+    within the model's window, as ``decode_cost`` takes it)."""
+    shape = as_model(shape)
+    context, batch = check_positions(shape, context), count("batch", batch)
     return batch * context * shape.kv_values_per_token * value_bytes(weight_dtype)
 
 
 def memory_needed(shape: ModelShape, context: int, batch: int = 1, weight_dtype: str = "bf16") -> float:
     """Weights + KV cache (activations and the framework's workspace come on top)."""
-    return weight_memory(shape, weight_dtype) + kv_memory(shape, context, batch, weight_dtype)
+    kv = kv_memory(shape, context, batch, weight_dtype)  # checks every argument
+    return weight_memory(shape, weight_dtype) + kv
 
 
 def max_batch(shape: ModelShape, memory: float, context: int, weight_dtype: str = "bf16") -> int:
-    """The most sequences of ``context`` positions whose KV cache fits beside the weights (0: none)."""
-    free = memory - weight_memory(shape, weight_dtype)
-    per_sequence = kv_memory(shape, positive_int("context", context), 1, weight_dtype)
+    """The most sequences of ``context`` positions whose KV cache fits beside the weights (0: none) in
+    ``memory`` bytes (a GPU's is ``spec.memory``)."""
+    if isinstance(memory, (GPUSpec, str)):
+        raise TypeError(f"memory must be a number of bytes (a GPU's: gpus.gpu('H100 SXM').memory), got {memory!r}")
+    per_sequence = kv_memory(shape, context, 1, weight_dtype)  # checks shape, context and weight_dtype
+    free = finite_number("memory (bytes)", memory, above=True) - weight_memory(shape, weight_dtype)
     return max(0, math.floor(free / per_sequence))
 
 
@@ -162,7 +196,10 @@ class DecodePlacement:
 
 
 def place_decode(shape: ModelShape, gpu, context: int, weight_dtype: str = "bf16") -> DecodePlacement:
-    """Decode at ``context`` on ``gpu`` (an ``ar_lab.perf.gpus.GPUSpec``): the batches where the picture changes."""
+    """Decode at ``context`` on ``gpu`` (an ``ar_lab.perf.gpus.GPUSpec`` or its name, e.g. "H100 SXM"):
+    the batches where the picture changes."""
+    shape, gpu, weight_dtype = as_model(shape), as_gpu(gpu), check_dtype(weight_dtype)
+    context = count("context", context)
     one, two = decode_cost(shape, context, 1, weight_dtype), decode_cost(shape, context, 2, weight_dtype)
     per_seq = two.bytes - one.bytes  # the step's bytes are linear in the batch
     shared, flops = one.bytes - per_seq, one.flops
@@ -185,5 +222,8 @@ def place_decode(shape: ModelShape, gpu, context: int, weight_dtype: str = "bf16
 
 def predicted_time(cost: PhaseCost, gpu, weight_dtype: str = "bf16") -> float:
     """The roofline's time for a pass on ``gpu``: the slower of its FLOPs at the compute roof and its bytes
-    at the bandwidth (a floor: real kernels reach a fraction of both roofs)."""
+    at the bandwidth (a floor: real kernels reach a fraction of both roofs). ``gpu``: a ``GPUSpec`` or its name."""
+    if not isinstance(cost, PhaseCost):
+        raise TypeError(f"cost must be a PhaseCost (from prefill_cost or decode_cost), got {cost!r}")
+    gpu = as_gpu(gpu)
     return cost.time_at(gpu.peak_flops(weight_dtype), gpu.bandwidth)

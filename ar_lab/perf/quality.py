@@ -25,15 +25,17 @@ from dataclasses import dataclass
 
 import torch
 
-from ar_lab.base.args import positive_int
+from ar_lab.base.args import check_seed, positive_int
 from ar_lab.engine.generate import generate
 from ar_lab.engine.kv_quant import Int8KVCache
 from ar_lab.engine.prompts import prompt_ids
 from ar_lab.engine.sampling import GREEDY, SamplingParams
 from ar_lab.engine.speculative import speculative_generate
 from ar_lab.model.data import benchmark_prompts, corpus_tokens, train_val_split
+from ar_lab.model.gpt import GPT
 from ar_lab.model.inference import inference
-from ar_lab.model.train import evaluate
+from ar_lab.model.train import check_model, evaluate
+from ar_lab.perf.roofline import model_or_format
 
 
 @functools.lru_cache(maxsize=1)
@@ -49,12 +51,17 @@ def bits_per_byte(
     ``tokens`` predicted tokens (default 4 batches of ``batch_size`` x ``block_size`` = 8,192),
     rounded up to whole batches, on windows drawn with ``seed`` (the same windows for every model
     given the same arguments). The tokenizer is byte-level, so a token is a byte; the EOS between
-    documents (a tiny share) is counted as one too. bits = nats / ln 2.
+    documents (a tiny share) is counted as one too. bits = nats / ln 2. ``tokens`` is at most the
+    validation split's length: more would only reread the same text, slowly.
     """
+    check_model(model)
     positive_int("block_size", block_size)
     positive_int("batch_size", batch_size)
-    per_batch = batch_size * block_size
-    batches = 4 if tokens is None else math.ceil(positive_int("tokens", tokens) / per_batch)
+    check_seed(seed)
+    per_batch, limit = batch_size * block_size, len(_validation_tokens())
+    if tokens is not None and positive_int("tokens", tokens) > limit:
+        raise ValueError(f"tokens must be at most {limit:,} (the validation text's length), got {tokens:,}")
+    batches = 4 if tokens is None else math.ceil(tokens / per_batch)
     nats = evaluate(model, _validation_tokens(), block_size, batches=batches, batch_size=batch_size, seed=seed)
     return nats / math.log(2)
 
@@ -65,6 +72,14 @@ def _prompts(prompts) -> list[list[int]]:
     if isinstance(prompts, str) or not isinstance(prompts, Sequence) or not prompts:
         raise ValueError("prompts must be a non-empty list of prompts (text or token ids)")
     return [prompt_ids(p) for p in prompts]
+
+
+def _same_vocabulary(a, b, name_a: str, name_b: str) -> None:
+    if a.config.vocab_size != b.config.vocab_size:
+        raise ValueError(
+            f"{name_a} and {name_b} must share the vocabulary: their token ids would not mean the same "
+            f"text ({a.config.vocab_size} vs {b.config.vocab_size} tokens)"
+        )
 
 
 @dataclass(frozen=True)
@@ -93,9 +108,14 @@ def greedy_agreement(reference, other, prompts=None, n_tokens: int = 32) -> Gree
     both models then read prompt + continuation in one forward pass each, and their argmaxes
     at the ``n_tokens`` predicted positions are compared. Separately, ``other``'s own greedy
     continuation is compared with the reference's until the first difference (``n_tokens`` if
-    none). ``prompts`` default to four prompts from the validation text.
+    none). ``prompts`` default to four prompts from the validation text. ``other`` may be a weight
+    format name ("int8"...): ``reference`` stored that way (``ar_lab.perf.roofline.model_or_format``).
+    The two models must share the vocabulary (as a speculative draft and its target do).
     """
     positive_int("n_tokens", n_tokens)
+    reference = check_model(reference, "reference")
+    other = model_or_format(reference, other, "other")
+    _same_vocabulary(reference, other, "reference", "other")
     agree, diverge = [], []
     for ids in _prompts(prompts):
         ref = generate(reference, ids, n_tokens, eos_id=None).tokens
@@ -111,9 +131,15 @@ def kv_cache_agreement(model, prompts=None, n_tokens: int = 32) -> GreedyAgreeme
 
     Teacher-forced: one pass over prompt + the float-cache greedy continuation, its keys and
     values written to an int8 cache and attention reading them back (so every position sees
-    quantized keys and values); free-running: ``generate`` with ``cache=Int8KVCache...``.
+    quantized keys and values); free-running: ``generate`` with ``cache=Int8KVCache...``. ``model`` must
+    be a GPT: a model that keeps no keys and values (a ``BigramModel``) would agree trivially.
     """
     positive_int("n_tokens", n_tokens)
+    if not isinstance(model, GPT):
+        raise TypeError(
+            f"model must be a GPT, whose KV cache is measured (e.g. load_pretrained('course')), got "
+            f"{type(model).__name__}"
+        )
     agree, diverge = [], []
     for ids in _prompts(prompts):
         ref = generate(model, ids, n_tokens, eos_id=None).tokens
@@ -143,10 +169,14 @@ def self_draft_acceptance(
     """The acceptance rate when ``draft`` (e.g. a quantized copy of ``target``) drafts for ``target``.
 
     Runs ``speculative_generate`` greedy and at temperature 1 (draws from a generator seeded
-    with ``seed``) on each prompt and pools its statistics: alpha = accepted / tested.
+    with ``seed``) on each prompt and pools its statistics: alpha = accepted / tested. ``draft`` may
+    be a weight format name: ``self_draft_acceptance(m, "int8")`` drafts with the int8 copy of ``m``.
     """
     positive_int("n_tokens", n_tokens)
     positive_int("gamma", gamma)
+    check_seed(seed)
+    target = check_model(target, "target")
+    draft = model_or_format(target, draft, "draft")
     ids = _prompts(prompts)
     pooled = {}
     for name, sampling in (("greedy", GREEDY), ("sampled", SamplingParams(temperature=1.0))):

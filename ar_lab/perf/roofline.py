@@ -33,7 +33,10 @@ import math
 import numbers
 from dataclasses import asdict, dataclass
 
+import torch
+
 from ar_lab.base.args import finite_number, positive_int
+from ar_lab.engine.quant import WEIGHT_FORMATS, quantize_model
 from ar_lab.model.cache import kv_cache_bytes
 from ar_lab.model.gpt import GPT, GPTConfig
 
@@ -358,15 +361,38 @@ def bytes_per_token(model: GPT) -> int:
     return total - wpe.nbytes + wpe[0].nbytes
 
 
+def _check_gpt(model, name: str) -> GPT:
+    if not isinstance(model, GPT):
+        raise TypeError(f"{name} must be a GPT (e.g. load_pretrained('course')), got {type(model).__name__}")
+    return model
+
+
+def model_or_format(reference: GPT, other, name: str = "other") -> GPT:
+    """``other`` if it is a model; a weight format name (``"fp32"``, ``"bf16"``, ``"int8"``, ``"int4"``)
+    stands for ``reference`` stored that way, ``ar_lab.engine.quant.quantize_model(reference, weights=other)``
+    (built here, on the CPU for int8/int4). Anything else: a TypeError naming ``name``."""
+    if isinstance(other, str):
+        if other not in WEIGHT_FORMATS:
+            raise ValueError(f"{name} must be a model or a weight format, one of {WEIGHT_FORMATS}, got {other!r}")
+        return quantize_model(_check_gpt(reference, "reference"), weights=other)
+    if not isinstance(other, torch.nn.Module) or not isinstance(getattr(other, "config", None), GPTConfig):
+        raise TypeError(f"{name} must be a model (a GPT) or a weight format such as 'int8', got {type(other).__name__}")
+    return other
+
+
 def decode_step_bytes(model: GPT, context: int = 1) -> float:
     """Bytes one batch-1 decode step at ``context`` positions moves: ``bytes_per_token(model)`` plus
     the KV cache and activations as ``ar_lab.perf.roofline.decode_cost`` counts them (at the model's
     activation dtype: that of its token embedding)."""
+    _check_gpt(model, "model")
     cost = decode_cost(model.config, context, bytes_per_value=model.wte.weight.element_size())
     return bytes_per_token(model) + cost.kv_bytes + cost.activation_bytes
 
 
-def predicted_speedup(reference: GPT, other: GPT, *, context: int = 1) -> float:
+def predicted_speedup(reference: GPT, other: GPT | str, *, context: int = 1) -> float:
     """The roofline's memory-bound prediction of ``other``'s decode speed over ``reference``'s: the ratio
-    of the bytes a step moves (``decode_step_bytes``), the same bandwidth assumed for both."""
+    of the bytes a step moves (``decode_step_bytes``), the same bandwidth assumed for both. ``other`` may
+    be a weight format name: ``predicted_speedup(m, "int8")`` is the int8 copy of ``m`` (``model_or_format``)."""
+    _check_gpt(reference, "reference")
+    other = _check_gpt(model_or_format(reference, other), "other")
     return decode_step_bytes(reference, context) / decode_step_bytes(other, context)

@@ -23,6 +23,7 @@ from ar_lab.engine.prompts import prompt_ids
 from ar_lab.engine.serving import POLICIES, Request, ServeReport, serve
 from ar_lab.model.cache import BatchKVCache
 from ar_lab.model.inference import inference
+from ar_lab.model.train import check_model
 
 PROMPTS = [
     "The for statement",
@@ -93,6 +94,9 @@ def decode_throughput(
     (``ar_lab.base.timing.interleaved``) so a load change on the machine hits them alike.
     Medians are reported.
     """
+    check_model(model)
+    if isinstance(batch_sizes, str) or not isinstance(batch_sizes, Sequence):
+        raise TypeError(f"batch_sizes must be a list of ints >= 1, e.g. [1, 2, 4], got {batch_sizes!r}")
     if not batch_sizes or any(not isinstance(b, int) or isinstance(b, bool) or b < 1 for b in batch_sizes):
         raise ValueError(f"batch_sizes must be ints >= 1, got {list(batch_sizes)}")
     positive_int("context", context), positive_int("steps", steps), positive_int("repeats", repeats)
@@ -133,6 +137,7 @@ def prefix_ttft(
     its prefill; building the prefix cache itself is paid once (``build_s``). Runs alternate,
     medians are reported, and the tokens of both sides are compared.
     """
+    check_model(model)
     if isinstance(suffixes, str) or not isinstance(suffixes, Sequence):
         raise TypeError(f"suffixes must be a list of suffixes (texts or token ids), got {type(suffixes).__name__}")
     if not suffixes:
