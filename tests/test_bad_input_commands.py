@@ -440,3 +440,13 @@ def test_a_read_only_output_folder_is_refused_before_any_work(module, tmp_path, 
 def test_the_checks_leave_no_file_behind(tmp_path):
     data.check_writable(tmp_path / "a" / "out.json", "--json")
     assert not list(tmp_path.iterdir()) and not os.listdir(tmp_path)
+
+
+def test_serving_measurements_have_documented_size_limits(tiny_model):
+    from ar_lab.perf import serving_measure
+
+    with pytest.raises(ValueError, match="n_requests must be at most 10,000"):
+        serving_measure.mixed_workload(10**9)
+    assert len(serving_measure.mixed_workload(serving_measure.MAX_REQUESTS)) == serving_measure.MAX_REQUESTS
+    with pytest.raises(ValueError, match="batch_sizes: a batch of 1,000,000 needs"):
+        serving_measure.decode_throughput(tiny_model, [1, 10**6], context=4, steps=2, repeats=1)

@@ -41,6 +41,10 @@ PROMPTS = [
 ]
 
 
+MAX_REQUESTS = 10_000  # mixed_workload's limit: more than any run on one CPU serves in minutes
+MAX_CACHE_BYTES = 2**31  # decode_throughput's limit on the batched KV cache it allocates
+
+
 def mixed_workload(n_requests: int = 12, short: int = 8, long: int = 96, long_every: int = 4) -> list[Request]:
     """Requests of mixed lengths: every ``long_every``-th wants ``long`` new tokens, the rest ``short``.
 
@@ -49,6 +53,8 @@ def mixed_workload(n_requests: int = 12, short: int = 8, long: int = 96, long_ev
     for name, v in [("n_requests", n_requests), ("short", short), ("long", long), ("long_every", long_every)]:
         if not isinstance(v, int) or isinstance(v, bool) or v < 1:
             raise ValueError(f"{name} must be an int >= 1, got {v!r}")
+    if n_requests > MAX_REQUESTS:
+        raise ValueError(f"n_requests must be at most {MAX_REQUESTS:,} (a workload to serve here), got {n_requests:,}")
     return [
         Request(PROMPTS[i % len(PROMPTS)], long if i % long_every == long_every - 1 else short, name=f"r{i}")
         for i in range(n_requests)
@@ -102,6 +108,13 @@ def decode_throughput(
     positive_int("context", context), positive_int("steps", steps), positive_int("repeats", repeats)
     if context + steps > model.config.block_size:
         raise ValueError(f"context + steps must fit in the context window ({model.config.block_size})")
+    cfg, value = model.config, next(model.parameters()).element_size()
+    need = max(batch_sizes) * cfg.n_layer * 2 * cfg.kv_heads * cfg.head_dim * (context + steps) * value
+    if need > MAX_CACHE_BYTES:
+        raise ValueError(
+            f"batch_sizes: a batch of {max(batch_sizes):,} needs {need / 2**30:.1f} GiB of KV cache, more than the "
+            f"{MAX_CACHE_BYTES / 2**30:.0f} GiB this measurement allows; ask for smaller batches"
+        )
     caches, inputs = _random_batches(model, batch_sizes, context, steps)
     decoder = ForwardDecoder(model)
 
