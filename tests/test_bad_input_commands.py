@@ -38,6 +38,7 @@ from ar_lab.engine.serving import Request
 from ar_lab.model import bigram, data, train
 from ar_lab.model.gpt import GPT, GPTConfig
 from ar_lab.perf import quality, roofline, serving_measure
+from tests.test_bad_input import Call
 
 # --- what the cases run on -----------------------------------------------------------------
 
@@ -66,12 +67,6 @@ def tokens() -> torch.Tensor:
 TOO_LONG = "x" * 300 + ".json"  # longer than any file system's name limit (255 bytes)
 
 
-@dataclass(frozen=True)
-class Call:
-    name: str
-    run: Callable[[], object]
-    error: type[BaseException]
-    fragment: str
 
 
 REQS = [Request("hi", 2)]

@@ -15,8 +15,6 @@ from __future__ import annotations
 import functools
 import json
 import tempfile
-from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -33,6 +31,7 @@ from ar_lab.engine.quant import QuantizedLinear, QuantizedTensor, quantize_int8,
 from ar_lab.model import checkpoint
 from ar_lab.model.cache import BatchKVCache, KVCache
 from ar_lab.model.gpt import GPT, GPTConfig
+from tests.test_bad_input import Call
 
 PROMPT = "The history of the "
 
@@ -72,12 +71,6 @@ def on(cache_or_decoder_call):
 # --- 1. mistaken calls -------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class Call:
-    name: str
-    run: Callable[[], object]
-    error: type[BaseException]
-    fragment: str
 
 
 CALLS = [
