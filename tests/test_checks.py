@@ -1,5 +1,7 @@
 """The checkers say what is wrong, and an answer that calls the package's reference fails."""
 
+import warnings
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -186,6 +188,59 @@ def test_check_sequence_says_where_two_token_lists_part():
         checks.check_sequence("tokens", [1, 2, 9, 4], [1, 2, 3, 4])
     with pytest.raises(CheckFailed, match=r"expected 3 tokens, got 2 \(the first 2 agree\)"):
         checks.check_sequence("tokens", [1, 2], [1, 2, 3])
+    with pytest.raises(CheckFailed, match=r"token 0 differs: expected 1, got 7 \(the very first token: none agree\)$"):
+        checks.check_sequence("tokens", [7, 2, 3], [1, 2, 3])
+    with pytest.raises(CheckFailed, match=r"token 1 differs: expected 2, got 7 \(token 0 agrees\)$"):
+        checks.check_sequence("tokens", [1, 7, 3], [1, 2, 3])
+    with pytest.raises(CheckFailed, match=r"expected 3 tokens, got 0$"):
+        checks.check_sequence("tokens", [], [1, 2, 3])
+
+
+def warning_answer(x):
+    """A correct answer that makes libraries warn (torch's float(loss) warning is shown once per process,
+    so tests/test_exercises.py proves that one in a fresh kernel)."""
+    warnings.warn("this API is deprecated", FutureWarning, stacklevel=1)
+    return torch.tensor(x)  # torch: "To copy construct from a tensor, it is recommended to ..."
+
+
+def test_a_librarys_warning_in_the_learners_code_goes_to_stdout_not_stderr(capsys):
+    x = torch.ones(3)
+    with pytest.warns(UserWarning, match="sourceTensor"), pytest.warns(FutureWarning):  # outside: warnings (stderr)
+        warning_answer(x)
+    with no_delegation(warning_answer, exercise="train_step"):
+        assert torch.equal(warning_answer(x), x)
+        warning_answer(x)
+    out, err = capsys.readouterr()
+    assert err == ""
+    assert "note: a warning while checking train_step (it does not affect the grade): UserWarning: To copy" in out
+    assert "FutureWarning: this API is deprecated" in out and out.count("\n") == 2  # each distinct warning once
+    with pytest.raises(CheckFailed), no_delegation(warning_answer, exercise="again"):  # a failing check too
+        warning_answer(x)
+        checks.check_equal("loss", 1, 2)
+    out, err = capsys.readouterr()
+    assert err == "" and "while checking again" in out
+
+
+def test_check_dtype_refuses_a_float_mask_and_names_the_dtype():
+    checks.check_dtype("causal_mask(3)", torch.ones(3, 3, dtype=torch.bool).tril(), torch.bool)
+    float_mask = torch.ones(3, 3).tril()
+    checks.check_equal("causal_mask(3)", float_mask, float_mask.bool())  # equal values: check_equal alone passes
+    with pytest.raises(CheckFailed, match=r"causal_mask\(3\): expected dtype torch.bool, got torch.float32: ~mask"):
+        checks.check_dtype("causal_mask(3)", float_mask, torch.bool, why="~mask needs torch.bool")
+    with pytest.raises(CheckFailed, match="expected a tensor of dtype torch.bool, got list"):
+        checks.check_dtype("causal_mask(3)", [[1]], torch.bool)
+
+
+def test_check_log_prob_names_a_product_of_probabilities_that_underflowed():
+    pairs = torch.full((1000,), -2.5)  # log-probabilities of 1000 pairs
+    checks.check_log_prob("sum", float(pairs.sum()), pairs.sum())
+    checks.check_log_prob("one token", 0.0, torch.tensor(0.0))
+    product = pairs.double().exp().prod()  # 0.0 even in float64
+    for answer in [product.log(), float(product.log()), product]:
+        with pytest.raises(CheckFailed, match="you multiply probabilities and the product underflows.*add log-prob"):
+            checks.check_log_prob("sequence_log_prob(1001 tokens)", answer, pairs.sum())
+    with pytest.raises(CheckFailed, match="values differ"):
+        checks.check_log_prob("sum", -2400.0, pairs.sum())
 
 
 def test_check_same_names_lists_what_is_missing_unexpected_or_misshapen():

@@ -76,6 +76,28 @@ def test_grade_counts_stderr_as_failure_like_nbgrader():
     assert grade(new_notebook(cells=[cell]))[0].passed
 
 
+def test_a_correct_answer_that_makes_torch_warn_keeps_its_points(tmp_path):
+    """``float(loss)`` of a tensor that requires grad makes torch warn (on stderr, which nbgrader scores 0);
+    under ``no_delegation``, as every graded test runs the learner's code, the warning goes to stdout."""
+    from nbformat.v4 import new_code_cell, new_notebook
+
+    answer = new_code_cell(
+        "import torch\n\ndef train_step(x):\n    ### BEGIN SOLUTION\n    loss = (x * 2).sum()\n"
+        "    return float(loss)\n    ### END SOLUTION"
+    )
+    answer.metadata["nbgrader"] = {"solution": True, "grade": False, "grade_id": "step", "locked": False}
+    guarded = "from ar_lab.course.checks import no_delegation\n\nwith no_delegation(train_step, exercise='step'):\n"
+    guarded += "    assert train_step(torch.ones(3, requires_grad=True)) == 6.0"
+    test = new_code_cell(guarded)
+    test.metadata["nbgrader"] = {"solution": False, "grade": True, "grade_id": "step-test", "points": 3, "locked": True}
+    [result] = grade(executed := execute(new_notebook(cells=[answer, test]), tmp_path))
+    assert result.passed, result.error
+    assert "requires_grad=True to a scalar" in "".join(o.get("text", "") for o in executed.cells[1].outputs)
+    test.source = "assert train_step(torch.ones(3, requires_grad=True)) == 6.0"  # unguarded: the warning fails it
+    [result] = grade(execute(new_notebook(cells=[answer, test]), tmp_path))
+    assert not result.passed and "requires_grad=True to a scalar" in result.error
+
+
 def test_release_never_overwrites_a_learners_work(tmp_path):
     src, out = tmp_path / "src", tmp_path / "out"
     src.mkdir()

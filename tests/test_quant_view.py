@@ -183,6 +183,35 @@ def test_int8_checker_explains_shapes_dtypes_and_unknown_mistakes():
         check_quantized("x", (torch.round(w / col).to(torch.int8), col), (ref.q, ref.scale), mistakes)
 
 
+def test_int8_checker_accepts_ties_rounded_either_way_and_nothing_else(capsys):
+    w = torch.tensor([[127.0, 63.5, -2.5, 0.5, 10.2], [-127.0, 1.5, 3.0, -64.5, 0.0]])  # scale 1: exact halves
+    ref = quantize_int8(w)
+    half_up = torch.floor(w + 0.5).to(torch.int8)  # round half up: differs from torch.round only on the halves
+    assert not torch.equal(half_up, ref.q)
+    with pytest.raises(CheckFailed, match="values differ"):  # without the weights no tie can be told
+        check_quantized("x", (half_up, ref.scale), (ref.q, ref.scale), int8_mistakes(w))
+    check_quantized("x", (half_up, ref.scale), (ref.q, ref.scale), int8_mistakes(w), weights=w)
+    assert "weights lie exactly halfway between two levels" in capsys.readouterr().out
+    wrong = half_up.clone()
+    wrong[1, 2] += 1  # 3.0 is no tie
+    with pytest.raises(CheckFailed, match=r"first row that differs is 1 .*index \(1, 2\): expected 3, got 4"):
+        check_quantized("x", (wrong, ref.scale), (ref.q, ref.scale), int8_mistakes(w), weights=w)
+    two_off = ref.q.clone()
+    two_off[0, 1] += 2  # a tie, but two levels away
+    with pytest.raises(CheckFailed, match="values differ"):
+        check_quantized("x", (two_off, ref.scale), (ref.q, ref.scale), int8_mistakes(w), weights=w)
+
+
+def test_int8_checker_accepts_w_times_127_over_absmax_on_the_course_weights():
+    W = ar_lab.load_pretrained("course", device="cpu").blocks[0].mlp.fc.weight.detach()  # (1024, 256)
+    ref = quantize_int8(W)
+    q = torch.round(W * (127 / W.abs().amax(1, keepdim=True))).clamp(-127, 127).to(torch.int8)
+    assert 0 < int((q != ref.q).sum()) < 100  # a few dozen ties land the other way
+    with pytest.raises(CheckFailed, match="expected -64, got -63"):
+        check_quantized("x", (q, ref.scale), (ref.q, ref.scale), int8_mistakes(W))
+    check_quantized("x", (q, ref.scale), (ref.q, ref.scale), int8_mistakes(W), weights=W)
+
+
 def test_int4_checker_names_groups_along_the_wrong_axis():
     torch.manual_seed(2)
     w, g = torch.randn(16, 32), 8

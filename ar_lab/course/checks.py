@@ -8,13 +8,20 @@ An exercise asks the learner to *write* a piece the package already has. ``no_de
 (and ``own_work``) run the learner's code while the package's reference for that exercise (and e.g.
 PyTorch's fused attention, where attention is the exercise) is made to raise, so an
 answer that only calls the reference fails with a message that says to write it out.
+
+nbgrader scores a test cell 0 when it writes anything to stderr, so a library's warning about a
+correct answer (``float(loss)`` on a tensor that requires grad) would cost its points:
+``no_delegation`` (every graded test runs the learner's code inside it) shows warnings raised
+while it runs on stdout instead (``warnings_as_notes``).
 """
 
 from __future__ import annotations
 
 import contextlib
 import importlib
+import math
 import sys
+import warnings
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
@@ -106,6 +113,29 @@ def _learner_on_stack(codes: set) -> bool:
 
 
 @contextlib.contextmanager
+def warnings_as_notes(exercise: str = "this exercise") -> Iterator[list]:
+    """Warnings raised while the block runs are printed on stdout as notes instead of on stderr.
+
+    A warning is advice, not a wrong answer; but nbgrader counts any stderr output of a graded
+    cell as a failure, so a correct answer that makes a library warn (``float(loss)`` of a tensor
+    that requires grad, ``torch.tensor(t)`` of a tensor) would lose its points. The filters in
+    force still decide which warnings are raised at all; each distinct one is noted once, also
+    when the block fails.
+    """
+    with warnings.catch_warnings(record=True) as caught:
+        try:
+            yield caught
+        finally:
+            seen = set()
+            for w in caught:
+                first_line = (str(w.message).strip().splitlines() or [""])[0]
+                text = f"{w.category.__name__}: {first_line}"
+                if text not in seen:
+                    seen.add(text)
+                    print(f"note: a warning while checking {exercise} (it does not affect the grade): {text}")
+
+
+@contextlib.contextmanager
 def no_delegation(
     *learner: Callable, forbid: Iterable[str | Callable] = (), exercise: str = "this exercise", namespaces=()
 ) -> Iterator[list]:
@@ -118,7 +148,8 @@ def no_delegation(
     attribute and notebook name bound to a forbidden function is swapped for a stand-in that
     calls the original unless the learner's code is on the call stack, so the test's own
     reference values can be computed inside the block. All is put back on exit. A learner
-    whose code caught the error is caught too.
+    whose code caught the error is caught too. Warnings raised in the block go to stdout
+    (``warnings_as_notes``), so they do not fail a graded cell.
     """
     codes = set().union(*(_codes(f) for f in learner)) if learner else None
     forbid = [_resolve(ref) for ref in forbid]
@@ -164,7 +195,8 @@ def no_delegation(
                     if value is obj:
                         swaps.append((space, key, value, True))
                         space[key] = fake
-        yield calls
+        with warnings_as_notes(exercise):
+            yield calls
     finally:
         for where, key, original, is_dict in reversed(swaps):
             if is_dict:
@@ -219,6 +251,30 @@ def check_equal(what: str, got: Any, expected: Any, hint: str = "") -> None:
         ok = got == expected
     if not ok:
         _fail(what, f"expected {expected!r}, got {got!r}", hint)
+
+
+def check_dtype(what: str, got: Any, dtype: torch.dtype, why: str = "", hint: str = "") -> None:
+    """``got`` is a tensor of ``dtype``, where the exercise's spec names one: equal values of another
+    dtype (a float 0/1 mask for a bool one) pass ``check_equal`` but fail later (``~mask``, ``masked_fill``).
+    ``why``: what the other dtype breaks, said in the message."""
+    if not isinstance(got, torch.Tensor):
+        _fail(what, f"expected a tensor of dtype {dtype}, got {type(got).__name__}", hint)
+    if got.dtype != dtype:
+        _fail(what, f"expected dtype {dtype}, got {got.dtype}" + (f": {why}" if why else ""), hint)
+
+
+def check_log_prob(what: str, got: Any, expected: Any, atol: float = 1e-4, hint: str = "") -> None:
+    """A log-probability (a sum of many logs) equals ``expected``; a 0 or -inf where ``expected`` is finite
+    is named for what it is: probabilities multiplied, the product underflowed (0.1 ** 400 is 0 in float64)."""
+    value, want = float(torch.as_tensor(got).detach().double()), float(expected)
+    if value in (0.0, float("-inf")) and math.isfinite(want) and want != 0.0:
+        _fail(
+            what,
+            f"expected {want:.6g}, got {value}: you multiply probabilities and the product underflows "
+            "(to 0, whose log is -inf): add log-probabilities instead",
+            hint,
+        )
+    check_close(what, torch.as_tensor(value), expected, atol=atol, hint=hint)
 
 
 def check_cases(
@@ -311,8 +367,10 @@ def check_sequence(what: str, got: Sequence, expected: Sequence, hint: str = "")
     if got == expected:
         return
     if k == min(len(got), len(expected)):
-        _fail(what, f"expected {len(expected)} tokens, got {len(got)} (the first {k} agree)", hint)
-    _fail(what, f"token {k} differs: expected {expected[k]}, got {got[k]} (tokens 0 to {k - 1} agree)", hint)
+        agree = f" (the first {k} agree)" if k else ""
+        _fail(what, f"expected {len(expected)} tokens, got {len(got)}{agree}", hint)
+    agree = {0: "the very first token: none agree", 1: "token 0 agrees"}.get(k, f"tokens 0 to {k - 1} agree")
+    _fail(what, f"token {k} differs: expected {expected[k]}, got {got[k]} ({agree})", hint)
 
 
 def check_same_names(what: str, module: torch.nn.Module, reference: torch.nn.Module, hint: str = "") -> None:
