@@ -366,8 +366,8 @@ QUIZZES: dict[str, list[dict]] = {
             "row that row, per group only the outlier's 31 neighbours.",
         },
         {
-            "q": "On one CPU core, int4 weights decoded a model that streams from main memory only a little faster "
-            "than fp32, though they read about 6× fewer bytes. Why?",
+            "q": "On one CPU core, int4 weights decoded chapter 09's large model far more slowly than their "
+            "6× fewer bytes predict. Why?",
             "choices": [
                 "The kernel's unpacking and scaling arithmetic, not memory, became the limit",
                 "int4 weights do not fit in the CPU cache, so they are read twice",

@@ -110,14 +110,6 @@ def python_source(source: str) -> tuple[str, list[tuple[int, str]]]:
     return "\n".join(lines), magics
 
 
-def _is_submodule(dotted: str) -> bool:
-    parts = dotted.split(".")
-    if parts[0] != ROOT_NAME:
-        return False
-    path = PACKAGE.joinpath(*parts[1:])
-    return path.with_suffix(".py").exists() or (path / "__init__.py").exists()
-
-
 def aliases(trees: list[ast.AST]) -> dict[str, str]:
     """Name -> the dotted name it was imported as, over every cell of the notebook (the learner's
     answers use names the notebook's other cells import)."""

@@ -36,7 +36,11 @@ from ar_lab.model.cache import BatchKVCache, KVCache
 
 
 class Decoder(Protocol):
+    """What a decoding loop needs of a decoder (``ForwardDecoder`` and ``LeanDecoder`` are the two)."""
+
     model: torch.nn.Module
+
+    def fits(self, cache) -> None: ...
 
     def prefill(self, tokens: torch.Tensor, cache, pos: int = 0) -> torch.Tensor: ...
 
@@ -139,7 +143,7 @@ class LeanDecoder(ForwardDecoder):
         return self.engine.extend(tokens, cache, self._transposed)  # (T, vocab)
 
 
-def decoder_for(model, *, lean: bool = True) -> ForwardDecoder:
+def decoder_for(model, *, lean: bool = True) -> Decoder:
     """The decoder a loop runs ``model`` with: the lean engine where it reproduces the model (and
     ``lean`` is on), else the model's own forward."""
     if not isinstance(lean, bool):

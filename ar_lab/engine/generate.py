@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ar_lab.engine.decoder import ForwardDecoder, decoder_for
+from ar_lab.engine.decoder import Decoder, ForwardDecoder, decoder_for
 from ar_lab.engine.prompts import (
     check_eos,
     checked_prompt,
@@ -112,7 +112,7 @@ def _stats(stats) -> GenerationStats:
 class _Plan:
     """One generation, checked: what the loop runs (built once per public call by ``_plan``)."""
 
-    decoder: ForwardDecoder
+    decoder: Decoder
     prompt: list[int]
     max_new_tokens: int
     use_cache: bool
@@ -132,9 +132,10 @@ def _plan(model, prompt, max_new_tokens: int, *, use_cache, sampling, generator,
         raise TypeError(f"lean must be True or False, got {lean!r}")
     if cache is not None:
         _check_cache(cache, use_cache, ids, max_new_tokens)
-        cache.check_fits(model)
     check_inference_ready(model)
     decoder = decoder_for(model, lean=lean and use_cache)
+    if cache is not None:
+        decoder.fits(cache)  # the cache against the model, here at the call; the decoder remembers it
     return _Plan(decoder, ids, max_new_tokens, use_cache, sampling, generator, cache, _stats(stats))
 
 

@@ -229,3 +229,13 @@ class GPT(nn.Module):
         if cache is not None and positions is None:
             cache.length = end
         return self.lm_head(self.ln_f(x))  # (B, T, vocab)
+
+
+def checked_model(model, name: str = "model"):
+    """``model`` if it is an ar_lab model (a ``torch.nn.Module`` with a ``GPTConfig`` as ``.config``: a GPT,
+    a quantized copy of one, a ``BigramModel``); else a TypeError naming ``name`` and saying what to pass."""
+    if not isinstance(model, torch.nn.Module) or not isinstance(getattr(model, "config", None), GPTConfig):
+        raise TypeError(
+            f"{name} must be an ar_lab model (a GPT, e.g. load_pretrained('course')), got {type(model).__name__}"
+        )
+    return model

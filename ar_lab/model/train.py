@@ -26,14 +26,13 @@ from tqdm.auto import tqdm
 from ar_lab.base.timing import default_device
 from ar_lab.model.checkpoint import CheckpointError, load_checkpoint, read_checkpoint_metadata, save_checkpoint
 from ar_lab.model.data import check_writable, corpus_tokens, data_dir, get_batch, train_val_split
-from ar_lab.model.gpt import GPT, GPTConfig
+from ar_lab.model.gpt import GPT, GPTConfig, checked_model
 
 __all__ = [  # ar_lab.model.checkpoint's functions and default_device too: chapter 03 imports them here
     "PRESETS",
     "CheckpointError",
     "TrainConfig",
     "TrainResult",
-    "check_model",
     "checkpoint_path",
     "default_device",
     "evaluate",
@@ -94,16 +93,6 @@ class TrainResult:
     seconds: float = 0.0
 
 
-def check_model(model, name: str = "model"):
-    """``model`` if it is an ar_lab model (a ``torch.nn.Module`` with a ``GPTConfig`` as ``.config``: a GPT,
-    a quantized copy of one, a ``BigramModel``); else a TypeError naming ``name`` and saying what to pass."""
-    if not isinstance(model, torch.nn.Module) or not isinstance(getattr(model, "config", None), GPTConfig):
-        raise TypeError(
-            f"{name} must be an ar_lab model (a GPT, e.g. load_pretrained('course')), got {type(model).__name__}"
-        )
-    return model
-
-
 def lr_at(step: int, tc: TrainConfig) -> float:
     """Linear warm-up, then cosine decay to ``min_lr_ratio`` x lr."""
     if step < tc.warmup_steps:
@@ -116,7 +105,7 @@ def evaluate(
     model: GPT, tokens: torch.Tensor, block_size: int, batches: int = 8, batch_size: int = 8, seed: int = 0
 ) -> float:
     """Mean next-token cross-entropy (nats) on random windows of ``tokens``, seeded."""
-    check_model(model)
+    checked_model(model)
     if not isinstance(batches, int) or isinstance(batches, bool) or batches < 1:
         raise ValueError(f"batches must be an int >= 1, got {batches!r}")
     if isinstance(block_size, int) and block_size > model.config.block_size:
@@ -154,12 +143,12 @@ def train(
     """
     if not isinstance(tc, TrainConfig):
         raise TypeError(f"tc must be a TrainConfig (e.g. TrainConfig(steps=100)), got {type(tc).__name__}")
-    check_model(model)
+    checked_model(model)
     for name, tokens in (("train_tokens", train_tokens), ("val_tokens", val_tokens)):
         if not isinstance(tokens, torch.Tensor) or tokens.ndim != 1 or tokens.dtype.is_floating_point:
             raise TypeError(f"{name} must be a 1-D tensor of token ids (see ar_lab.model.data.train_val_split)")
     if teacher is not None:
-        check_model(teacher, "teacher")  # a model, not a name: load_pretrained(name) loads a shipped one
+        checked_model(teacher, "teacher")  # a model, not a name: load_pretrained(name) loads a shipped one
         if teacher.config.vocab_size != model.config.vocab_size:
             raise ValueError(
                 f"teacher and model must share the vocabulary: {teacher.config.vocab_size} vs {model.config.vocab_size}"

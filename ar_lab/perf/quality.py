@@ -32,9 +32,9 @@ from ar_lab.engine.prompts import prompt_ids
 from ar_lab.engine.sampling import GREEDY, SamplingParams
 from ar_lab.engine.speculative import speculative_generate
 from ar_lab.model.data import benchmark_prompts, corpus_tokens, train_val_split
-from ar_lab.model.gpt import GPT
+from ar_lab.model.gpt import GPT, checked_model
 from ar_lab.model.inference import inference
-from ar_lab.model.train import check_model, evaluate
+from ar_lab.model.train import evaluate
 from ar_lab.perf.roofline import model_or_format
 
 
@@ -54,7 +54,7 @@ def bits_per_byte(
     documents (a tiny share) is counted as one too. bits = nats / ln 2. ``tokens`` is at most the
     validation split's length: more would only reread the same text, slowly.
     """
-    check_model(model)
+    checked_model(model)
     positive_int("block_size", block_size)
     positive_int("batch_size", batch_size)
     check_seed(seed)
@@ -113,7 +113,7 @@ def greedy_agreement(reference, other, prompts=None, n_tokens: int = 32) -> Gree
     The two models must share the vocabulary (as a speculative draft and its target do).
     """
     positive_int("n_tokens", n_tokens)
-    reference = check_model(reference, "reference")
+    reference = checked_model(reference, "reference")
     other = model_or_format(reference, other, "other")
     _same_vocabulary(reference, other, "reference", "other")
     agree, diverge = [], []
@@ -175,7 +175,7 @@ def self_draft_acceptance(
     positive_int("n_tokens", n_tokens)
     positive_int("gamma", gamma)
     check_seed(seed)
-    target = check_model(target, "target")
+    target = checked_model(target, "target")
     draft = model_or_format(target, draft, "draft")
     ids = _prompts(prompts)
     pooled = {}

@@ -22,8 +22,8 @@ from ar_lab.engine.prefix_cache import PrefixCache
 from ar_lab.engine.prompts import prompt_ids
 from ar_lab.engine.serving import POLICIES, Request, ServeReport, serve
 from ar_lab.model.cache import BatchKVCache
+from ar_lab.model.gpt import checked_model
 from ar_lab.model.inference import inference
-from ar_lab.model.train import check_model
 
 PROMPTS = [
     "The for statement",
@@ -100,7 +100,7 @@ def decode_throughput(
     (``ar_lab.base.timing.interleaved``) so a load change on the machine hits them alike.
     Medians are reported.
     """
-    check_model(model)
+    checked_model(model)
     if isinstance(batch_sizes, str) or not isinstance(batch_sizes, Sequence):
         raise TypeError(f"batch_sizes must be a list of ints >= 1, e.g. [1, 2, 4], got {batch_sizes!r}")
     if not batch_sizes or any(not isinstance(b, int) or isinstance(b, bool) or b < 1 for b in batch_sizes):
@@ -150,7 +150,7 @@ def prefix_ttft(
     its prefill; building the prefix cache itself is paid once (``build_s``). Runs alternate,
     medians are reported, and the tokens of both sides are compared.
     """
-    check_model(model)
+    checked_model(model)
     if isinstance(suffixes, str) or not isinstance(suffixes, Sequence):
         raise TypeError(f"suffixes must be a list of suffixes (texts or token ids), got {type(suffixes).__name__}")
     if not suffixes:
