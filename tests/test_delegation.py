@@ -2,7 +2,8 @@
 
 Every graded test runs the learner's code inside ``ar_lab.course.checks.no_delegation``, which makes
 the package's reference for that exercise raise when the learner's code calls it. Here each
-chapter is executed with every solution replaced by an answer that only delegates
+chapter's exercises (``exercises_only``: answers, tests and the cells they need) are executed
+with every solution replaced by an answer that only delegates
 (``tests/delegating_answers.py``): every graded test must fail, and say why. The source
 versions passing and the student versions failing are proven by nbval and test_exercises.
 """
@@ -13,7 +14,7 @@ from pathlib import Path
 import nbformat
 import pytest
 
-from ar_lab.course.exercises import execute, grade, graded_cells, nbgrader_meta
+from ar_lab.course.exercises import execute, exercises_only, grade, graded_cells, nbgrader_meta
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from delegating_answers import DELEGATING, NO_REFERENCE  # noqa: E402
@@ -53,7 +54,7 @@ def test_a_delegating_answer_fails_every_graded_test(path):
         gid = nbgrader_meta(cell)["grade_id"]
         if gid in DELEGATING:
             cell.source = DELEGATING[gid].strip()
-    results = {r.grade_id: r for r in grade(execute(nb, path.parent))}
+    results = {r.grade_id: r for r in grade(execute(exercises_only(nb), path.parent))}  # not the experiments
     guarded = {gid: r for gid, r in results.items() if gid.removesuffix("-tests") not in NO_REFERENCE}
     passing = [gid for gid, r in guarded.items() if r.passed]
     assert not passing, f"{path.name}: a delegating answer passes {passing}"

@@ -5,17 +5,21 @@ every student version is executed and each graded cell must fail on its own
 (nbgrader's ``validate --invert``), so no exercise can be passed without doing it.
 """
 
+import re
 from pathlib import Path
 
 import nbformat
 import pytest
 
+from ar_lab.course.cells import names
 from ar_lab.course.exercises import (
     CODE_STUB,
     cell_checksum,
     execute,
+    exercises_only,
     grade,
     graded_cells,
+    nbgrader_meta,
     release,
     strip_hidden_tests,
     strip_solutions,
@@ -172,8 +176,16 @@ def test_grade_ids_are_unique_across_the_course():
 @pytest.mark.slow
 @pytest.mark.parametrize("path", WITH_EXERCISES, ids=[p.stem for p in WITH_EXERCISES])
 def test_every_exercise_fails_in_the_student_version(path):
-    student = student_version(nbformat.read(path, as_version=4))
-    results = grade(execute(student, path.parent))
+    """Run the student version's exercises (answers, tests and what they need; not the experiments):
+    every graded cell fails, and fails because the answer is missing, never because a cell it needs
+    was cut (that would show as a NameError for a name no answer defines)."""
+    source = nbformat.read(path, as_version=4)
+    answers = set().union(*(names(c.source)[0] for c in source.cells if nbgrader_meta(c).get("solution")))
+    results = grade(execute(exercises_only(student_version(source)), path.parent))
     assert results, f"{path.name} has no graded cells"
     passing = [r.grade_id for r in results if r.passed]
     assert not passing, f"{path.name}: these tests pass without the learner's work: {passing}"
+    missing = re.compile(r"^NotImplementedError|^CheckFailed: .*: not implemented yet|^NameError: name '(\w+)' is not")
+    wrong = {r.grade_id: r.error[:200] for r in results
+             if not (m := missing.match(r.error)) or (m.group(1) and m.group(1) not in answers)}
+    assert not wrong, f"{path.name}: failed for a reason other than the missing answer: {wrong}"

@@ -126,6 +126,14 @@ def graded_cells(nb: nbformat.NotebookNode) -> list[tuple[int, dict]]:
     return [(i, nbgrader_meta(c)) for i, c in enumerate(nb.cells) if nbgrader_meta(c).get("grade")]
 
 
+def exercises_only(nb: nbformat.NotebookNode) -> nbformat.NotebookNode:
+    """``nb`` cut to its answer and test cells and the cells they need (``cells.cut``): what the checks
+    that run every exercise with a wrong answer execute, instead of the chapter's experiments."""
+    from ar_lab.course.cells import cut
+
+    return cut(nb, lambda c: bool(nbgrader_meta(c).get("solution") or nbgrader_meta(c).get("grade")))
+
+
 def _folder(name: str, value) -> Path:
     """``value`` as a folder path; an empty string (the current folder, by accident) or a non-path is refused."""
     if not isinstance(value, (str, Path)) or not str(value).strip():
