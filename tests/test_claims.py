@@ -1,8 +1,10 @@
 """Claims fail loudly, naming the sentence that stopped being true."""
 
+import time
+
 import pytest
 
-from ar_lab.course.claims import ClaimFailed, claim, magnitude, plural
+from ar_lab.course.claims import ClaimFailed, claim, magnitude, plural, timed_claim
 
 
 def test_a_true_claim_is_silent_and_a_false_one_names_itself():
@@ -70,3 +72,118 @@ def test_a_planted_false_claim_fails_the_notebook_tests_with_its_name(tmp_path):
     assert honest.returncode == 0, honest.stdout[-2000:]
     assert planted.returncode != 0
     assert "ClaimFailed" in planted.stdout and name in planted.stdout, planted.stdout[-2000:]
+
+
+# --- timing claims: measured in turns, re-measured while undecided ---------------------------------
+
+
+def spin(seconds: float) -> None:
+    """Keep this process's CPU busy for ``seconds`` of its CPU time (what the steady clock counts)."""
+    end = time.process_time() + seconds
+    while time.process_time() < end:
+        pass
+
+
+def slow_at_first(fast: float, slow: float, slow_calls: int):
+    """A side that takes ``slow`` seconds on its first ``slow_calls`` calls, then ``fast``: a burst of load."""
+    calls = []
+
+    def run():
+        calls.append(None)
+        spin(slow if len(calls) <= slow_calls else fast)
+
+    return run
+
+
+def test_a_true_timing_claim_is_decided_by_one_measurement():
+    timed = timed_claim("a tenth of the work takes under half the time",
+                        {"small": lambda: spin(0.001), "large": lambda: spin(0.01)},
+                        lambda t: t["small"] < t["large"] / 2)
+    assert timed.attempts == 1 and len(timed.samples["small"]) == len(timed.samples["large"]) == 5
+    assert 0.0009 < timed.median("small") < timed.median("large")
+
+
+def test_a_false_timing_claim_fails_with_the_ratio_and_its_spread():
+    with pytest.raises(ClaimFailed, match=r"'large is faster'.*large / small = \d+\.\d\dx \(\d+\.\d\d-\d+\.\d\d\)"):
+        timed_claim("large is faster", {"small": lambda: spin(0.001), "large": lambda: spin(0.01)},
+                    lambda t: t["large"] < t["small"], budget_s=5)
+
+
+def test_a_claim_false_at_every_corner_of_the_spreads_fails_at_once():
+    t0 = time.perf_counter()
+    with pytest.raises(ClaimFailed, match="1 measurement"):
+        timed_claim("large is faster", {"small": lambda: spin(0.001), "large": lambda: spin(0.01)},
+                    lambda t: t["large"] < t["small"], budget_s=60)
+    assert time.perf_counter() - t0 < 5
+
+
+def test_a_burst_of_load_delays_the_verdict_instead_of_failing_it():
+    """The first calls of one side are slowed (as by another process): its median breaks the bound, its
+    fastest call does not, so the helper measures again, and the quiet second measurement decides."""
+    burst = slow_at_first(fast=0.001, slow=0.02, slow_calls=4)  # warm-up + 3 of 5 rounds slow
+    timed = timed_claim("checking is cheaper than a step", {"check": burst, "step": lambda: spin(0.005)},
+                        lambda t: t["check"] < t["step"])
+    assert timed.attempts == 2 and max(timed.samples["check"]) < 0.005
+
+
+def test_a_claim_that_stays_undecided_fails_after_its_budget():
+    flip = [0]
+
+    def sometimes_slow():  # two calls in three slow: the median stays slow, the fastest call keeps it open
+        flip[0] += 1
+        spin(0.02 if flip[0] % 3 else 0.001)
+
+    t0 = time.perf_counter()
+    with pytest.raises(ClaimFailed, match=r"[2-9] measurement\(s\)"):
+        timed_claim("sometimes slow is faster", {"side": sometimes_slow, "step": lambda: spin(0.005)},
+                    lambda t: t["side"] < t["step"], budget_s=0.5)
+    assert time.perf_counter() - t0 < 5
+
+
+def test_samples_a_cell_already_measured_are_judged_first():
+    runs = {"a": lambda: pytest.fail("measured again"), "b": lambda: pytest.fail("measured again")}
+    timed = timed_claim("a is faster", runs, lambda t: t["a"] < t["b"], first={"a": [1.0, 1.1], "b": [2.0, 2.1]})
+    assert timed.attempts == 1 and timed.medians() == {"a": 1.05, "b": 2.05}
+
+
+def test_a_true_timing_claim_passes_while_another_process_keeps_a_core_busy():
+    """A busy loop on one core for the whole measurement (a second process, as on a shared runner):
+    a claim that holds on a quiet machine still holds, with one torch thread."""
+    import subprocess
+    import sys
+
+    import torch
+
+    x = torch.randn(128, 128)
+    busy = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        time.sleep(0.2)  # let it start
+        for _ in range(3):
+            runs = {"one": lambda: x @ x, "two": lambda: (x @ x, x @ x), "eight": lambda: [x @ x for _ in range(8)]}
+            timed_claim("eight products take longer than two, and less than eight times as long as one",
+                        runs, lambda t: t["two"] < t["eight"] < 8 * t["one"] * 1.5, rounds=9)
+    finally:
+        torch.set_num_threads(threads)
+        busy.kill()
+        busy.wait()
+
+
+@pytest.mark.parametrize(
+    "kwargs, error",
+    [
+        (dict(runs={}), "non-empty dict"),
+        (dict(holds="fast"), "function of the sides' median"),
+        (dict(budget_s=-1), "budget_s"),
+        (dict(rounds=0), "rounds"),
+        (dict(first={"a": [1.0]}), "exactly the sides"),
+        (dict(first={"a": [1.0], "b": []}), "exactly the sides"),
+        (dict(device="tpu"), "device must be"),
+    ],
+)
+def test_timed_claim_refuses_bad_arguments(kwargs, error):
+    args = dict(name="a is faster", runs={"a": lambda: None, "b": lambda: None}, holds=lambda t: t["a"] < t["b"])
+    args.update(kwargs)
+    with pytest.raises((ValueError, TypeError), match=error):
+        timed_claim(**args)

@@ -9,8 +9,18 @@ raises ``ClaimFailed`` naming it, and the notebook tests (nbval) fail on that ce
 
 from __future__ import annotations
 
+import itertools
 import math
 import numbers
+import statistics
+import time
+from collections.abc import Callable, Hashable
+from dataclasses import dataclass
+
+import torch
+
+from ar_lab.base.args import positive_int
+from ar_lab.base.timing import checked_device, interleaved, steady_clock
 
 
 class ClaimFailed(AssertionError):
@@ -47,6 +57,98 @@ def claim(name: str, holds: bool, measured: str = "") -> None:
             + (f" ({measured})" if measured else "")
             + ". Re-run the cell; if it still fails, the text around it needs rewriting."
         )
+
+
+@dataclass(frozen=True)
+class Timed:
+    """What a timing claim measured: the seconds of every call of each side, in the attempt that decided."""
+
+    samples: dict[Hashable, list[float]]
+    attempts: int  # measurements taken: 1 when the first one decided
+    seconds: float  # wall-clock time the claim spent measuring
+
+    def median(self, name: Hashable) -> float:
+        return statistics.median(self.samples[name])
+
+    def medians(self) -> dict[Hashable, float]:
+        return {name: self.median(name) for name in self.samples}
+
+    def spread(self, name: Hashable) -> tuple[float, float]:
+        """The lower and upper quartile of the side's times (its min and max with fewer than 4)."""
+        values = sorted(self.samples[name])
+        if len(values) < 4:
+            return values[0], values[-1]
+        q = statistics.quantiles(values, n=4)
+        return q[0], q[2]
+
+    def describe(self) -> str:
+        """Each side's median and quartiles; with two sides, the ratio of the second to the first."""
+        parts = [f"{name}: {_ms(self.median(name))} ({_ms(self.spread(name)[0])}-{_ms(self.spread(name)[1])})"
+                 for name in self.samples]
+        if len(self.samples) == 2:
+            a, b = self.samples
+            (a_lo, a_hi), (b_lo, b_hi) = self.spread(a), self.spread(b)
+            parts.append(f"{b} / {a} = {self.median(b) / self.median(a):.2f}x ({b_lo / a_hi:.2f}-{b_hi / a_lo:.2f})")
+        return "; ".join(parts) + f"; {self.attempts} measurement(s) in {self.seconds:.1f} s"
+
+
+def _ms(seconds: float) -> str:
+    return f"{seconds * 1e3:.3g} ms"
+
+
+def _undecided(samples: dict[Hashable, list[float]], holds: Callable[[dict], object]) -> bool:
+    """True when the claim holds at some corner of the sides' ranges (each side at its fastest or slowest):
+    the spreads overlap the claimed bound, so another measurement may decide it."""
+    ends = [(min(v), max(v)) for v in samples.values()]
+    return any(truth(holds(dict(zip(samples, corner)))) for corner in itertools.product(*ends))
+
+
+def timed_claim(
+    name: str,
+    runs: dict[Hashable, Callable[[], object]],
+    holds: Callable[[dict[Hashable, float]], object],
+    *,
+    rounds: int = 5,
+    warmup: int = 1,
+    budget_s: float = 20.0,
+    device: torch.device | str = "cpu",
+    first: dict[Hashable, list[float]] | None = None,
+) -> Timed:
+    """Claim ``name`` about how long the calls in ``runs`` take, and measure until the measurement decides.
+
+    The sides are timed in turns (``interleaved``: ``rounds`` calls each, after ``warmup``), on the
+    steady clock (one thread's CPU time on a CPU, so another process does not inflate it). ``holds``
+    gets each side's median seconds and returns the verdict, e.g. ``lambda t: t["cached"] < t["uncached"] / 3``.
+    ``first``, the samples a cell already measured for its table or plot, is judged before anything more
+    is timed. While the verdict is false but the spreads overlap the bound (the claim holds with some
+    side at its fastest or slowest), the sides are measured again, up to ``budget_s`` seconds in all:
+    a busy machine delays a verdict, it does not decide it. A claim that stays false, or is false
+    at every corner of the spreads, raises ``ClaimFailed`` with each side's median, its quartiles
+    and (for two sides) their ratio. Returns the deciding measurement.
+    """
+    if not isinstance(runs, dict) or not runs:
+        raise ValueError(f"runs must be a non-empty dict {{name: function of no arguments}}, got {runs!r}")
+    if not callable(holds):
+        raise TypeError(f"holds must be a function of the sides' median seconds, e.g. lambda t: t['a'] < t['b']; got {holds!r}")
+    positive_int("rounds", rounds)
+    if isinstance(budget_s, bool) or not isinstance(budget_s, numbers.Real) or not budget_s >= 0:
+        raise ValueError(f"budget_s must be a number of seconds >= 0, got {budget_s!r}")
+    if first is not None and (not isinstance(first, dict) or set(first) != set(runs) or not all(first.values())):
+        raise ValueError(f"first must hold samples for exactly the sides {list(runs)}, got {first!r}"[:300])
+    device = checked_device(device)
+    clock = steady_clock(device) if device.type == "cpu" else None
+    start, attempts = time.perf_counter(), 0
+    samples = {k: list(v) for k, v in first.items()} if first is not None else None
+    while True:
+        if samples is None:
+            samples = interleaved(runs, rounds, warmup=warmup if attempts == 0 else 0, clock=clock, device=device)
+        attempts += 1
+        timed = Timed(samples, attempts, time.perf_counter() - start)
+        if truth(holds(timed.medians())):
+            return timed
+        if not _undecided(samples, holds) or time.perf_counter() - start >= budget_s:
+            claim(name, False, timed.describe())
+        samples = None
 
 
 def say(text: str) -> None:
