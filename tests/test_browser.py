@@ -1,4 +1,4 @@
-"""The course as a learner sees it: JupyterLab in Chromium, every notebook run from the menu.
+"""The course as a learner sees it: JupyterLab in Chromium, every notebook opened and run from the menu.
 
 One JupyterLab (this interpreter's) serves a temporary copy of notebooks/ on a free
 loopback port; one headless Chromium (the system's: `apt-get install chromium`, never
@@ -6,6 +6,11 @@ a Playwright download) opens each notebook in its own page, clears it, runs
 Run → Run All Cells and waits for the kernel to be idle. A notebook fails on an error
 output, a traceback on stderr, a widget that was not drawn ("Error displaying widget"),
 a browser console error, or a cell that never ran.
+
+What only a browser shows is the widgets: one chapter (FULL_RUN) runs whole, as a learner
+runs it; the others are cut (``cells.cut``) to their widget cells (the explorers, the quiz,
+a progress bar: the cells whose committed outputs hold a widget) and the cells those need.
+Every cell of every chapter is still executed by nbval, headless, in the same make test.
 
 The explorers are then driven through the page: arrow keys and typing in number
 boxes, choosing from drop-downs, clicking radio buttons and "Check". Each assertion
@@ -50,6 +55,29 @@ HOW_TO_ENABLE = (
     "never `playwright install`, the system browser is used"
 )
 
+FULL_RUN = "06_sampling.ipynb"  # the chapter run whole in the browser: plots, widgets, an explorer and a quiz
+WIDGET_VIEW = "application/vnd.jupyter.widget-view+json"
+
+
+def shows_a_widget(cell) -> bool:
+    """A code cell whose committed output draws a widget (an explorer, a quiz, a progress bar)."""
+    return cell.cell_type == "code" and any(WIDGET_VIEW in o.get("data", {}) for o in cell.get("outputs", []))
+
+
+def browser_copy(source: Path, target: Path) -> None:
+    """Write the notebook the browser runs: FULL_RUN as it is, any other cut to its widget cells, the
+    cells that change what those bind (e.g. set an explorer's controls from code) and what all of them need."""
+    import nbformat
+
+    from ar_lab.course.cells import changes, cut, names
+
+    nb = nbformat.read(source, as_version=4)
+    if source.name != FULL_RUN:
+        widgets = set().union(*(names(c.source)[0] for c in nb.cells if shows_a_widget(c)))
+        nb = cut(nb, lambda c: shows_a_widget(c) or (c.cell_type == "code" and bool(changes(c.source) & widgets)))
+    nbformat.write(nb, target)
+
+
 # Notebooks whose explorers are driven below: their page (and kernel) stays open after the run.
 EXPLORER_NOTEBOOKS = {
     "04_kv_cache.ipynb",
@@ -89,6 +117,8 @@ def lab(pytestconfig):
     tmp = Path(tempfile.mkdtemp(prefix="ar_lab-browser-"))
     try:
         shutil.copytree(ROOT / "notebooks", tmp / "course", ignore=shutil.ignore_patterns(".ipynb_checkpoints"))
+        for name in NOTEBOOKS:
+            browser_copy(ROOT / "notebooks" / name, tmp / "course" / name)
         SHOTS.mkdir(parents=True, exist_ok=True)
         _terminal(pytestconfig, f"\nbrowser tests: JupyterLab on {tmp / 'course'}, screenshots in {SHOTS}")
         env = {"AR_LAB_DATA": os.environ.get("AR_LAB_DATA", str(ROOT / "data"))}

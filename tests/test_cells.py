@@ -4,7 +4,7 @@ import nbformat
 import pytest
 from nbformat.v4 import new_code_cell, new_markdown_cell, new_notebook
 
-from ar_lab.course.cells import cut, names
+from ar_lab.course.cells import changes, cut, names
 
 
 @pytest.mark.parametrize(
@@ -76,3 +76,7 @@ def test_cut_of_every_chapter_keeps_its_exercises_in_order():
         assert [ids.index(c.id) for c in kept] == sorted(ids.index(c.id) for c in kept)
         exercise = {c.id for c in nb.cells if nbgrader_meta(c).get("solution") or nbgrader_meta(c).get("grade")}
         assert exercise <= {c.id for c in kept} and len(kept) < len([c for c in nb.cells if c.cell_type == "code"])
+
+
+def test_changes_names_objects_changed_in_place():
+    assert changes("calc.preset.value = 'x'\nd[k] = 1\nm.n += 2\ny = 3\nxs.append(4)") == {"calc", "d", "m"}

@@ -169,6 +169,20 @@ def names(source: str) -> tuple[set[str], set[str]]:
     return bound, read - _BUILTINS
 
 
+def changes(source: str) -> set[str]:
+    """The names whose objects a code cell changes in place at its top level: ``x.a = ...``,
+    ``x[k] = ...``, ``x.a.b += ...`` (a method call such as ``x.append`` is not seen)."""
+    out: set[str] = set()
+    for node in ast.walk(_python(source)):
+        if isinstance(node, (ast.Attribute, ast.Subscript)) and not isinstance(node.ctx, ast.Load):
+            root = node
+            while isinstance(root, (ast.Attribute, ast.Subscript)):
+                root = root.value
+            if isinstance(root, ast.Name):
+                out.add(root.id)
+    return out
+
+
 def cut(nb: nbformat.NotebookNode, keep: Callable[[nbformat.NotebookNode], bool]) -> nbformat.NotebookNode:
     """A copy of ``nb`` with the cells ``keep`` selects, the code cells they depend on, and the first code
     cell (the chapter's set-up: imports, seeds, threads), in their order; Markdown and the rest go.
