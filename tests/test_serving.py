@@ -12,7 +12,13 @@ from ar_lab.engine.sampling import SamplingParams
 from ar_lab.engine.serving import Request, StreamSummary, generate_batch, latency_budget, serve, simulate, tokens_within
 from ar_lab.model.cache import BatchKVCache, KVCache
 from ar_lab.model.gpt import GPT, GPTConfig
-from ar_lab.perf.serving_measure import compare_policies, decode_throughput, mixed_workload, prefix_ttft
+from ar_lab.perf.serving_measure import (
+    compare_policies,
+    decode_step_runs,
+    decode_throughput,
+    mixed_workload,
+    prefix_ttft,
+)
 
 configs = st.builds(
     lambda layers, heads, group, d, seed: (
@@ -343,6 +349,16 @@ def test_decode_throughput_rows(tiny_model):
     assert all(r["step_s"] > 0 for r in rows)
     with pytest.raises(ValueError, match="context window"):
         decode_throughput(tiny_model, [1], context=60, steps=10)
+
+
+def test_decode_step_runs_can_be_called_again_and_again(tiny_model):
+    """Each call starts from the same state (rows back at ``context``), so a timing claim can re-time it:
+    the cache holds exactly ``context + steps`` positions, and a call that did not reset would overflow it."""
+    runs = decode_step_runs(tiny_model, [1, 3], context=8, steps=3)
+    for _ in range(4):
+        runs[1](), runs[3]()
+    with pytest.raises(ValueError, match="batch_sizes"):
+        decode_step_runs(tiny_model, [0])
 
 
 def test_prefix_ttft_reports_both_sides_and_equal_outputs(tiny_model):

@@ -5,6 +5,9 @@ together: ``say`` renders Markdown from the values a cell just measured (so a qu
 is the figure), and ``claim`` asserts a comparative statement right after its measurement,
 with bounds wide enough for a noisy 2-core machine. When a claim stops being true, the cell
 raises ``ClaimFailed`` naming it, and the notebook tests (nbval) fail on that cell.
+``timed_claim`` is ``claim`` for timings: it times the sides itself, in turns, and times them
+again while a busy machine leaves the verdict open, so another process delays a verdict
+instead of deciding it.
 """
 
 from __future__ import annotations

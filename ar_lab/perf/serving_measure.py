@@ -90,22 +90,19 @@ def _random_batches(model, batch_sizes: Sequence[int], context: int, steps: int)
     return caches, inputs
 
 
-def decode_throughput(
-    model, batch_sizes: Sequence[int], *, context: int = 64, steps: int = 16, repeats: int = 3
-) -> list[dict]:
-    """Tokens/s of batched decode steps at each batch size, every row at ``context`` positions.
-
-    The cache is filled with random keys/values (timing depends on shapes, not contents);
-    each repeat runs ``steps`` decode steps per batch size, the batch sizes taking turns
-    (``ar_lab.base.timing.interleaved``) so a load change on the machine hits them alike.
-    Medians are reported.
-    """
+def decode_step_runs(
+    model, batch_sizes: Sequence[int], *, context: int = 64, steps: int = 16
+) -> dict[int, Callable[[], None]]:
+    """For each batch size, a function of no arguments that runs ``steps`` batched decode steps, every
+    row at ``context`` positions (its cache holds random keys/values: timing depends on shapes, not
+    contents). Each call starts from the same state, so every call is the same work: what
+    ``decode_throughput`` times, and what a timing claim (``course.claims.timed_claim``) re-times."""
     checked_model(model)
     if isinstance(batch_sizes, str) or not isinstance(batch_sizes, Sequence):
         raise TypeError(f"batch_sizes must be a list of ints >= 1, e.g. [1, 2, 4], got {batch_sizes!r}")
     if not batch_sizes or any(not isinstance(b, int) or isinstance(b, bool) or b < 1 for b in batch_sizes):
         raise ValueError(f"batch_sizes must be ints >= 1, got {list(batch_sizes)}")
-    positive_int("context", context), positive_int("steps", steps), positive_int("repeats", repeats)
+    positive_int("context", context), positive_int("steps", steps)
     if context + steps > model.config.block_size:
         raise ValueError(f"context + steps must fit in the context window ({model.config.block_size})")
     cfg, value = model.config, next(model.parameters()).element_size()
@@ -120,15 +117,28 @@ def decode_throughput(
 
     def decode_steps(b: int) -> Callable[[], None]:
         def run() -> None:
-            caches[b].lengths[:b] = [context] * b  # every row back at `context` positions
-            for _ in range(steps):
-                decoder.step(inputs[b][:, 0], caches[b], None)  # one token for every row, as serve steps
+            with inference(model):
+                caches[b].lengths[:b] = [context] * b  # every row back at `context` positions
+                for _ in range(steps):
+                    decoder.step(inputs[b][:, 0], caches[b], None)  # one token for every row, as serve steps
 
         return run
 
-    with inference(model):
-        runs = {b: decode_steps(b) for b in batch_sizes}
-        times = interleaved(runs, repeats, warmup=1, clock=time.perf_counter, device=model.device)  # 1 round warms up
+    return {b: decode_steps(b) for b in batch_sizes}
+
+
+def decode_throughput(
+    model, batch_sizes: Sequence[int], *, context: int = 64, steps: int = 16, repeats: int = 3
+) -> list[dict]:
+    """Tokens/s of batched decode steps at each batch size, every row at ``context`` positions.
+
+    Each repeat runs ``steps`` decode steps per batch size (``decode_step_runs``), the batch sizes
+    taking turns (``ar_lab.base.timing.interleaved``) so a load change on the machine hits them alike.
+    Medians are reported.
+    """
+    positive_int("repeats", repeats)
+    runs = decode_step_runs(model, batch_sizes, context=context, steps=steps)
+    times = interleaved(runs, repeats, warmup=1, clock=time.perf_counter, device=model.device)  # 1 round warms up
     out = []
     for b in batch_sizes:
         step = statistics.median(t / steps for t in times[b])
