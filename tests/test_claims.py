@@ -140,6 +140,12 @@ def test_a_claim_that_stays_undecided_fails_after_its_budget():
     assert time.perf_counter() - t0 < 5
 
 
+def test_one_slow_sample_a_cell_measured_is_timed_again_not_failed():
+    timed = timed_claim("a is faster", {"a": lambda: spin(0.001), "b": lambda: spin(0.005)}, lambda t: t["a"] < t["b"],
+                        first={"a": [0.05], "b": [0.005]})  # one slow call of a, as under a burst of load
+    assert timed.attempts == 2 and timed.median("a") < 0.005
+
+
 def test_samples_a_cell_already_measured_are_judged_first():
     runs = {"a": lambda: pytest.fail("measured again"), "b": lambda: pytest.fail("measured again")}
     timed = timed_claim("a is faster", runs, lambda t: t["a"] < t["b"], first={"a": [1.0, 1.1], "b": [2.0, 2.1]})

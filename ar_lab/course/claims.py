@@ -101,7 +101,10 @@ def _ms(seconds: float) -> str:
 
 def _undecided(samples: dict[Hashable, list[float]], holds: Callable[[dict], object]) -> bool:
     """True when the claim holds at some corner of the sides' ranges (each side at its fastest or slowest):
-    the spreads overlap the claimed bound, so another measurement may decide it."""
+    the spreads overlap the claimed bound, so another measurement may decide it. A side timed fewer than
+    3 times has no spread to speak of: that is undecided too."""
+    if any(len(v) < 3 for v in samples.values()):
+        return True
     ends = [(min(v), max(v)) for v in samples.values()]
     return any(truth(holds(dict(zip(samples, corner)))) for corner in itertools.product(*ends))
 
@@ -124,7 +127,8 @@ def timed_claim(
     gets each side's median seconds and returns the verdict, e.g. ``lambda t: t["cached"] < t["uncached"] / 3``.
     ``first``, the samples a cell already measured for its table or plot, is judged before anything more
     is timed. While the verdict is false but the spreads overlap the bound (the claim holds with some
-    side at its fastest or slowest), the sides are measured again, up to ``budget_s`` seconds in all:
+    side at its fastest or slowest, or a side was timed fewer than 3 times, as ``first`` may be), the
+    sides are measured again, up to ``budget_s`` seconds in all:
     a busy machine delays a verdict, it does not decide it. A claim that stays false, or is false
     at every corner of the spreads, raises ``ClaimFailed`` with each side's median, its quartiles
     and (for two sides) their ratio. Returns the deciding measurement.
