@@ -217,3 +217,54 @@ def my_quantize_int4(w, group_size):
 
 # Exercises with no reference in the package to delegate to (their graded tests need no guard).
 NO_REFERENCE = {"ch02-causal-mask"}
+
+# The same delegation by the routes a name swap would not see (issue 33): each must fail too, naming
+# the reference. Keyed by grade_id; each chapter's routes run together in one execution of its exercises.
+ROUTES = {
+    "ch00-to-tokens": """
+import threading
+
+
+def to_tokens(text):  # on a worker thread
+    from ar_lab.model.tokenizer import encode
+    out = []
+    worker = threading.Thread(target=lambda: out.append(encode(text)))
+    worker.start()
+    worker.join()
+    return out[0]
+""",
+    "ch00-tokens-per-char": """
+import ar_lab.model.tokenizer
+
+
+def tokens_per_char(text, count=ar_lab.model.tokenizer.encode):  # captured in a default argument
+    return len(count(text)) / len(text)
+""",
+    "ch02-attention": """
+def attention(q, k, v, mask=None):  # PyTorch's operator, under its aten name
+    return torch.ops.aten.scaled_dot_product_attention(q[None], k[None], v[None], attn_mask=mask)[0]
+""",
+    "ch03-cross-entropy": """
+def cross_entropy(logits, targets):  # the C function F.cross_entropy calls
+    return torch._C._nn.cross_entropy_loss(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+""",
+    "ch03-param-count": """
+from ar_lab.perf.roofline import from_gpt_config
+
+
+def gpt_param_count(cfg):  # the count parameter_count reads, reached around it
+    return from_gpt_config(cfg).parameters
+""",
+    "ch06-top-p": """
+import inspect
+
+import ar_lab.engine.sampling as s
+
+_copy = {**vars(s)}
+exec(inspect.getsource(s._top_p), _copy)  # the package's private helper, copied and run again
+
+
+def my_top_p_keep(probs, p):
+    return _copy["_top_p"](probs.log(), p) > float("-inf")
+""",
+}

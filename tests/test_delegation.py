@@ -17,7 +17,7 @@ import pytest
 from ar_lab.course.exercises import execute, exercises_only, grade, graded_cells, nbgrader_meta
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from delegating_answers import DELEGATING, NO_REFERENCE  # noqa: E402
+from delegating_answers import DELEGATING, NO_REFERENCE, ROUTES  # noqa: E402
 
 NOTEBOOKS = Path(__file__).resolve().parent.parent / "notebooks"
 WITH_EXERCISES = [p for p in sorted(NOTEBOOKS.glob("*.ipynb")) if graded_cells(nbformat.read(p, as_version=4))]
@@ -59,4 +59,27 @@ def test_a_delegating_answer_fails_every_graded_test(path):
     passing = [gid for gid, r in guarded.items() if r.passed]
     assert not passing, f"{path.name}: a delegating answer passes {passing}"
     unexplained = {gid: r.error[:200] for gid, r in guarded.items() if "ready-made implementation" not in r.error}
+    assert not unexplained, f"{path.name}: these failed without naming the delegation: {unexplained}"
+
+
+ROUTE_CHAPTERS = sorted({p for p in WITH_EXERCISES for gid in ROUTES if gid.startswith(f"ch{p.name[:2]}-")})
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("path", ROUTE_CHAPTERS, ids=[p.stem for p in ROUTE_CHAPTERS])
+def test_delegating_by_a_route_no_name_swap_sees_fails_too(path):
+    """A thread, a default argument, an aten operator, a C function, another module's count, a copy of
+    a private helper's source: each answer's graded test fails, naming the reference."""
+    nb = nbformat.read(path, as_version=4)
+    routed = []
+    for cell in solutions(nb):
+        gid = nbgrader_meta(cell)["grade_id"]
+        if gid in ROUTES:
+            cell.source = ROUTES[gid].strip()
+            routed.append(f"{gid}-tests")
+    results = {r.grade_id: r for r in grade(execute(exercises_only(nb), path.parent))}
+    passing = [gid for gid in routed if results[gid].passed]
+    assert not passing, f"{path.name}: an answer by another route passes {passing}"
+    errors = {gid: results[gid].error for gid in routed}
+    unexplained = {gid: e[:300] for gid, e in errors.items() if "ready-made implementation" not in e}
     assert not unexplained, f"{path.name}: these failed without naming the delegation: {unexplained}"

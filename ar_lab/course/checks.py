@@ -50,35 +50,6 @@ def _not_implemented(what: str, fn: Callable, *args, **kwargs):
         _fail(what, "not implemented yet", "replace `raise NotImplementedError()` with your code")
 
 
-def _resolve(reference: str | Callable) -> tuple[str, Any, Any]:
-    """(dotted name, object, owning class or None) of a reference: an object, or a dotted name
-    such as ``"ar_lab.engine.sampling.filter_top_p"`` or ``"ar_lab.model.cache.KVCache.update"``."""
-    if not isinstance(reference, str):
-        name = f"{getattr(reference, '__module__', '?')}.{getattr(reference, '__qualname__', repr(reference))}"
-        return name, reference, None
-    parts = reference.split(".")
-    for cut in range(len(parts) - 1, 0, -1):  # the longest importable module prefix, then attributes
-        try:
-            obj = importlib.import_module(".".join(parts[:cut]))
-        except ImportError:
-            continue
-        owner = None
-        try:
-            for attr in parts[cut:]:
-                owner, obj = obj, getattr(obj, attr)
-        except AttributeError as e:
-            raise ValueError(f"no reference named {reference!r} to forbid: {e}") from None
-        return reference, obj, owner if isinstance(owner, type) else None
-    raise ValueError(f"no reference named {reference!r} to forbid: no module to import")
-
-
-def _namespaces(extra: Iterable[dict]) -> list[dict]:
-    """The dicts a learner's code can reach a reference through: ar_lab's and torch's modules, the notebook."""
-    names = [n for n in list(sys.modules) if n.split(".")[0] in ("ar_lab", "torch") or n == "__main__"]
-    spaces = [getattr(sys.modules.get(n), "__dict__", None) for n in names]
-    return [s for s in spaces if isinstance(s, dict)] + list(extra)
-
-
 def _codes(obj: Any) -> set:
     """Every code object of a learner's function, class or object (nested functions and methods included)."""
     obj = getattr(obj, "func", obj)  # a functools.partial
@@ -101,15 +72,6 @@ def _codes(obj: Any) -> set:
             if hasattr(value, "__code__"):
                 found |= _codes(value)
     return found
-
-
-def _learner_on_stack(codes: set) -> bool:
-    frame = sys._getframe(2)
-    while frame is not None:
-        if frame.f_code in codes:
-            return True
-        frame = frame.f_back
-    return False
 
 
 @contextlib.contextmanager
@@ -136,23 +98,28 @@ def warnings_as_notes(exercise: str = "this exercise") -> Iterator[list]:
 
 
 @contextlib.contextmanager
-def no_delegation(
-    *learner: Callable, forbid: Iterable[str | Callable] = (), exercise: str = "this exercise", namespaces=()
-) -> Iterator[list]:
+def no_delegation(*learner: Callable, forbid: Iterable[str | Callable] = (), exercise: str = "this exercise") -> Iterator[list]:
     """While the block runs, the ``forbid`` references raise ``Delegated`` when the learner's code calls them.
 
     ``learner``: the learner's functions or classes (their code, nested functions and methods
     included, counts as theirs); with none, every call raises. ``forbid``: functions, methods or
     classes (a class: its constructor and ``forward``), as objects or dotted names
-    (``"ar_lab.engine.sampling.filter_top_p"``, ``"ar_lab.model.cache.KVCache.update"``). Every module
-    attribute and notebook name bound to a forbidden function is swapped for a stand-in that
-    calls the original unless the learner's code is on the call stack, so the test's own
-    reference values can be computed inside the block. All is put back on exit. A learner
-    whose code caught the error is caught too. Warnings raised in the block go to stdout
+    (``"ar_lab.engine.sampling.filter_top_p"``, ``"ar_lab.model.cache.KVCache.update"``), or a PyTorch
+    operator as ``"aten::name"`` (every ``torch.ops.aten.name`` overload).
+
+    The guard watches calls, not names (``guard.Watch``): a reference is caught however the learner's
+    code reached it (imported, captured in a default argument, a saved method, a copy of a module's
+    dict, ``torch._C``), a copy of its code (``importlib.reload``, ``exec`` of its source) counts as the
+    reference, threads started in the block are watched too, and a thread the learner left running
+    fails the test. A call is the learner's when the nearest notebook code above it is not the test
+    cell's own: the test computes its reference values inside the block. A learner whose code
+    caught the error is caught too. Warnings raised in the block go to stdout
     (``warnings_as_notes``), so they do not fail a graded cell.
     """
+    from ar_lab.course.guard import Watch, forbidden
+
     codes = set().union(*(_codes(f) for f in learner)) if learner else None
-    forbid = [_resolve(ref) for ref in forbid]
+    forbid = [forbidden(ref) for ref in forbid]
     for name, obj, _ in forbid:
         for f in learner:
             if f is obj or getattr(f, "func", getattr(f, "__wrapped__", f)) is obj:
@@ -165,59 +132,28 @@ def no_delegation(
                     f"{exercise}: your class `{f.__name__}` is built on `{name}`, a ready-made implementation "
                     "of what the exercise asks you to write: subclass torch.nn.Module and write it yourself."
                 )
-    calls: list[str] = []
-    swaps: list[tuple[Any, str, Any, bool]] = []  # (where, name, original, is_dict)
-
-    def stand_in(name: str, original: Callable) -> Callable:
-        def delegated(*args, **kwargs):
-            if codes is not None and not _learner_on_stack(codes):
-                return original(*args, **kwargs)
-            calls.append(name)
-            raise Delegated(
-                f"{exercise}: your code called `{name}`, a ready-made implementation of what "
-                "the exercise asks you to write: replace that call with your own tensor operations."
-            )
-
-        return delegated
-
-    spaces = _namespaces(namespaces)
+    watch = Watch(forbid, codes, exercise, Delegated)
     try:
-        for name, obj, owner in forbid:
-            # A class: making one, and its forward (instances made earlier included). A method: on its class.
-            targets = [(obj, m) for m in ("__init__", "forward") if hasattr(obj, m)] if isinstance(obj, type) else []
-            targets += [(owner, name.rsplit(".", 1)[1])] if owner is not None else []
-            for cls, method in targets:
-                swaps.append((cls, method, cls.__dict__.get(method), False))
-                setattr(cls, method, stand_in(f"{name}.{method}" if cls is obj else name, getattr(cls, method)))
-            fake = stand_in(name, obj)
-            for space in spaces if not targets else ():
-                for key, value in list(space.items()):
-                    if value is obj:
-                        swaps.append((space, key, value, True))
-                        space[key] = fake
-        with warnings_as_notes(exercise):
-            yield calls
-    finally:
-        for where, key, original, is_dict in reversed(swaps):
-            if is_dict:
-                where[key] = original
-            elif original is None:
-                delattr(where, key)
-            else:
-                setattr(where, key, original)
-    if calls:
+        with watch, warnings_as_notes(exercise):
+            yield watch.calls
+    except Exception as e:  # e.g. the learner's thread died on Delegated and their code then failed
+        if watch.calls and not isinstance(e, Delegated):
+            raise Delegated(
+                f"{exercise}: your code called `{watch.calls[0]}`, a ready-made implementation of what the "
+                "exercise asks you to write, and then failed: write the computation yourself."
+            ) from e
+        raise
+    if watch.calls:
         raise Delegated(
-            f"{exercise}: your code called `{calls[0]}`, a ready-made implementation of what the "
+            f"{exercise}: your code called `{watch.calls[0]}`, a ready-made implementation of what the "
             "exercise asks you to write (and caught the error): write the computation yourself."
         )
 
 
 def own_work(what: str, fn: Callable, *args, forbidden: Iterable[str | Callable] = (), **kwargs):
     """``fn(*args, **kwargs)`` (the learner's code) with the ``forbidden`` references made to raise
-    (see ``no_delegation``). The learner's own module globals are searched too, so
-    ``from ar_lab.x import f`` in the notebook does not slip past."""
-    extra = [fn.__globals__] if hasattr(fn, "__globals__") else []
-    with no_delegation(fn, forbid=forbidden, exercise=what, namespaces=extra):
+    (see ``no_delegation``), however the learner's code reaches them."""
+    with no_delegation(fn, forbid=forbidden, exercise=what):
         return _not_implemented(what, fn, *args, **kwargs)
 
 
