@@ -189,3 +189,28 @@ def test_every_exercise_fails_in_the_student_version(path):
     wrong = {r.grade_id: r.error[:200] for r in results
              if not (m := missing.match(r.error)) or (m.group(1) and m.group(1) not in answers)}
     assert not wrong, f"{path.name}: failed for a reason other than the missing answer: {wrong}"
+
+
+@pytest.mark.slow
+def test_the_installed_package_carries_no_solution(tmp_path):
+    """The graded set-up INSTRUCTORS.md gives installs the package from its wheel (`pip install .`):
+    the wheel holds ar_lab's modules only: no notebook, no solution region, so a learner's kernel
+    there has the answers nowhere to read. (The package's own code is the reference each exercise
+    is checked against; the delegation guard keeps it from being called or copied by code.)"""
+    import subprocess
+    import sys
+    import zipfile
+
+    from ar_lab.course.exercises import _SOLUTION
+
+    root = Path(__file__).resolve().parent.parent
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", str(root),
+                    "-w", str(tmp_path)], check=True, capture_output=True, timeout=300)
+    [wheel] = tmp_path.glob("ar_lab-*.whl")
+    with zipfile.ZipFile(wheel) as z:
+        texts = {n: z.read(n).decode("utf-8", "replace") for n in z.namelist()}
+    assert texts and all(n.startswith(("ar_lab/", "ar_lab-")) for n in texts), list(texts)
+    assert not [n for n in texts if n.endswith(".ipynb")]
+    assert not [n for n, text in texts.items() if _SOLUTION.search(text)]
+    source = "".join(c.source for c in nbformat.read(NOTEBOOKS / "06_sampling.ipynb", as_version=4).cells)
+    assert _SOLUTION.search(source), "the check finds a solution region where there is one"
