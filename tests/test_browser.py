@@ -221,6 +221,25 @@ def choose(block, i: int) -> None:
     expect(radio).to_be_checked(timeout=5_000)
 
 
+def check_until(block, i: int, feedback, mark: str) -> None:
+    """Pick choice ``i``, press Check and wait for ``mark`` in the feedback. The radio's new value reaches
+    the kernel as its own message; a Check that overtakes it is answered for the old choice (seen once
+    in CI, right after a wrong answer), so the pick and the Check are repeated, up to three times."""
+    from playwright.sync_api import expect
+
+    for _ in range(2):
+        choose(block, i)
+        block.get_by_role("button", name="Check").click()
+        try:
+            expect(feedback).to_contain_text(mark, timeout=10_000)
+            return
+        except AssertionError:
+            continue
+    choose(block, i)
+    block.get_by_role("button", name="Check").click()
+    expect(feedback).to_contain_text(mark, timeout=UPDATE_TIMEOUT_MS)
+
+
 def answer_first_question(nb, quiz, chapter: str) -> None:
     from playwright.sync_api import expect
 
@@ -233,12 +252,8 @@ def answer_first_question(nb, quiz, chapter: str) -> None:
     first.get_by_role("button", name="Check").click()
     expect(feedback).to_have_text("Pick an answer first.", timeout=UPDATE_TIMEOUT_MS)
     wrong = (q[0].answer + 1) % len(q[0].choices)
-    choose(first, wrong)
-    first.get_by_role("button", name="Check").click()
-    expect(feedback).to_contain_text("✘ Not quite", timeout=UPDATE_TIMEOUT_MS)
-    choose(first, q[0].answer)
-    first.get_by_role("button", name="Check").click()
-    expect(feedback).to_contain_text("✔ Right.", timeout=UPDATE_TIMEOUT_MS)
+    check_until(first, wrong, feedback, "✘ Not quite")
+    check_until(first, q[0].answer, feedback, "✔ Right.")
     expect(quiz).to_contain_text(f"Score: 1 / {len(q)} (1 answered)")
     shot(quiz, f"quiz_{chapter}")
 
@@ -668,10 +683,8 @@ def test_quiz_widget_in_a_generated_notebook(lab):
         for i, question in enumerate(q):  # right, wrong, right, ...
             pick = question.answer if i % 2 == 0 else (question.answer + 1) % len(question.choices)
             block = blocks.nth(i)
-            choose(block, pick)
-            block.get_by_role("button", name="Check").click()
             mark = "✔ Right." if pick == question.answer else "✘ Not quite"
-            expect(block.locator(".widget-html-content").last).to_contain_text(mark, timeout=UPDATE_TIMEOUT_MS)
+            check_until(block, pick, block.locator(".widget-html-content").last, mark)
             right += pick == question.answer
             expect(score).to_have_text(f"Score: {right} / {len(q)} ({i + 1} answered)")
         shot(quiz, f"quiz_generated_{chapter}")
