@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from ar_lab.base.args import positive_int
-from ar_lab.base.timing import checked_device, interleaved, steady_clock
+from ar_lab.base.timing import checked_device, default_device, interleaved, steady_clock
 
 
 class ClaimFailed(AssertionError):
@@ -117,13 +117,14 @@ def timed_claim(
     rounds: int = 5,
     warmup: int = 1,
     budget_s: float = 20.0,
-    device: torch.device | str = "cpu",
+    device: torch.device | str | None = None,
     first: dict[Hashable, list[float]] | None = None,
 ) -> Timed:
     """Claim ``name`` about how long the calls in ``runs`` take, and measure until the measurement decides.
 
     The sides are timed in turns (``interleaved``: ``rounds`` calls each, after ``warmup``), on the
-    steady clock (one thread's CPU time on a CPU, so another process does not inflate it). ``holds``
+    steady clock (one thread's CPU time on a CPU, so another process does not inflate it) of ``device``
+    (by default the one the notebooks compute on: a CUDA GPU when present, else the CPU). ``holds``
     gets each side's median seconds and returns the verdict, e.g. ``lambda t: t["cached"] < t["uncached"] / 3``.
     ``first``, the samples a cell already measured for its table or plot, is judged before anything more
     is timed. While the verdict is false but the spreads overlap the bound (the claim holds with some
@@ -142,7 +143,7 @@ def timed_claim(
         raise ValueError(f"budget_s must be a number of seconds >= 0, got {budget_s!r}")
     if first is not None and (not isinstance(first, dict) or set(first) != set(runs) or not all(first.values())):
         raise ValueError(f"first must hold samples for exactly the sides {list(runs)}, got {first!r}"[:300])
-    device = checked_device(device)
+    device = default_device() if device is None else checked_device(device)  # where the notebooks compute
     clock = steady_clock(device) if device.type == "cpu" else None
     start, attempts = time.perf_counter(), 0
     samples = {k: list(v) for k, v in first.items()} if first is not None else None
