@@ -59,6 +59,12 @@ from ar_lab.model.gpt import GPT, MLP, Block, CausalSelfAttention
 Matrix = torch.Tensor | QuantizedLinear
 
 
+# The kernels the step calls, without their Python wrappers (a decode step makes ~60 calls, each
+# paying its dispatch): LayerNorm's (output, mean, rstd) and GELU in place.
+_layer_norm = torch.native_layer_norm
+_gelu_ = torch._C._nn.gelu_
+
+
 class LayerWeights(NamedTuple):
     """One block's parameters, in the order a decode step uses them (C = n_embd, KD = KV heads x D)."""
 
@@ -198,25 +204,25 @@ class LeanGPT:
         qkv, q, k, v, y = w.buffers
         C, shape, eps, scale, zero, mv = self.C, self.shape, self.eps, self.scale, self._zero, self._mv
         L = pos + 1  # keys the new query attends over: all cached positions and its own
-        x = self.wte[token] + self.wpe[pos]  # (C,)
+        x = torch.add(self.wte.select(0, token), self.wpe.select(0, pos))  # (C,)
         int8_cache = cache if type(cache) is Int8KVCache else None  # (ar_lab.engine.kv_quant)
         for i, (lw, (K, V)) in enumerate(zip(self.layers, w.kv, strict=True)):
-            h = torch.layer_norm(x, shape, lw.ln1_weight, lw.ln1_bias, eps)
+            h = _layer_norm(x, shape, lw.ln1_weight, lw.ln1_bias, eps)[0]
             mv(lw.qkv_bias, lw.qkv_weight, h, out=qkv)  # q | k | v
             if int8_cache is None:
-                K[:, pos] = k  # the new key and value, written in place
-                V[:, pos] = v
-                scores = torch.baddbmm(zero, q, K[:, :L].transpose(1, 2), beta=0, alpha=scale)  # (Hk, G, L)
-                torch.bmm(torch.softmax(scores, -1), V[:, :L], out=y)  # (Hk, G, D)
+                K.select(1, pos).copy_(k)  # the new key and value, written in place
+                V.select(1, pos).copy_(v)
+                scores = torch.baddbmm(zero, q, K.narrow(1, 0, L).transpose(1, 2), beta=0, alpha=scale)  # (Hk, G, L)
+                torch.bmm(torch.softmax(scores, -1), V.narrow(1, 0, L), out=y)  # (Hk, G, D)
             else:
                 int8_cache.attend(i, pos, q, k, v, scale, y)  # the same, on int8 keys and values
             x = mv(lw.attn_proj_bias, lw.attn_proj_weight, y.view(C)).add_(x)  # heads side by side + residual
-            h = torch.layer_norm(x, shape, lw.ln2_weight, lw.ln2_bias, eps)
-            h = F.gelu(mv(lw.fc_bias, lw.fc_weight, h), approximate="tanh")
+            h = _layer_norm(x, shape, lw.ln2_weight, lw.ln2_bias, eps)[0]
+            h = _gelu_(mv(lw.fc_bias, lw.fc_weight, h), approximate="tanh")  # in place on the fresh product
             x = mv(lw.mlp_proj_bias, lw.mlp_proj_weight, h).add_(x)  # MLP out + residual
         cache.length = L
         cache.record(pos, [token])
-        return torch.mv(self.wte, torch.layer_norm(x, shape, *self.ln_f, eps))  # tied output projection
+        return torch.mv(self.wte, _layer_norm(x, shape, *self.ln_f, eps)[0])  # tied output projection
 
     def extend(
         self, tokens: Sequence[int] | torch.Tensor, cache: KVCache, transposed: Transposed | None = None
