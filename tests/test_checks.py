@@ -275,3 +275,42 @@ def test_check_parameters_names_the_mistake_or_the_first_differing_parameter():
         checks.check_parameters("after training", b, a)
     with pytest.raises(CheckFailed, match="what training without clipping gives"):
         checks.check_parameters("after training", b, a, mistakes={"training without clipping": c})
+
+
+def test_yours_or_ours_follows_the_verdict_of_the_exercises_test(capsys):
+    """A later cell gets the learner's piece only once its test passed on that very object."""
+    import pytest
+
+    from ar_lab.course.checks import CheckFailed, check_equal, exercise_passed, no_delegation, yours_or_ours
+
+    def double(x):
+        return 2 * x
+
+    def ours(x):
+        return x + x
+
+    assert yours_or_ours("double (never tested)", double, ours) is ours
+    assert "has not been tested" in capsys.readouterr().out
+    with pytest.raises(CheckFailed), no_delegation(double, exercise="double"):
+        check_equal("double(2)", double(2), 5)
+    assert not exercise_passed("double", double)
+    assert yours_or_ours("double", double, ours) is ours
+    assert "does not pass its test yet: this runs on ar_lab's" in capsys.readouterr().out
+    with no_delegation(double, exercise="double"):
+        check_equal("double(2)", double(2), 4)
+    assert exercise_passed("double", double)
+    assert yours_or_ours("double", double, ours) is double
+    assert "▶ this runs on your double (its test passed)" in capsys.readouterr().out
+
+    def double(x):  # noqa: F811  redefined after its test passed: not the object tested
+        return 3 * x
+
+    assert yours_or_ours("double", double, ours) is ours
+    assert "changed since its test passed" in capsys.readouterr().out
+    pair = (double, ours)
+    with no_delegation(*pair, exercise="pair"):
+        pass
+    assert yours_or_ours("pair", pair, (ours, ours)) == pair
+    made = yours_or_ours("pair", lambda: "made from them", None, tested=pair)
+    assert made == "made from them"
+    assert yours_or_ours("pair", lambda: 1 / 0, "ours", tested=(ours, double)) == "ours"  # not the pair tested

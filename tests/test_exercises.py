@@ -1,10 +1,12 @@
-"""The exercise mechanism: student versions strip answers; each exercise then fails.
+"""The exercise mechanism: student versions strip answers; each exercise then fails, and the chapter still runs.
 
 The source notebooks pass their own tests through nbval (make test runs them); here
-every student version is executed and each graded cell must fail on its own
-(nbgrader's ``validate --invert``), so no exercise can be passed without doing it.
+every student version is run as a learner's Run All runs it: it reaches the last cell, and each
+graded cell fails on its own (nbgrader's ``validate --invert``), so no exercise can be passed
+without doing it and no unfinished exercise stops the chapter.
 """
 
+import copy
 import re
 from pathlib import Path
 
@@ -16,7 +18,6 @@ from ar_lab.course.exercises import (
     CODE_STUB,
     cell_checksum,
     execute,
-    exercises_only,
     grade,
     graded_cells,
     nbgrader_meta,
@@ -173,15 +174,29 @@ def test_grade_ids_are_unique_across_the_course():
                 seen[gid] = path.name
 
 
+def run_all(nb: nbformat.NotebookNode, cwd: Path, *, timeout: int = 300) -> nbformat.NotebookNode:
+    """JupyterLab's Run All, headless: every cell in order, stopping at the first error in a cell without
+    the ``raises-exception`` tag (nbclient honours the tag as JupyterLab does)."""
+    from nbclient import NotebookClient
+
+    nb = copy.deepcopy(nb)
+    NotebookClient(nb, timeout=timeout, allow_errors=False, resources={"metadata": {"path": str(cwd)}}).execute()
+    return nb
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("path", WITH_EXERCISES, ids=[p.stem for p in WITH_EXERCISES])
-def test_every_exercise_fails_in_the_student_version(path):
-    """Run the student version's exercises (answers, tests and what they need; not the experiments):
-    every graded cell fails, and fails because the answer is missing, never because a cell it needs
-    was cut (that would show as a NameError for a name no answer defines)."""
+def test_run_all_reaches_the_end_of_the_student_version(path):
+    """A learner who has done no exercise runs the whole chapter: Run All reaches the last cell; every
+    graded test cell fails (nbgrader's grade: 0 points), because the answer is missing (never because
+    a cell it needs failed); no other cell fails; the cells that use a learner's piece run on ar_lab's
+    and say so."""
     source = nbformat.read(path, as_version=4)
     answers = set().union(*(names(c.source)[0] for c in source.cells if nbgrader_meta(c).get("solution")))
-    results = grade(execute(exercises_only(student_version(source)), path.parent))
+    executed = run_all(student_version(source), path.parent)  # raises CellExecutionError if Run All stops
+    code = [c for c in executed.cells if c.cell_type == "code"]
+    assert all(c.execution_count is not None for c in code), f"{path.name}: Run All did not reach the end"
+    results = grade(executed)
     assert results, f"{path.name} has no graded cells"
     passing = [r.grade_id for r in results if r.passed]
     assert not passing, f"{path.name}: these tests pass without the learner's work: {passing}"
@@ -189,6 +204,15 @@ def test_every_exercise_fails_in_the_student_version(path):
     wrong = {r.grade_id: r.error[:200] for r in results
              if not (m := missing.match(r.error)) or (m.group(1) and m.group(1) not in answers)}
     assert not wrong, f"{path.name}: failed for a reason other than the missing answer: {wrong}"
+    for i, cell in enumerate(executed.cells):
+        if any(o.get("output_type") == "error" for o in cell.get("outputs", [])):
+            meta = nbgrader_meta(cell)
+            assert meta.get("grade") or meta.get("solution"), f"{path.name}: cell {i} failed and is no exercise"
+    said = "".join(o.get("text", "") for c in code for o in c.get("outputs", []))
+    assert "▶ this runs on your" not in said, f"{path.name}: a cell claims to run the learner's unfinished piece"
+    uses = re.compile(r"\byours_or_ours\(")
+    if any(uses.search(c.source) for c in source.cells):
+        assert "this runs on ar_lab's" in said, f"{path.name}: no cell said it fell back to ar_lab's piece"
 
 
 @pytest.mark.slow

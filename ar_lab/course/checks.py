@@ -32,6 +32,11 @@ class CheckFailed(AssertionError):
     pass
 
 
+# Exercise name -> (its test passed, the learner's objects it ran): what ``yours_or_ours`` reads. One
+# kernel, one record per exercise; re-running a test cell replaces its entry.
+_VERDICTS: dict[str, tuple[bool, tuple]] = {}
+
+
 class Delegated(CheckFailed):
     """The learner's code called the reference implementation the exercise asks them to write."""
 
@@ -133,6 +138,7 @@ def no_delegation(*learner: Callable, forbid: Iterable[str | Callable] = (), exe
                     "of what the exercise asks you to write: subclass torch.nn.Module and write it yourself."
                 )
     watch = Watch(forbid, codes, exercise, Delegated)
+    _VERDICTS[exercise] = (False, learner)  # until the block has passed
     try:
         with watch, warnings_as_notes(exercise):
             yield watch.calls
@@ -148,6 +154,37 @@ def no_delegation(*learner: Callable, forbid: Iterable[str | Callable] = (), exe
             f"{exercise}: your code called `{watch.calls[0]}`, a ready-made implementation of what the "
             "exercise asks you to write (and caught the error): write the computation yourself."
         )
+    _VERDICTS[exercise] = (True, learner)
+
+
+def exercise_passed(exercise: str, *yours: Any) -> bool:
+    """True if ``exercise``'s graded test passed in this kernel, run on exactly the objects ``yours``
+    (a function redefined since its test ran is not the one that passed)."""
+    ok, tested = _VERDICTS.get(exercise, (False, ()))
+    return ok and len(tested) == len(yours) and all(a is b for a, b in zip(tested, yours, strict=True))
+
+
+def yours_or_ours(exercise: str, yours: Any, ours: Any, *, name: str | None = None, tested: tuple | None = None) -> Any:
+    """``yours`` if ``exercise``'s graded test passed on it in this kernel, else ``ours``; prints which.
+
+    What a cell after an exercise calls, so the learner's piece runs the chapter's experiment once it
+    passes, and a learner who is stuck still reaches the end of the chapter with the package's piece.
+    ``yours`` may be a tuple of the objects the test ran (e.g. a quantizer and its dequantizer):
+    ``ours`` is then the matching tuple. ``tested``: the objects the test ran, when what the cell uses
+    is made from them (a model loaded in the answer cell); ``yours`` is then a function without
+    arguments that returns it, called only once the test has passed (before, it may not exist).
+    """
+    checked = tested if tested is not None else yours if isinstance(yours, tuple) else (yours,)
+    name = name or exercise
+    if exercise_passed(exercise, *checked):
+        print(f"▶ this runs on your {name} (its test passed)")
+        return yours() if tested is not None else yours
+    ran = exercise in _VERDICTS
+    why = "does not pass its test yet" if ran and _VERDICTS[exercise][0] is False else (
+        "changed since its test passed: run its test cell again" if ran else "has not been tested: run its test cell"
+    )
+    print(f"▷ your {name} {why}: this runs on ar_lab's")
+    return ours
 
 
 def own_work(what: str, fn: Callable, *args, forbidden: Iterable[str | Callable] = (), **kwargs):

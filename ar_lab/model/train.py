@@ -21,6 +21,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 from tqdm.auto import tqdm
 
 from ar_lab.base.timing import default_device
@@ -126,6 +127,47 @@ def evaluate(
     return sum(losses) / len(losses)
 
 
+def make_optimizer(model: nn.Module, tc: TrainConfig) -> torch.optim.AdamW:
+    """AdamW with two parameter groups: the matrices (2-D or more) decayed by ``tc.weight_decay``, the
+    biases and LayerNorm parameters not; betas (0.9, 0.99). Chapter 03's learner writes the same."""
+    decay = [p for p in model.parameters() if p.ndim >= 2]
+    no_decay = [p for p in model.parameters() if p.ndim < 2]
+    return torch.optim.AdamW(
+        [{"params": decay, "weight_decay": tc.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=tc.lr,
+        betas=(0.9, 0.99),
+    )
+
+
+def train_step(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    x: torch.Tensor,
+    y: torch.Tensor,
+    lr: float,
+    grad_clip: float | None,
+    teacher: nn.Module | None = None,
+) -> float:
+    """One update on inputs ``x`` and next tokens ``y`` (B, T): set ``lr`` on every group, forward, loss,
+    backward, clip the gradients' global norm to ``grad_clip`` (None: no clipping), step. The loss
+    (nats, before the update): cross-entropy, or with a ``teacher`` the forward KL to its distributions."""
+    for group in optimizer.param_groups:
+        group["lr"] = lr
+    if teacher is None:
+        loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten())
+    else:
+        with torch.no_grad():
+            target_logp = F.log_softmax(teacher(x), -1).flatten(0, 1)  # (B T, V)
+        logq = F.log_softmax(model(x), -1).flatten(0, 1)
+        loss = F.kl_div(logq, target_logp, log_target=True, reduction="batchmean")  # mean over positions
+    optimizer.zero_grad(set_to_none=True)
+    loss.backward()
+    if grad_clip is not None:
+        torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
+    optimizer.step()
+    return loss.item()
+
+
 def train(
     model: GPT,
     train_tokens: torch.Tensor,
@@ -162,40 +204,20 @@ def train(
         )
     torch.manual_seed(tc.seed)
     g = torch.Generator().manual_seed(tc.seed)
-    decay = [p for n, p in model.named_parameters() if p.ndim >= 2]
-    no_decay = [p for n, p in model.named_parameters() if p.ndim < 2]
-    opt = torch.optim.AdamW(
-        [{"params": decay, "weight_decay": tc.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
-        lr=tc.lr,
-        betas=(0.9, 0.99),
-    )
+    opt = make_optimizer(model, tc)
     result = TrainResult()
     model.train()
     t0 = time.perf_counter()
     bar = tqdm(range(tc.steps), desc="training", disable=not progress)
     for step in bar:
-        for group in opt.param_groups:
-            group["lr"] = lr_at(step, tc)
         x, y = get_batch(train_tokens, tc.batch_size, tc.block_size, g)
-        x, y = x.to(model.device), y.to(model.device)
-        if teacher is None:
-            loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten())
-        else:
-            with torch.no_grad():
-                target_logp = F.log_softmax(teacher(x), -1).flatten(0, 1)  # (B T, V)
-            logq = F.log_softmax(model(x), -1).flatten(0, 1)
-            loss = F.kl_div(logq, target_logp, log_target=True, reduction="batchmean")  # mean over positions
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        if tc.grad_clip is not None:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), tc.grad_clip)
-        opt.step()
+        loss = train_step(model, opt, x.to(model.device), y.to(model.device), lr_at(step, tc), tc.grad_clip, teacher)
         result.steps.append(step)
-        result.train_loss.append(loss.item())
+        result.train_loss.append(loss)
         if (step + 1) % tc.eval_every == 0 or step == tc.steps - 1:
             result.eval_steps.append(step)
             result.val_loss.append(evaluate(model, val_tokens, tc.block_size, tc.eval_batches))
-            bar.set_postfix(train=f"{loss.item():.3f}", val=f"{result.val_loss[-1]:.3f}")
+            bar.set_postfix(train=f"{loss:.3f}", val=f"{result.val_loss[-1]:.3f}")
     result.seconds = time.perf_counter() - t0
     model.eval()
     return result
