@@ -11,7 +11,7 @@ from ar_lab.base.args import check_seed
 from ar_lab.engine.generate import check_sampling, sample_rows
 from ar_lab.engine.prompts import check_prompt, prompt_ids
 from ar_lab.model.inference import inference
-from ar_lab.engine.sampling import SamplingParams, entropy_bits, probabilities
+from ar_lab.engine.sampling import Sampler, SamplingParams, check_sampler, entropy_bits, probabilities
 from ar_lab.model.tokenizer import decode
 
 # --- what the chapter-06 explorer shows ----------------------------------------------
@@ -59,12 +59,15 @@ def sampler_view(
     seed: int = 0,
     n_samples: int = 4,
     max_new_tokens: int = 40,
+    sampler: Sampler | None = None,
 ) -> SamplerView:
     """Everything the explorer draws for one setting (a pure function of its arguments).
 
     ``n_samples`` continuations are drawn in one batch from a generator seeded with
     ``seed``, so the same arguments always give the same view. A prompt longer than the
-    context window keeps its end: that is what predicts the next token.
+    context window keeps its end: that is what predicts the next token. ``sampler``: a function that
+    picks each token of the continuations instead of ``sample`` (``ar_lab.engine.sampling.Sampler``:
+    the learner's, in chapter 06); the distribution shown is ``probabilities``'.
     """
     if not isinstance(prompt, str) or not prompt:
         raise ValueError("the prompt is empty: type at least one character")
@@ -73,6 +76,7 @@ def sampler_view(
     if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool) or max_new_tokens < 0:
         raise ValueError(f"max_new_tokens must be an int >= 0, got {max_new_tokens!r}")
     check_sampling(params, "params")
+    check_sampler(sampler)
     check_seed(seed)
     window = model.config.block_size
     ids = prompt_ids(prompt)[-window:]
@@ -87,6 +91,17 @@ def sampler_view(
         max_new = min(max_new_tokens, window - len(ids) + 1)
         g = torch.Generator(device=model.device).manual_seed(int(seed))
         idx = torch.tensor([ids] * n_samples, dtype=torch.long, device=model.device)  # (n_samples, P)
-        rows = sample_rows(model, idx, max_new, params, g, use_cache=True).tolist()
+        rows = sample_rows(model, idx, max_new, params, g, use_cache=True, sampler=sampler).tolist()
         texts = [decode(r) for r in rows]
     return SamplerView(prompt, params, int(seed), before.cpu(), after.cpu(), texts)
+
+
+def named_samplers(samplers) -> dict:
+    """The explorer's choice of samplers: None (ar_lab's only) or a non-empty dict of name -> ``Sampler``."""
+    if samplers is None:
+        return {}
+    if not isinstance(samplers, dict) or not samplers:
+        raise ValueError("samplers must be a dict naming at least one sampler, e.g. {'ar_lab': sample}")
+    for fn in samplers.values():
+        check_sampler(fn)
+    return dict(samplers)

@@ -252,10 +252,15 @@ class SamplerExplorer(_Shown):
     (shown in the widget instead of raising), so tests can drive the controls headlessly.
     """
 
-    def __init__(self, model, prompt: str = "The ", n_samples: int = 4, max_new_tokens: int = 40, top: int = 20):
+    def __init__(
+        self, model, prompt: str = "The ", n_samples: int = 4, max_new_tokens: int = 40, top: int = 20, samplers=None
+    ):
         import ipywidgets as W
 
+        from ar_lab.course.sampler_view import named_samplers
+
         self.model, self.n_samples, self.max_new_tokens, self.top = model, n_samples, max_new_tokens, top
+        self.samplers = named_samplers(samplers)
         style = {"description_width": "90px"}
         box = dict(style=style, layout=W.Layout(width="220px"))
         self.prompt = W.Text(value=prompt, description="prompt", continuous_update=False, style=style)
@@ -264,12 +269,15 @@ class SamplerExplorer(_Shown):
         self.top_p = W.FloatText(1.0, step=0.01, description="top-p", tooltip="in (0, 1]", **box)
         self.min_p = W.FloatText(0.0, step=0.01, description="min-p", tooltip="in [0, 1]", **box)
         self.seed = W.IntText(0, description="seed", style=style, layout=W.Layout(width="200px"))
+        self.sampler = W.Dropdown(options=list(self.samplers) or ["ar_lab"], description="sampler", style=style)
         self.status = W.HTML()
         self.image = W.Image(format="png")
         self.samples = W.HTML()
         self.view = None
         self.error = ""
         controls = [self.prompt, self.temperature, self.top_k, self.top_p, self.min_p, self.seed]
+        if self.samplers:
+            controls.append(self.sampler)
         for c in controls:
             c.observe(lambda _change: self.update(), names="value")
         self.widget = W.VBox([W.VBox(controls), self.status, self.image, self.samples])
@@ -296,6 +304,7 @@ class SamplerExplorer(_Shown):
                 seed=check_seed(self.seed.value),
                 n_samples=self.n_samples,
                 max_new_tokens=self.max_new_tokens,
+                sampler=self.samplers.get(self.sampler.value),
             )
         except ValueError as e:
             self.error = str(e)
@@ -318,7 +327,8 @@ class SamplerExplorer(_Shown):
             for text in view.continuations
         )
         self.samples.value = (
-            f"<div>{len(view.continuations)} samples ({html.escape(view.params.label)}, seed {view.seed}):</div>{rows}"
+            f"<div>{len(view.continuations)} samples ({html.escape(view.params.label)}, seed {view.seed}, "
+            f"picked by {html.escape(self.sampler.value)}):</div>{rows}"
         )
 
 
@@ -335,9 +345,9 @@ def sampler_params(temperature, top_k, top_p, min_p):
     )
 
 
-def sampler_explorer(model, prompt: str = "The ", n_samples: int = 4, max_new_tokens: int = 40) -> SamplerExplorer:
-    """Build the chapter-06 explorer (display it by leaving it last in a cell)."""
-    return SamplerExplorer(model, prompt, n_samples, max_new_tokens)
+def sampler_explorer(model, prompt: str = "The ", n_samples: int = 4, max_new_tokens: int = 40, samplers=None):
+    """The chapter-06 explorer (leave it last in a cell); ``samplers``: named token pickers, chosen in a drop-down."""
+    return SamplerExplorer(model, prompt, n_samples, max_new_tokens, samplers=samplers)
 
 
 # --- chapter 07: speculative decoding explorer ---------------------------------------

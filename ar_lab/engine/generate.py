@@ -32,7 +32,7 @@ from ar_lab.engine.prompts import (
     prompt_batch,
     stop_list,
 )
-from ar_lab.engine.sampling import GREEDY, SamplingParams, sample
+from ar_lab.engine.sampling import GREEDY, Sampler, SamplingParams, check_sampler, pick, sample
 from ar_lab.model.cache import KVCache
 from ar_lab.model.inference import check_inference_ready, inference
 from ar_lab.model.tokenizer import EOS_ID, N_BYTES, StreamDecoder
@@ -120,12 +120,16 @@ class _Plan:
     generator: torch.Generator | None
     cache: KVCache | None
     stats: GenerationStats
+    sampler: Sampler | None = None  # None: the package's ``sample``
 
 
-def _plan(model, prompt, max_new_tokens: int, *, use_cache, sampling, generator, stats, cache, lean) -> _Plan:
+def _plan(
+    model, prompt, max_new_tokens: int, *, use_cache, sampling, generator, stats, cache, lean, sampler=None
+) -> _Plan:
     """Check every option of ``token_steps`` against ``model`` and pick the decoder: the public boundary."""
     ids = checked_prompt(model, prompt, max_new_tokens)
     check_sampling(sampling)
+    check_sampler(sampler)
     if not isinstance(use_cache, bool):
         raise TypeError(f"use_cache must be True or False, got {use_cache!r}")
     if not isinstance(lean, bool):
@@ -136,7 +140,7 @@ def _plan(model, prompt, max_new_tokens: int, *, use_cache, sampling, generator,
     decoder = decoder_for(model, lean=lean and use_cache)
     if cache is not None:
         decoder.fits(cache)  # the cache against the model, here at the call; the decoder remembers it
-    return _Plan(decoder, ids, max_new_tokens, use_cache, sampling, generator, cache, _stats(stats))
+    return _Plan(decoder, ids, max_new_tokens, use_cache, sampling, generator, cache, _stats(stats), sampler)
 
 
 # --- the loops (arguments already checked) ----------------------------------------------
@@ -160,7 +164,7 @@ def _steps(plan: _Plan) -> Iterator[int]:
     history = list(prompt) if sampling.repetition_penalty != 1.0 else ()
     # Greedy without a penalty is the argmax of the raw logits: take it directly rather
     # than have sample() build the one-token distribution every step.
-    greedy = sampling.greedy and sampling.repetition_penalty == 1.0
+    greedy = plan.sampler is None and sampling.greedy and sampling.repetition_penalty == 1.0
     token = None  # the token picked by the previous step
     t_last = time.perf_counter()
     for n in range(N):
@@ -176,7 +180,11 @@ def _steps(plan: _Plan) -> Iterator[int]:
             if token is None or not math.isfinite(logits[token]):
                 # A NaN or inf would win the argmax: one look at the winner is enough,
                 # and sample() then raises its explanatory error.
-                token = int(sample(logits, sampling, generator, history))
+                token = int(
+                    sample(logits, sampling, generator, history)
+                    if plan.sampler is None
+                    else pick(plan.sampler, logits, sampling, generator, history)
+                )
         stats.forward_calls += 1
         stats.positions_processed += fed
         if cache is None:  # (with a cache, the next step is fed the token itself)
@@ -236,6 +244,7 @@ def token_steps(
     stats: GenerationStats | None = None,
     cache: KVCache | None = None,
     lean: bool = True,
+    sampler: Sampler | None = None,
 ) -> Iterator[int]:
     """Yield new token ids one at a time (no stop rule other than the count).
 
@@ -248,7 +257,10 @@ def token_steps(
     left holding the sequence, for the next call. A cache holding positions whose ids it does
     not know is refused. Arguments are checked here, before the first token is asked for.
     """
-    options = dict(use_cache=use_cache, sampling=sampling, generator=generator, stats=stats, cache=cache, lean=lean)
+    options = dict(
+        use_cache=use_cache, sampling=sampling, generator=generator, stats=stats, cache=cache, lean=lean,
+        sampler=sampler,
+    )
     return _steps(_plan(model, prompt, max_new_tokens, **options))
 
 
@@ -265,6 +277,7 @@ def stream(
     stats: GenerationStats | None = None,
     cache: KVCache | None = None,
     lean: bool = True,
+    sampler: Sampler | None = None,
 ) -> Iterator[StreamEvent]:
     """Yield a ``StreamEvent`` per new token; text never splits a UTF-8 character.
 
@@ -278,7 +291,10 @@ def stream(
     stream goes. ``cache``: see ``token_steps`` (reuse the keys/values of the prompt's
     start); so is ``lean``. Arguments are checked here, before the first event is asked for.
     """
-    options = dict(use_cache=use_cache, sampling=sampling, generator=generator, stats=stats, cache=cache, lean=lean)
+    options = dict(
+        use_cache=use_cache, sampling=sampling, generator=generator, stats=stats, cache=cache, lean=lean,
+        sampler=sampler,
+    )
     return _stream(model, prompt, max_new_tokens, eos_id, stop_strings, options)[1]
 
 
@@ -302,14 +318,18 @@ def generate(
     stop_strings: Sequence[str] | None = None,
     cache: KVCache | None = None,
     lean: bool = True,
+    sampler: Sampler | None = None,
 ) -> Generation:
     """Generate up to ``max_new_tokens`` tokens after ``prompt`` (text or token ids).
 
     ``cache``: a cache from an earlier call (see ``token_steps``): the positions where its token
     ids agree with the prompt's start are reused, only the rest is prefilled. ``lean=False``: every decode step
-    through ``model.forward`` instead of ``ar_lab.engine.lean`` (same tokens; for comparison).
+    through ``model.forward`` instead of ``ar_lab.engine.lean`` (same tokens; for comparison). ``sampler``: a
+    function that picks each token instead of ``ar_lab.engine.sampling.sample`` (see ``Sampler``; chapter 06).
     """
-    options = dict(use_cache=use_cache, sampling=sampling, generator=generator, stats=None, cache=cache, lean=lean)
+    options = dict(
+        use_cache=use_cache, sampling=sampling, generator=generator, stats=None, cache=cache, lean=lean, sampler=sampler
+    )
     plan, events = _stream(model, prompt, max_new_tokens, eos_id, stop_strings, options)
     tokens, pieces = [], []
     for event in events:
@@ -322,8 +342,8 @@ def generate(
 # --- sampling many continuations at once ---------------------------------------------
 
 
-def sample_rows(model, idx: torch.Tensor, N: int, sampling, generator, use_cache: bool) -> torch.Tensor:
-    """The batched loop on checked prompts ``idx`` (B, P): returns all B x N new tokens."""
+def sample_rows(model, idx: torch.Tensor, N: int, sampling, generator, use_cache: bool, sampler=None) -> torch.Tensor:
+    """The batched loop on checked prompts ``idx`` (B, P): returns all B x N new tokens (``sampler``: see ``pick``)."""
     B, P = idx.shape
     decoder = ForwardDecoder(model)  # rows of one batch: through forward
     buf = torch.empty(B, P + N, dtype=torch.long, device=idx.device)  # (B, P + N)
@@ -340,7 +360,11 @@ def sample_rows(model, idx: torch.Tensor, N: int, sampling, generator, use_cache
                 logits = decoder.step(buf[:, end - 1], cache, end - 1)  # (B, vocab)
             else:
                 logits = decoder.prefill(buf[:, :end], cache)[:, -1]  # (B, vocab)
-            token = sample(logits, sampling, generator, seen if seen is not None else ())  # (B,)
+            history = seen if seen is not None else ()
+            if sampler is None:
+                token = sample(logits, sampling, generator, history)  # (B,)
+            else:
+                token = pick(sampler, logits, sampling, generator, history)  # (B,): one call per row
             buf[:, end] = token
             if seen is not None:
                 seen.scatter_(1, token[:, None], True)
@@ -356,19 +380,22 @@ def sample_batch(
     generator: torch.Generator | None = None,
     eos_id: int | None = EOS_ID,
     use_cache: bool = True,
+    sampler: Sampler | None = None,
 ) -> list[list[int]]:
     """Continue each of several equal-length prompts at once (one batched forward per step).
 
     Row i is what ``generate(model, prompts[i], ..., sampling=sampling)`` would do (the
     repetition penalty sees each row's own prompt and tokens); the random draws of all
     rows come from the one ``generator``. The default ``sampling`` draws from the model's
-    own distribution (T = 1). Each list stops before its first EOS.
+    own distribution (T = 1). Each list stops before its first EOS. ``sampler``: a function that picks
+    each row's token instead of ``sample`` (called row by row, in order, with the one generator).
     """
     check_sampling(sampling)
+    check_sampler(sampler)
     check_eos(model, eos_id)
     idx = prompt_batch(model, prompts, max_new_tokens)  # (B, P)
     out = []
-    for row in sample_rows(model, idx, max_new_tokens, sampling, generator, use_cache).tolist():
+    for row in sample_rows(model, idx, max_new_tokens, sampling, generator, use_cache, sampler).tolist():
         if eos_id is not None and eos_id in row:
             row = row[: row.index(eos_id)]
         out.append(row)

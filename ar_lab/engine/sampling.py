@@ -21,6 +21,11 @@ and no step can produce NaN: logits are shifted by their maximum before dividing
 ``-inf`` logits (masked tokens) simply get probability 0, and logits that are NaN,
 +inf or all -inf raise a ``ValueError`` that says so.
 
+A sampler of your own (chapter 06's learner writes one) plugs into every decode loop through
+``sampler=``: a function ``(logits (vocab,), params, generator) -> token id`` called once per
+row and step, instead of ``sample``, on the logits after step 1 (the loops keep the repetition
+penalty, which needs the history); ``pick`` is that call, with its answer checked.
+
 Nothing here runs a model: the loops that do (``generate``, ``sample_batch``, the
 explorer's ``sampler_view``) live in ``ar_lab.generate``, beam search in ``ar_lab.engine.beam``.
 ``repeated_ngram_fraction`` measures what a sampler's choices lead to: the repetition
@@ -31,7 +36,7 @@ from __future__ import annotations
 
 import math
 import numbers
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -297,6 +302,48 @@ def sample(
     if probs.ndim == 1:
         return torch.multinomial(probs, 1, generator=generator)[0]
     return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+
+
+# A sampler hook: one row of logits (vocab,) in float32, after the repetition penalty; the settings;
+# the generator every draw must use -> the token id picked (an int, or a one-element integer tensor).
+Sampler = Callable[[torch.Tensor, "SamplingParams", "torch.Generator | None"], int]
+
+
+def check_sampler(sampler) -> None:
+    """A ``sampler=`` argument: None (the package's ``sample``) or a function as ``Sampler`` describes."""
+    if sampler is not None and not callable(sampler):
+        raise TypeError(
+            "sampler must be a function (logits (vocab,), params, generator) -> token id, e.g. "
+            f"ar_lab.engine.sampling.sample, or None; got {type(sampler).__name__}"
+        )
+
+
+def pick(
+    sampler: Sampler,
+    logits: torch.Tensor,
+    params: SamplingParams,
+    generator: torch.Generator | None = None,
+    history: Iterable[int] | torch.Tensor = (),
+) -> torch.Tensor:
+    """The token ids ``sampler`` picks, as ``sample`` returns them: () for logits (vocab,), (batch,) for
+    (batch, vocab). The repetition penalty is applied first (step 1, with ``history``); then ``sampler``
+    is called on each row in order, with ``params`` and the one ``generator``. A sampler that returns
+    anything but a token id of this vocabulary raises a ``ValueError`` saying what it returned."""
+    x = apply_repetition_penalty(logits.float(), history, params.repetition_penalty)
+    if not torch.isfinite(x.amax(dim=-1)).all():
+        raise _bad_logits(logits, x)
+    V = x.shape[-1]
+    ids = [_token_id(sampler(row, params, generator), V) for row in (x if x.ndim == 2 else x[None])]
+    out = torch.tensor(ids, dtype=torch.long, device=logits.device)
+    return out if x.ndim == 2 else out[0]
+
+
+def _token_id(picked, V: int) -> int:
+    if isinstance(picked, torch.Tensor) and picked.numel() == 1 and not picked.is_floating_point():
+        picked = picked.item()
+    if isinstance(picked, bool) or not isinstance(picked, numbers.Integral) or not 0 <= picked < V:
+        raise ValueError(f"the sampler returned {picked!r}: it must return one token id, an int in [0, {V - 1}]")
+    return int(picked)
 
 
 def entropy_bits(probs: torch.Tensor) -> torch.Tensor:
