@@ -174,6 +174,14 @@ def my_temperature_probabilities(logits, temperature):
 def my_top_p_keep(probs, p):
     return filter_top_p(probs.log(), p) > float("-inf")
 """,
+    "ch06-sampler": """
+def my_sampler_probabilities(logits, params):
+    return probabilities(logits, params)
+
+
+def my_sample(logits, params, generator=None):
+    return int(sample(logits, params, generator))
+""",
     "ch06-ngrams": """
 def my_repeated_ngram_fraction(tokens, n):
     return repeated_ngram_fraction(tokens, n)

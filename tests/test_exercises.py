@@ -238,3 +238,60 @@ def test_the_installed_package_carries_no_solution(tmp_path):
     assert not [n for n, text in texts.items() if _SOLUTION.search(text)]
     source = "".join(c.source for c in nbformat.read(NOTEBOOKS / "06_sampling.ipynb", as_version=4).cells)
     assert _SOLUTION.search(source), "the check finds a solution region where there is one"
+
+
+WRONG_SAMPLERS = {
+    "min-p before temperature": ("T=1.5, min-p 0.1", """
+def my_sampler_probabilities(logits, params):
+    p = torch.softmax(logits.float(), -1)
+    p = torch.where(p >= params.min_p * p.max(), p, 0.0)  # min-p on the raw distribution: the classic mistake
+    probs = my_temperature_probabilities(torch.where(p > 0, logits.float(), float("-inf")), params.temperature)
+    if params.top_k is not None and params.top_k < len(probs):
+        probs = torch.where(probs >= probs.topk(params.top_k).values[-1], probs, 0.0)
+        probs = probs / probs.sum()
+    probs = torch.where(my_top_p_keep(probs, params.top_p), probs, 0.0)
+    return probs / probs.sum()
+
+
+def my_sample(logits, params, generator=None):
+    if params.greedy:
+        return int(logits.argmax())
+    return int(torch.multinomial(my_sampler_probabilities(logits, params), 1, generator=generator))
+"""),
+    "a draw that ignores the generator": ("50 draws of my_sample", """
+def my_sampler_probabilities(logits, params):
+    probs = my_temperature_probabilities(logits, params.temperature)
+    if params.top_k is not None and params.top_k < len(probs):
+        probs = torch.where(probs >= probs.topk(params.top_k).values[-1], probs, 0.0)
+        probs = probs / probs.sum()
+    probs = torch.where(my_top_p_keep(probs, params.top_p), probs, 0.0)
+    probs = probs / probs.sum()
+    if params.min_p > 0:
+        probs = torch.where(probs >= params.min_p * probs.max(), probs, 0.0)
+    return probs / probs.sum()
+
+
+def my_sample(logits, params, generator=None):
+    if params.greedy:
+        return int(logits.argmax())
+    return int(torch.multinomial(my_sampler_probabilities(logits, params), 1))  # the global generator
+"""),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mistake", WRONG_SAMPLERS)
+def test_a_wrong_sampler_fails_the_distribution_comparison(mistake):
+    """Chapter 06's whole-sampler exercise, answered with a classic mistake: its graded test fails at the
+    setting that exposes it (the distribution, or the draws), while the other exercises keep passing."""
+    from ar_lab.course.exercises import exercises_only
+
+    path = NOTEBOOKS / "06_sampling.ipynb"
+    nb = nbformat.read(path, as_version=4)
+    where, answer = WRONG_SAMPLERS[mistake]
+    [cell] = [c for c in nb.cells if nbgrader_meta(c).get("grade_id") == "ch06-sampler"]
+    cell.source = answer.strip()
+    results = {r.grade_id: r for r in grade(execute(exercises_only(nb), path.parent))}
+    verdict = results["ch06-sampler-tests"]
+    assert not verdict.passed and verdict.error.startswith("CheckFailed") and where in verdict.error, verdict.error
+    assert all(r.passed for gid, r in results.items() if gid != "ch06-sampler-tests"), results
