@@ -526,9 +526,16 @@ def test_sampler_explorer_responds_to_keyboard_and_typing(ran):
     # a new seed redraws the samples, not the distribution
     dist, drawn = status.inner_text(), texts()
     set_number(control(ex, ".widget-text", "seed"), 7)
-    expect(samples).to_contain_text("seed 7)", timeout=UPDATE_TIMEOUT_MS)
+    expect(samples).to_contain_text("seed 7, picked by your sampler)", timeout=UPDATE_TIMEOUT_MS)
     nb.wait_idle()
     assert status.inner_text() == dist and texts() != drawn
+
+    # the learner's sampler (it passed its test in this run) and ar_lab's draw the same samples for a seed
+    drawn = texts()
+    control(ex, ".widget-dropdown", "sampler").locator("select").select_option("ar_lab's")
+    expect(samples).to_contain_text("seed 7, picked by ar_lab's)", timeout=UPDATE_TIMEOUT_MS)
+    nb.wait_idle()
+    assert texts() == drawn
 
     # an out-of-range top-p is refused with its range; the last good view stays until it is fixed
     top_p = control(ex, ".widget-text", "top-p")
