@@ -187,6 +187,9 @@ def my_repeated_ngram_fraction(tokens, n):
     return repeated_ngram_fraction(tokens, n)
 """,
     "ch07-accept": """
+from ar_lab.engine.accept import accepted_count
+
+
 def my_accept_step(p, q, drafts, u):
     rows = torch.arange(len(drafts))
     n = accepted_count(p[rows, drafts].double(), q[rows, drafts].double(), u.double())

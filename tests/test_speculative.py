@@ -18,19 +18,17 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-import ar_lab.engine.speculative as spec
 from ar_lab.base.timing import steady_clock
-from ar_lab.course.speculative_view import speculation_view
+from ar_lab.course.speculative_view import chi_square, speculation_view
+from ar_lab.engine.accept import accept_step, accepted_count, residual_distribution
 from ar_lab.engine.generate import generate
 from ar_lab.engine.sampling import SamplingParams, probabilities
 from ar_lab.engine.speculative import (
     acceptance_rate,
-    accepted_count,
     alpha_for_speedup,
     best_gamma,
     expected_speedup,
     expected_tokens_per_iteration,
-    residual_distribution,
     speculative_generate,
     token_sources,
     total_variation,
@@ -198,11 +196,13 @@ def exact_joint(model, params: SamplingParams) -> dict[tuple[int, ...], float]:
     return out
 
 
-def run_speculative(target, draft, gamma, params, n=N_SAMPLES, seed=0):
+def run_speculative(target, draft, gamma, params, n=N_SAMPLES, seed=0, accept=None):
     g = torch.Generator().manual_seed(seed)
     counts, first_iteration = {}, []
     for _ in range(n):
-        out = speculative_generate(target, draft, PROMPT, N_TOKENS, gamma, sampling=params, generator=g, eos_id=None)
+        out = speculative_generate(
+            target, draft, PROMPT, N_TOKENS, gamma, sampling=params, generator=g, eos_id=None, accept=accept
+        )
         key = tuple(out.tokens)
         counts[key] = counts.get(key, 0) + 1
         first_iteration.append(out.stats.emitted_per_iteration[0])
@@ -210,12 +210,12 @@ def run_speculative(target, draft, gamma, params, n=N_SAMPLES, seed=0):
 
 
 def chi_square_pvalue(counts: dict, probs: dict, n: int) -> float:
-    """Pearson's chi-square test of observed counts against exact probabilities (upper-tail p-value)."""
+    """Pearson's chi-square test (``speculative_view.chi_square``) of outcome counts against exact probabilities."""
     assert set(counts) <= {k for k, p in probs.items() if p > 0}, "an impossible outcome was produced"
-    stat = sum((counts.get(k, 0) - n * p) ** 2 / (n * p) for k, p in probs.items() if p > 0)
-    dof = sum(p > 0 for p in probs.values()) - 1
-    upper = torch.special.gammaincc(torch.tensor(dof / 2, dtype=torch.float64), torch.tensor(stat / 2.0).double())
-    return float(upper)
+    keys = list(probs)
+    observed = torch.tensor([counts.get(k, 0) for k in keys], dtype=torch.float64)
+    assert observed.sum() == n
+    return chi_square(observed, torch.tensor([probs[k] for k in keys], dtype=torch.float64))[2]
 
 
 def expected_first_iteration(target, draft, gamma: int, params: SamplingParams) -> tuple[float, float]:
@@ -264,52 +264,60 @@ def test_exact_under_any_sampler_settings(tables):
     assert exact != exact_joint(target, T1)  # the settings do change the distribution being matched
 
 
-def _residual_is_p(p, q):
-    return p  # WRONG: resample from the target's distribution after a rejection
+# Accept rules with a classic mistake each, run through speculative_generate's accept= hook.
 
 
-def _bonus_from_previous_row(drafts, p, q, n, generator):
-    if n == len(drafts) and n > 0:  # WRONG: the bonus from the last draft's row, not the next one
-        return drafts + [spec.draw(p[n - 1], generator)]
-    return ORIGINAL_FINISH(drafts, p, q, n, generator)
+def _resample_from_p(p, q, drafts, u):
+    n, dist = accept_step(p, q, drafts, u)
+    return n, (p[n] if n < len(drafts) else dist)  # WRONG: after a rejection, p instead of the residual
 
 
-def _no_bonus(drafts, p, q, n, generator):
-    if n == len(drafts) and n > 0:  # the bonus token is forgotten: only the accepted drafts
-        return list(drafts)
-    return ORIGINAL_FINISH(drafts, p, q, n, generator)
+def _bonus_from_previous_row(p, q, drafts, u):
+    n, dist = accept_step(p, q, drafts, u)
+    return n, (p[n - 1] if n == len(drafts) and n > 0 else dist)  # WRONG: the bonus from the last draft's row
 
 
-ORIGINAL_FINISH = spec.finish_iteration
+def _accept_when_q_below_p(p, q, drafts, u):
+    n = 0  # WRONG: accept exactly when q(x) <= p(x), no random test
+    while n < len(drafts) and q[n, drafts[n]] <= p[n, drafts[n]]:
+        n += 1
+    return n, (residual_distribution(p[n], q[n]) if n < len(drafts) else p[n])
 
 
 @pytest.mark.parametrize(
-    "name, patch",
-    [("residual_distribution", _residual_is_p), ("finish_iteration", _bonus_from_previous_row)],
-    ids=["resample-from-p", "bonus-from-wrong-row"],
+    "rule", [_resample_from_p, _bonus_from_previous_row, _accept_when_q_below_p], ids=lambda f: f.__name__[1:]
 )
 @pytest.mark.slow
-def test_the_distribution_test_catches_wrong_rules(tables, monkeypatch, name, patch):
-    """The exactness test above, with the same samples, fails for these mutants of the algorithm."""
+def test_the_distribution_test_catches_wrong_rules(tables, rule):
+    """The exactness test above, with the same samples, fails for these accept rules."""
     target, draft = tables
-    monkeypatch.setattr(spec, name, patch)
-    counts, _ = run_speculative(target, draft, 2, T1)
+    counts, _ = run_speculative(target, draft, 2, T1, accept=rule)
     assert chi_square_pvalue(counts, exact_joint(target, T1), N_SAMPLES) < 1e-6
 
 
 @pytest.mark.slow
-def test_bonus_token_is_free_speed_not_correctness(tables, monkeypatch):
-    """Forgetting the bonus keeps the distribution exact (each emitted token still is) but wastes
-    the target's last row: the first iteration emits P(all accepted) fewer tokens on average."""
+def test_the_accept_hook_runs_a_correct_rule_exactly_and_checks_what_it_returns(tables):
+    """accept_step through the hook draws what the built-in path draws, sample for sample."""
+    target, draft = tables
+    hooked = run_speculative(target, draft, 2, T1, n=300, accept=accept_step)
+    assert hooked == run_speculative(target, draft, 2, T1, n=300)
+    for bad, why in [(lambda p, q, d, u: (len(d) + 1, p[0]), "n an int in"), (lambda p, q, d, u: 1, "n an int in"),
+                     (lambda p, q, d, u: (0, p[0] * 2), "probability vector"), (lambda p, q, d, u: (0, p), "shape")]:
+        with pytest.raises(ValueError, match=why):
+            speculative_generate(target, draft, PROMPT, N_TOKENS, 2, sampling=T1, eos_id=None, accept=bad)
+    with pytest.raises(TypeError, match="accept must be a function"):
+        speculative_generate(target, draft, PROMPT, N_TOKENS, 2, eos_id=None, accept="min(p, q)")
+
+
+@pytest.mark.slow
+def test_the_first_iteration_emits_the_expected_tokens_bonus_included(tables):
+    """The bonus token is free speed: the first iteration emits, on average, the exact expectation
+    (enumerated), which counts the bonus with probability P(all accepted)."""
     target, draft = tables
     expected, p_all = expected_first_iteration(target, draft, 2, T1)
     se = 1.0 / math.sqrt(N_SAMPLES)  # emitted tokens lie in [1, 3]: standard deviation <= 1
     counts, mean_first = run_speculative(target, draft, 2, T1)
-    assert abs(mean_first - expected) < 4 * se
-    monkeypatch.setattr(spec, "finish_iteration", _no_bonus)
-    counts, mean_first = run_speculative(target, draft, 2, T1)
-    assert chi_square_pvalue(counts, exact_joint(target, T1), N_SAMPLES) > 1e-3  # still exact
-    assert p_all > 10 * se and abs(mean_first - (expected - p_all)) < 4 * se  # but slower
+    assert p_all > 10 * se and abs(mean_first - expected) < 4 * se
 
 
 # --- greedy: the target's own output, token for token ---------------------------------
@@ -329,11 +337,12 @@ def test_greedy_equals_target_greedy_tiny_models(gamma):
         assert got.tokens == want.tokens and got.text == want.text
 
 
-def test_greedy_fast_path_equals_the_general_rule(monkeypatch):
+def test_greedy_fast_path_equals_the_general_rule():
+    """Greedy takes the argmax shortcut; an accept rule passed in (here the package's own) takes it
+    through one-hot distributions: the same tokens and counts."""
     target, draft = _tiny(0), _tiny(1, n_layer=1, n_embd=16)
     fast = speculative_generate(target, draft, "abc", 40, 3)
-    monkeypatch.setattr(spec, "_fast_greedy", lambda sampling: False)
-    slow = speculative_generate(target, draft, "abc", 40, 3)
+    slow = speculative_generate(target, draft, "abc", 40, 3, accept=accept_step)
     assert fast.tokens == slow.tokens
     assert fast.stats.accepted_per_iteration == slow.stats.accepted_per_iteration
     assert fast.stats.alpha_exact == slow.stats.alpha_exact == fast.stats.alpha

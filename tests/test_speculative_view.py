@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import math
 from types import SimpleNamespace
 
+import pytest
+import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -61,3 +64,15 @@ def test_the_explorer_text_of_a_real_run_is_not_garbled():
     text = "".join(p for p in token_pieces(view.result.tokens))
     assert text == "naïve café" and "\ufffd" not in html
     assert "ï" in html and "é" in html
+
+
+def test_chi_square_against_known_values():
+    from ar_lab.course.speculative_view import chi_square
+
+    stat, dof, p = chi_square(torch.tensor([25.0, 25, 50]), torch.tensor([0.25, 0.25, 0.5]))
+    assert stat == 0 and dof == 2 and abs(p - 1) < 1e-12
+    stat, dof, p = chi_square(torch.tensor([30, 20, 50]), torch.tensor([0.25, 0.25, 0.5]))
+    assert abs(stat - 2.0) < 1e-12 and abs(p - math.exp(-1)) < 1e-9  # 2 dof: p = exp(-stat / 2)
+    assert chi_square(torch.tensor([1, 9, 0]), torch.tensor([0.0, 0.5, 0.5]))[2] == 0.0  # an impossible outcome
+    with pytest.raises(ValueError, match="1-D of one length"):
+        chi_square(torch.ones(3), torch.ones(4) / 4)

@@ -100,6 +100,7 @@ def speculation_view(
     max_gamma: int = 8,
     repeats: int = 2,
     clock: Callable[[], float] | None = None,
+    accept=None,
 ) -> SpeculationView:
     """Run plain and speculative decoding side by side on ``prompt`` and gather what the explorer shows.
 
@@ -108,7 +109,8 @@ def speculation_view(
     ``repeats`` times (``ar_lab.base.timing.interleaved``) and the fastest run of each is kept
     (a shared machine's hiccups only ever add time), timed with ``clock`` (default:
     ``ar_lab.base.timing.steady_clock``). The
-    same arguments give the same tokens and counts; the times are measurements.
+    same arguments give the same tokens and counts; the times are measurements. ``accept``: an accept
+    rule of one's own for the speculative run (``ar_lab.engine.accept.AcceptRule``; chapter 07).
     """
     if not isinstance(prompt, str) or not prompt:
         raise ValueError("the prompt is empty: type at least one character")
@@ -137,6 +139,7 @@ def speculation_view(
             generator=seeded(),
             eos_id=None,
             clock=clock,
+            accept=accept,
         )
 
     generate(target, prompt, 2, sampling=sampling, generator=seeded(), eos_id=None)  # warm-up
@@ -232,3 +235,24 @@ def plot_speculation_view(axes, view):
     for ax in axes:
         ax.set_xticks(gammas)
     return axes
+
+
+def chi_square(counts: torch.Tensor, probs: torch.Tensor) -> tuple[float, int, float]:
+    """Pearson's chi-square test of observed ``counts`` (K,) against exact probabilities ``probs`` (K,).
+
+    Returns (statistic, degrees of freedom, upper-tail p-value), over the outcomes with probability
+    > 0; an outcome of probability 0 that was observed makes the p-value 0 (impossible under ``probs``).
+    How chapter 07 checks that speculative sampling reproduces the target's distribution exactly.
+    """
+    counts, probs = torch.as_tensor(counts, dtype=torch.float64), torch.as_tensor(probs, dtype=torch.float64)
+    if counts.shape != probs.shape or counts.ndim != 1:
+        raise ValueError(f"counts and probs must be 1-D of one length, got {tuple(counts.shape)}, {tuple(probs.shape)}")
+    possible = probs > 0
+    n = float(counts.sum())
+    expected = n * probs[possible]
+    stat = float(((counts[possible] - expected) ** 2 / expected).sum())
+    dof = int(possible.sum()) - 1
+    if counts[~possible].sum() > 0:
+        return float("inf"), dof, 0.0
+    upper = torch.special.gammaincc(torch.tensor(dof / 2, dtype=torch.float64), torch.tensor(stat / 2, dtype=torch.float64))
+    return stat, dof, float(upper)

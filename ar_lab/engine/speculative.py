@@ -44,6 +44,7 @@ import torch
 
 from ar_lab.base.args import finite_number, positive_int
 from ar_lab.base.timing import synchronize
+from ar_lab.engine.accept import AcceptRule, accept_step, checked_accept, draw
 from ar_lab.engine.decoder import decoder_for
 from ar_lab.engine.prompts import check_eos, check_prompt, prompt_ids
 from ar_lab.engine.sampling import GREEDY, SamplingParams, probabilities
@@ -157,51 +158,6 @@ def alpha_for_speedup(speedup: float, gamma: int, c: float, verify_cost: float =
     return hi
 
 
-# --- the pieces of one iteration (small, so tests can swap one for a wrong version) ----
-
-
-def accepted_count(p_x: torch.Tensor, q_x: torch.Tensor, u: torch.Tensor) -> int:
-    """How many drafts pass, in order, before the first rejection.
-
-    ``p_x[i]``, ``q_x[i]``: the target's and the draft's probability of draft token x_i;
-    ``u[i]``: a uniform draw in [0, 1). x_i passes if u_i < p(x_i) / q(x_i), which happens
-    with probability min(1, p(x_i) / q(x_i)) (compared as u q < p: no division, and
-    p >= q always passes).
-    """
-    passed = (u * q_x < p_x).tolist()
-    return passed.index(False) if False in passed else len(passed)
-
-
-def residual_distribution(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
-    """norm(max(0, p - q)): what a rejected position draws from, so that the total is p.
-
-    Where q over-proposed, the rejections freed exactly that mass; it is handed to the
-    tokens q under-proposed. (If p <= q everywhere, p = q up to rounding and nothing
-    can be rejected; p is returned for safety.)
-    """
-    r = (p.double() - q.double()).clamp_min(0.0)
-    total = float(r.sum())
-    return (r / total).float() if total > 0 else p
-
-
-def draw(dist: torch.Tensor, generator: torch.Generator | None) -> int:
-    """One token from a probability vector (vocab,)."""
-    return int(torch.multinomial(dist, 1, generator=generator))
-
-
-def finish_iteration(
-    drafts: list[int], p: torch.Tensor, q: list[torch.Tensor], n: int, generator: torch.Generator | None
-) -> list[int]:
-    """The tokens an iteration emits: the n accepted drafts, then one token drawn on the target side.
-
-    ``p`` (gamma + 1, vocab) holds the target's distributions at the draft positions and
-    the one after; ``q[i]`` the draft's distribution x_i was drawn from.
-    """
-    # At the first rejection, its residual; if every draft passed, the bonus token from the target's next distribution.
-    dist = residual_distribution(p[n], q[n]) if n < len(drafts) else p[n]
-    return drafts[:n] + [draw(dist, generator)]
-
-
 def _fast_greedy(sampling: SamplingParams) -> bool:
     # Greedy without a penalty: p and q are one-hot at the argmax of the raw logits, so
     # accept <=> the draft's argmax equals the target's, and the last token is the target's
@@ -265,9 +221,11 @@ class Speculation:
     """
 
     def __init__(
-        self, target, draft, prompt: list[int], max_new_tokens: int, gamma: int, *, sampling, generator, clock, lean
+        self, target, draft, prompt: list[int], max_new_tokens: int, gamma: int, *, sampling, generator, clock, lean,
+        accept: AcceptRule | None = None,
     ):
         self.target, self.draft, self.sampling, self.generator, self.clock = target, draft, sampling, generator, clock
+        self.accept = accept  # None: accept_step, checked and trusted; a rule of one's own is checked at each call
         self.seq = list(prompt)  # prompt + tokens emitted so far
         self.stats = SpeculativeStats(gamma=gamma)
         # Neither model ever needs the last emitted token's keys: at most P + N - 1 positions.
@@ -277,7 +235,7 @@ class Speculation:
         # Each call has its own decoders (their working memory and the verify pass's weight copies are
         # this call's, taken from the weights as they are now: this is not a generator).
         self.decoders = {id(m): decoder_for(m, lean=lean) for m in (target, draft)}
-        self.fast = _fast_greedy(sampling)
+        self.fast = _fast_greedy(sampling) and accept is None  # a rule of one's own sees one-hot p and q
         self.penalised = sampling.repetition_penalty != 1.0
         self.device = target.device
 
@@ -326,15 +284,17 @@ class Speculation:
             stats.alpha_sum += n  # one-hot p and q: sum min(p, q) is 1 if they agree, else 0
             return n, drafts[:n] + [best[n]]
         p = probabilities(logits, self.sampling, self._history(drafts))  # (g + 1, V)
-        n = 0
-        if g:
-            q = torch.stack(qs)  # (g, V)
-            rows, x = torch.arange(g, device=self.device), torch.tensor(drafts, device=self.device)
-            u = torch.rand(g, generator=self.generator, device=self.device, dtype=torch.float64)
-            n = accepted_count(p[rows, x].double(), q[rows, x].double(), u)
-            tested = min(g, n + 1)
-            stats.alpha_sum += float(acceptance_rate(p[:tested], q[:tested]).sum())
-        return n, finish_iteration(drafts, p, qs, n, self.generator)
+        if not g:
+            return 0, [draw(p[0], self.generator)]
+        q = torch.stack(qs)  # (g, V)
+        u = torch.rand(g, generator=self.generator, device=self.device, dtype=torch.float64)
+        if self.accept is None:
+            n, dist = accept_step(p, q, drafts, u)
+        else:
+            n, dist = checked_accept(self.accept(p, q, list(drafts), u), g, p.shape[-1])
+        tested = min(g, n + 1)
+        stats.alpha_sum += float(acceptance_rate(p[:tested], q[:tested]).sum())
+        return n, drafts[:n] + [draw(dist, self.generator)]
 
     def _history(self, drafts: list[int]) -> torch.Tensor | tuple:
         """What the repetition penalty sees at each of the g + 1 positions: row i, the text and drafts[:i]."""
@@ -401,6 +361,7 @@ def speculative_generate(
     eos_id: int | None = EOS_ID,
     clock: Callable[[], float] = time.perf_counter,
     lean: bool = True,
+    accept: AcceptRule | None = None,
 ) -> SpeculativeGeneration:
     """Generate like ``ar_lab.generate(target, ...)`` with ``draft`` proposing ``gamma`` tokens at a time.
 
@@ -411,11 +372,16 @@ def speculative_generate(
     ``clock`` times the stats (wall clock by default; see ``ar_lab.base.timing.steady_clock``). Forward
     passes of a ``GPT`` after the prompt run through ``ar_lab.engine.lean`` (one token: its decode step; the
     verify pass: its multi-token ``extend``), as ``generate``'s do; ``lean=False`` uses ``model.forward``.
+    ``accept``: an accept rule of one's own in place of ``accept_step`` (chapter 07's learner passes
+    theirs; greedy then runs on one-hot distributions through it, not the argmax shortcut).
     """
     ids = _check_pair(target, draft, prompt, max_new_tokens, gamma, sampling, generator, clock)
+    if accept is not None and not callable(accept):
+        raise TypeError(f"accept must be a function (p, q, drafts, u) -> (n, dist) or None: {type(accept).__name__}")
     check_eos(target, eos_id)
     run = Speculation(
-        target, draft, ids, max_new_tokens, gamma, sampling=sampling, generator=generator, clock=clock, lean=lean
+        target, draft, ids, max_new_tokens, gamma, sampling=sampling, generator=generator, clock=clock, lean=lean,
+        accept=accept,
     )
     stats = run.stats
     with inference(target, draft):
