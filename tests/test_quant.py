@@ -361,3 +361,41 @@ def test_the_weights_only_floor_reads_the_quantized_layers(quantized, monkeypatc
     monkeypatch.setattr(QuantizedLinear, "matmul", lambda self, x: calls.append(self) or original(self, x))
     lean.weights_only_pass(quantized["int4"], 2)
     assert len(calls) == 2 * 4 * quantized["int4"].config.n_layer  # every quantized layer, every step
+
+
+def test_quantize_model_runs_a_quantizer_of_ones_own_and_checks_its_answer():
+    """quantizer= (chapter 09's learner passes theirs): one written from the rule gives ar_lab's layers exactly;
+    a wrong answer is refused with what was wrong; the model's own weights are never written."""
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(block_size=32, n_layer=2, n_head=2, n_embd=64)).eval()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+
+    def int8(w):
+        absmax = w.abs().amax(1)
+        scale = torch.where(absmax > 0, absmax / 127, torch.ones_like(absmax))
+        q = torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8)
+        w.zero_()  # a quantizer that scribbles on its input: the model must not notice
+        return q, scale
+
+    def int4(w, size):
+        g = w.view(w.shape[0], -1, size)
+        absmax = g.abs().amax(-1)
+        scale = torch.where(absmax > 0, absmax / 7, torch.ones_like(absmax))
+        return torch.round(g / scale[..., None]).clamp(-7, 7).to(torch.int8).view(w.shape), scale
+
+    for fmt, fn, kw in [("int8", int8, {}), ("int4", int4, {"group_size": 32})]:
+        own, ref = quantize_model(model, weights=fmt, quantizer=fn, **kw), quantize_model(model, weights=fmt, **kw)
+        for a, b in zip(own.buffers(), ref.buffers(), strict=True):
+            assert torch.equal(a, b), fmt
+        ids = torch.tensor([[1, 2, 3]])
+        assert torch.equal(own(ids), ref(ids))
+    assert all(torch.equal(v, model.state_dict()[k]) for k, v in before.items())
+    for bad, why in [(lambda w: w, "must return \\(q, scale\\)"), (lambda w: (w, w.abs().amax(1)), "int8 tensor"),
+                     (lambda w: (torch.zeros_like(w, dtype=torch.int8), torch.zeros(w.shape[0])), "positive")]:
+        with pytest.raises(ValueError, match=why):
+            quantize_model(model, weights="int8", quantizer=bad)
+    with pytest.raises(ValueError, match="int4 values must lie in"):
+        quantize_model(model, weights="int4", quantizer=lambda w, s: (torch.full_like(w, 9, dtype=torch.int8),
+                                                                      torch.ones(w.shape[0], w.shape[1] // s)))
+    with pytest.raises(ValueError, match="quantizer must be a function"):
+        quantize_model(model, weights="bf16", quantizer=int4)

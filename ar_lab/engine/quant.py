@@ -369,7 +369,21 @@ def _copy(model: GPT, replace: dict[int, nn.Parameter]) -> GPT:
     return copy.deepcopy(model, memo=dict(replace))
 
 
-def quantize_model(model: GPT, *, weights: str, group_size: int | None = None) -> GPT:
+def _own_quantized(quantizer, weight: torch.Tensor, bits: int, size: int | None) -> QuantizedTensor:
+    """A quantizer of one's own on one weight: ``quantizer(w)`` (int8) or ``quantizer(w, group_size)`` (int4)
+    on a float32 copy of it, its ``(q, scale)`` checked as ``QuantizedTensor`` checks them."""
+    w = _check_weight(weight).clone()  # a copy: a quantizer that writes into its input leaves the model alone
+    answer = quantizer(w) if bits == 8 else quantizer(w, size)
+    if not (isinstance(answer, tuple) and len(answer) == 2):
+        raise ValueError(f"the quantizer must return (q, scale), got {type(answer).__name__}")
+    q, scale = answer
+    try:
+        return QuantizedTensor(q, scale.float() if isinstance(scale, torch.Tensor) else scale, bits, size)
+    except ValueError as e:
+        raise ValueError(f"the quantizer's answer for a {tuple(w.shape)} weight: {e}") from None
+
+
+def quantize_model(model: GPT, *, weights: str, group_size: int | None = None, quantizer=None) -> GPT:
     """A NEW model with the blocks' weights stored as ``weights``; ``model`` is left untouched.
 
     ``"fp32"``: a float32 copy. ``"bf16"``: every parameter cast to bfloat16 (the whole model then
@@ -377,7 +391,9 @@ def quantize_model(model: GPT, *, weights: str, group_size: int | None = None) -
     block (qkv, attention output, MLP in and out) becomes a ``QuantizedLinear`` (int4: one scale
     per ``group_size`` input columns, 32 by default; one of 32, 64, 128, 256); embeddings (the
     tied output head included), LayerNorms and biases stay float32. The copy runs through
-    ``ar_lab.generate`` (lean or not) and ``speculative_generate`` as any GPT does.
+    ``ar_lab.generate`` (lean or not) and ``speculative_generate`` as any GPT does. ``quantizer``: a
+    function of one's own in place of ``quantize_int8`` / ``quantize_int4`` (chapter 09's learner passes
+    theirs): ``quantizer(w) -> (q, scale)`` for int8, ``quantizer(w, group_size) -> (q, scale)`` for int4.
     """
     if not isinstance(model, GPT):
         raise TypeError(f"quantize_model takes a GPT, got {type(model).__name__}")
@@ -385,6 +401,8 @@ def quantize_model(model: GPT, *, weights: str, group_size: int | None = None) -
         raise ValueError(f"weights must be one of {', '.join(map(repr, WEIGHT_FORMATS))}, got {weights!r}")
     if group_size is not None and weights != "int4":
         raise ValueError(f"group_size applies to int4 only (weights={weights!r} has none), got {group_size!r}")
+    if quantizer is not None and (weights not in ("int8", "int4") or not callable(quantizer)):
+        raise ValueError(f"quantizer must be a function (w -> (q, scale)), for weights 'int8' or 'int4': {quantizer!r}")
     linears = _block_linears(model)
     if any(isinstance(getattr(m, name), QuantizedLinear) for m, name in linears):
         raise ValueError("this model is already quantized: quantize the full-precision model instead")
@@ -407,6 +425,10 @@ def quantize_model(model: GPT, *, weights: str, group_size: int | None = None) -
     cast = {id(p): nn.Parameter(p.detach().float(), p.requires_grad) for p in params}
     new = _copy(model, {**cast, **dict.fromkeys(weights_ids, placeholder)})
     for (old_parent, name), (parent, _) in zip(linears, _block_linears(new), strict=True):
-        qt = _quantize(getattr(old_parent, name).weight, bits, size)  # checks that size divides the columns
+        weight = getattr(old_parent, name).weight
+        if quantizer is None:
+            qt = _quantize(weight, bits, size)  # checks that size divides the columns
+        else:
+            qt = _own_quantized(quantizer, weight, bits, None if bits == 8 else size)
         setattr(parent, name, QuantizedLinear(qt, getattr(parent, name).bias))
     return new
