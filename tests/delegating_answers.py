@@ -199,6 +199,17 @@ def my_accept_step(p, q, drafts, u):
 def my_expected_tokens(alpha, gamma):
     return expected_tokens_per_iteration(alpha, gamma)
 """,
+    "ch08-admit": """
+from ar_lab.engine.scheduling import continuous_admit, static_admit
+
+
+def my_static_admit(waiting, running, max_batch):
+    return static_admit(waiting, running, max_batch)
+
+
+def my_continuous_admit(waiting, running, max_batch):
+    return continuous_admit(waiting, running, max_batch)
+""",
     "ch08-row-mask": """
 def my_row_mask(lengths, T):
     c = BatchKVCache(n_layer=1, max_batch=len(lengths), n_kv_heads=1, max_len=max(lengths) + T, head_dim=1)

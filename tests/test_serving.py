@@ -379,3 +379,32 @@ def test_serving_leaves_the_model_as_it_was(tiny_model):
     PrefixCache(tiny_model, "abc")
     decode_throughput(tiny_model, [1, 2], context=4, steps=2, repeats=1)
     assert tiny_model.training and torch.is_grad_enabled() and not torch.is_inference_mode_enabled()
+
+
+def test_serve_takes_an_admission_policy_of_ones_own_and_checks_its_answers(tiny_model):
+    """policy= a function (chapter 08's learner passes theirs): the package's two as functions give the
+    named schedules; another policy runs too, with every request served its own tokens; bad answers are refused."""
+    from ar_lab.engine.scheduling import continuous_admit, static_admit
+    from ar_lab.perf.serving_measure import compare_policies
+
+    requests = [Request(p, n) for p, n in zip(random_prompts([4, 9, 2, 6, 3]), [3, 12, 1, 5, 8], strict=True)]
+    needs = [r.max_new_tokens - 1 for r in requests]
+    for name, fn in [("static", static_admit), ("continuous", continuous_admit)]:
+        report = serve(tiny_model, requests, max_batch=2, policy=fn, eos_id=None)
+        assert [r.finish_step for r in report.results] == simulate(needs, 2, name) and report.policy == fn.__name__
+
+    def one_at_a_time(waiting, running, max_batch):
+        return min(waiting, 1) if running < max_batch else 0
+
+    report = serve(tiny_model, requests, max_batch=2, policy=one_at_a_time, eos_id=None)
+    named = serve(tiny_model, requests, max_batch=2, policy="continuous", eos_id=None)
+    assert [r.tokens for r in report.results] == [r.tokens for r in named.results]
+    runs = compare_policies(tiny_model, requests, 2, policies={"mine": one_at_a_time, "static": "static"})
+    assert list(runs) == ["mine", "static"] and runs["mine"][0].policy == "one_at_a_time"
+    for bad, why in [(lambda w, r, b: w + 1, "an int from 0 to"), (lambda w, r, b: 0, "wait forever"),
+                     (lambda w, r, b: 1.0, "an int from 0 to"), (lambda w, r, b: -1, "an int from 0 to")]:
+        with pytest.raises(ValueError, match=why):
+            serve(tiny_model, requests, max_batch=2, policy=bad, eos_id=None)
+    for bad in ("dynamic", 3):
+        with pytest.raises(ValueError, match="policy must be one of"):
+            serve(tiny_model, requests, max_batch=2, policy=bad, eos_id=None)

@@ -40,11 +40,10 @@ from ar_lab.engine.generate import Generation, GenerationStats
 from ar_lab.engine.prefix_cache import PrefixCache
 from ar_lab.engine.prompts import checked_prompt
 from ar_lab.engine.sampling import GREEDY, SamplingParams, sample
+from ar_lab.engine.scheduling import POLICIES, admitted, policy_function, policy_name
 from ar_lab.model.cache import BatchKVCache
 from ar_lab.model.inference import inference
 from ar_lab.model.tokenizer import EOS_ID, decode
-
-POLICIES = ("static", "continuous")
 
 
 @dataclass(frozen=True)
@@ -226,9 +225,10 @@ def _check_requests(model, requests) -> list[list[int]]:
     return prompts
 
 
-def _check_schedule(max_batch: int, policy: str) -> None:
-    if policy not in POLICIES:
+def _check_schedule(max_batch: int, policy: str, named_only: bool = True) -> None:
+    if named_only and policy not in POLICIES:
         raise ValueError(f"policy must be one of {POLICIES}, got {policy!r}")
+    policy_function(policy)
     if not isinstance(max_batch, int) or isinstance(max_batch, bool) or max_batch < 1:
         raise ValueError(f"max_batch must be an int >= 1, got {max_batch!r}")
 
@@ -337,11 +337,13 @@ def serve(
     ``policy="static"``: a batch of up to ``max_batch`` requests is admitted only when the
     previous batch has completely finished (finished rows stop being computed, but their
     slots stay empty until the whole batch is done). ``"continuous"``: before every decode
-    step, free slots are refilled from the queue. Each admitted request is prefilled alone
+    step, free slots are refilled from the queue. Or a function of one's own
+    (``ar_lab.engine.scheduling.AdmissionPolicy``), asked before every step. Each admitted request is prefilled alone
     (reusing ``prefix``'s keys/values where its prompt starts with them), which gives its
     first token; then every decode step gives one more token to every row.
     """
-    _check_schedule(max_batch, policy)
+    _check_schedule(max_batch, policy, named_only=False)
+    admit = policy_function(policy)
     if not isinstance(sampling, SamplingParams):
         raise TypeError(f"sampling must be a SamplingParams, got {type(sampling).__name__}")
     if prefix is not None and not isinstance(prefix, PrefixCache):
@@ -365,15 +367,15 @@ def serve(
     with inference(model):
         server.t0 = clock()
         while queue or server.rows:
-            if policy == "continuous" or not server.rows:
-                while queue and len(server.rows) < server.slots:
-                    server.admit(queue.popleft())
-                if not server.rows:
-                    continue
-            server.decode_step()
+            # The policy says how many requests join the batch; one its prefill finishes takes no slot.
+            goal = len(server.rows) + (admitted(admit, len(queue), len(server.rows), server.slots) if queue else 0)
+            while queue and len(server.rows) < goal:
+                server.admit(queue.popleft())
+            if server.rows:
+                server.decode_step()
         total = clock() - server.t0
     return ServeReport(
-        policy, max_batch, server.results, total, server.step_times, server.step_rows, server.prefill_times
+        policy_name(policy), max_batch, server.results, total, server.step_times, server.step_rows, server.prefill_times
     )
 
 

@@ -62,15 +62,23 @@ def mixed_workload(n_requests: int = 12, short: int = 8, long: int = 96, long_ev
 
 
 def compare_policies(
-    model, requests: Sequence[Request], max_batch: int, *, repeats: int = 1, eos_id: int | None = None
+    model,
+    requests: Sequence[Request],
+    max_batch: int,
+    *,
+    repeats: int = 1,
+    eos_id: int | None = None,
+    policies: dict | None = None,
 ) -> dict[str, list[ServeReport]]:
-    """``serve`` the same requests under both policies, alternating, ``repeats`` times each
-    (so a load change on the machine hits both alike)."""
+    """``serve`` the same requests under each policy, alternating, ``repeats`` times each (so a load
+    change on the machine hits all alike). ``policies``: name -> policy (a name of ``POLICIES`` or an
+    admission function, e.g. the learner's); by default static and continuous batching."""
     positive_int("repeats", repeats)
-    reports: dict[str, list[ServeReport]] = {p: [] for p in POLICIES}
+    policies = {p: p for p in POLICIES} if policies is None else dict(policies)
+    reports: dict[str, list[ServeReport]] = {name: [] for name in policies}
     for _ in range(repeats):
-        for policy in POLICIES:
-            reports[policy].append(serve(model, requests, max_batch=max_batch, policy=policy, eos_id=eos_id))
+        for name, policy in policies.items():
+            reports[name].append(serve(model, requests, max_batch=max_batch, policy=policy, eos_id=eos_id))
     return reports
 
 
