@@ -149,6 +149,16 @@ def cache_write(k_buf, v_buf, start, k, v):
     from ar_lab.model.cache import KVCache
     return KVCache.from_buffers([k_buf], [v_buf]).update(0, start, k, v)
 """,
+    "ch04-cached-attention": """
+def cached_attention(attn, x, cache, layer, start):
+    B, T, C = x.shape
+    q, k, v = (rearrange(t, "b t (h d) -> b h t d", h=attn.n_head) for t in attn.qkv(x).split(C, dim=-1))
+    if cache is not None:
+        k, v = cache_write(cache.k[layer], cache.v[layer], start, k, v)
+    sees = torch.ones(T, start + T, dtype=torch.bool).tril(diagonal=start)
+    y = F.scaled_dot_product_attention(q, k, v, attn_mask=sees)
+    return attn.proj(rearrange(y, "b h t d -> b t (h d)"))
+""",
     "ch04-scheme-bytes": """
 def kv_bytes_per_token(scheme, n_layer, n_head, n_kv_heads, head_dim, latent_dim, rope_dim, bytes_per_value):
     from ar_lab.perf.kv_sizing import AttentionShape, cache_sizes

@@ -163,6 +163,21 @@ def test_release_command_line(tmp_path, capsys):
         assert err.count("\n") == 1 and "error" in err and "Traceback" not in err, err
 
 
+def test_every_graded_cell_lets_run_all_go_on_and_is_still_checked_by_nbval():
+    """raises-exception lets a learner's Run All pass a failing test; it would also let nbval pass a source
+    notebook whose own test fails, so every graded cell also carries nbval-check-output: nbval compares
+    its output with the committed one (the test's verdict), which holds no error."""
+    for path in WITH_EXERCISES:
+        nb = nbformat.read(path, as_version=4)
+        for i, meta in graded_cells(nb):
+            cell = nb.cells[i]
+            tags = cell.metadata.get("tags", [])
+            assert {"raises-exception", "nbval-check-output"} <= set(tags), f"{path.name} {meta['grade_id']}: {tags}"
+            kinds = [o.output_type for o in cell.outputs]
+            said = "".join(o.get("text", "") for o in cell.outputs)
+            assert "error" not in kinds and said.startswith("✔"), f"{path.name} {meta['grade_id']}: {kinds} {said!r}"
+
+
 def test_grade_ids_are_unique_across_the_course():
     seen = {}
     for path in sorted(NOTEBOOKS.glob("*.ipynb")):
