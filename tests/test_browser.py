@@ -699,3 +699,28 @@ def test_quiz_widget_in_a_generated_notebook(lab):
     finally:
         lab.release(name)
 
+
+
+def test_run_all_reaches_the_end_of_a_student_version(lab):
+    """A learner's Run All on a chapter with no exercise done: JupyterLab runs every cell; only the graded
+    test cells (tagged ``raises-exception``) show errors, each for the missing answer; the cells that use a
+    learner's piece run on ar_lab's and say so."""
+    import nbformat
+
+    from ar_lab.course.exercises import nbgrader_meta, student_version
+
+    chapter = "02_attention_and_the_causal_mask.ipynb"
+    student = student_version(nbformat.read(ROOT / "notebooks" / chapter, as_version=4))
+    name = "zz_student_" + chapter
+    nbformat.write(student, lab.root / name)
+    graded = {i for i, c in enumerate(student.cells) if nbgrader_meta(c).get("grade")}
+    try:
+        run = lab.notebook(name, NOTEBOOK_TIMEOUT_S).run
+        code = [c for c in run.cells if c["source"].strip()]
+        assert code and all(c["count"] is not None for c in code), [c["index"] for c in code if c["count"] is None]
+        failed = {c["index"] for c in run.cells if any(o["output_type"] == "error" for o in c["outputs"])}
+        assert failed == graded, f"cells with an error: {sorted(failed)}; graded test cells: {sorted(graded)}"
+        assert all("NotImplementedError" in p for p in run.problems), run.problems
+        assert any("this runs on ar_lab's" in c["text"] for c in run.cells), "no cell said it fell back"
+    finally:
+        lab.release(name)
