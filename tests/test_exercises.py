@@ -256,10 +256,10 @@ def test_the_installed_package_carries_no_solution(tmp_path):
 
 
 WRONG_SAMPLERS = {
-    "min-p before temperature": ("T=1.5, min-p 0.1", """
+    "min-p in another order than ar_lab's": ("T=1.5, min-p 0.1", """
 def my_sampler_probabilities(logits, params):
     p = torch.softmax(logits.float(), -1)
-    p = torch.where(p >= params.min_p * p.max(), p, 0.0)  # min-p on the raw distribution: the classic mistake
+    p = torch.where(p >= params.min_p * p.max(), p, 0.0)  # min-p on the untempered distribution: not ar_lab's order
     probs = my_temperature_probabilities(torch.where(p > 0, logits.float(), float("-inf")), params.temperature)
     if params.top_k is not None and params.top_k < len(probs):
         probs = torch.where(probs >= probs.topk(params.top_k).values[-1], probs, 0.0)
