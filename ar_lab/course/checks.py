@@ -164,7 +164,9 @@ def exercise_passed(exercise: str, *yours: Any) -> bool:
     return ok and len(tested) == len(yours) and all(a is b for a, b in zip(tested, yours, strict=True))
 
 
-def yours_or_ours(exercise: str, yours: Any, ours: Any, *, name: str | None = None, tested: tuple | None = None) -> Any:
+def yours_or_ours(
+    exercise: str, yours: Any, ours: Any, *, name: str | None = None, tested: tuple | None = None, whose: str = "ar_lab's"
+) -> Any:
     """``yours`` if ``exercise``'s graded test passed on it in this kernel, else ``ours``; prints which.
 
     What a cell after an exercise calls, so the learner's piece runs the chapter's experiment once it
@@ -173,6 +175,7 @@ def yours_or_ours(exercise: str, yours: Any, ours: Any, *, name: str | None = No
     ``ours`` is then the matching tuple. ``tested``: the objects the test ran, when what the cell uses
     is made from them (a model loaded in the answer cell); ``yours`` is then a function without
     arguments that returns it, called only once the test has passed (before, it may not exist).
+    ``whose``: how the printed line names ``ours`` (e.g. "PyTorch's" where the stand-in is torch's own).
     """
     checked = tested if tested is not None else yours if isinstance(yours, tuple) else (yours,)
     name = name or exercise
@@ -183,7 +186,7 @@ def yours_or_ours(exercise: str, yours: Any, ours: Any, *, name: str | None = No
     why = "does not pass its test yet" if ran and _VERDICTS[exercise][0] is False else (
         "changed since its test passed: run its test cell again" if ran else "has not been tested: run its test cell"
     )
-    print(f"▷ your {name} {why}: this runs on ar_lab's")
+    print(f"▷ your {name} {why}: this runs on {whose}")
     return ours
 
 

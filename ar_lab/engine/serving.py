@@ -225,10 +225,13 @@ def _check_requests(model, requests) -> list[list[int]]:
     return prompts
 
 
-def _check_schedule(max_batch: int, policy: str, named_only: bool = True) -> None:
-    if named_only and policy not in POLICIES:
+def _check_schedule(max_batch: int, policy: str) -> None:
+    if policy not in POLICIES:
         raise ValueError(f"policy must be one of {POLICIES}, got {policy!r}")
-    policy_function(policy)
+    _check_slots(max_batch)
+
+
+def _check_slots(max_batch: int) -> None:
     if not isinstance(max_batch, int) or isinstance(max_batch, bool) or max_batch < 1:
         raise ValueError(f"max_batch must be an int >= 1, got {max_batch!r}")
 
@@ -342,8 +345,8 @@ def serve(
     (reusing ``prefix``'s keys/values where its prompt starts with them), which gives its
     first token; then every decode step gives one more token to every row.
     """
-    _check_schedule(max_batch, policy, named_only=False)
-    admit = policy_function(policy)
+    admit = policy_function(policy)  # a name of POLICIES or a function; anything else is refused here
+    _check_slots(max_batch)
     if not isinstance(sampling, SamplingParams):
         raise TypeError(f"sampling must be a SamplingParams, got {type(sampling).__name__}")
     if prefix is not None and not isinstance(prefix, PrefixCache):
