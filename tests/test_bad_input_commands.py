@@ -83,19 +83,8 @@ QUALITY = [
     Call("kv_cache_agreement(bigram)", lambda: quality.kv_cache_agreement(bigram_model()), TypeError, "must be a GPT"),
     Call("kv_cache_agreement(None)", lambda: quality.kv_cache_agreement(None), TypeError, "model must be a GPT"),
     Call("bits_per_byte(None)", lambda: quality.bits_per_byte(None), TypeError, "model must be"),
-    Call(
-        "bits_per_byte(m, seed=-1)",
-        lambda: quality.bits_per_byte(tiny(), 64, block_size=8, seed=-1),
-        ValueError,
-        "seed",
-    ),
-    Call(
-        "bits_per_byte(m, seed='a')",
-        lambda: quality.bits_per_byte(tiny(), 64, block_size=8, seed="a"),
-        ValueError,
-        "seed",
-    ),
-    Call("bits_per_byte(m, tokens=10**12)", lambda: quality.bits_per_byte(tiny(), 10**12), ValueError, "at most"),
+    Call("bits_per_byte(m, 4096)", lambda: quality.bits_per_byte(tiny(), 4096), TypeError, "EvalProtocol"),
+    Call("bits_per_byte(64-token model)", lambda: quality.bits_per_byte(tiny()), ValueError, "exceeds the model"),
     Call(
         "self_draft_acceptance(m, None)", lambda: quality.self_draft_acceptance(tiny(), None), TypeError, "draft must"
     ),
@@ -382,8 +371,8 @@ COMMANDS = [
         "prefix_tokens must be at most 960",
         [("ar_lab.bench.serving", "_policies")],
     ),
-    Command(BENCH, ["speculative", "--seed", "-1"], "seed", [("ar_lab.bench.speculative", "_checkpoints")]),
-    Command(BENCH, ["speculative", "--gammas", "20000"], "gammas", [("ar_lab.bench.speculative", "_checkpoints")]),
+    Command(BENCH, ["speculative", "--seed", "-1"], "seed", [("ar_lab.bench.speculative", "checkpoints")]),
+    Command(BENCH, ["speculative", "--gammas", "20000"], "gammas", [("ar_lab.bench.speculative", "checkpoints")]),
     Command(TRAIN, ["--preset", "draft", "--out", f"TMP/{TOO_LONG}"], "--out", [("ar_lab.model.train", "train")]),
     Command(TRAIN, ["--preset", "draft", "--out", ""], "--out", [("ar_lab.model.train", "train")]),
     Command(TRAIN, ["--preset", "draft", "--resume", ""], "--resume", [("ar_lab.model.train", "train")]),

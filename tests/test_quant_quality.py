@@ -10,9 +10,8 @@ import torch
 
 import ar_lab
 from ar_lab.engine.quant import quantize_model
-from ar_lab.model.data import corpus_tokens, train_val_split
+from ar_lab.model.evaluation import COURSE_EVAL, EvalProtocol, evaluate_protocol
 from ar_lab.model.gpt import GPT
-from ar_lab.model.train import evaluate
 from ar_lab.perf.quality import bits_per_byte, greedy_agreement, self_draft_acceptance
 
 PROMPTS = ["def main(args):\n    ", "import os\nimport sys\n", "The for statement"]
@@ -28,22 +27,19 @@ def int8(course):
     return quantize_model(course, weights="int8")
 
 
-def test_bits_per_byte_is_trains_evaluation_in_bits(course):
-    _, val = train_val_split(corpus_tokens())
-    want = evaluate(course, val, 64, batches=2, batch_size=4, seed=3) / math.log(2)
-    assert bits_per_byte(course, 512, block_size=64, batch_size=4, seed=3) == pytest.approx(want, rel=1e-12)
-    # tokens round up to whole batches: 257 tokens of 256-token batches is two batches
-    assert bits_per_byte(course, 257, block_size=64, batch_size=4, seed=3) == pytest.approx(want, rel=1e-12)
-    assert 0.5 < want < 4  # a trained byte-level model: well under 8 bits per byte
+def test_bits_per_byte_is_the_course_protocol_in_bits(course):
+    small = COURSE_EVAL.first(2)
+    assert bits_per_byte(course, small) == pytest.approx(evaluate_protocol(course, small).nats / math.log(2), rel=1e-12)
+    assert 0.5 < bits_per_byte(course, small) < 4  # a trained byte-level model: well under 8 bits per byte
 
 
 def test_quantization_costs_a_little_quality_and_random_weights_a_lot(course, int8):
-    args = {"tokens": 1024, "block_size": 128, "batch_size": 4}
-    full, quant = bits_per_byte(course, **args), bits_per_byte(int8, **args)
+    small = EvalProtocol("val-128, first 8", 128, 8)
+    full, quant = bits_per_byte(course, small), bits_per_byte(int8, small)
     assert abs(quant - full) < 0.05 * full  # int8: within 5% of the reference's loss
     torch.manual_seed(0)
     random = GPT(course.config).eval()
-    assert bits_per_byte(random, **args) > 2 * full  # untrained: about log2(257) = 8 bits per byte
+    assert bits_per_byte(random, small) > 2 * full  # untrained: about log2(257) = 8 bits per byte
 
 
 def test_a_model_agrees_with_itself_completely(course):
@@ -73,7 +69,7 @@ def test_bad_arguments_are_explained(course):
         greedy_agreement(course, course, "just one string")
     with pytest.raises(ValueError, match="n_tokens"):
         greedy_agreement(course, course, PROMPTS, n_tokens=0)
-    with pytest.raises(ValueError, match="tokens"):
-        bits_per_byte(course, 0)
+    with pytest.raises(TypeError, match="EvalProtocol"):
+        bits_per_byte(course, 4096)
     with pytest.raises(ValueError, match="gamma"):
         self_draft_acceptance(course, course, PROMPTS, gamma=0)

@@ -20,10 +20,10 @@ import torch
 from ar_lab.base.timing import interleaved, median
 from ar_lab.bench.common import checked_count, course_model_or_random, torch_threads
 from ar_lab.bench.table import format_table
+from ar_lab.model.evaluation import protocol_for
 
 FORMATS = ("fp32", "bf16", "int8", "int4")
-BPB_WINDOW = 256  # bits/byte is measured in windows of up to this many tokens (short: a few seconds per model)
-QUICK = {"tokens": 6, "repeats": 1, "quality_tokens": 6, "bpb_tokens": 256}
+QUICK = {"tokens": 6, "repeats": 1, "quality_tokens": 6, "bpb_windows": 1}  # bits/byte on the protocol's first window
 
 
 def add_options(p: argparse.ArgumentParser) -> None:
@@ -61,6 +61,12 @@ def _kernel_calls(w: torch.Tensor, x: torch.Tensor) -> dict[str, tuple[Callable[
         "int8 dequantize + mv": (lambda: torch.mv(q8.q.float() * q8.scale[:, None], x), q8.dequantize()),
         "int4 kernel": (lambda: int4.matmul(x[None])[0], int4.quantized().dequantize()),
     }
+
+
+def _protocol(model, quality: dict):
+    """The course's evaluation protocol at the model's context (quick runs: its first windows only)."""
+    protocol = protocol_for(model.config.block_size)
+    return protocol if quality["bpb_windows"] is None else protocol.first(quality["bpb_windows"])
 
 
 def kernel_timings(shapes=((1024, 256), (4096, 1024)), repeats: int = 30) -> list[dict]:
@@ -130,7 +136,7 @@ def measure_model(model, label: str, *, tokens: int, repeats: int, prompt: str, 
             agree = greedy_agreement(models["fp32"], m, n_tokens=quality["quality_tokens"])
             accept = self_draft_acceptance(models["fp32"], m, n_tokens=quality["quality_tokens"])
             rows[w].update(
-                bits_per_byte=bits_per_byte(m, quality["bpb_tokens"], block_size=min(BPB_WINDOW, m.config.block_size)),
+                bits_per_byte=bits_per_byte(m, _protocol(m, quality)),
                 greedy_top1=agree.top1,
                 first_divergence=agree.first_divergence,
                 acceptance_greedy=accept.greedy,
@@ -193,12 +199,12 @@ def quant_benchmark(
     source = "given"
     if course is None:
         course, source = course_model_or_random()
-    quality = dict(QUICK) if quick else {"quality_tokens": 32, "bpb_tokens": 8192}
+    quality = dict(QUICK) if quick else {"quality_tokens": 32, "bpb_windows": None}
     say("kernels")
     shapes = ((64, 64),) if quick else ((1024, 256), (4096, 1024))
     result = {"benchmark": "quant", "tokens": tokens, "repeats": repeats, "threads": torch.get_num_threads()}
-    # what the quality columns were measured on (bits/byte: validation tokens, in windows of this many)
-    result["quality"] = {**quality, "bpb_block_size": min(BPB_WINDOW, course.config.block_size)}
+    # what the quality columns were measured on (bits/byte: the evaluation protocol, by name)
+    result["quality"] = {**quality, "bpb_protocol": _protocol(course, quality).name}
     result["kernels"] = kernel_timings(shapes, repeats=3 if quick else 30)
     result["models"] = [
         measure_model(

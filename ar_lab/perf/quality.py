@@ -1,7 +1,7 @@
 """What quantization costs in quality: three measures of a model against its full-precision reference.
 
-- ``bits_per_byte``: the validation loss in bits per byte on the built-in corpus' held-out
-  text (``ar_lab.model.train.evaluate``'s cross-entropy, converted). Lower is better; a quantized
+- ``bits_per_byte``: the validation loss in bits per byte under the course's one evaluation
+  protocol (``ar_lab.model.evaluation.COURSE_EVAL``). Lower is better; a quantized
   model is usually a little above its reference.
 - ``greedy_agreement``: how often the model picks the reference's greedy token. Measured
   teacher-forced: both models read the reference's own greedy continuation, and at every
@@ -18,7 +18,6 @@
 
 from __future__ import annotations
 
-import functools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -31,39 +30,17 @@ from ar_lab.engine.kv_quant import Int8KVCache
 from ar_lab.engine.prompts import prompt_ids
 from ar_lab.engine.sampling import GREEDY, SamplingParams
 from ar_lab.engine.speculative import speculative_generate
-from ar_lab.model.data import benchmark_prompts, corpus_tokens, train_val_split
+from ar_lab.model.data import benchmark_prompts
+from ar_lab.model.evaluation import COURSE_EVAL, EvalProtocol, evaluate_protocol
 from ar_lab.model.gpt import GPT, checked_model
 from ar_lab.model.inference import inference
-from ar_lab.model.train import evaluate
 from ar_lab.perf.roofline import model_or_format
 
 
-@functools.lru_cache(maxsize=1)
-def _validation_tokens() -> torch.Tensor:
-    return train_val_split(corpus_tokens())[1]
-
-
-def bits_per_byte(
-    model, tokens: int | None = None, *, block_size: int = 256, batch_size: int = 8, seed: int = 0
-) -> float:
-    """Validation loss in bits per byte: ``ar_lab.model.train.evaluate`` on the built-in corpus' validation split.
-
-    ``tokens`` predicted tokens (default 4 batches of ``batch_size`` x ``block_size`` = 8,192),
-    rounded up to whole batches, on windows drawn with ``seed`` (the same windows for every model
-    given the same arguments). The tokenizer is byte-level, so a token is a byte; the EOS between
-    documents (a tiny share) is counted as one too. bits = nats / ln 2. ``tokens`` is at most the
-    validation split's length: more would only reread the same text, slowly.
-    """
-    checked_model(model)
-    positive_int("block_size", block_size)
-    positive_int("batch_size", batch_size)
-    check_seed(seed)
-    per_batch, limit = batch_size * block_size, len(_validation_tokens())
-    if tokens is not None and positive_int("tokens", tokens) > limit:
-        raise ValueError(f"tokens must be at most {limit:,} (the validation text's length), got {tokens:,}")
-    batches = 4 if tokens is None else math.ceil(tokens / per_batch)
-    nats = evaluate(model, _validation_tokens(), block_size, batches=batches, batch_size=batch_size, seed=seed)
-    return nats / math.log(2)
+def bits_per_byte(model, protocol: EvalProtocol = COURSE_EVAL) -> float:
+    """Validation loss in bits per byte under ``protocol`` (default ``COURSE_EVAL``, the course's one
+    protocol: ``ar_lab.model.evaluation``). The tokenizer is byte-level, so a token is a byte; bits = nats / ln 2."""
+    return evaluate_protocol(model, protocol).bits
 
 
 def _prompts(prompts) -> list[list[int]]:
