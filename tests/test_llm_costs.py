@@ -187,6 +187,24 @@ def test_place_decode_batches_are_the_first_that_cross(model, gpu, context, dtyp
         assert at(b).intensity >= p.ridge and (b == 1 or at(b - 1).intensity < p.ridge)
     m = p.max_batch  # the memory limit: m sequences fit, m + 1 do not
     assert lc.memory_needed(shape, context, m, dtype) <= spec.memory < lc.memory_needed(shape, context, m + 1, dtype)
+    b = p.matmul_compute_bound_batch  # per operator: the weight matmuls alone reach the ridge first at b
+    assert at(b).matmul_intensity >= p.ridge and (b == 1 or at(b - 1).matmul_intensity < p.ridge)
+    assert p.attention_intensity == pytest.approx(at(b).attention_intensity, rel=1e-12)  # the same at any batch
+    assert p.attention_intensity == pytest.approx(at(1).attention_intensity, rel=1e-12)
+
+
+@pytest.mark.parametrize("name", ["Llama-2-13B", "Llama-3-8B", "Qwen2.5-7B"])
+def test_per_operator_matmuls_scale_with_the_batch_and_attention_with_the_group(name):
+    shape, h100 = lc.MODELS[name], gpus.GPUS["H100 SXM"]
+    # bf16: 2 FLOPs per weight per sequence over 2 bytes per weight -> about B FLOP/byte (activations lower it)
+    for b in (1, 16, 256):
+        assert 0.8 * b < lc.decode_cost(shape, 2048, b).matmul_intensity <= b
+    # attention: 4 q_width FLOPs per position per layer over 2 x kv_width values x 2 bytes -> the group size
+    group = shape.n_head / shape.n_kv_heads
+    assert lc.decode_cost(shape, 2048, 64).attention_intensity == pytest.approx(group, rel=2e-3)
+    # the matmuls cross near the ridge at every context; attention stays where it was
+    crossings = {lc.place_decode(shape, h100, n).matmul_compute_bound_batch for n in (128, 2048, 4096)}
+    assert len(crossings) == 1 and h100.ridge < crossings.pop() < 1.15 * h100.ridge
 
 
 def test_decode_attention_alone_stays_near_one_flop_per_byte():

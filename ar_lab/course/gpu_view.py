@@ -229,6 +229,30 @@ def plot_decode_intensity(ax, shape, spec: GPUSpec, contexts: Sequence[int], wei
     return ax
 
 
+def plot_operators(ax, shape, spec: GPUSpec, context: int, batches: Sequence[int] = (1, 16, 64, 256, 1024)):
+    """Decode per operator on ``spec``'s datasheet roofline (bf16): the weight matrix products and attention
+    over the cache as separate points, one per batch (hollow: the batch's KV cache does not fit)."""
+    shape, spec = lc.as_model(shape), as_gpu(spec, "spec")
+    place = lc.place_decode(shape, spec, context)
+    plot_gpu_roof(ax, spec, lo=0.3, hi=3e3)
+    peak = spec.peak_flops("bf16")
+    costs = [lc.decode_cost(shape, context, b) for b in batches]
+    xs = [c.matmul_intensity for c in costs]
+    ys = [attainable_flops(x, peak, spec.bandwidth) for x in xs]
+    ax.plot(xs, ys, "-", color="#2471a3", lw=1, alpha=0.6)
+    label = f"weight matmuls (hollow: KV cache exceeds {spec.memory / 1e9:.0f} GB)"
+    for b, x, y in zip(batches, xs, ys, strict=True):
+        ax.plot(x, y, "s", ms=7, color="#2471a3", mfc="#2471a3" if b <= place.max_batch else "white",
+                label=label if b == batches[0] else None)
+        ax.annotate(f"B={b:,}", (x, y), xytext=(5, -11), textcoords="offset points", fontsize=8)
+    x = place.attention_intensity  # the same at every batch: each sequence reads its own cache
+    ax.plot(x, attainable_flops(x, peak, spec.bandwidth), "^", ms=9, color="#c0392b",
+            label=f"attention over the cache, at every batch: {x:.1f} FLOP/B")
+    ax.set_title(f"{shape.name} decode at context {context:,}, per operator, on {spec.name}", fontsize=10.5)
+    ax.legend(loc="upper left", fontsize=8)
+    return place
+
+
 # --- measured beside predicted -------------------------------------------------------
 
 

@@ -181,6 +181,10 @@ class DecodePlacement:
     weights_stop_dominating_batch: int  # smallest batch whose own bytes reach the shared weight bytes
     compute_bound_batch: int | None  # smallest batch at or past the ridge; None: never, at any batch
     max_batch: int  # the largest batch whose KV cache fits beside the weights
+    # Per operator: the weight matrix products (shared weights, each sequence's activations) and attention
+    # over the cache (each sequence's own keys and values): two points on the roofline, not one.
+    matmul_compute_bound_batch: int | None = None  # smallest batch whose matmuls alone reach the ridge
+    attention_intensity: float = 0.0  # attention's FLOP/byte: the same at every batch
 
     @property
     def intensity_limit(self) -> float:
@@ -204,9 +208,10 @@ def place_decode(shape: ModelShape, gpu, context: int, weight_dtype: str = "bf16
     per_seq = two.bytes - one.bytes  # the step's bytes are linear in the batch
     shared, flops = one.bytes - per_seq, one.flops
     ridge = gpu.peak_flops(weight_dtype) / gpu.bandwidth
-    compute = None
-    if flops > ridge * per_seq:  # intensity(B) >= ridge  <=>  B (flops - ridge per_seq) >= ridge shared
-        compute = max(1, math.ceil(ridge * shared / (flops - ridge * per_seq)))
+    compute = _first_batch_at(ridge, flops, shared, per_seq)
+    matmul_bytes = [c.weight_bytes + c.activation_bytes for c in (one, two)]
+    matmul_per_seq = matmul_bytes[1] - matmul_bytes[0]
+    matmuls = _first_batch_at(ridge, one.matmul_flops, matmul_bytes[0] - matmul_per_seq, matmul_per_seq)
     return DecodePlacement(
         context=context,
         weight_dtype=weight_dtype,
@@ -217,7 +222,16 @@ def place_decode(shape: ModelShape, gpu, context: int, weight_dtype: str = "bf16
         weights_stop_dominating_batch=max(1, math.ceil(shared / per_seq)),
         compute_bound_batch=compute,
         max_batch=max_batch(shape, gpu.memory, context, weight_dtype),
+        matmul_compute_bound_batch=matmuls,
+        attention_intensity=one.attention_intensity,
     )
+
+
+def _first_batch_at(ridge: float, flops: float, shared: float, per_seq: float) -> int | None:
+    """The smallest batch B with B flops / (shared + B per_seq) >= ridge; None when no batch gets there."""
+    if flops <= ridge * per_seq:  # intensity(B) >= ridge  <=>  B (flops - ridge per_seq) >= ridge shared
+        return None
+    return max(1, math.ceil(ridge * shared / (flops - ridge * per_seq)))
 
 
 def predicted_time(cost: PhaseCost, gpu, weight_dtype: str = "bf16") -> float:

@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 from ar_lab.base.args import positive_int
-from ar_lab.base.timing import checked_device, default_device, machine, time_call
+from ar_lab.base.timing import checked_device, default_device, interleaved, machine, time_call
 from ar_lab.model import data
 from ar_lab.model.cache import KVCache
 from ar_lab.model.gpt import GPT, GPTConfig
@@ -244,9 +244,7 @@ def run_roofline(
     for t in prompt_lens:
         say(f"prefill {t} tokens")
         points.append(measure_prefill(model, t, 1, repeats=repeats, cuda_graph=cuda_graph))
-    for context, b in decodes:
-        say(f"decode batch {b} at context {context}")
-        points.append(measure_decode(model, context, b, repeats=max(repeats, 3), cuda_graph=cuda_graph))
+    points += _decode_points(model, decodes, max(repeats, 3), cuda_graph, say)
     result = {
         "schema": SCHEMA,
         **machine(device),
@@ -262,6 +260,19 @@ def run_roofline(
     }
     result["key_figures"] = key_figures(result)
     return result
+
+
+def _decode_points(model, decodes, rounds: int, cuda_graph: bool, say) -> list[Point]:
+    """Decode steps at each (context, batch), timed in turns (``ar_lab.base.timing.interleaved``): a load that
+    comes and goes on a shared machine then slows every batch alike, and the points keep their order."""
+    if not decodes:
+        return []
+    say(f"decode steps at {len(decodes)} (context, batch) pairs, in turns")
+    with inference(model):
+        prepared = {key: prepare_forward(model, 1, key[0] - 1, key[1], phase="decode", cuda_graph=cuda_graph)
+                    for key in decodes}
+        times = interleaved({key: p[0] for key, p in prepared.items()}, rounds, warmup=2, device=model.device)
+    return [Point(cost, times[key], mode, note) for key, (_fn, cost, mode, note) in prepared.items()]
 
 
 def key_figures(result: dict) -> dict:

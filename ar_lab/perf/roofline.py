@@ -192,6 +192,16 @@ class PhaseCost:
         """Arithmetic intensity: FLOPs per byte moved to or from memory."""
         return self.flops / self.bytes
 
+    @property
+    def matmul_intensity(self) -> float:
+        """The weight matrix products alone: their FLOPs per byte of the weights and activations they move."""
+        return self.matmul_flops / (self.weight_bytes + self.activation_bytes)
+
+    @property
+    def attention_intensity(self) -> float:
+        """Attention over the cache alone: its FLOPs per byte of keys and values read and written."""
+        return self.attention_flops / self.kv_bytes
+
     def time_at(self, peak_flops: float, bandwidth: float) -> float:
         """Roofline time estimate: the slower of doing the FLOPs and moving the bytes."""
         ridge_point(peak_flops, bandwidth)  # checks both
