@@ -30,6 +30,7 @@ def test_format_table_right_aligns_and_rounds_floats():
         ["sampler", "--threads", "0"],
         ["decode", "--threads", "0"],
         ["serving", "--batch-sizes", "1,two"],
+        ["lookup", "--lookahead", "0"],
     ],
 )
 def test_bad_options_end_with_one_message_and_status_2(args, capsys):

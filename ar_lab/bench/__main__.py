@@ -15,7 +15,7 @@ import sys
 from pathlib import Path
 
 from ar_lab.base.timing import machine
-from ar_lab.bench import decode, quant, roofline, sampler, serving, speculative
+from ar_lab.bench import decode, lookup, quant, roofline, sampler, serving, speculative
 from ar_lab.model.data import check_writable
 
 # name -> (module with add_options and run, one-line help)
@@ -24,6 +24,7 @@ BENCHMARKS = {
     "roofline": (roofline, "prefill vs decode on a measured roofline (chapter 05)"),
     "sampler": (sampler, "batch-1 sampler step vs cached decode step (chapter 06)"),
     "speculative": (speculative, "speculative vs plain decoding, measured against the theory (chapter 07)"),
+    "lookup": (lookup, "prompt lookup vs a draft model vs plain decoding, and vs transformers' lookup (chapter 07)"),
     "serving": (serving, "static vs continuous batching, tokens/s vs batch size, prefix-cache TTFT (chapter 08)"),
     "quant": (quant, "fp32 vs bf16 vs int8 vs int4 weights in batch-1 decode, against the roofline (chapter 09)"),
 }

@@ -9,7 +9,9 @@ import torch
 
 from ar_lab.base.timing import checked_device
 
-__all__ = ["checked_device", "checked_count", "checked_threads", "course_model_or_random", "torch_threads"]
+__all__ = [
+    "checked_device", "checked_count", "checked_threads", "checkpoints", "course_model_or_random", "torch_threads"
+]
 
 
 def course_model_or_random():
@@ -53,3 +55,18 @@ def torch_threads(threads: int) -> Iterator[None]:
         yield
     finally:
         torch.set_num_threads(before)
+
+
+def checkpoints(target, draft, device: torch.device) -> tuple[object, object, dict]:
+    """The models (the shipped checkpoints on ``device`` where not given) and where each came from."""
+    from ar_lab.model.train import checkpoint_path, load_checkpoint
+
+    models, sources = {"target": target, "draft": draft}, {}
+    for role, name in [("target", "course"), ("draft", "draft")]:
+        sources[role] = "given"
+        if models[role] is None:
+            path = checkpoint_path(name)
+            if not path.exists():
+                raise FileNotFoundError(f"{path} is missing; run `make checkpoints` (or pass the models)")
+            models[role], sources[role] = load_checkpoint(path, device).eval(), f"data/{path.name}"
+    return models["target"], models["draft"], sources

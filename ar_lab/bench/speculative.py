@@ -14,7 +14,7 @@ from collections.abc import Callable
 import torch
 
 from ar_lab.base.timing import interleaved, machine, steady_clock
-from ar_lab.bench.common import checked_count, checked_device, torch_threads
+from ar_lab.bench.common import checked_count, checked_device, checkpoints, torch_threads
 from ar_lab.bench.table import format_table
 
 SPEEDUP_TARGET = 1.5  # greedy, at the best gamma
@@ -46,21 +46,6 @@ def _checked_sizes(gammas, **sizes) -> list[int]:
     for name, value in sizes.items():
         checked_count(name, value)
     return gammas
-
-
-def _checkpoints(target, draft, device: torch.device) -> tuple[object, object, dict]:
-    """The models (the shipped checkpoints on ``device`` where not given) and where each came from."""
-    from ar_lab.model.train import checkpoint_path, load_checkpoint
-
-    models, sources = {"target": target, "draft": draft}, {}
-    for role, name in [("target", "course"), ("draft", "draft")]:
-        sources[role] = "given"
-        if models[role] is None:
-            path = checkpoint_path(name)
-            if not path.exists():
-                raise FileNotFoundError(f"{path} is missing; run `make checkpoints` (or pass the models)")
-            models[role], sources[role] = load_checkpoint(path, device).eval(), f"data/{path.name}"
-    return models["target"], models["draft"], sources
 
 
 def _prompts(target, draft, n: int, length: int, tokens: int) -> list[list[int]]:
@@ -240,7 +225,7 @@ def speculative_benchmark(
     say = progress or (lambda _m: None)
     check_seed(seed)
     gammas = _checked_sizes(gammas, tokens=tokens, prompts=prompts, prompt_tokens=prompt_tokens, repeats=repeats)
-    target, draft, sources = _checkpoints(target, draft, checked_device(device))
+    target, draft, sources = checkpoints(target, draft, checked_device(device))
     modes = {"greedy": GREEDY, "T=1": SamplingParams(temperature=1.0)} if modes is None else modes
     prompt_ids = _prompts(target, draft, prompts, prompt_tokens, tokens)
     # CPU time of this process on a one-thread CPU run (other processes on a shared machine

@@ -46,6 +46,7 @@ from ar_lab.base.args import finite_number, positive_int
 from ar_lab.base.timing import synchronize
 from ar_lab.engine.accept import AcceptRule, accept_step, checked_accept, draw
 from ar_lab.engine.decoder import decoder_for
+from ar_lab.engine.lookup import checked_proposal, is_proposer
 from ar_lab.engine.prompts import check_eos, check_prompt, prompt_ids
 from ar_lab.engine.sampling import GREEDY, SamplingParams, probabilities
 from ar_lab.model.cache import KVCache
@@ -225,16 +226,17 @@ class Speculation:
         accept: AcceptRule | None = None,
     ):
         self.target, self.draft, self.sampling, self.generator, self.clock = target, draft, sampling, generator, clock
+        self.proposer = is_proposer(draft)  # a function (tokens, k) -> token ids, e.g. PromptLookup: no draft model
         self.accept = accept  # None: accept_step, checked and trusted; a rule of one's own is checked at each call
         self.seq = list(prompt)  # prompt + tokens emitted so far
         self.stats = SpeculativeStats(gamma=gamma)
         # Neither model ever needs the last emitted token's keys: at most P + N - 1 positions.
         max_len = len(prompt) + max_new_tokens - 1
         self.target_cache = KVCache.for_model(target, max_len=max_len)
-        self.draft_cache = KVCache.for_model(draft, max_len=max_len)
+        self.draft_cache = None if self.proposer else KVCache.for_model(draft, max_len=max_len)
         # Each call has its own decoders (their working memory and the verify pass's weight copies are
         # this call's, taken from the weights as they are now: this is not a generator).
-        self.decoders = {id(m): decoder_for(m, lean=lean) for m in (target, draft)}
+        self.decoders = {id(m): decoder_for(m, lean=lean) for m in (target, draft) if not is_proposer(m)}
         self.fast = _fast_greedy(sampling) and accept is None  # a rule of one's own sees one-hot p and q
         self.penalised = sampling.repetition_penalty != 1.0
         self.device = target.device
@@ -250,6 +252,8 @@ class Speculation:
         The draft's cache may lag behind the text by two tokens (after a full accept): the first
         pass feeds whatever it lacks.
         """
+        if self.proposer:
+            return self._propose_by_function(g)
         drafts: list[int] = []
         qs: list[torch.Tensor] = []
         for i in range(g):
@@ -265,6 +269,17 @@ class Speculation:
                 qs.append(q)
                 drafts.append(draw(q, self.generator))
         self.stats.proposals += g
+        return drafts, qs
+
+    def _propose_by_function(self, g: int) -> tuple[list[int], list[torch.Tensor]]:
+        """A proposer's tokens (up to g; maybe none), each with a one-hot q: the proposal is certain."""
+        drafts = checked_proposal(self.draft(list(self.seq), g), g, self.target.config.vocab_size) if g else []
+        self.stats.draft_calls += 1 if g else 0
+        self.stats.proposals += len(drafts)
+        qs = []
+        for x in [] if self.fast else drafts:
+            qs.append(torch.zeros(self.target.config.vocab_size, device=self.device))
+            qs[-1][x] = 1.0
         return drafts, qs
 
     def verify(self, drafts: list[int], qs: list[torch.Tensor]) -> tuple[int, list[int]]:
@@ -311,6 +326,7 @@ class Speculation:
         stats, clock = self.stats, self.clock
         t0 = clock()
         drafts, qs = self.propose(g)
+        g = len(drafts)  # a proposer may find fewer than asked for, or none
         synchronize(self.device)
         t1 = clock()
         stats.draft_time += t1 - t0
@@ -336,6 +352,9 @@ def _check_pair(target, draft, prompt, max_new_tokens: int, gamma: int, sampling
         raise TypeError(f"sampling must be a SamplingParams, got {type(sampling).__name__}")
     if generator is not None and not isinstance(generator, torch.Generator) or not callable(clock):
         raise TypeError(f"generator must be None or a torch.Generator, clock a function: got {generator!r}, {clock!r}")
+    if is_proposer(draft):  # a proposer function: only the target is a model
+        check_prompt(target, ids, max_new_tokens)
+        return ids
     for role, model in (("target", target), ("draft", draft)):  # each a model, the text within its window
         try:
             check_prompt(model, ids, max_new_tokens)
@@ -374,6 +393,8 @@ def speculative_generate(
     verify pass: its multi-token ``extend``), as ``generate``'s do; ``lean=False`` uses ``model.forward``.
     ``accept``: an accept rule of one's own in place of ``accept_step`` (chapter 07's learner passes
     theirs; greedy then runs on one-hot distributions through it, not the argmax shortcut).
+    ``draft`` may also be a *proposer*, a function (tokens so far, k) -> at most k token ids, such as
+    ``ar_lab.engine.lookup.PromptLookup()``: its tokens are drafts whose q is one-hot (the same exact rule).
     """
     ids = _check_pair(target, draft, prompt, max_new_tokens, gamma, sampling, generator, clock)
     if accept is not None and not callable(accept):
@@ -384,7 +405,7 @@ def speculative_generate(
         accept=accept,
     )
     stats = run.stats
-    with inference(target, draft):
+    with inference(*(m for m in (target, draft) if not is_proposer(m))):
         t_start = clock()  # as generate's clock: from the first forward pass on
         while stats.produced < max_new_tokens:
             run.iteration(min(gamma, max_new_tokens - stats.produced - 1), eos_id)  # never past max_new_tokens
