@@ -13,7 +13,7 @@ help:
 	@echo "make lab          set up and open the course in JupyterLab"
 	@echo "make test         set up and run every test (ruff, unit/property tests, notebooks)"
 	@echo "make test-fast    ruff and the tests not marked slow (no notebooks, no browser): under 2 minutes"
-	@echo "make checkpoints  retrain the shipped checkpoints in data/ (about an hour on 2 cores)"
+	@echo "make checkpoints  retrain the shipped checkpoints in data/ (under an hour on 2 cores)"
 	@echo "make bench        run every benchmark into data/bench/*.json and regenerate the README tables from them"
 	@echo "make grading-course DIR=grading [CHAPTER=06]  lay out an nbgrader course folder (INSTRUCTORS.md)"
 
@@ -44,14 +44,15 @@ test-fast: lint
 	$(BIN)/python -m pytest tests -m "not slow" $(PYTEST_ARGS)
 
 checkpoints: $(COURSE_STAMP)
-	$(BIN)/python -m ar_lab.model.train --preset course
-	$(BIN)/python -m ar_lab.model.train --preset draft
+	$(BIN)/python -m ar_lab.model.train --preset course --threads 2
+	$(BIN)/python -m ar_lab.model.train --preset draft --threads 2
 
 bench: $(DEV_STAMP)
 	$(BIN)/python -m ar_lab.bench decode --json data/bench/decode.json
 	$(BIN)/python -m ar_lab.bench roofline --json data/bench/roofline.json
 	$(BIN)/python -m ar_lab.bench sampler --json data/bench/sampler.json
 	$(BIN)/python -m ar_lab.bench speculative --json data/bench/speculative.json
+	$(BIN)/python -m ar_lab.bench lookup --json data/bench/lookup.json
 	$(BIN)/python -m ar_lab.bench serving --json data/bench/serving.json
 	$(BIN)/python -m ar_lab.bench quant --json data/bench/quant.json
 	$(BIN)/python -m ar_lab.bench.readme

@@ -30,6 +30,9 @@ COMPARES = {
     "from main memory",
     "sampler": "one sampler step vs one cached (lean) decode step, batch 1",
     "speculative": "speculative vs plain cached decoding, γ = 1…8, greedy and T = 1, against theory",
+    "lookup": "greedy decoding with prompt lookup (no draft model) vs the draft checkpoint vs plain, on prompts that "
+    "repeat their context and on fresh text; ar_lab's lookup vs `transformers`' `prompt_lookup_num_tokens` (same "
+    "weights, identical tokens asserted)",
     "serving": "continuous vs static batching on a mixed workload; tokens/s vs batch size; prefix cache",
     "quant": "fp32 vs bf16 vs int8 vs int4 weights, batch-1 cached decode of the course model and of a "
     "random-init model that streams from main memory, against the roofline's bytes ratio; quality of each; "
@@ -116,6 +119,18 @@ def _speculative(res: dict) -> str:
     )
 
 
+def _lookup(res: dict) -> str:
+    parts = []
+    for kind, k in res["kinds"].items():
+        text = (f"{kind}: lookup α {k['alpha']:.2f}, {k['tokens_per_target_call']:.2f} tokens per target call, "
+                f"**{k['lookup_speedup']:.2f}×** plain (draft model {k['draft_speedup']:.2f}×)")
+        if "ar_lab_vs_transformers_lookup" in k:
+            text += (f"; transformers' lookup {k['transformers_lookup_speedup']:.2f}× its plain, ar_lab's lookup "
+                     f"{k['ar_lab_vs_transformers_lookup']:.2f}× its tokens/s")
+        parts.append(text)
+    return "; ".join(parts)
+
+
 def _serving(res: dict) -> str:
     s, c = res["policies"]["static"], res["policies"]["continuous"]
     last, p = res["batch_sweep"][-1], res["prefix"]
@@ -139,7 +154,7 @@ def _quant(res: dict) -> str:
     q = course["rows"]
     kv = res["kv_cache"]
     ev = res.get("quality", {})
-    on = f" on {ev['bpb_tokens']:,} validation tokens in {ev['bpb_block_size']}-token windows" if ev else ""
+    on = f" ({ev['bpb_protocol']}, the course's evaluation protocol)" if ev.get("bpb_protocol") else ""
     return (
         f"{large['parameters'] / 1e6:.0f} M-parameter model, tokens/s over fp32: {speeds}: measured/predicted "
         f"{_span(ratios, '.2f')}. Course model: bits/byte{on} {q['fp32']['bits_per_byte']:.3f} (fp32), "
@@ -155,6 +170,7 @@ ROWS: dict[str, Callable[[dict], str]] = {
     "roofline": _roofline,
     "sampler": _sampler,
     "speculative": _speculative,
+    "lookup": _lookup,
     "serving": _serving,
     "quant": _quant,
 }
@@ -204,10 +220,12 @@ def bench_table(folder: Path) -> str:
 def checkpoint_table(paths: list[Path]) -> str:
     """The README's checkpoint table, from the training record inside each checkpoint."""
     from ar_lab.model.checkpoint import read_checkpoint_metadata
+    from ar_lab.model.evaluation import COURSE_EVAL
 
     notes = []
     lines = [
-        "| checkpoint | parameters | layers × width, heads | trained on | validation loss | training time |",
+        "| checkpoint | parameters | layers × width, heads | trained on | validation loss "
+        f"(`{COURSE_EVAL.name}`) | training time |",
         "|---|---|---|---|---|---|",
     ]
     for path in paths:
@@ -221,17 +239,38 @@ def checkpoint_table(paths: list[Path]) -> str:
             t = taught[0]
             if t > 1 and phases[t - 2].get("val_curve") and phases[t - 1].get("val_curve"):
                 notes.append(
-                    f"`{path.name}`'s validation loss on the text during training (one evaluation throughout): "
+                    f"`{path.name}`'s loss on the text as the trainer tracked it (its running estimate on random "
+                    "validation windows, not the protocol of the table): "
                     f"{phases[t - 2]['val_curve'][-1]:.2f} nats at the end of phase {t - 1}, "
                     f"{phases[t - 1]['val_curve'][-1]:.2f} after the distillation of phase {t}."
                 )
+        halves = rec.get("val_halves_nats")
+        by_half = f" (positions 0–511: {halves[0]:.2f}, 512–1,023: {halves[1]:.2f})" if halves else ""
         lines.append(
             f"| `{path.name}` | {rec['parameters']:,} | {cfg['n_layer']} × {cfg['n_embd']}, {cfg['n_head']} heads | "
             f"{rec['train_tokens'] / 1e6:.1f} M tokens ({how}) | {rec['val_loss_nats']:.3f} nats = "
-            f"{rec['val_bits_per_byte']:.2f} bits/byte | {rec['train_seconds'] / 60:.0f} min, {rec['threads']} "
-            f"thread{'s' if rec['threads'] != 1 else ''}, torch {rec['torch']} |"
+            f"{rec['val_bits_per_byte']:.2f} bits/byte{by_half} | {rec['train_seconds'] / 60:.0f} min, "
+            f"{_threads(phases, rec['threads'])}, torch {rec['torch']} |"
         )
     return "\n".join(lines + ([""] + notes if notes else []))
+
+
+def _threads(phases: list[dict], default: int) -> str:
+    """"2 threads", or per phase where the phases differ ("phases 1-3: 1 thread; phase 4: 2 threads")."""
+    counts = [p.get("threads", default) for p in phases]
+
+    def word(n: int) -> str:
+        return f"{n} thread{'s' if n != 1 else ''}"
+
+    if len(set(counts)) <= 1:
+        return word(counts[0] if counts else default)
+    runs, start = [], 0
+    for i in range(1, len(counts) + 1):
+        if i == len(counts) or counts[i] != counts[start]:
+            which = f"phase {start + 1}" if i - start == 1 else f"phases {start + 1}–{i}"
+            runs.append(f"{which}: {word(counts[start])}")
+            start = i
+    return "; ".join(runs)
 
 
 def _replace(text: str, start: str, end: str, body: str) -> str:
