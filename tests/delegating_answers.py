@@ -173,6 +173,12 @@ def decode_intensity(cfg, context, batch=1, bytes_per_value=4):
 def predict_tpot(n_params, bytes_per_param, bandwidth, kv_cache_bytes=0.0):
     return rl.approx_tpot(n_params, bandwidth, bytes_per_param) + kv_cache_bytes / bandwidth
 """,
+    "ch05-decode-plan": """
+def decode_plan(shape, gpu, context):
+    place = lc.place_decode(shape, gpu, context)
+    return {"tpot": lc.predicted_time(lc.decode_cost(shape, context), gpu), "max_batch": place.max_batch,
+            "matmul_batch": place.matmul_compute_bound_batch, "attention_intensity": place.attention_intensity}
+""",
     "ch06-temperature": """
 from ar_lab.engine.sampling import GREEDY_EPS
 
@@ -208,6 +214,13 @@ def my_accept_step(p, q, drafts, u):
     "ch07-expected-tokens": """
 def my_expected_tokens(alpha, gamma):
     return expected_tokens_per_iteration(alpha, gamma)
+""",
+    "ch07-lookup": """
+from ar_lab.engine.lookup import prompt_lookup
+
+
+def my_prompt_lookup(tokens, k, max_ngram=3):
+    return prompt_lookup(tokens, k, max_ngram)
 """,
     "ch08-admit": """
 from ar_lab.engine.scheduling import continuous_admit, static_admit

@@ -79,7 +79,8 @@ def test_the_per_operator_plot_draws_both_operators_and_marks_what_does_not_fit(
     place = gv.plot_operators(ax, "Llama-3-8B", "H100 SXM", 8192, batches=[1, 16, 64])
     assert place.max_batch == 59 and place.attention_intensity == pytest.approx(4, rel=2e-3)
     labels = ax.get_legend_handles_labels()[1]
-    assert labels[1].startswith("weight matmuls") and labels[2].startswith("attention over the cache, at every batch: 4.0")
+    assert labels[1].startswith("weight matmuls")
+    assert labels[2].startswith("attention over the cache, at every batch: 4.0")
     squares = [line for line in ax.lines if line.get_marker() == "s"]
     assert [line.get_markerfacecolor() == "white" for line in squares] == [False, False, True]  # B = 64 > 59
     assert {t.get_text() for t in ax.texts} >= {"B=1", "B=16", "B=64"}

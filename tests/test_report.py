@@ -40,15 +40,18 @@ def kinds_and_lines(answer: str, setup: str = SETUP) -> list[tuple[str, int]]:
     return [(f.kind, f.line) for f in scan_notebook(submission(answer, setup=setup))]
 
 
-@pytest.mark.parametrize("path", sorted(NOTEBOOKS.glob("*.ipynb")), ids=lambda p: p.stem[:2])
+@pytest.mark.parametrize("path", sorted(NOTEBOOKS.glob("[0-9][0-9]_*.ipynb")), ids=lambda p: p.stem[:2])
 def test_the_courses_own_solutions_give_no_flags(path):
     nb = nbformat.read(path, as_version=4)
     assert solution_cells(nb), "the notebook should have solution cells to scan"
     assert scan_notebook(path) == []
 
 
-def test_there_are_ten_source_notebooks():
-    assert len(list(NOTEBOOKS.glob("*.ipynb"))) == 10
+def test_there_are_ten_chapters_and_an_appendix_without_exercises():
+    assert len(list(NOTEBOOKS.glob("[0-9][0-9]_*.ipynb"))) == 10
+    appendices = sorted(NOTEBOOKS.glob("A[0-9]_*.ipynb"))
+    assert [p.stem for p in appendices] == ["A1_measuring_time"]
+    assert not solution_cells(nbformat.read(appendices[0], as_version=4))
 
 
 CHEATS = [

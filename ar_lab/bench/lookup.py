@@ -20,7 +20,7 @@ from collections.abc import Callable
 
 import torch
 
-from ar_lab.base.timing import interleaved, steady_clock
+from ar_lab.base.timing import interleaved, machine, steady_clock
 from ar_lab.bench.common import checked_count, checkpoints, torch_threads
 from ar_lab.bench.table import format_table
 
@@ -28,7 +28,7 @@ QUOTE = "\n\nThe same passage, quoted:\n"  # between a passage and its repetitio
 
 
 def add_options(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--tokens", type=int, default=96, help="new tokens per prompt (default 96)")
+    p.add_argument("--tokens", type=int, default=256, help="new tokens per prompt (default 256)")
     p.add_argument("--prompts", type=int, default=3, help="prompts of each kind (default 3)")
     p.add_argument("--lookahead", type=int, default=8, help="tokens a lookup proposes at most (default 8)")
     p.add_argument("--repeats", type=int, default=3, help="interleaved repeats; the fastest run of each counts")
@@ -90,7 +90,7 @@ def _runs(target, draft, prompt, tokens: int, lookahead: int, peer) -> dict[str,
     return runs
 
 
-def lookup_benchmark(target, draft, *, tokens: int = 96, prompts: int = 3, lookahead: int = 8, repeats: int = 3,
+def lookup_benchmark(target, draft, *, tokens: int = 256, prompts: int = 3, lookahead: int = 8, repeats: int = 3,
                      peer: bool = True, say: Callable[[str], None] | None = None) -> dict:
     """The measurements (returns data, prints nothing); see the module's docstring."""
     for name, value in (("tokens", tokens), ("prompts", prompts), ("lookahead", lookahead), ("repeats", repeats)):
@@ -121,7 +121,8 @@ def lookup_benchmark(target, draft, *, tokens: int = 96, prompts: int = 3, looka
             })
         kinds[kind] = _summary(per_prompt, tokens, hf is not None)
     return {"benchmark": "lookup", "tokens": tokens, "prompts": prompts, "lookahead": lookahead, "repeats": repeats,
-            "threads": torch.get_num_threads(), "kinds": kinds, "identical_tokens": True}
+            "threads": torch.get_num_threads(), "kinds": kinds, "identical_tokens": True,
+            "machine": machine(target.device)}
 
 
 def _summary(per_prompt: list[dict], tokens: int, peer: bool) -> dict:

@@ -294,16 +294,17 @@ QUIZZES: dict[str, list[dict]] = {
             "target call. Skipping it wastes a token per iteration; drawing it from another row breaks exactness.",
         },
         {
-            "q": "Distilling the shipped draft from the course model made the draft's own loss on the text worse. "
-            "What happened to the speculative speedup?",
+            "q": "Draft A predicts the text better than draft B (a lower validation loss), but B's next-token "
+            "distributions are closer to the target's. Both cost the same per step. Which drafts faster?",
             "choices": [
-                "It fell: a draft that predicts the text worse guesses fewer tokens right",
-                "It rose: α measures agreement with the target, not with the text",
-                "Nothing changed: the speedup depends only on how cheap the draft is",
+                "A: a draft that predicts the text better guesses more tokens right",
+                "B: α measures agreement with the target, not with the text",
+                "Neither: the speedup depends only on how cheap the draft is",
             ],
             "answer": 1,
-            "why": "α = 1 − TV(p, q) compares the draft with the target, not with the text; distillation raised greedy "
-            "α and the best speedup of the shipped draft (dated figures: the README, \"Checkpoints\").",
+            "why": "α = 1 − TV(p, q) compares the draft with the target, not with the text: the closer q is to p, "
+            "the more drafts pass. Distillation trains the draft for exactly that (the README gives measured "
+            "acceptance figures, with their dates).",
         },
     ],
     "08": [
@@ -366,16 +367,17 @@ QUIZZES: dict[str, list[dict]] = {
             "row that row, per group only the outlier's 31 neighbours.",
         },
         {
-            "q": "On one CPU core, int4 weights decoded chapter 09's large model far more slowly than their "
-            "6× fewer bytes predict. Why?",
+            "q": "On some CPU, an int4 kernel reads its weights at 5 GB/s while fp32's matrix-vector product reads "
+            "16 GB/s, and int4 decoding is far slower than its 6× fewer bytes predict. Why?",
             "choices": [
                 "The kernel's unpacking and scaling arithmetic, not memory, became the limit",
                 "int4 weights do not fit in the CPU cache, so they are read twice",
                 "The roofline counts bytes wrongly for integers",
             ],
             "answer": 0,
-            "why": "Chapter 09 timed the kernels alone: per byte, the int8 and int4 kernels stream far more slowly "
-            "than fp32's matrix-vector product. A prediction from bytes assumes the memory stays the limit.",
+            "why": "Per byte the int4 kernel streams far more slowly than fp32's product: each weight is unpacked and "
+            "scaled before it is multiplied. A prediction from bytes assumes the memory stays the limit; chapter 09 "
+            "times the kernels alone on your CPU to see which holds there.",
         },
         {
             "q": "An int4 copy of a model, used as the draft for the full-precision model in speculative decoding, "
