@@ -7,7 +7,8 @@ the last few tokens occurred, and propose the tokens that followed them there. S
 lookup decoding (2023) does exactly this, and ``transformers`` ships it as
 ``generate(..., prompt_lookup_num_tokens=k)``. The target verifies the proposals as it verifies a
 draft model's (``ar_lab.engine.speculative``), so the output is unchanged: token for token under
-greedy settings, in distribution when sampling (a deterministic proposal is a draft distribution q
+greedy settings in exact arithmetic (a bf16 verify pass on a GPU can flip near-tied argmaxes), in
+distribution when sampling (a deterministic proposal is a draft distribution q
 that puts all its mass on one token; accepting it with probability min(1, p(x) / q(x)) = p(x) and
 otherwise drawing from norm(max(0, p - q)) is the same exact rule).
 
@@ -15,7 +16,9 @@ A *proposer* is any function ``(tokens, k) -> list of at most k token ids``; ``s
 takes one where it takes a draft model. ``PromptLookup`` is the n-gram one, with the match rule of
 ``transformers``' prompt lookup: n from ``max_ngram`` down to ``min_ngram``, the earliest earlier
 occurrence of the last n tokens that has at least one token after it, and up to k of the tokens
-that follow it (never past the end of the text).
+that follow it (never past the end of the text). ``transformers`` has no ``min_ngram`` (it goes down
+to 1), its default n is 2 (this default, 3, is Saxena's), and it also cuts a proposal at EOS and at
+tokens its logits processors forbid.
 """
 
 from __future__ import annotations
