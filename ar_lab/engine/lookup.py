@@ -26,6 +26,8 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+import torch
+
 from ar_lab.base.args import positive_int
 
 Proposer = Callable[[list[int], int], Sequence[int]]
@@ -69,8 +71,6 @@ def prompt_lookup(tokens: Sequence[int], k: int, max_ngram: int = 3, min_ngram: 
 
 def is_proposer(draft) -> bool:
     """True for a proposer function (anything callable that is not a model)."""
-    import torch
-
     return callable(draft) and not isinstance(draft, torch.nn.Module)
 
 
