@@ -13,8 +13,11 @@ from ar_lab.course.mistakes import (
     generation_mistakes,
     name_mistake,
     positions_mistakes,
+    sampler_mistakes,
     sequence_log_prob_mistakes,
     single_head_mistakes,
+    temperature_mistakes,
+    top_p_mistakes,
 )
 from ar_lab.course.model_checks import attention_mistakes
 from ar_lab.model.gpt import GPT, GPTConfig
@@ -125,3 +128,58 @@ def test_positions_mistakes_are_named(P, N):
     check_exact("p", uncached, uncached, positions_mistakes(P, N, False))
     if N == 1:  # P x N is then the right uncached count: a right answer is never named for a mistake
         assert positions_mistakes(P, N, False)["P x N (the prompt alone, every step)"] == uncached
+
+
+def test_temperature_mistakes_are_named():
+    z = torch.tensor([2.0, 1.0, 0.0, -1.0])
+    right = (z / 0.5).softmax(-1)
+    mistakes = temperature_mistakes(z, 0.5)
+    _fails_naming("multiplying the logits by T", check_matches, "t", (z * 0.5).softmax(-1), right, mistakes=mistakes)
+    _fails_naming("temperature left out", check_matches, "t", z.softmax(-1), right, mistakes=mistakes)
+    check_matches("t", right, right, mistakes=mistakes)
+    assert temperature_mistakes(z, 0.0) == {}
+
+
+def test_top_p_mistakes_are_named():
+    q = torch.tensor([0.2, 0.5, 0.3])
+    right = torch.tensor([False, True, True])  # 0.5 alone is below 0.6: the 0.3 that crosses it stays
+    mistakes = top_p_mistakes(q, 0.6)
+    strict = torch.tensor([False, True, False])  # the cumulative sum including the token must stay <= p
+    _fails_naming("crosses p", check_exact, "p", strict, right, mistakes)
+    in_order = torch.tensor([True, True, False])  # running sum over ids 0, 1, 2
+    _fails_naming("token order", check_exact, "p", in_order, right, mistakes)
+    check_exact("p", right, right, mistakes)
+
+
+def _chain(z, params, order, renormalise=True):
+    steps = {
+        "T": lambda x: (x - x.max()) / params.temperature,
+        "k": lambda x: x.masked_fill(x < x.topk(params.top_k).values[-1], -math.inf) if params.top_k else x,
+        "p": lambda x: x.masked_fill(~my_keep(x.softmax(-1), params.top_p), -math.inf),
+        "m": lambda x: x.masked_fill(x.softmax(-1) < params.min_p * x.softmax(-1).max(), -math.inf),
+    }
+    for name in order:
+        z = steps[name](z)
+    return z.softmax(-1)
+
+
+def my_keep(probs, p):
+    s, order = probs.sort(descending=True, stable=True)
+    keep = s.cumsum(-1) - s < p
+    return torch.empty_like(keep).scatter_(-1, order, keep)
+
+
+def test_sampler_mistakes_are_named():
+    from ar_lab.engine.sampling import SamplingParams, probabilities
+
+    g = torch.Generator().manual_seed(5)
+    params = SamplingParams(temperature=1.5, top_k=40, top_p=0.9, min_p=0.1)
+    z = torch.randn(257, generator=g) * 3
+    right = probabilities(z, params)
+    check_close("ours by hand", _chain(z, params, "Tkpm"), right, atol=1e-6)
+    mistakes = sampler_mistakes(z, params)
+    early = _chain(z, params, "mTkp")
+    _fails_naming("min-p before the temperature", check_matches, "s", early, right, mistakes=mistakes)
+    _fails_naming("temperature last", check_matches, "s", _chain(z, params, "kpmT"), right, mistakes=mistakes)
+    check_matches("s", right, right, mistakes=mistakes)
+    assert sampler_mistakes(z, SamplingParams(temperature=0.0)) == {}

@@ -1,4 +1,4 @@
-"""Named mistakes for the function exercises of chapters 01, 02 and 04: what a classic slip computes.
+"""Named mistakes for the function exercises of chapters 01, 02, 04 and 06: what a classic slip computes.
 
 A test that only says "values differ at index 17" leaves a learner guessing. Each function here
 computes, with the exercise's own inputs, what the common wrong versions of the answer return (the
@@ -141,4 +141,71 @@ def positions_mistakes(P: int, N: int, use_cache: bool) -> dict[str, int]:
         "counting each step's tokens after it appends (P + n + 1 at step n)": sum(P + n + 1 for n in range(N)),
         "the count with a cache": P + N - 1,
         "P x N (the prompt alone, every step)": P * N,
+    }
+
+
+# --- chapter 06 ----------------------------------------------------------------------------
+
+
+@torch.no_grad()
+def temperature_mistakes(logits: torch.Tensor, temperature: float) -> dict[str, torch.Tensor]:
+    """The distribution at temperature T of logits (vocab,), computed wrongly (T > 0)."""
+    if temperature <= 0:
+        return {}
+    z = logits.double() - logits.double().max()
+    return {
+        "multiplying the logits by T instead of dividing by it": (z * temperature).softmax(-1).float(),
+        "the temperature left out (the plain softmax)": z.softmax(-1).float(),
+    }
+
+
+@torch.no_grad()
+def top_p_mistakes(probs: torch.Tensor, p: float) -> dict[str, torch.Tensor]:
+    """The bool mask top-p keeps of probs (vocab,), computed wrongly."""
+    sorted_probs, order = probs.double().sort(descending=True, stable=True)
+    running = sorted_probs.cumsum(-1)
+
+    def unsorted(keep_sorted: torch.Tensor) -> torch.Tensor:
+        return torch.empty_like(keep_sorted).scatter_(-1, order, keep_sorted)
+
+    in_order = probs.double().cumsum(-1)
+    return {
+        "dropping the token that crosses p (the running sum with the token itself compared with p)": unsorted(
+            running <= p
+        ),
+        "the running sum taken in token order instead of from the most likely token": in_order - probs.double() < p,
+    }
+
+
+@torch.no_grad()
+def sampler_mistakes(logits: torch.Tensor, params) -> dict[str, torch.Tensor]:
+    """The distribution the sampler chain gives for logits (vocab,) and ``params`` (a SamplingParams), with
+    the steps in a classic wrong order or a renormalisation left out."""
+    from ar_lab.engine.sampling import apply_temperature, filter_min_p, filter_top_k, filter_top_p, probabilities
+
+    if params.greedy:
+        return {}
+    z = logits.float()
+
+    def temper(x):
+        return apply_temperature(x, params.temperature)
+
+    def top_k(x):
+        return x if params.top_k is None else filter_top_k(x, params.top_k)
+
+    def top_p(x):
+        return filter_top_p(x, params.top_p)
+
+    def min_p(x):
+        return filter_min_p(x, params.min_p)
+
+    kept = probabilities(z, params) > 0
+    both = (top_p(temper(z)) > float("-inf")) & (top_k(temper(z)) > float("-inf"))
+    return {
+        "min-p before the temperature (on the untempered distribution)": top_p(top_k(temper(min_p(z)))).softmax(-1),
+        "the temperature last (the filters on the untempered logits)": temper(min_p(top_p(top_k(z)))).softmax(-1),
+        "top-p on the whole distribution instead of what top-k left": min_p(
+            temper(z).masked_fill(~both, float("-inf"))
+        ).softmax(-1),
+        "the kept probabilities not renormalised (they no longer sum to 1)": temper(z).softmax(-1) * kept,
     }
