@@ -51,9 +51,11 @@ bench: $(DEV_STAMP)
 	$(BIN)/python -m ar_lab.bench decode --json data/bench/decode.json
 	$(BIN)/python -m ar_lab.bench roofline --json data/bench/roofline.json
 	$(BIN)/python -m ar_lab.bench sampler --json data/bench/sampler.json
+	$(BIN)/python -m ar_lab.bench constrained --json data/bench/constrained.json
 	$(BIN)/python -m ar_lab.bench speculative --json data/bench/speculative.json
 	$(BIN)/python -m ar_lab.bench lookup --json data/bench/lookup.json
 	$(BIN)/python -m ar_lab.bench serving --json data/bench/serving.json
+	$(BIN)/python -m ar_lab.bench paged --json data/bench/paged.json
 	$(BIN)/python -m ar_lab.bench quant --json data/bench/quant.json
 	$(BIN)/python -m ar_lab.bench.readme
 

@@ -202,6 +202,10 @@ def my_sample(logits, params, generator=None):
 def my_repeated_ngram_fraction(tokens, n):
     return repeated_ngram_fraction(tokens, n)
 """,
+    "ch06-grammar": """
+def my_allowed_next(prefix):
+    return set(grammar.allowed_after(list(prefix)).nonzero().flatten().tolist())
+""",
     "ch07-accept": """
 from ar_lab.engine.accept import accepted_count
 
@@ -239,6 +243,37 @@ def my_row_mask(lengths, T):
     for n in lengths:
         c.add(n)
     return c.begin(T)[1]
+""",
+    "ch08-blocks": """
+from ar_lab.engine.paged import BlockAllocator
+
+
+class MyBlockAllocator:
+    def __init__(self, num_blocks, block_size):
+        self.inner = BlockAllocator(num_blocks, block_size)
+        self.num_blocks, self.block_size = num_blocks, block_size
+
+    @property
+    def num_free(self):
+        return self.inner.num_free
+
+    def table(self, request):
+        return self.inner.table(request)
+
+    def refcount(self, block):
+        return self.inner.refcount(block)
+
+    def allocate(self, request, n_tokens=0):
+        self.inner.allocate(request, n_tokens)
+
+    def grow(self, request, n_tokens):
+        self.inner.grow(request, n_tokens)
+
+    def fork(self, parent, child, n_tokens):
+        self.inner.fork(parent, child, n_tokens)
+
+    def free(self, request):
+        self.inner.free(request)
 """,
     "ch08-continuous": """
 def my_continuous_finish(steps_needed, max_batch):

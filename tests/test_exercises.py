@@ -309,4 +309,6 @@ def test_a_wrong_sampler_fails_the_distribution_comparison(mistake):
     results = {r.grade_id: r for r in grade(execute(exercises_only(nb), path.parent))}
     verdict = results["ch06-sampler-tests"]
     assert not verdict.passed and verdict.error.startswith("CheckFailed") and where in verdict.error, verdict.error
+    if mistake.startswith("min-p"):  # a mistake ar_lab.course.mistakes knows is named
+        assert "what min-p before the temperature (on the untempered distribution) gives" in verdict.error
     assert all(r.passed for gid, r in results.items() if gid != "ch06-sampler-tests"), results

@@ -29,11 +29,16 @@ COMPARES = {
     "roofline": "measured matmul peak and streaming bandwidth; prefill and decode of a random-init model read "
     "from main memory",
     "sampler": "one sampler step vs one cached (lean) decode step, batch 1",
+    "constrained": "JSON records sampled at T = 1 from the course model, free vs under a grammar (a JSON object "
+    "with fixed keys): valid share, time per step on equal steps, mean log-probability per token",
     "speculative": "speculative vs plain cached decoding, γ = 1…8, greedy and T = 1, against theory",
     "lookup": "greedy decoding with prompt lookup (no draft model) vs the draft checkpoint vs plain, on prompts that "
     "repeat their context and on fresh text; ar_lab's lookup vs `transformers`' `prompt_lookup_num_tokens` (same "
     "weights, identical tokens asserted)",
     "serving": "continuous vs static batching on a mixed workload; tokens/s vs batch size; prefix cache",
+    "paged": "KV memory in contiguous max-length slots vs paged blocks of 16 on a mixed workload (identical tokens "
+    "asserted): memory reserved vs used, requests at once in a fixed budget, the gather's cost per step; "
+    "Llama-3-8B on an 80 GB GPU",
     "quant": "fp32 vs bf16 vs int8 vs int4 weights, batch-1 cached decode of the course model and of a "
     "random-init model that streams from main memory, against the roofline's bytes ratio; quality of each; "
     "an int8 KV cache",
@@ -85,6 +90,16 @@ def _sampler(res: dict) -> str:
     top_p = next(v for name, v in s.items() if "top-p" in name)
     every = next(v for name, v in s.items() if name.startswith("all"))
     return f"greedy {s['greedy']:.1%}, top-p {top_p:.0%}, all filters + penalty {every:.0%} of a decode step"
+
+
+def _constrained(res: dict) -> str:
+    v, lp = res["valid_share"], res["mean_logprob"]
+    return (
+        f"valid records {v['free']:.0%} free, {v['constrained']:.0%} constrained; a constrained step takes "
+        f"**{res['mask_cost_ratio']:.2f}×** the time of a free one; mean log-prob/token {lp['constrained']:.2f} nats "
+        f"constrained vs {lp['free']:.2f} free (the model's top token refused at {res['top_refused_share']:.0%} "
+        "of constrained steps)"
+    )
 
 
 def _span(values: list[float], fmt: str) -> str:
@@ -142,6 +157,19 @@ def _serving(res: dict) -> str:
     )
 
 
+def _paged(res: dict) -> str:
+    runs, s = res["runs"], res["scale_up"]
+    c, p = runs["contiguous"], runs["paged"]
+    cb, pb = runs["contiguous, fixed budget"], runs["paged, fixed budget"]
+    return (
+        f"reserved / used: contiguous **{c['mean_reserved'] / c['mean_used']:.1f}×**, paged "
+        f"**{p['mean_reserved'] / p['mean_used']:.2f}×**; in {res['budget_slots']} slots' memory, "
+        f"{pb['mean_rows']:.1f} rows per step paged vs {cb['mean_rows']:.1f}; paged "
+        f"{res['paged_vs_contiguous_tokens_per_s']:.2f}× the tokens/s with the same slots (the gather); "
+        f"{s['model']}: {s['paged_fit']} vs {s['contiguous_fit']} requests at once ({s['gain']:.1f}×)"
+    )
+
+
 def _quant(res: dict) -> str:
     large = res["models"][-1]
     course = next(m for m in res["models"] if "bits_per_byte" in m["rows"]["fp32"])
@@ -169,9 +197,11 @@ ROWS: dict[str, Callable[[dict], str]] = {
     "decode": _decode,
     "roofline": _roofline,
     "sampler": _sampler,
+    "constrained": _constrained,
     "speculative": _speculative,
     "lookup": _lookup,
     "serving": _serving,
+    "paged": _paged,
     "quant": _quant,
 }
 

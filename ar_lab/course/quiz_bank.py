@@ -257,6 +257,30 @@ QUIZZES: dict[str, list[dict]] = {
             "answer": 1,
             "why": "The logits are identical; only the pick from them changes.",
         },
+        {
+            "q": "A grammar's mask sets refused tokens to −∞ before the sampler chain. At T = 1 with no truncation, "
+            "an allowed token t is drawn with probability:",
+            "choices": [
+                "p(t), its probability under the model: the refused tokens' mass is simply lost",
+                "p(t) / (sum of p over the allowed tokens)",
+                "1 / (number of allowed tokens): the grammar decides, not the model",
+            ],
+            "answer": 1,
+            "why": "The softmax after the mask renormalises over the allowed set. That is also why it can force the "
+            "model onto a path it finds unlikely: when every allowed token has a small p, one of them still gets all "
+            "the mass.",
+        },
+        {
+            "q": "Why mask before top-p rather than after it?",
+            "choices": [
+                "After top-p, every token of the nucleus might be refused, leaving nothing to pick",
+                "Masking after top-p would change the model's logits",
+                "It makes no difference: both orders keep the same tokens",
+            ],
+            "answer": 0,
+            "why": "Truncation keeps the model's most likely tokens; if the grammar refuses all of them, nothing "
+            "survives. Masking first makes the nucleus out of allowed tokens only.",
+        },
     ],
     "07": [
         {
@@ -331,6 +355,14 @@ QUIZZES: dict[str, list[dict]] = {
             "choices": TF,
             "answer": 1,
             "why": "The prefix's keys and values are the same whoever computes them; only TTFT changes.",
+        },
+        {
+            "q": "With blocks of 16 positions, how many blocks does a request of 33 positions hold, and how many "
+            "positions of them are empty?",
+            "choices": ["2 blocks, none empty", "3 blocks, 15 empty", "3 blocks, 1 empty"],
+            "answer": 1,
+            "why": "ceil(33 / 16) = 3 blocks of 48 positions; only the last block is partly filled (1 of 16), so 15 "
+            "are empty: the waste of paging is under one block per request.",
         },
     ],
     "09": [

@@ -6,7 +6,8 @@ tokens, the text and the counters. ``use_cache=False`` feeds the whole sequence 
 step (what a model without a KV cache must do); ``use_cache=True`` feeds the prompt once
 (prefill) and then one token per step (decode). ``sample_batch`` runs the same loop on
 several prompts at once, one batched forward per step, and ``sampler_view`` gathers what
-the chapter-06 explorer shows (the sampler's distribution and a few continuations).
+the chapter-06 explorer shows (the sampler's distribution and a few continuations). ``constraint=``
+masks each step's logits with a grammar before the sampler (``ar_lab.engine.constrained``).
 
 The public functions check their arguments once (``ar_lab.engine.prompts``) and hand checked
 token ids to private loops. Each model step runs inside ``inference`` on its own, so a
@@ -25,6 +26,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ar_lab.engine.constrained import check_constraint, check_constraint_eos, masked_logits
 from ar_lab.engine.decoder import Decoder, ForwardDecoder, decoder_for
 from ar_lab.engine.prompts import (
     check_eos,
@@ -121,10 +123,12 @@ class _Plan:
     cache: KVCache | None
     stats: GenerationStats
     sampler: Sampler | None = None  # None: the package's ``sample``
+    constraint: object = None  # a grammar (``ar_lab.engine.constrained``); None: every token allowed
 
 
 def _plan(
-    model, prompt, max_new_tokens: int, *, use_cache, sampling, generator, stats, cache, lean, sampler=None
+    model, prompt, max_new_tokens: int, *, use_cache, sampling, generator, stats, cache, lean, sampler=None,
+    constraint=None,
 ) -> _Plan:
     """Check every option of ``token_steps`` against ``model`` and pick the decoder: the public boundary."""
     ids = checked_prompt(model, prompt, max_new_tokens)
@@ -136,11 +140,13 @@ def _plan(
         raise TypeError(f"lean must be True or False, got {lean!r}")
     if cache is not None:
         _check_cache(cache, use_cache, ids, max_new_tokens)
+    check_constraint(constraint, model.config.vocab_size)
     check_inference_ready(model)
     decoder = decoder_for(model, lean=lean and use_cache)
     if cache is not None:
         decoder.fits(cache)  # the cache against the model, here at the call; the decoder remembers it
-    return _Plan(decoder, ids, max_new_tokens, use_cache, sampling, generator, cache, _stats(stats), sampler)
+    stats = _stats(stats)
+    return _Plan(decoder, ids, max_new_tokens, use_cache, sampling, generator, cache, stats, sampler, constraint)
 
 
 # --- the loops (arguments already checked) ----------------------------------------------
@@ -166,6 +172,7 @@ def _steps(plan: _Plan) -> Iterator[int]:
     # than have sample() build the one-token distribution every step.
     greedy = plan.sampler is None and sampling.greedy and sampling.repetition_penalty == 1.0
     token = None  # the token picked by the previous step
+    state = plan.constraint.start() if plan.constraint is not None else None
     t_last = time.perf_counter()
     for n in range(N):
         end = P + n  # tokens known so far
@@ -176,6 +183,8 @@ def _steps(plan: _Plan) -> Iterator[int]:
                 logits, fed = decoder.prefill(seq[:, skip:end], cache, skip)[0, -1], end - skip
             else:  # decode: the token picked last step, at the next position
                 logits, fed = decoder.step(token, cache, end - 1), 1
+            if state is not None:  # the grammar's mask, before the sampler chain (which renormalises)
+                logits = masked_logits(logits, plan.constraint, state, n)
             token = int(logits.argmax()) if greedy else None
             if token is None or not math.isfinite(logits[token]):
                 # A NaN or inf would win the argmax: one look at the winner is enough,
@@ -197,6 +206,10 @@ def _steps(plan: _Plan) -> Iterator[int]:
         else:
             stats.decode_times.append(now - t_last)
         yield token
+        if state is not None:
+            if token == EOS_ID:
+                return  # the grammar's text is complete: nothing follows its EOS
+            state = plan.constraint.advance(state, token)
         t_last = time.perf_counter()  # time spent by the consumer is not counted
 
 
@@ -245,6 +258,7 @@ def token_steps(
     cache: KVCache | None = None,
     lean: bool = True,
     sampler: Sampler | None = None,
+    constraint=None,
 ) -> Iterator[int]:
     """Yield new token ids one at a time (no stop rule other than the count).
 
@@ -255,11 +269,12 @@ def token_steps(
     of a conversation): the positions whose recorded token ids (``KVCache.token_ids``) agree with
     the prompt's start are reused, and only the rest of the prompt is prefilled; the cache is
     left holding the sequence, for the next call. A cache holding positions whose ids it does
-    not know is refused. Arguments are checked here, before the first token is asked for.
+    not know is refused. ``constraint``: see ``generate`` (the steps end after the EOS it allows). Arguments
+    are checked here, before the first token is asked for.
     """
     options = dict(
         use_cache=use_cache, sampling=sampling, generator=generator, stats=stats, cache=cache, lean=lean,
-        sampler=sampler,
+        sampler=sampler, constraint=constraint,
     )
     return _steps(_plan(model, prompt, max_new_tokens, **options))
 
@@ -278,6 +293,7 @@ def stream(
     cache: KVCache | None = None,
     lean: bool = True,
     sampler: Sampler | None = None,
+    constraint=None,
 ) -> Iterator[StreamEvent]:
     """Yield a ``StreamEvent`` per new token; text never splits a UTF-8 character.
 
@@ -289,11 +305,12 @@ def stream(
     an object of your own. Each event's ``latency`` is the model time of its token (TTFT
     for the first, TPOT after), so a consumer can plot latency against position as the
     stream goes. ``cache``: see ``token_steps`` (reuse the keys/values of the prompt's
-    start); so is ``lean``. Arguments are checked here, before the first event is asked for.
+    start); so is ``lean``; ``constraint``: see ``generate``. Arguments are checked here, before the first
+    event is asked for.
     """
     options = dict(
         use_cache=use_cache, sampling=sampling, generator=generator, stats=stats, cache=cache, lean=lean,
-        sampler=sampler,
+        sampler=sampler, constraint=constraint,
     )
     return _stream(model, prompt, max_new_tokens, eos_id, stop_strings, options)[1]
 
@@ -303,6 +320,7 @@ def _stream(model, prompt, max_new_tokens, eos_id, stop_strings, options: dict) 
     plan = _plan(model, prompt, max_new_tokens, **options)
     stops = stop_list(stop_strings)
     check_eos(model, eos_id)
+    check_constraint_eos(plan.constraint, eos_id)  # a constraint needs its EOS to stop
     return plan, _events(_steps(plan), plan.stats, eos_id, stops)
 
 
@@ -319,6 +337,7 @@ def generate(
     cache: KVCache | None = None,
     lean: bool = True,
     sampler: Sampler | None = None,
+    constraint=None,
 ) -> Generation:
     """Generate up to ``max_new_tokens`` tokens after ``prompt`` (text or token ids).
 
@@ -326,9 +345,13 @@ def generate(
     ids agree with the prompt's start are reused, only the rest is prefilled. ``lean=False``: every decode step
     through ``model.forward`` instead of ``ar_lab.engine.lean`` (same tokens; for comparison). ``sampler``: a
     function that picks each token instead of ``ar_lab.engine.sampling.sample`` (see ``Sampler``; chapter 06).
+    ``constraint``: a grammar (``ar_lab.engine.constrained``) whose refused tokens get logit -inf each step, before
+    the sampler chain; the text ends at the EOS it allows once complete (stop reason "eos": a whole sentence of
+    the grammar) or at the cap (stop reason "max_new_tokens": a valid but possibly unfinished prefix).
     """
     options = dict(
-        use_cache=use_cache, sampling=sampling, generator=generator, stats=None, cache=cache, lean=lean, sampler=sampler
+        use_cache=use_cache, sampling=sampling, generator=generator, stats=None, cache=cache, lean=lean,
+        sampler=sampler, constraint=constraint,
     )
     plan, events = _stream(model, prompt, max_new_tokens, eos_id, stop_strings, options)
     tokens, pieces = [], []
@@ -342,8 +365,11 @@ def generate(
 # --- sampling many continuations at once ---------------------------------------------
 
 
-def sample_rows(model, idx: torch.Tensor, N: int, sampling, generator, use_cache: bool, sampler=None) -> torch.Tensor:
-    """The batched loop on checked prompts ``idx`` (B, P): returns all B x N new tokens (``sampler``: see ``pick``)."""
+def sample_rows(
+    model, idx: torch.Tensor, N: int, sampling, generator, use_cache: bool, sampler=None, constraint=None
+) -> torch.Tensor:
+    """The batched loop on checked prompts ``idx`` (B, P): returns all B x N new tokens (``sampler``: see ``pick``;
+    ``constraint``: one grammar state per row, None once the row has picked EOS)."""
     B, P = idx.shape
     decoder = ForwardDecoder(model)  # rows of one batch: through forward
     buf = torch.empty(B, P + N, dtype=torch.long, device=idx.device)  # (B, P + N)
@@ -353,6 +379,7 @@ def sample_rows(model, idx: torch.Tensor, N: int, sampling, generator, use_cache
     if sampling.repetition_penalty != 1.0:
         seen = torch.zeros(B, model.config.vocab_size, dtype=torch.bool, device=idx.device)
         seen.scatter_(1, idx, True)
+    states = [constraint.start()] * B if constraint is not None else None
     with inference(model):  # not a generator: one block for the whole loop
         for n in range(N):
             end = P + n
@@ -361,11 +388,16 @@ def sample_rows(model, idx: torch.Tensor, N: int, sampling, generator, use_cache
             else:
                 logits = decoder.prefill(buf[:, :end], cache)[:, -1]  # (B, vocab)
             history = seen if seen is not None else ()
+            if states is not None:
+                logits = masked_logits(logits, constraint, states, n)
             if sampler is None:
                 token = sample(logits, sampling, generator, history)  # (B,)
             else:
                 token = pick(sampler, logits, sampling, generator, history)  # (B,): one call per row
             buf[:, end] = token
+            if states is not None:
+                states = [None if s is None or t == EOS_ID else constraint.advance(s, t)
+                          for s, t in zip(states, token.tolist(), strict=True)]
             if seen is not None:
                 seen.scatter_(1, token[:, None], True)
     return buf[:, P:]
@@ -381,6 +413,7 @@ def sample_batch(
     eos_id: int | None = EOS_ID,
     use_cache: bool = True,
     sampler: Sampler | None = None,
+    constraint=None,
 ) -> list[list[int]]:
     """Continue each of several equal-length prompts at once (one batched forward per step).
 
@@ -388,14 +421,17 @@ def sample_batch(
     repetition penalty sees each row's own prompt and tokens); the random draws of all
     rows come from the one ``generator``. The default ``sampling`` draws from the model's
     own distribution (T = 1). Each list stops before its first EOS. ``sampler``: a function that picks
-    each row's token instead of ``sample`` (called row by row, in order, with the one generator).
+    each row's token instead of ``sample`` (called row by row, in order, with the one generator). ``constraint``:
+    see ``generate`` (each row keeps its own grammar state).
     """
     check_sampling(sampling)
     check_sampler(sampler)
     check_eos(model, eos_id)
+    check_constraint(constraint, model.config.vocab_size)
+    check_constraint_eos(constraint, eos_id)
     idx = prompt_batch(model, prompts, max_new_tokens)  # (B, P)
     out = []
-    for row in sample_rows(model, idx, max_new_tokens, sampling, generator, use_cache, sampler).tolist():
+    for row in sample_rows(model, idx, max_new_tokens, sampling, generator, use_cache, sampler, constraint).tolist():
         if eos_id is not None and eos_id in row:
             row = row[: row.index(eos_id)]
         out.append(row)

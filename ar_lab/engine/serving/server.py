@@ -1,12 +1,5 @@
-"""Generation in production: many users, one model (chapter 08).
+"""Serving many requests with one model: batched decoding and scheduling (chapter 08).
 
-A server does not run one request at a time. This module holds the pieces that let it
-serve many, each tested against plain ``generate``:
-
-- **Streaming** lives in ``ar_lab.engine.generate.stream`` (text as it is produced, never half a
-  character, each event with its token's latency); ``StreamSummary`` and
-  ``latency_budget`` turn its timings into the figures a service promises: time to first
-  token (TTFT), time per output token (TPOT), tokens/s.
 - **Batched decoding** of sequences of different lengths: a ``BatchKVCache`` gives every
   row its own length, positions and attention mask, so one forward step advances every
   request by one token while reading the weights once.
@@ -17,8 +10,12 @@ serve many, each tested against plain ``generate``:
   decode steps.
 - **Prefix (prompt) caching** lives in ``ar_lab.engine.prefix_cache``: ``serve(..., prefix=...)``
   copies a shared prefix's keys/values into each request, which prefills only the rest.
+- **Paged KV memory** (``ar_lab.engine.paged``): ``serve(..., kv="paged")`` keeps the keys and
+  values in blocks of one pool, taken as requests grow; with a fixed budget (``num_blocks``), a
+  request is admitted only when the pool can hold all of it, and requests sharing a prefix share
+  its full blocks.
 
-A new request is prefilled alone (batch 1) straight into its slot's buffers, then joins the
+A new request is prefilled alone (batch 1) straight into its slot (or its blocks), then joins the
 running batch. The workloads and measurements of chapter 08 are in ``ar_lab.perf.serving_measure``.
 """
 
@@ -26,190 +23,24 @@ from __future__ import annotations
 
 import heapq
 import math
-import statistics
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 
 import torch
 
-from ar_lab.base.args import check_seed, finite_number
+from ar_lab.base.args import check_seed, positive_int
 from ar_lab.engine.decoder import ForwardDecoder
 from ar_lab.engine.generate import Generation, GenerationStats
+from ar_lab.engine.paged import PagedKVCache, blocks_for, check_allocator
 from ar_lab.engine.prefix_cache import PrefixCache
 from ar_lab.engine.prompts import checked_prompt
 from ar_lab.engine.sampling import GREEDY, SamplingParams, sample
 from ar_lab.engine.scheduling import POLICIES, admitted, policy_function, policy_name
+from ar_lab.engine.serving.requests import Request, RequestResult, ServeReport
 from ar_lab.model.cache import BatchKVCache
 from ar_lab.model.inference import inference
-from ar_lab.model.tokenizer import EOS_ID, decode
-
-
-@dataclass(frozen=True)
-class StreamSummary:
-    """What a user of a stream feels: the wait for the first token, then the pace."""
-
-    ttft: float  # seconds to the first token (prefill)
-    tpot: float  # median seconds per later token (decode)
-    tokens: int
-    total: float  # seconds for the whole stream
-
-    @classmethod
-    def from_stats(cls, stats: GenerationStats) -> StreamSummary:
-        if not isinstance(stats, GenerationStats):
-            raise TypeError(f"stats must be a GenerationStats (a stream's or generate(...)'s .stats), got {stats!r}")
-        if stats.forward_calls == 0:
-            raise ValueError("the stream produced no token yet: nothing to summarise")
-        tpot = statistics.median(stats.decode_times) if stats.decode_times else float("nan")
-        return cls(stats.prefill_time, tpot, stats.forward_calls, stats.total_time)
-
-    @property
-    def tokens_per_s(self) -> float:
-        """Output tokens per second over the whole stream, first token included."""
-        return self.tokens / _elapsed("the stream's total time", self.total)
-
-    @property
-    def decode_tokens_per_s(self) -> float:
-        """The pace after the first token: 1 / TPOT (NaN for a one-token stream: it has no later token)."""
-        return self.tpot if math.isnan(self.tpot) else 1.0 / _elapsed("TPOT", self.tpot)
-
-
-def _elapsed(what: str, seconds: float) -> float:
-    """``seconds`` to divide by; a clock that did not advance makes a rate undefined, so say so."""
-    if not seconds > 0:
-        raise ValueError(f"{what} is {seconds} s by its clock, so a rate is undefined: use a clock that advances")
-    return seconds
-
-
-def latency_budget(ttft: float, tpot: float, n_tokens: int) -> float:
-    """Seconds until the last of ``n_tokens`` arrives: TTFT + (n - 1) x TPOT.
-
-    A request's time is not one unit: the first token costs a prefill of the whole
-    prompt, each later token one decode step. ``n_tokens`` is at most 2**53, the counts a float holds exactly.
-    """
-    if not isinstance(n_tokens, int) or isinstance(n_tokens, bool) or not 1 <= n_tokens <= 2**53:
-        raise ValueError(f"n_tokens must be an int from 1 to 2**53, got {n_tokens!r}")
-    return finite_number("ttft (seconds)", ttft) + (n_tokens - 1) * finite_number("tpot (seconds)", tpot)
-
-
-def tokens_within(budget: float, ttft: float, tpot: float) -> int:
-    """The most tokens whose last one arrives within ``budget`` seconds (0 if not even the first)."""
-    budget, ttft = finite_number("budget (seconds)", budget), finite_number("ttft (seconds)", ttft)
-    tpot = finite_number("tpot (seconds)", tpot, above=True)
-    if budget < ttft:
-        return 0
-    if not math.isfinite(later := (budget - ttft) / tpot):
-        raise ValueError(f"budget / tpot is too large to count ({budget!r} s / {tpot!r} s): give a larger tpot")
-    return 1 + math.floor(later + 1e-9)
-
-
-# --- requests and the scheduler ----------------------------------------------------------
-
-
-@dataclass
-class Request:
-    prompt: str | Sequence[int]
-    max_new_tokens: int
-    name: str = ""
-    seed: int | None = None  # seeds this request's sampler (ignored for greedy decoding)
-
-
-@dataclass
-class RequestResult:
-    request: Request
-    prompt: list[int]
-    tokens: list[int] = field(default_factory=list)  # new tokens (EOS excluded)
-    token_times: list[float] = field(default_factory=list)  # seconds after the start when each token appeared
-    admitted: float = 0.0  # seconds after the start when its prefill began (time spent queued)
-    admitted_step: int = 0  # decode steps the server had run when it was admitted
-    prefill_time: float = 0.0  # seconds of its own prefill
-    reused: int = 0  # prompt positions taken from the prefix cache
-    finish_step: int = 0  # decode steps the server had run when it finished
-    stop_reason: str = ""
-
-    @property
-    def text(self) -> str:
-        return decode(self.tokens)
-
-    @property
-    def ttft(self) -> float:
-        """Seconds from the start (all requests are queued at 0) to the first token: queueing included."""
-        return self.token_times[0]
-
-    @property
-    def latency(self) -> float:
-        """Seconds from the start to the last token: what the user waits for the whole answer."""
-        return self.token_times[-1]
-
-    @property
-    def tpot(self) -> float:
-        """Mean seconds between its later tokens (other requests' prefills included)."""
-        n = len(self.token_times)
-        return (self.token_times[-1] - self.token_times[0]) / (n - 1) if n > 1 else float("nan")
-
-
-def _percentile(values: Sequence[float], q: float) -> float:
-    return float(torch.tensor(list(values), dtype=torch.float64).quantile(q))
-
-
-@dataclass
-class ServeReport:
-    policy: str
-    max_batch: int
-    results: list[RequestResult]  # in request order
-    total_time: float
-    step_times: list[float]  # seconds of each batched decode step
-    step_rows: list[int]  # rows (requests) each decode step advanced
-    prefill_times: list[float]
-
-    @property
-    def tokens(self) -> int:
-        return sum(len(r.token_times) for r in self.results)
-
-    @property
-    def throughput(self) -> float:
-        """Output tokens per second over the whole run."""
-        return self.tokens / _elapsed("the run's total time", self.total_time)
-
-    @property
-    def decode_steps(self) -> int:
-        return len(self.step_times)
-
-    @property
-    def mean_rows(self) -> float:
-        """Average rows per decode step: how full the batch was kept."""
-        return sum(self.step_rows) / len(self.step_rows) if self.step_rows else 0.0
-
-    def latencies(self) -> list[float]:
-        return [r.latency for r in self.results]
-
-    @property
-    def mean_latency(self) -> float:
-        return statistics.fmean(self.latencies())
-
-    @property
-    def p90_latency(self) -> float:
-        return _percentile(self.latencies(), 0.9)
-
-    @property
-    def mean_ttft(self) -> float:
-        return statistics.fmean(r.ttft for r in self.results)
-
-    def summary(self) -> dict:
-        return {
-            "policy": self.policy,
-            "max_batch": self.max_batch,
-            "requests": len(self.results),
-            "tokens": self.tokens,
-            "seconds": self.total_time,
-            "tokens_per_s": self.throughput,
-            "decode_steps": self.decode_steps,
-            "mean_rows": self.mean_rows,
-            "mean_latency_s": self.mean_latency,
-            "p90_latency_s": self.p90_latency,
-            "mean_ttft_s": self.mean_ttft,
-        }
+from ar_lab.model.tokenizer import EOS_ID
 
 
 def _check_requests(model, requests) -> list[list[int]]:
@@ -231,6 +62,40 @@ def _check_schedule(max_batch: int, policy: str) -> None:
     _check_slots(max_batch)
 
 
+KV_LAYOUTS = ("contiguous", "paged")  # how serve lays out the keys and values
+
+
+def _check_kv(kv, block_size, num_blocks, allocator, prefix, prompts, requests) -> None:
+    """Refuse a paged set-up that cannot run: bad sizes, an allocator without the interface, or a request that
+    the whole pool cannot hold (it would wait forever)."""
+    if kv not in KV_LAYOUTS:
+        raise ValueError(f"kv must be one of {KV_LAYOUTS}, got {kv!r}")
+    options = [("block_size", block_size), ("num_blocks", num_blocks), ("allocator", allocator)]
+    given = [n for n, v in options if v is not None]
+    if kv == "contiguous":
+        if given:
+            raise ValueError(f"{given[0]} is an option of the paged cache: pass kv='paged' with it")
+        return
+    if allocator is not None:
+        check_allocator(allocator)
+        if block_size is not None or num_blocks is not None:
+            raise ValueError("give either an allocator or block_size / num_blocks: the allocator has its own")
+        block_size, num_blocks = allocator.block_size, allocator.num_blocks
+    block_size = positive_int("block_size", 16 if block_size is None else block_size)
+    if num_blocks is None:
+        return  # sized from the requests: every slot can hold the longest
+    num_blocks = positive_int("num_blocks", num_blocks)
+    held = blocks_for(len(prefix), block_size) if prefix is not None else 0
+    for i, (p, r) in enumerate(zip(prompts, requests, strict=True)):
+        shared = prefix.reusable(p) // block_size if prefix is not None else 0
+        need = blocks_for(len(p) + r.max_new_tokens - 1, block_size) - shared
+        if held + need > num_blocks:
+            raise ValueError(
+                f"requests[{i}] needs {need} blocks of {block_size} positions{' beside the prefix' * bool(held)}, "
+                f"but the pool has {num_blocks - held}: give more num_blocks (or a larger block_size)"
+            )
+
+
 def _check_slots(max_batch: int) -> None:
     if not isinstance(max_batch, int) or isinstance(max_batch, bool) or max_batch < 1:
         raise ValueError(f"max_batch must be an int >= 1, got {max_batch!r}")
@@ -239,11 +104,21 @@ def _check_slots(max_batch: int) -> None:
 class _Server:
     """The state of one ``serve`` run: the slots and who decodes in them, each request's result, the timings."""
 
-    def __init__(self, model, requests, prompts, slots: int, *, prefix, sampling, eos_id, clock) -> None:
+    def __init__(self, model, requests, prompts, slots: int, *, prefix, sampling, eos_id, clock, paged) -> None:
         self.model, self.prompts, self.prefix, self.sampling, self.eos_id = model, prompts, prefix, sampling, eos_id
         self.clock, self.t0, self.slots = clock, 0.0, slots
         max_len = max(len(p) + r.max_new_tokens - 1 for p, r in zip(prompts, requests, strict=True))
-        self.cache = BatchKVCache.for_model(model, max_batch=slots, max_len=max_len)
+        self.paged = paged is not None
+        if self.paged:  # paged: keys/values in blocks; a request is admitted when all of it fits the pool
+            self.cache = PagedKVCache.for_model(model, slots, max_len, **paged)
+            self.committed = 0  # blocks the running requests (and the prefix) may hold at their longest
+            if prefix is not None:
+                self.committed = blocks_for(len(prefix), self.cache.block_size)
+                self.cache.hold_prefix(prefix.cache.k, prefix.cache.v)
+        else:
+            self.cache = BatchKVCache.for_model(model, max_batch=slots, max_len=max_len)
+        self.kv_reserved: list[int] = []  # positions of KV memory set aside at each decode step
+        self.kv_used: list[int] = []  # positions of it holding keys and values
         self.decoder = ForwardDecoder(model)  # rows at lengths of their own: through forward
         device = model.device
         self.results = [RequestResult(r, p) for r, p in zip(requests, prompts, strict=True)]
@@ -280,12 +155,32 @@ class _Server:
             return True
         return False
 
+    def shared(self, j: int) -> int:
+        """Positions of request j's prompt the prefix serves."""
+        return self.prefix.reusable(self.prompts[j]) if self.prefix is not None else 0
+
+    def need(self, j: int) -> int:
+        """Blocks request j holds at its longest, beside the prefix's full blocks it shares."""
+        bs = self.cache.block_size
+        return blocks_for(len(self.prompts[j]) + self.results[j].request.max_new_tokens - 1, bs) - self.shared(j) // bs
+
+    def room(self, j: int) -> bool:
+        """Whether request j can be admitted now: always with slots; with blocks, if all of it fits the pool
+        beside what the running requests may still take (so no running request ever waits for a block)."""
+        return not self.paged or self.committed + self.need(j) <= self.cache.num_blocks
+
     def admit(self, j: int) -> None:
         """Prefill request j alone, straight into the next free slot; it joins the batch unless already done."""
         res, ids, cache = self.results[j], self.prompts[j], self.cache
-        slot = cache.slot(cache.rows)  # a batch-1 view of the next free slot: the prefill writes in place
-        slot.length = 0
-        res.reused = self.prefix.copy_into(slot, ids) if self.prefix is not None else 0
+        if self.paged:  # a new request sharing the prefix's full blocks (its partly filled one copied)
+            res.reused = self.shared(j)
+            slot = cache.slot(cache.rows, shared=res.reused)
+            slot.record(0, ids[: res.reused])
+            self.committed += self.need(j)
+        else:
+            slot = cache.slot(cache.rows)  # a batch-1 view of the next free slot: the prefill writes in place
+            slot.length = 0
+            res.reused = self.prefix.copy_into(slot, ids) if self.prefix is not None else 0
         start = self.clock()
         res.admitted, res.admitted_step = start - self.t0, len(self.step_times)
         new = torch.tensor([ids[res.reused :]], device=self.model.device)
@@ -298,10 +193,27 @@ class _Server:
         if not self.record(j, token, now - self.t0):
             self.last[cache.add(slot.length)] = token
             self.rows.append(j)
+        elif self.paged:  # done by its prefill alone: its blocks go back
+            cache.drop_pending()
+            self.committed -= self.need(j)
+
+    def account(self) -> None:
+        """Note the KV memory set aside and the positions filled, before a decode step."""
+        cache, n = self.cache, len(self.rows)
+        used = sum(cache.lengths[:n])
+        if not self.paged:
+            self.kv_reserved.append(cache.max_batch * cache.max_len)
+            self.kv_used.append(used)
+            return
+        bs = cache.block_size
+        prefix = len(self.prefix) if self.prefix is not None else 0  # held once, shared by reference
+        self.kv_reserved.append((cache.num_blocks - cache.allocator.num_free) * bs)
+        self.kv_used.append(prefix + used - sum(self.shared(j) // bs * bs for j in self.rows))
 
     def decode_step(self) -> None:
         """One batched forward step: one more token for every row; finished rows leave their slots."""
         n, rows = len(self.rows), self.rows
+        self.account()
         start = self.clock()
         logits = self.decoder.step(self.last[:n], self.cache, None)  # (n, vocab): one token for every row
         if self.greedy and bool(torch.isfinite(logits).all()):
@@ -317,6 +229,8 @@ class _Server:
         done = [i for i, (j, t) in enumerate(zip(rows, new, strict=True)) if self.record(j, t, now - self.t0)]
         for i in reversed(done):  # highest first: the row moved into i is never a finished one
             self.results[rows[i]].finish_step = len(self.step_times)
+            if self.paged:
+                self.committed -= self.need(rows[i])
             moved = self.cache.remove(i)
             if moved is not None:
                 self.last[i] = self.last[moved]
@@ -334,6 +248,10 @@ def serve(
     sampling: SamplingParams = GREEDY,
     eos_id: int | None = EOS_ID,
     clock: Callable[[], float] = time.perf_counter,
+    kv: str = "contiguous",
+    block_size: int | None = None,
+    num_blocks: int | None = None,
+    allocator=None,
 ) -> ServeReport:
     """Run ``requests`` (all queued at time 0, served in order) through ``max_batch`` slots.
 
@@ -344,6 +262,15 @@ def serve(
     (``ar_lab.engine.scheduling.AdmissionPolicy``), asked before every step. Each admitted request is prefilled alone
     (reusing ``prefix``'s keys/values where its prompt starts with them), which gives its
     first token; then every decode step gives one more token to every row.
+
+    ``kv="contiguous"``: every slot reserves room for the longest request (a ``BatchKVCache``).
+    ``kv="paged"``: keys and values live in blocks of ``block_size`` positions (16 by default) taken
+    as each request grows (a ``PagedKVCache``); ``num_blocks`` fixes the pool (by default, the
+    contiguous cache's memory), and a request then waits, whatever the policy says, until the pool
+    can hold all of it beside the running ones; with ``prefix``, requests share its full blocks.
+    ``allocator``: an object with ``ar_lab.engine.paged.BlockAllocator``'s interface, empty, that the
+    paged cache runs on (its ``block_size`` and ``num_blocks`` size the pool). The tokens are the
+    contiguous cache's.
     """
     admit = policy_function(policy)  # a name of POLICIES or a function; anything else is refused here
     _check_slots(max_batch)
@@ -356,6 +283,8 @@ def serve(
     if not callable(clock):
         raise TypeError(f"clock must be a function returning seconds (e.g. time.perf_counter), got {clock!r}")
     prompts = _check_requests(model, requests)
+    _check_kv(kv, block_size, num_blocks, allocator, prefix, prompts, requests)
+    paged = {"block_size": block_size, "num_blocks": num_blocks, "allocator": allocator} if kv == "paged" else None
     server = _Server(
         model,
         requests,
@@ -365,6 +294,7 @@ def serve(
         sampling=sampling,
         eos_id=eos_id,
         clock=clock,
+        paged=paged,
     )
     queue = deque(range(len(requests)))
     with inference(model):
@@ -372,13 +302,16 @@ def serve(
         while queue or server.rows:
             # The policy says how many requests join the batch; one its prefill finishes takes no slot.
             goal = len(server.rows) + (admitted(admit, len(queue), len(server.rows), server.slots) if queue else 0)
-            while queue and len(server.rows) < goal:
+            while queue and len(server.rows) < goal and server.room(queue[0]):  # (paged: room in the pool)
                 server.admit(queue.popleft())
             if server.rows:
                 server.decode_step()
         total = clock() - server.t0
+    if server.paged:
+        server.cache.close()  # every block back in the pool
     return ServeReport(
-        policy_name(policy), max_batch, server.results, total, server.step_times, server.step_rows, server.prefill_times
+        policy_name(policy), max_batch, server.results, total, server.step_times, server.step_rows,
+        server.prefill_times, kv=kv, kv_reserved=server.kv_reserved, kv_used=server.kv_used,
     )
 
 

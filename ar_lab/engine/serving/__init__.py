@@ -1,0 +1,34 @@
+"""Generation in production: many users, one model (chapter 08).
+
+- ``ar_lab.engine.serving.requests``: requests, results and reports; TTFT / TPOT arithmetic.
+- ``ar_lab.engine.serving.server``: ``serve`` (batched decoding, static or continuous batching, a
+  contiguous or paged KV cache, prefix caching), ``generate_batch`` and ``simulate``.
+
+Streaming lives in ``ar_lab.engine.generate.stream``; the workloads and measurements of chapter 08
+in ``ar_lab.perf.serving_measure``.
+"""
+
+from ar_lab.engine.scheduling import POLICIES
+from ar_lab.engine.serving.requests import (
+    Request,
+    RequestResult,
+    ServeReport,
+    StreamSummary,
+    latency_budget,
+    tokens_within,
+)
+from ar_lab.engine.serving.server import KV_LAYOUTS, generate_batch, serve, simulate
+
+__all__ = [
+    "KV_LAYOUTS",
+    "POLICIES",
+    "Request",
+    "RequestResult",
+    "ServeReport",
+    "StreamSummary",
+    "generate_batch",
+    "latency_budget",
+    "serve",
+    "simulate",
+    "tokens_within",
+]
