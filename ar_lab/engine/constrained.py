@@ -1,8 +1,10 @@
 """Constrained (structured) decoding: a grammar's state machine masks the vocabulary at every step.
 
-JSON mode and grammars in serving engines (llama.cpp's GBNF, Outlines, XGrammar, vLLM's guided
-decoding) add one step to the sampler chain: before the sampler sees the logits, every token the
-grammar does not allow next gets logit ``-inf``. A grammar here is a state machine over token ids:
+JSON mode and grammars in serving engines (Outlines, XGrammar, vLLM's guided decoding, Hugging Face's
+``prefix_allowed_tokens_fn``) add one step to the sampler chain: before the sampler sees the logits, every
+token the grammar does not allow next gets logit ``-inf`` (llama.cpp's GBNF, by default, checks the drawn
+token instead and draws again with the mask first when it is refused: the same distribution when no
+truncation is on). A grammar here is a state machine over token ids:
 
 - ``start()`` -> the state before the first new token;
 - ``allowed(state)`` -> a bool mask (vocab,): the tokens that keep the text a valid prefix; EOS is in it
@@ -17,20 +19,23 @@ strings or integers), ``Choice`` (one of some literal strings) and ``PrefixFunct
 "bytes so far -> allowed next ids", what chapter 06's learner writes) are the grammars of this module.
 
 **What the mask does to the distribution.** Masking logits to ``-inf`` and taking the softmax is the
-model's distribution *renormalised over the allowed tokens*: p'(t) = p(t) / sum of p over the allowed
-set, for allowed t, else 0. The decode loops mask *before* the sampler chain (temperature, top-k,
-top-p, min-p), so each truncation works on that renormalised distribution: top-p's nucleus is made of
-allowed tokens, and it can never leave nothing. The renormalisation is local, one step at a time: when
-the model puts little mass on every allowed token (a key it would never write, a closing brace where
-it wanted to keep talking), the whole mass is handed to tokens it considered unlikely, and the text
-goes on from there. The output is always valid, but it is not the model's distribution conditioned on
-validity (Park et al., 2024, *Grammar-Aligned Decoding*, show the distortion): a forced low-probability
-path can degrade what follows. ``python -m ar_lab.bench constrained`` measures it on the course model.
+distribution *renormalised over the allowed tokens*: q'(t) = q(t) / sum of q over the allowed set, for
+allowed t, else 0 (q: the model's distribution after the penalty and the temperature). The decode loops
+mask *before* the sampler chain (temperature, top-k, top-p, min-p), so each truncation works on that
+renormalised distribution: top-p's nucleus is made of allowed tokens, and it can never leave nothing.
+The renormalisation is local, one step at a time: when the model puts little mass on every allowed token
+(a key it would never write, a closing brace where it wanted to keep talking), the whole mass is handed
+to tokens it considered unlikely, and the text goes on from there. The output is always valid, but it is
+not the model's distribution conditioned on validity (Park et al., 2024, *Grammar-Aligned Decoding*,
+show the distortion): a forced low-probability path can degrade what follows. ``python -m ar_lab.bench
+constrained`` measures it on the course model.
 
 With vocabularies of 100k+ multi-byte tokens, computing the mask is the hard part (a token may span
-several grammar steps); production engines precompute masks per grammar state (Willard and Louf, 2023,
-*Efficient Guided Generation for Large Language Models*, the method of Outlines; Dong et al., 2024,
-*XGrammar*). On 257 byte tokens the mask is computed directly from the state, every step.
+several grammar steps). Outlines precomputes, for each state of a regular expression's automaton, the
+tokens it allows (Willard and Louf, 2023, *Efficient Guided Generation for Large Language Models*);
+XGrammar (Dong et al., 2024) decides the tokens that do not depend on the parser's stack ahead of time
+and checks the few others at run time; llama.cpp checks candidates at run time. On 257 byte tokens
+the mask is computed directly from the state, every step.
 """
 
 from __future__ import annotations
@@ -97,7 +102,8 @@ class Grammar:
 
         Masks are built once per distinct allowed set and kept (``MASK_CACHE`` of them at most): a grammar
         has few distinct sets (string characters, digits, one literal byte...), and indexing a tensor costs
-        more than looking a set up. Production engines push this further and precompute a mask per state.
+        more than looking a set up. Outlines and XGrammar push this further and precompute (most of) the
+        masks ahead of time.
         """
         ids = self.allowed_ids(state)
         masks = self.__dict__.setdefault("_masks", {})  # set -> mask; equal values if two threads race

@@ -187,12 +187,13 @@ def compare_kv(model, requests: Sequence[Request], *, max_batch: int = 8, block_
     ids = [prompt_ids(r.prompt) for r in requests]
     longest = max(len(p) + r.max_new_tokens - 1 for p, r in zip(ids, requests, strict=True))
     budget = budget_slots * longest  # positions
+    pool = max(budget // block_size, blocks_for(longest, block_size))  # within the budget (the longest must fit)
     options = {
         "contiguous": {"max_batch": max_batch},
         "paged": {"max_batch": max_batch, "kv": "paged", "block_size": block_size},
         "contiguous, fixed budget": {"max_batch": budget_slots},
         "paged, fixed budget": {"max_batch": max_batch, "kv": "paged", "block_size": block_size,
-                                "num_blocks": blocks_for(budget, block_size)},  # (rounded up to a whole block)
+                                "num_blocks": pool},
     }
     best, times = _reports(model, requests, options, repeats, steady_clock(model.device))
     want = [r.tokens for r in best["contiguous"].results]
