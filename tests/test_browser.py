@@ -476,6 +476,8 @@ def test_quant_explorer_shows_ar_lab_errors_and_refuses_a_bad_group_size(ran):
     expect(status).to_contain_text("relative RMS error 0.00%")
 
     layer.select_option("blocks.3.mlp.proj.weight")  # 1024 input columns
+    expect(status).to_contain_text("blocks.3.mlp.proj.weight", timeout=UPDATE_TIMEOUT_MS)
+    shows_ar_lab_error()  # settled on the new layer: a number typed while the kernel still answers can be lost
     set_number(group, 128)
     shows_ar_lab_error()
     shot(ex, "quant_explorer_int8_groups_of_128")

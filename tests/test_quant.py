@@ -327,9 +327,11 @@ def test_edits_of_quantized_weights_are_seen(course, weights, edit):
         torch.testing.assert_close(engine.step(6, a), want_logits[1], atol=1e-4, rtol=1e-4)
         got = engine.extend([7, 8], a, lean.transposed_copies(model))
     # A zeroed matrix leaves each layer's MLP a constant, and LayerNorm then magnifies float rounding:
-    # some CPUs' kernels differ by a few 1e-3 there. The edit itself moves the logits by far more.
-    torch.testing.assert_close(got, want_logits[2:], atol=2e-2, rtol=1e-3)
-    assert (got - unedited[2:]).abs().max() > 0.5
+    # CPUs' kernels differ there (a few 1e-3 on one, 0.024 on one logit of 514 on an AMX Xeon, whose int8
+    # kernel takes another path for 2 rows than for 4). The edit itself moves the logits 20x further.
+    torch.testing.assert_close(got, want_logits[2:], atol=5e-2, rtol=1e-3)
+    moved = (want_logits[2:] - unedited[2:]).abs().max()
+    assert moved > 0.5 and (got - want_logits[2:]).abs().max() < moved / 20
 
 
 def test_threads_share_a_quantized_model(quantized):
