@@ -18,9 +18,7 @@ while it runs on stdout instead (``warnings_as_notes``).
 from __future__ import annotations
 
 import contextlib
-import importlib
 import math
-import sys
 import warnings
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
@@ -103,7 +101,9 @@ def warnings_as_notes(exercise: str = "this exercise") -> Iterator[list]:
 
 
 @contextlib.contextmanager
-def no_delegation(*learner: Callable, forbid: Iterable[str | Callable] = (), exercise: str = "this exercise") -> Iterator[list]:
+def no_delegation(
+    *learner: Callable, forbid: Iterable[str | Callable] = (), exercise: str = "this exercise"
+) -> Iterator[list]:
     """While the block runs, the ``forbid`` references raise ``Delegated`` when the learner's code calls them.
 
     ``learner``: the learner's functions or classes (their code, nested functions and methods
@@ -119,7 +119,9 @@ def no_delegation(*learner: Callable, forbid: Iterable[str | Callable] = (), exe
     fails the test. A call is the learner's when the nearest notebook code above it is not the test
     cell's own: the test computes its reference values inside the block. A learner whose code
     caught the error is caught too. Warnings raised in the block go to stdout
-    (``warnings_as_notes``), so they do not fail a graded cell.
+    (``warnings_as_notes``), so they do not fail a graded cell. While grading records (the course
+    folder's ``nbgrader_config.py`` sets ``AR_LAB_RECORD=1``), the outermost block of a test cell also
+    records the test's calls to ``learner`` for ``python -m ar_lab.course.grading`` (``ar_lab.course.record``).
     """
     from ar_lab.course.guard import Watch, forbidden
 
@@ -165,7 +167,8 @@ def exercise_passed(exercise: str, *yours: Any) -> bool:
 
 
 def yours_or_ours(
-    exercise: str, yours: Any, ours: Any, *, name: str | None = None, tested: tuple | None = None, whose: str = "ar_lab's"
+    exercise: str, yours: Any, ours: Any, *, name: str | None = None, tested: tuple | None = None,
+    whose: str = "ar_lab's",
 ) -> Any:
     """``yours`` if ``exercise``'s graded test passed on it in this kernel, else ``ours``; prints which.
 

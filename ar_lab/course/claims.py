@@ -106,7 +106,7 @@ def _undecided(samples: dict[Hashable, list[float]], holds: Callable[[dict], obj
     if any(len(v) < 3 for v in samples.values()):
         return True
     ends = [(min(v), max(v)) for v in samples.values()]
-    return any(truth(holds(dict(zip(samples, corner)))) for corner in itertools.product(*ends))
+    return any(truth(holds(dict(zip(samples, corner, strict=True)))) for corner in itertools.product(*ends))
 
 
 def timed_claim(
@@ -137,7 +137,9 @@ def timed_claim(
     if not isinstance(runs, dict) or not runs:
         raise ValueError(f"runs must be a non-empty dict {{name: function of no arguments}}, got {runs!r}")
     if not callable(holds):
-        raise TypeError(f"holds must be a function of the sides' median seconds, e.g. lambda t: t['a'] < t['b']; got {holds!r}")
+        raise TypeError(
+            f"holds must be a function of the sides' median seconds, e.g. lambda t: t['a'] < t['b']; got {holds!r}"
+        )
     positive_int("rounds", rounds)
     if isinstance(budget_s, bool) or not isinstance(budget_s, numbers.Real) or not budget_s >= 0:
         raise ValueError(f"budget_s must be a number of seconds >= 0, got {budget_s!r}")

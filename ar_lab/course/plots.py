@@ -5,8 +5,8 @@ from __future__ import annotations
 import matplotlib as mpl
 import torch
 
-from ar_lab.perf.roofline import attainable_flops, format_si, ridge_point
 from ar_lab.model.tokenizer import EOS_ID
+from ar_lab.perf.roofline import attainable_flops, format_si, ridge_point
 
 # One palette for the whole course: the same idea keeps the same colour.
 COLORS = {

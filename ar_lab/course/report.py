@@ -27,7 +27,10 @@ import nbformat
 PACKAGE = Path(__file__).resolve().parents[1]
 ROOT_NAME = PACKAGE.name
 # The grader: a solution has no reason to import (or call) any of it.
-GRADER = tuple(f"{ROOT_NAME}.course.{m}" for m in ("checks", "exercises", "guard", "model_checks", "quant_checks", "report"))
+GRADER = tuple(
+    f"{ROOT_NAME}.course.{m}"
+    for m in ("checks", "exercises", "guard", "model_checks", "quant_checks", "report", "record", "grading")
+)
 # Resolved dotted names (a name and everything under it) -> the kind of flag.
 DOTTED = {
     "threads": ("threading", "_thread", "concurrent.futures", "multiprocessing", "torch.multiprocessing"),

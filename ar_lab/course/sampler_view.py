@@ -10,8 +10,8 @@ import torch
 from ar_lab.base.args import check_seed
 from ar_lab.engine.generate import check_sampling, sample_rows
 from ar_lab.engine.prompts import check_prompt, prompt_ids
-from ar_lab.model.inference import inference
 from ar_lab.engine.sampling import Sampler, SamplingParams, check_sampler, entropy_bits, probabilities
+from ar_lab.model.inference import inference
 from ar_lab.model.tokenizer import decode
 
 # --- what the chapter-06 explorer shows ----------------------------------------------

@@ -254,5 +254,6 @@ def chi_square(counts: torch.Tensor, probs: torch.Tensor) -> tuple[float, int, f
     dof = int(possible.sum()) - 1
     if counts[~possible].sum() > 0:
         return float("inf"), dof, 0.0
-    upper = torch.special.gammaincc(torch.tensor(dof / 2, dtype=torch.float64), torch.tensor(stat / 2, dtype=torch.float64))
+    half = {"dtype": torch.float64}
+    upper = torch.special.gammaincc(torch.tensor(dof / 2, **half), torch.tensor(stat / 2, **half))
     return stat, dof, float(upper)

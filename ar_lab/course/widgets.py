@@ -293,8 +293,8 @@ class SamplerExplorer(_Shown):
 
         import matplotlib.pyplot as plt
 
-        from ar_lab.course.sampler_view import sampler_view
         from ar_lab.course.plots import png_bytes
+        from ar_lab.course.sampler_view import sampler_view
 
         try:
             view = sampler_view(
