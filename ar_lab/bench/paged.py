@@ -66,7 +66,7 @@ def format_paged_results(res: dict) -> str:
         f"all requests at once: contiguous reserves {c['reserved']} positions for {c['used']} used "
         f"({1 - c['used'] / c['reserved']:.0%} waste), paged {p['reserved']} ({1 - p['used'] / p['reserved']:.0%})",
         f"paged / contiguous with the same slots: {res['paged_vs_contiguous_tokens_per_s']:.2f}x tokens/s, "
-        f"{res['paged_vs_contiguous_step']:.2f}x the time per decode step (the gather through the block tables)",
+        f"{res['paged_vs_contiguous_step']:.2f}x the time per decode step (the paged cache's bookkeeping and gather)",
         f"{s['model']} bf16 on {s['gpu']} ({s['memory_bytes'] / 1e9:.0f} GB, {s['kv_budget_bytes'] / 1e9:.1f} GB for "
         f"KV): {s['contiguous_fit']} requests at once with {s['max_len']}-position slots "
         f"({s['contiguous_waste_share']:.0%} waste), {s['paged_fit']} with blocks of {s['block_size']} "

@@ -36,8 +36,9 @@ COMPARES = {
     "repeat their context and on fresh text; ar_lab's lookup vs `transformers`' `prompt_lookup_num_tokens` (same "
     "weights, identical tokens asserted)",
     "serving": "continuous vs static batching on a mixed workload; tokens/s vs batch size; prefix cache",
-    "paged": "KV memory in contiguous max-length slots vs paged blocks of 16 on a mixed workload (identical tokens "
-    "asserted): memory reserved vs used, requests at once in a fixed budget, the gather's cost per step; "
+    "paged": "KV memory in contiguous max-length slots vs paged blocks on a mixed workload (identical tokens "
+    "asserted): memory reserved vs used, requests at once in a fixed budget, the cost per step of the "
+    "bookkeeping and gather; "
     "Llama-3-8B on an 80 GB GPU",
     "quant": "fp32 vs bf16 vs int8 vs int4 weights, batch-1 cached decode of the course model and of a "
     "random-init model that streams from main memory, against the roofline's bytes ratio; quality of each; "
@@ -162,10 +163,11 @@ def _paged(res: dict) -> str:
     c, p = runs["contiguous"], runs["paged"]
     cb, pb = runs["contiguous, fixed budget"], runs["paged, fixed budget"]
     return (
-        f"reserved / used: contiguous **{c['mean_reserved'] / c['mean_used']:.1f}×**, paged "
+        f"blocks of {res['block_size']}: reserved / used: contiguous "
+        f"**{c['mean_reserved'] / c['mean_used']:.1f}×**, paged "
         f"**{p['mean_reserved'] / p['mean_used']:.2f}×**; in {res['budget_slots']} slots' memory, "
         f"{pb['mean_rows']:.1f} rows per step paged vs {cb['mean_rows']:.1f}; paged "
-        f"{res['paged_vs_contiguous_tokens_per_s']:.2f}× the tokens/s with the same slots (the gather); "
+        f"{res['paged_vs_contiguous_tokens_per_s']:.2f}× the tokens/s with the same slots (bookkeeping and gather); "
         f"{s['model']}: {s['paged_fit']} vs {s['contiguous_fit']} requests at once ({s['gain']:.1f}×)"
     )
 

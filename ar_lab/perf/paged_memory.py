@@ -182,10 +182,12 @@ def compare_kv(model, requests: Sequence[Request], *, max_batch: int = 8, block_
 
     Every run gives the same tokens (checked). Memory in positions (``bytes_per_position`` converts)."""
     positive_int("max_batch", max_batch)
+    positive_int("block_size", block_size)
     positive_int("budget_slots", budget_slots)
     positive_int("repeats", repeats)
     ids = [prompt_ids(r.prompt) for r in requests]
-    longest = max(len(p) + r.max_new_tokens - 1 for p, r in zip(ids, requests, strict=True))
+    lengths = [len(p) + r.max_new_tokens - 1 for p, r in zip(ids, requests, strict=True)]  # each one's longest
+    longest = max(lengths)
     budget = budget_slots * longest  # positions
     pool = max(budget // block_size, blocks_for(longest, block_size))  # within the budget (the longest must fit)
     options = {
@@ -200,7 +202,6 @@ def compare_kv(model, requests: Sequence[Request], *, max_batch: int = 8, block_
     for name, rep in best.items():
         if [r.tokens for r in rep.results] != want:
             raise AssertionError(f"serving {name} gave other tokens than the contiguous cache")
-    lengths = [len(p) + r.max_new_tokens - 1 for p, r in zip(ids, requests, strict=True)]
     runs = {
         name: {
             "seconds": min(times[name]), "tokens_per_s": rep.tokens / min(times[name]),

@@ -65,6 +65,12 @@ def _check_schedule(max_batch: int, policy: str) -> None:
 KV_LAYOUTS = ("contiguous", "paged")  # how serve lays out the keys and values
 
 
+def _blocks_needed(prompt: list[int], max_new_tokens: int, prefix, block_size: int) -> int:
+    """Blocks a request holds at its longest, beside the prefix's full blocks it shares."""
+    shared = prefix.reusable(prompt) // block_size if prefix is not None else 0
+    return blocks_for(len(prompt) + max_new_tokens - 1, block_size) - shared
+
+
 def _check_kv(kv, block_size, num_blocks, allocator, prefix, prompts, requests) -> None:
     """Refuse a paged set-up that cannot run: bad sizes, an allocator without the interface, or a request that
     the whole pool cannot hold (it would wait forever)."""
@@ -87,8 +93,7 @@ def _check_kv(kv, block_size, num_blocks, allocator, prefix, prompts, requests) 
     num_blocks = positive_int("num_blocks", num_blocks)
     held = blocks_for(len(prefix), block_size) if prefix is not None else 0
     for i, (p, r) in enumerate(zip(prompts, requests, strict=True)):
-        shared = prefix.reusable(p) // block_size if prefix is not None else 0
-        need = blocks_for(len(p) + r.max_new_tokens - 1, block_size) - shared
+        need = _blocks_needed(p, r.max_new_tokens, prefix, block_size)
         if held + need > num_blocks:
             raise ValueError(
                 f"requests[{i}] needs {need} blocks of {block_size} positions{' beside the prefix' * bool(held)}, "
@@ -112,6 +117,8 @@ class _Server:
         if self.paged:  # paged: keys/values in blocks; a request is admitted when all of it fits the pool
             self.cache = PagedKVCache.for_model(model, slots, max_len, **paged)
             self.committed = 0  # blocks the running requests (and the prefix) may hold at their longest
+            bs, pairs = self.cache.block_size, zip(prompts, requests, strict=True)
+            self.needs = [_blocks_needed(p, r.max_new_tokens, prefix, bs) for p, r in pairs]
             if prefix is not None:
                 self.committed = blocks_for(len(prefix), self.cache.block_size)
                 self.cache.hold_prefix(prefix.cache.k, prefix.cache.v)
@@ -155,14 +162,9 @@ class _Server:
             return True
         return False
 
-    def shared(self, j: int) -> int:
-        """Positions of request j's prompt the prefix serves."""
-        return self.prefix.reusable(self.prompts[j]) if self.prefix is not None else 0
-
     def need(self, j: int) -> int:
         """Blocks request j holds at its longest, beside the prefix's full blocks it shares."""
-        bs = self.cache.block_size
-        return blocks_for(len(self.prompts[j]) + self.results[j].request.max_new_tokens - 1, bs) - self.shared(j) // bs
+        return self.needs[j]
 
     def room(self, j: int) -> bool:
         """Whether request j can be admitted now: always with slots; with blocks, if all of it fits the pool
@@ -173,9 +175,8 @@ class _Server:
         """Prefill request j alone, straight into the next free slot; it joins the batch unless already done."""
         res, ids, cache = self.results[j], self.prompts[j], self.cache
         if self.paged:  # a new request sharing the prefix's full blocks (its partly filled one copied)
-            res.reused = self.shared(j)
+            res.reused = self.prefix.reusable(ids) if self.prefix is not None else 0
             slot = cache.slot(cache.rows, shared=res.reused)
-            slot.record(0, ids[: res.reused])
             self.committed += self.need(j)
         else:
             slot = cache.slot(cache.rows)  # a batch-1 view of the next free slot: the prefill writes in place
@@ -208,7 +209,7 @@ class _Server:
         bs = cache.block_size
         prefix = len(self.prefix) if self.prefix is not None else 0  # held once, shared by reference
         self.kv_reserved.append((cache.num_blocks - cache.allocator.num_free) * bs)
-        self.kv_used.append(prefix + used - sum(self.shared(j) // bs * bs for j in self.rows))
+        self.kv_used.append(prefix + used - sum(self.results[j].reused // bs * bs for j in self.rows))
 
     def decode_step(self) -> None:
         """One batched forward step: one more token for every row; finished rows leave their slots."""
@@ -297,18 +298,20 @@ def serve(
         paged=paged,
     )
     queue = deque(range(len(requests)))
-    with inference(model):
-        server.t0 = clock()
-        while queue or server.rows:
-            # The policy says how many requests join the batch; one its prefill finishes takes no slot.
-            goal = len(server.rows) + (admitted(admit, len(queue), len(server.rows), server.slots) if queue else 0)
-            while queue and len(server.rows) < goal and server.room(queue[0]):  # (paged: room in the pool)
-                server.admit(queue.popleft())
-            if server.rows:
-                server.decode_step()
-        total = clock() - server.t0
-    if server.paged:
-        server.cache.close()  # every block back in the pool
+    try:
+        with inference(model):
+            server.t0 = clock()
+            while queue or server.rows:
+                # The policy says how many requests join the batch; one its prefill finishes takes no slot.
+                goal = len(server.rows) + (admitted(admit, len(queue), len(server.rows), server.slots) if queue else 0)
+                while queue and len(server.rows) < goal and server.room(queue[0]):  # (paged: room in the pool)
+                    server.admit(queue.popleft())
+                if server.rows:
+                    server.decode_step()
+            total = clock() - server.t0
+    finally:
+        if server.paged:
+            server.cache.close()  # every block back in the pool, even when a step raised
     return ServeReport(
         policy_name(policy), max_batch, server.results, total, server.step_times, server.step_rows,
         server.prefill_times, kv=kv, kv_reserved=server.kv_reserved, kv_used=server.kv_used,
