@@ -18,7 +18,6 @@ same seeds, and three figures come out of one run:
 from __future__ import annotations
 
 import argparse
-import statistics
 
 import torch
 
@@ -49,10 +48,10 @@ def _seeded(seed: int) -> torch.Generator:
 
 def constrained_benchmark(model=None, *, samples: int = 32, tokens: int = 96, repeats: int = 3) -> dict:
     """The measurements (returns data, prints nothing); see the module's docstring."""
-    from ar_lab.engine.constrained import path_logprobs
     from ar_lab.engine.generate import generate
     from ar_lab.engine.sampling import SamplingParams
     from ar_lab.model.tokenizer import encode
+    from ar_lab.perf.quality import path_logprobs, path_summary
 
     for name, value in (("samples", samples), ("tokens", tokens), ("repeats", repeats)):
         checked_count(name, value)
@@ -66,7 +65,8 @@ def constrained_benchmark(model=None, *, samples: int = 32, tokens: int = 96, re
     free = [generate(model, prompt, tokens, sampling=params, generator=_seeded(i)) for i in range(samples)]
     bound = [generate(model, prompt, tokens, sampling=params, generator=_seeded(i), constraint=grammar)
              for i in range(samples)]
-    if not all(grammar.valid(r.text) for r in bound if r.stats.stop_reason == "eos"):
+    bound_ok = [grammar.valid(r.text) for r in bound]
+    if not all(ok for ok, r in zip(bound_ok, bound, strict=True) if r.stats.stop_reason == "eos"):
         raise AssertionError("a constrained text that ended at EOS is not a valid record")
     steps = [r.stats.forward_calls for r in bound]
     runs = {  # equal work: each free sample runs as many steps as its constrained twin (no EOS stop)
@@ -78,7 +78,8 @@ def constrained_benchmark(model=None, *, samples: int = 32, tokens: int = 96, re
     times = interleaved(runs, repeats, warmup=1, clock=steady_clock(model.device), device=model.device)
     per_step = {name: median(t) / sum(steps) for name, t in times.items()}
     bound_lp = [path_logprobs(model, prompt, r.tokens, grammar) for r in bound]  # the text, not its final EOS
-    free_lp = [path_logprobs(model, prompt, r.tokens)[0] for r in free]
+    free_lp = [path_logprobs(model, prompt, r.tokens) for r in free]
+    (free_mean, _), (bound_mean, refused) = path_summary(free_lp), path_summary(bound_lp)
     return {
         "benchmark": "constrained",
         "model": source,
@@ -88,14 +89,13 @@ def constrained_benchmark(model=None, *, samples: int = 32, tokens: int = 96, re
         "tokens": tokens,
         "repeats": repeats,
         "valid_share": {"free": sum(grammar.valid(r.text, trailing=True) for r in free) / samples,
-                        "constrained": sum(grammar.valid(r.text) for r in bound) / samples},
+                        "constrained": sum(bound_ok) / samples},
         "complete_share": sum(r.stats.stop_reason == "eos" for r in bound) / samples,
         "steps": sum(steps),
         "ms_per_step": {name: 1e3 * t for name, t in per_step.items()},
         "mask_cost_ratio": per_step["constrained"] / per_step["free"],
-        "mean_logprob": {"free": statistics.mean(float(lp.mean()) for lp in free_lp),
-                         "constrained": statistics.mean(float(lp.mean()) for lp, _ in bound_lp)},
-        "top_refused_share": sum(int((~ok).sum()) for _, ok in bound_lp) / sum(len(ok) for _, ok in bound_lp),
+        "mean_logprob": {"free": free_mean, "constrained": bound_mean},
+        "top_refused_share": refused,
         "examples": {"free": [r.text for r in free[:3]], "constrained": [r.text for r in bound[:3]]},
         "machine": machine(model.device),
     }

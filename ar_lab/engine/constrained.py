@@ -339,8 +339,9 @@ class Choice(Grammar):
 
 class PrefixFunction(Grammar):
     """A grammar from a function ``prefix (bytes) -> the allowed next token ids`` (a set of ints, EOS = 256
-    where the prefix is complete): what chapter 06's learner writes. The state is the bytes so far, so
-    each step calls the function on the whole prefix; its answers are checked (ids of the vocabulary)."""
+    where the prefix is complete): what chapter 06's learner writes. The state is the bytes so far and what
+    the function allowed after them: one call of the function per token, on the whole prefix; its answers
+    are checked (ids of the vocabulary)."""
 
     def __init__(self, fn: Callable[[bytes], Iterable[int]], name: str = "PrefixFunction") -> None:
         if not callable(fn):
@@ -350,24 +351,29 @@ class PrefixFunction(Grammar):
     def __repr__(self) -> str:
         return self.name
 
-    def start(self) -> bytes:
-        return b""
-
-    def allowed_ids(self, state: bytes) -> frozenset[int]:
-        ids = self.fn(state)
+    def _ids(self, prefix: bytes) -> frozenset[int]:
+        ids = self.fn(prefix)
         if isinstance(ids, (str, bytes)) or not isinstance(ids, Iterable):
             raise TypeError(f"{self.name} returned {type(ids).__name__}: it must return a set of token ids")
         out = frozenset(ids)
         bad = [t for t in out if isinstance(t, bool) or not isinstance(t, numbers.Integral) or not 0 <= t < VOCAB_SIZE]
         if bad:
-            raise ValueError(f"{self.name} returned {bad[0]!r} after {state!r}: token ids are ints 0..{VOCAB_SIZE - 1}")
+            last = VOCAB_SIZE - 1
+            raise ValueError(f"{self.name} returned {bad[0]!r} after {prefix!r}: token ids are ints 0..{last}")
         return frozenset(int(t) for t in out)
 
-    def complete(self, state: bytes) -> bool:
-        return EOS_ID in self.allowed_ids(state)
+    def start(self) -> tuple[bytes, frozenset[int]]:
+        return b"", self._ids(b"")
 
-    def _step(self, state: bytes, token: int) -> bytes:
-        return state + bytes([token])
+    def allowed_ids(self, state: tuple[bytes, frozenset[int]]) -> frozenset[int]:
+        return state[1]
+
+    def complete(self, state: tuple[bytes, frozenset[int]]) -> bool:
+        return EOS_ID in state[1]
+
+    def _step(self, state: tuple[bytes, frozenset[int]], token: int) -> tuple[bytes, frozenset[int]]:
+        prefix = state[0] + bytes([token])
+        return prefix, self._ids(prefix)
 
 
 # --- what the decode loops call ----------------------------------------------------------
@@ -416,32 +422,3 @@ def masked_logits(logits: torch.Tensor, constraint, state, step: int) -> torch.T
             _check_mask(row, logits.shape[-1], f"after {step} new tokens")
         mask = torch.stack(rows)
     return logits.masked_fill(~mask.to(logits.device), float("-inf"))
-
-
-def path_logprobs(
-    model, prompt: Sequence[int], tokens: Sequence[int], grammar=None
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """What a text cost the model: for each new token (EOS included if given), its log-probability under the
-    model's own distribution (unmasked, T = 1), and whether the model's most likely token was one the grammar
-    allowed there (all True without a grammar). One forward pass over prompt + tokens; (n,) float and (n,) bool.
-
-    A constrained text with a much lower mean log-probability than free text from the same prompt is the
-    forced low-probability path; steps where the model's favourite was refused are where the mask overrode it.
-    """
-    from ar_lab.model.inference import inference
-
-    prompt, tokens = list(prompt), list(tokens)
-    ids = torch.tensor([prompt + tokens], device=model.device)
-    with inference(model):
-        logits = model(ids[:, :-1])[0, len(prompt) - 1 :].float().cpu()  # (n, vocab): the logits before each new token
-    logp = torch.log_softmax(logits, dim=-1)
-    new = torch.tensor(tokens)
-    chosen = logp.gather(1, new[:, None])[:, 0]
-    if grammar is None:
-        return chosen, torch.ones(len(tokens), dtype=torch.bool)
-    state, top_ok = grammar.start(), []
-    for i, token in enumerate(tokens):
-        top_ok.append(bool(grammar.allowed(state)[int(logits[i].argmax())]))
-        if token != EOS_ID:
-            state = grammar.advance(state, token)
-    return chosen, torch.tensor(top_ok)

@@ -34,6 +34,7 @@ from ar_lab.model.data import benchmark_prompts
 from ar_lab.model.evaluation import COURSE_EVAL, EvalProtocol, evaluate_protocol
 from ar_lab.model.gpt import GPT, checked_model
 from ar_lab.model.inference import inference
+from ar_lab.model.tokenizer import EOS_ID
 from ar_lab.perf.roofline import model_or_format
 
 
@@ -167,3 +168,38 @@ def self_draft_acceptance(
             accepted, tested, exact = accepted + stats.acceptances, tested + stats.tested, exact + stats.alpha_sum
         pooled[name] = (accepted / tested, exact / tested) if tested else (math.nan, math.nan)
     return DraftAcceptance(pooled["greedy"][0], pooled["sampled"][0], pooled["sampled"][1], gamma)
+
+
+def path_summary(scored: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> tuple[float, float]:
+    """(mean over texts of the mean log-probability per token, share of steps where the model's favourite
+    token was refused) of ``path_logprobs`` results, one per text."""
+    mean_lp = sum(float(lp.mean()) for lp, _ in scored) / len(scored)
+    refused = sum(int((~ok).sum()) for _, ok in scored) / sum(len(ok) for _, ok in scored)
+    return mean_lp, refused
+
+
+def path_logprobs(
+    model, prompt: Sequence[int], tokens: Sequence[int], grammar=None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """What a text cost the model: for each new token (EOS included if given), its log-probability under the
+    model's own distribution (unmasked, T = 1), and whether the model's most likely token was one the grammar
+    allowed there (all True without a grammar). One forward pass over prompt + tokens; (n,) float and (n,) bool.
+
+    A constrained text with a much lower mean log-probability than free text from the same prompt is the
+    forced low-probability path; steps where the model's favourite was refused are where the mask overrode it.
+    """
+    prompt, tokens = list(prompt), list(tokens)
+    ids = torch.tensor([prompt + tokens], device=model.device)
+    with inference(model):
+        logits = model(ids[:, :-1])[0, len(prompt) - 1 :].float().cpu()  # (n, vocab): the logits before each new token
+    logp = torch.log_softmax(logits, dim=-1)
+    new = torch.tensor(tokens)
+    chosen = logp.gather(1, new[:, None])[:, 0]
+    if grammar is None:
+        return chosen, torch.ones(len(tokens), dtype=torch.bool)
+    state, top_ok = grammar.start(), []
+    for i, token in enumerate(tokens):
+        top_ok.append(bool(grammar.allowed(state)[int(logits[i].argmax())]))
+        if token != EOS_ID:
+            state = grammar.advance(state, token)
+    return chosen, torch.tensor(top_ok)
