@@ -329,12 +329,16 @@ class CellResult:
     error: str  # the error name and message when it failed
 
 
-def execute(nb: nbformat.NotebookNode, cwd: Path, *, timeout: int = 120) -> nbformat.NotebookNode:
-    """Run every cell, continuing past errors as nbgrader's autograder does."""
+def execute(
+    nb: nbformat.NotebookNode, cwd: Path, *, timeout: int = 120, env: dict[str, str] | None = None
+) -> nbformat.NotebookNode:
+    """Run every cell, continuing past errors as nbgrader's autograder does (``env``: the kernel's environment,
+    by default this process's)."""
     from nbclient import NotebookClient
 
     nb = copy.deepcopy(nb)
-    NotebookClient(nb, timeout=timeout, allow_errors=True, resources={"metadata": {"path": str(cwd)}}).execute()
+    client = NotebookClient(nb, timeout=timeout, allow_errors=True, resources={"metadata": {"path": str(cwd)}})
+    client.execute(**({} if env is None else {"env": env}))  # the kernel provisioner refuses env=None
     return nb
 
 

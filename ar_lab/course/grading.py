@@ -41,8 +41,8 @@ from pathlib import Path
 import nbformat
 
 from ar_lab.course.cells import cut, names
-from ar_lab.course.exercises import CellResult, grade, nbgrader_meta
-from ar_lab.course.record import FOLDER, RECORD, REPLAY, cell_key, load
+from ar_lab.course.exercises import CellResult, execute, grade, nbgrader_meta
+from ar_lab.course.record import FOLDER, NO_VALUES, RECORD, REPLAY, ReplayMismatch, cell_key, load
 
 COMMENT = "ar_lab grading:"  # how a comment (and the zero beside it) written by this command starts
 _GRADE_ID = "ar_lab_grade_id"  # the replay notebook's own mark on a test cell (nbgrader's metadata is dropped)
@@ -101,16 +101,6 @@ def replay_notebook(source: nbformat.NotebookNode) -> tuple[nbformat.NotebookNod
     return out, keys, answers
 
 
-def run(nb: nbformat.NotebookNode, *, cwd: Path, timeout: int, env: dict[str, str]) -> nbformat.NotebookNode:
-    """Execute ``nb`` in a fresh kernel started with ``env``, going on past errors (as autograde does)."""
-    from nbclient import NotebookClient
-
-    nb = copy.deepcopy(nb)
-    client = NotebookClient(nb, timeout=timeout, allow_errors=True, resources={"metadata": {"path": str(cwd)}})
-    client.execute(env=env)
-    return nb
-
-
 def verdicts(executed: nbformat.NotebookNode) -> dict[str, CellResult]:
     """Test grade_id -> its fresh verdict: the test cell and the cell checking its record both passed."""
     marked = copy.deepcopy(executed)
@@ -138,15 +128,15 @@ def plan(path: Path, *, timeout: int) -> Plan:
     replay, keys, answers = replay_notebook(source)
     kernel_only = {}
     with tempfile.TemporaryDirectory(prefix="ar_lab_plan_") as tmp:
-        run(source, cwd=Path(tmp), timeout=timeout, env=_environment(**{RECORD: "1"}))
+        execute(source, Path(tmp), timeout=timeout, env=_environment(**{RECORD: "1"}))
         records = Path(tmp) / FOLDER
         for grade_id, key in keys.items():
             try:
                 load(records / f"{key}.pt")
-            except AssertionError as e:
-                kernel_only[grade_id] = str(e).removeprefix("this test's record holds no values: ")
+            except ReplayMismatch as e:
+                kernel_only[grade_id] = str(e).removeprefix(NO_VALUES)
         with tempfile.TemporaryDirectory(prefix="ar_lab_replay_") as cwd:
-            fresh = verdicts(run(replay, cwd=Path(cwd), timeout=timeout, env=_environment(**{REPLAY: str(records)})))
+            fresh = verdicts(execute(replay, Path(cwd), timeout=timeout, env=_environment(**{REPLAY: str(records)})))
     for grade_id in keys:
         if grade_id not in kernel_only and not fresh[grade_id].passed:
             kernel_only[grade_id] = f"the instructor's solution does not pass its replay ({fresh[grade_id].error})"
@@ -161,7 +151,7 @@ def judge(p: Plan, submission: Path, *, timeout: int, own_records: bool = False)
         return {g: CellResult(g, 0, False, why) for g in p.keys}
     with tempfile.TemporaryDirectory(prefix="ar_lab_replay_") as cwd:
         env = _environment(**{REPLAY: str((submission / FOLDER).resolve())})
-        fresh = verdicts(run(p.replay, cwd=Path(cwd), timeout=timeout, env=env))
+        fresh = verdicts(execute(p.replay, Path(cwd), timeout=timeout, env=env))
     return {g: fresh[g] for g in p.keys}
 
 

@@ -163,17 +163,19 @@ class Watch:
         return False
 
     def _record(self, frame, event: str, arg) -> None:
+        if threading.get_ident() != self.thread:  # the test's own calls: those are on the block's thread
+            return
         try:
             if event == "call":
                 if id(frame.f_code) in self.learner_ids and self._by_test(frame.f_back):
                     self.recorder.call(frame)
                     if id(frame) in self.recorder.pending:  # trace this frame, for the exception it may raise
                         frame.f_trace, frame.f_trace_lines = self._exceptions, False
-                        self.previous_trace = sys.gettrace()
                         sys.settrace(_untraced)
             elif event == "return" and id(frame) in self.recorder.pending:
-                sys.settrace(self.previous_trace)
                 self.recorder.returned(frame, arg, self.raised.pop(id(frame), None))
+                if not self.recorder.pending:  # the outermost traced call is over
+                    sys.settrace(self.previous_trace)
         except Exception as e:  # an error here would switch the profile hook (and the guard) off
             self.recorder.give_up(f"recording failed ({type(e).__name__}: {e})")
 
@@ -202,7 +204,7 @@ class Watch:
         outer = self.previous[0]
         if outer is not None:  # an enclosing block's watch (a check inside a test's block) keeps watching
             outer(frame, event, arg)
-        if self.recorder is not None:
+        if self.recorder is not None and (event == "call" or event == "return"):
             self._record(frame, event, arg)
         if event == "call":
             code = frame.f_code
@@ -241,6 +243,7 @@ class Watch:
             from ar_lab.course import record
 
             if record.recording():
+                self.previous_trace = sys.gettrace()
                 self.recorder = record.cell_record(self.test_file)
                 self.recorder.enter()
                 self.learner_ids = {id(code) for code in self.learner_codes}
@@ -256,4 +259,5 @@ class Watch:
         sys.setprofile(self.previous[0])
         threading.setprofile(self.previous[1])
         if self.recorder is not None:
+            sys.settrace(self.previous_trace)  # whatever the calls left behind (a call given up, say)
             self.recorder.save()

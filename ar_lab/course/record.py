@@ -41,6 +41,7 @@ RECORD = "AR_LAB_RECORD"  # "1": record the graded tests' calls (set for the ker
 REPLAY = "AR_LAB_REPLAY"  # a folder of records: replay them (set by the grading command's fresh kernel)
 FOLDER = ".ar_lab_grading"
 FORMAT = 1
+NO_VALUES = "this test's record holds no values: "  # a kernel-only record, why follows
 _CO_GENERATORS = inspect.CO_GENERATOR | inspect.CO_COROUTINE | inspect.CO_ASYNC_GENERATOR
 
 
@@ -227,7 +228,7 @@ def load(path: Path) -> dict:
     if not isinstance(data, dict) or data.get("format") != FORMAT or not isinstance(data.get("events"), list):
         raise ReplayMismatch(f"{path.name} is not a record of this course's grading (format {FORMAT})")
     if data["kernel_only"] is not None:
-        raise ReplayMismatch(f"this test's record holds no values: {data['kernel_only']}")
+        raise ReplayMismatch(NO_VALUES + data["kernel_only"])
     return data
 
 
