@@ -54,8 +54,14 @@ def test_a_delegating_answer_fails_every_graded_test(path):
         gid = nbgrader_meta(cell)["grade_id"]
         if gid in DELEGATING:
             cell.source = DELEGATING[gid].strip()
-    results = {r.grade_id: r for r in grade(execute(exercises_only(nb), path.parent))}  # not the experiments
+    executed = execute(exercises_only(nb), path.parent)  # not the experiments
+    results = {r.grade_id: r for r in grade(executed)}
     guarded = {gid: r for gid, r in results.items() if gid.removesuffix("-tests") not in NO_REFERENCE}
+    for cell in executed.cells:  # what the learner sees: the verdict, not the checkers' frames
+        for out in (o for o in cell.get("outputs", []) if o.get("output_type") == "error"):
+            shown = "\n".join(out["traceback"])
+            assert shown.startswith("\N{HEAVY BALLOT X} Delegated:") and "ar_lab/course" not in shown, (
+                f"{path.name} {nbgrader_meta(cell).get('grade_id')}: a failing test shows {shown[:300]!r}")
     passing = [gid for gid, r in guarded.items() if r.passed]
     assert not passing, f"{path.name}: a delegating answer passes {passing}"
     unexplained = {gid: r.error[:200] for gid, r in guarded.items() if "ready-made implementation" not in r.error}

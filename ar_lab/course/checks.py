@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import traceback
 import warnings
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
@@ -27,7 +28,26 @@ import torch
 
 
 class CheckFailed(AssertionError):
-    pass
+    """A graded check's verdict: what was checked, what was expected, what came, and a hint.
+
+    In a notebook the verdict is all a learner needs, not the checkers' own frames: IPython shows
+    ``_render_traceback_`` instead of the traceback (nbgrader still sees an error and scores 0). Where
+    the learner's code raised, the lines of that error inside the learner's own cells come after it."""
+
+    def _render_traceback_(self) -> list[str]:
+        lines = [f"\N{HEAVY BALLOT X} {type(self).__name__}: {str(self).splitlines()[0] if str(self) else ''}"]
+        lines += str(self).splitlines()[1:]
+        cause = self.__cause__
+        if cause is not None:
+            lines.append(f"Your code raised {type(cause).__name__}: {cause}")
+            lines += [f"  in your cell, line {f.lineno}: {(f.line or '').strip()}"
+                      for f in traceback.extract_tb(cause.__traceback__) if _learner_file(f.filename)]
+        return lines
+
+
+def _learner_file(filename: str) -> bool:
+    """A frame of a notebook cell (ipykernel names them after a temporary file or ``<ipython-input-…>``)."""
+    return "ipykernel_" in filename or filename.startswith("<ipython-input")
 
 
 # Exercise name -> (its test passed, the learner's objects it ran): what ``yours_or_ours`` reads. One
@@ -102,7 +122,7 @@ def warnings_as_notes(exercise: str = "this exercise") -> Iterator[list]:
 
 @contextlib.contextmanager
 def no_delegation(
-    *learner: Callable, forbid: Iterable[str | Callable] = (), exercise: str = "this exercise"
+    *learner: Callable, forbid: str | Iterable[str | Callable] = (), exercise: str = "this exercise"
 ) -> Iterator[list]:
     """While the block runs, the ``forbid`` references raise ``Delegated`` when the learner's code calls them.
 
@@ -110,7 +130,8 @@ def no_delegation(
     included, counts as theirs); with none, every call raises. ``forbid``: functions, methods or
     classes (a class: its constructor and ``forward``), as objects or dotted names
     (``"ar_lab.engine.sampling.filter_top_p"``, ``"ar_lab.model.cache.KVCache.update"``), or a PyTorch
-    operator as ``"aten::name"`` (every ``torch.ops.aten.name`` overload).
+    operator as ``"aten::name"`` (every ``torch.ops.aten.name`` overload); or, as one string, a graded
+    exercise's id (``"ch07-accept"``): the list ``ar_lab.course.forbidden`` keeps for that exercise.
 
     The guard watches calls, not names (``guard.Watch``): a reference is caught however the learner's
     code reached it (imported, captured in a default argument, a saved method, a copy of a module's
@@ -125,6 +146,10 @@ def no_delegation(
     """
     from ar_lab.course.guard import Watch, forbidden
 
+    if isinstance(forbid, str):
+        from ar_lab.course.forbidden import references
+
+        forbid = references(forbid)
     codes = set().union(*(_codes(f) for f in learner)) if learner else None
     forbid = [forbidden(ref) for ref in forbid]
     for name, obj, _ in forbid:
@@ -267,7 +292,14 @@ def check_cases(
     forbidden = tuple(forbidden)
     for args, expected in cases:
         shown = ", ".join(repr(a) if not isinstance(a, torch.Tensor) else f"tensor{tuple(a.shape)}" for a in args)
-        got = own_work(f"{name}({shown})", fn, *args, forbidden=forbidden)
+        try:
+            got = own_work(f"{name}({shown})", fn, *args, forbidden=forbidden)
+        except CheckFailed:
+            raise
+        except Exception as e:  # an expected value exists, so any exception is a wrong answer
+            raise CheckFailed(
+                f"{name}({shown}): your code raised {type(e).__name__}: {e}" + (f"\nHint: {hint}" if hint else "")
+            ) from e
         if isinstance(expected, torch.Tensor):
             check_close(f"{name}({shown})", got, expected, hint=hint)
         else:

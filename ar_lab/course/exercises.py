@@ -166,7 +166,7 @@ def select_notebooks(src: Path, chapters: list[str] | str | None = None) -> list
         for chapter in chapters:
             if not str(chapter).isdigit() or int(chapter) > 99:
                 raise ValueError(f"a chapter is a number such as 04, got {chapter!r}")
-        patterns = [f"{int(chapter):02d}_*.ipynb" for chapter in chapters]
+        patterns = [f"{int(chapter):02d}[_a-z]*.ipynb" for chapter in chapters]  # a chapter and its parts (07b_...)
     found = []
     for pattern in patterns:
         matches = sorted(src.glob(pattern))
@@ -183,6 +183,9 @@ def _refuse_source_folder(target: Path, *sources: Path) -> None:
         src = src.resolve()
         if resolved == src or src in resolved.parents:
             raise ValueError(f"{target} is in the source folder {src}: choose another folder")
+
+
+GLOSSARY = "glossary.md"  # the course's glossary, beside the chapters that link to it
 
 
 def release(src: Path = NOTEBOOKS, out: Path = ROOT / "course", *, chapters: list[str] | None = None) -> list[Path]:
@@ -203,6 +206,11 @@ def release(src: Path = NOTEBOOKS, out: Path = ROOT / "course", *, chapters: lis
         out.mkdir(parents=True, exist_ok=True)
         nbformat.write(student_version(nbformat.read(path, as_version=4)), target)
         written.append(target)
+    glossary = src / GLOSSARY
+    if notebooks and glossary.is_file() and not (out / GLOSSARY).exists():  # the chapters link to it
+        out.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(glossary, out / GLOSSARY)
+        written.append(out / GLOSSARY)
     return written
 
 
