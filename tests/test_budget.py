@@ -99,3 +99,10 @@ def test_every_glossary_link_names_a_term_of_the_glossary():
     linking = [p.stem for p in CHAPTERS if "glossary.md#" in "".join(
         c.source for c in nbformat.read(p, as_version=4).cells)]
     assert set(linking) == set(IDS), f"chapters that never link the glossary: {sorted(set(IDS) - set(linking))}"
+
+
+def test_the_readme_and_instructors_show_each_notebooks_minutes():
+    block = f"{budget.TABLE_START}\n{budget.sitting_table([budget.measure(p) for p in CHAPTERS])}\n{budget.TABLE_END}"
+    for name in budget.DOCUMENTS:
+        text = (NOTEBOOKS.parent / name).read_text()
+        assert block in text, f"{name}'s sitting table is stale: run python -m ar_lab.course.budget --write"
