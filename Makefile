@@ -18,7 +18,7 @@ help:
 	@echo "make grading-course DIR=grading [CHAPTER=06]  lay out an nbgrader course folder (INSTRUCTORS.md)"
 
 $(BIN)/python:
-	@$(PYTHON) -c 'import sys; sys.exit(0 if sys.version_info >= (3, 10) else "ar_lab needs Python 3.10 or newer")'
+	@$(PYTHON) -c 'import sys; sys.exit(0 if sys.version_info >= (3, 11) else "ar_lab needs Python 3.11 or newer (the version CI tests)")'
 	$(PYTHON) -m venv $(VENV)
 
 $(COURSE_STAMP): requirements/course.txt pyproject.toml | $(BIN)/python

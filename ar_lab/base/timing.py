@@ -213,7 +213,7 @@ def machine(device: torch.device | str = "cpu") -> dict:
             "cuda": torch.version.cuda if device.type == "cuda" else None,
             "ar_lab": _version(),
         },
-        "date": _dt.datetime.now(_dt.timezone.utc).replace(microsecond=0).isoformat(),
+        "date": _dt.datetime.now(_dt.UTC).replace(microsecond=0).isoformat(),
     }
 
 
