@@ -41,7 +41,7 @@ from ar_lab.course.quiz import questions
 pytestmark = pytest.mark.browser
 
 ROOT = Path(__file__).resolve().parent.parent
-NOTEBOOKS = sorted(p.name for p in (ROOT / "notebooks").glob("[0-9][0-9]_*.ipynb"))
+NOTEBOOKS = sorted(p.name for p in (ROOT / "notebooks").glob("[0-9][0-9]*_*.ipynb"))
 SHOTS = Path(os.environ.get("AR_LAB_SCREENSHOTS", ROOT / "bench-results" / "browser"))
 NOTEBOOK_TIMEOUT_S = 300  # per notebook; each is written to run in < 90 s on a 2-core CPU
 # Notebooks that run at once, each in its own page and kernel; each kernel gets cores / JOBS threads.
@@ -197,7 +197,7 @@ def test_notebook_runs_in_jupyterlab_without_errors(lab, name, request):
         quiz = nb.page.locator(".jp-OutputArea-output", has=nb.page.get_by_role("button", name="Check"))
         if quiz.count():  # the end-of-chapter quiz: answer its first question through the page
             nb.page.bring_to_front()
-            answer_first_question(nb, quiz.last, chapter=name[:2])
+            answer_first_question(nb, quiz.last, chapter=name.split("_")[0])
             errors = our_console_errors(nb.console_errors)
             assert not errors, f"{name}: browser console errors after the quiz:\n" + "\n".join(errors)
     finally:

@@ -67,7 +67,7 @@ def test_cut_of_every_chapter_keeps_its_exercises_in_order():
 
     from ar_lab.course.exercises import exercises_only, graded_cells, nbgrader_meta
 
-    for path in sorted((Path(__file__).resolve().parent.parent / "notebooks").glob("[0-9][0-9]_*.ipynb")):
+    for path in sorted((Path(__file__).resolve().parent.parent / "notebooks").glob("[0-9][0-9]*_*.ipynb")):
         nb = nbformat.read(path, as_version=4)
         if not graded_cells(nb):
             continue

@@ -419,7 +419,7 @@ def _kernel_only_in_instructors_md() -> set[str]:
     return set(re.findall(r"`(ch\d\d-[a-z0-9-]+-tests)`", text[start : text.index("\n\n", start)]))
 
 
-WITH_TESTS = sorted(p for p in NOTEBOOKS.glob("[0-9][0-9]_*.ipynb") if "BEGIN SOLUTION" in p.read_text())
+WITH_TESTS = sorted(p for p in NOTEBOOKS.glob("[0-9][0-9]*_*.ipynb") if "BEGIN SOLUTION" in p.read_text())
 
 
 @pytest.mark.slow

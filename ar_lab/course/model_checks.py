@@ -1,12 +1,14 @@
-"""Checkers for the GPT's pieces (chapters 02 and 03): where a learner's model parts from the course's.
+"""Checkers for the GPT's pieces (chapters 02, 03 and 03b): where a learner's model parts from the course's.
 
 A learner writes each piece of the GPT (embeddings, attention, MLP, block, the whole model) with
 the course model's parameter names, so the course's weights load into it and its outputs can be
-compared with ``ar_lab.model.gpt``'s. When they differ, these helpers say why:
+compared with ``ar_lab.model.gpt``'s; then its parameter count, its loss, a training step and a
+greedy loop. When they differ, these helpers say why:
 
 - ``*_mistakes``: what the course's own piece computes with a common mistake (no causal mask, the
-  exact GELU, a missing residual connection, ...); ``checks.check_matches(mistakes=...)`` names the
-  one a learner's output equals.
+  exact GELU, a missing residual connection, the tied output layer counted twice, the loss summed
+  instead of averaged, the gradients never reset, ...); ``checks.check_matches(mistakes=...)`` and
+  ``mistakes.check_exact`` / ``mistakes.name_mistake`` name the one a learner's output equals.
 - ``Piece``: the course's own part inside the learner's module, so a test of the block checks only
   what the block adds (its LayerNorms and residual connections).
 - ``locate_difference`` / ``check_model``: hooks on every submodule of both models find the first
@@ -25,8 +27,10 @@ import torch
 import torch.nn.functional as F
 
 from ar_lab.course.checks import CheckFailed, check_matches
-from ar_lab.model.gpt import GPT, MLP, Block, CausalSelfAttention
-from ar_lab.model.train import TrainConfig, train
+from ar_lab.course.mistakes import generation_mistakes
+from ar_lab.model.data import get_batch
+from ar_lab.model.gpt import GPT, MLP, Block, CausalSelfAttention, GPTConfig
+from ar_lab.model.train import TrainConfig, lr_at, make_optimizer, train, train_step
 
 
 class Piece(torch.nn.Module):
@@ -146,16 +150,71 @@ def gpt_mistakes(gpt: GPT, idx: torch.Tensor) -> dict[str, torch.Tensor]:
     return out
 
 
+def param_count_mistakes(cfg: GPTConfig, right: int) -> dict[str, int]:
+    """The parameter count of ``GPT(cfg)`` (with ``n_kv_heads == n_head``; ``right`` is the true count),
+    counted wrongly."""
+    C, L, V = cfg.n_embd, cfg.n_layer, cfg.vocab_size
+    biases = L * (3 * C + C + 4 * C + C)  # qkv, attention proj, MLP fc, MLP proj
+    norms = (2 * L + 1) * 2 * C  # two per block and the final one, a weight and a bias each
+    block = 12 * C * C + 13 * C  # attention 4C^2 + 4C, MLP 8C^2 + 5C, LayerNorms 4C
+    return {
+        "counting the tied output layer again (V x C more)": right + V * C,
+        "leaving out the biases": right - biases,
+        "leaving out the LayerNorms": right - norms,
+        "counting one vector per LayerNorm (each has a weight and a bias)": right - norms // 2,
+        "leaving out the final LayerNorm (ln_f)": right - 2 * C,
+        "leaving out the position embedding (block_size x C)": right - cfg.block_size * C,
+        "counting one block instead of n_layer": right - (L - 1) * block,
+    }
+
+
+@torch.no_grad()
+def cross_entropy_mistakes(logits: torch.Tensor, targets: torch.Tensor) -> dict[str, torch.Tensor]:
+    """The mean next-token cross-entropy of ``logits`` (..., V) against ``targets`` (...), computed wrongly."""
+    flat, y = logits.reshape(-1, logits.shape[-1]).double(), targets.reshape(-1)  # (N, V), (N,)
+    rows = torch.arange(len(y))
+    log_p = flat.log_softmax(dim=-1)[rows, y]  # log p(target) at each position, (N,)
+    across_positions = flat.log_softmax(dim=0)[rows, y]  # normalised over the N positions: the wrong dimension
+    out = {
+        "the sum over positions instead of the mean": -log_p.sum(),
+        "the mean log-probability without the minus sign": log_p.mean(),
+        "the probability of the target instead of its log": -flat.softmax(dim=-1)[rows, y].mean(),
+        "the target's raw logit, without the log-softmax": -flat[rows, y].mean(),
+        "the log-softmax over the positions (dim 0) instead of the vocabulary": -across_positions.mean(),
+    }
+    if logits.ndim == 3:
+        out["the loss of the first sequence only"] = -log_p.view(targets.shape)[0].mean()
+    return {k: v.float() for k, v in out.items()}
+
+
 class Trained(NamedTuple):
     model: GPT  # after training
     losses: list[float]  # the training loss of every step
 
 
+def _trainer_steps(model: GPT, train_tokens: torch.Tensor, tc: TrainConfig, optimizer: torch.optim.Optimizer) -> list:
+    """``ar_lab.model.train.train``'s steps (its seeds, batches, schedule and ``train_step``) with ``optimizer``."""
+    torch.manual_seed(tc.seed)
+    g = torch.Generator().manual_seed(tc.seed)
+    model.train()
+    losses = []
+    for step in range(tc.steps):
+        x, y = get_batch(train_tokens, tc.batch_size, tc.block_size, g)
+        losses.append(train_step(model, optimizer, x, y, lr_at(step, tc), tc.grad_clip))
+    model.eval()
+    return losses
+
+
+def _never_reset(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+    optimizer.zero_grad = lambda set_to_none=True: None  # the mistake: gradients add up across steps
+    return optimizer
+
+
 def train_step_mistakes(
     model: GPT, train_tokens: torch.Tensor, val_tokens: torch.Tensor, tc: TrainConfig
 ) -> dict[str, Trained]:
-    """Copies of ``model`` (left untouched) trained by ``ar_lab.model.train.train`` as a common mistake would,
-    with their loss curves."""
+    """Copies of ``model`` (left untouched) trained by ``ar_lab.model.train``'s trainer as a common mistake
+    would, with their loss curves."""
     changed = {
         "training without gradient clipping": replace(tc, grad_clip=None),
         "a constant learning rate (lr_at's warm-up and decay not applied)": replace(
@@ -163,11 +222,34 @@ def train_step_mistakes(
         ),
         "training without weight decay": replace(tc, weight_decay=0.0),
     }
+    optimizers = {  # the trainer's steps with a wrongly built or wrongly used optimizer
+        "gradients never reset (no optimizer.zero_grad() before backward)": lambda m: _never_reset(
+            make_optimizer(m, tc)
+        ),
+        "weight decay on every parameter (biases and LayerNorms too)": lambda m: torch.optim.AdamW(
+            m.parameters(), lr=tc.lr, betas=(0.9, 0.99), weight_decay=tc.weight_decay
+        ),
+    }
     out = {}
     for mistake, config in changed.items():
         trained = copy.deepcopy(model)
         out[mistake] = Trained(trained, train(trained, train_tokens, val_tokens, config, progress=False).train_loss)
+    for mistake, optimizer in optimizers.items():
+        trained = copy.deepcopy(model)
+        out[mistake] = Trained(trained, _trainer_steps(trained, train_tokens, tc, optimizer(trained)))
     return out
+
+
+@torch.no_grad()
+def greedy_mistakes(model: torch.nn.Module, prompt: list[int], expected: list[int]) -> dict[str, list[int]]:
+    """What a greedy loop over ``model`` that should return ``expected`` (the new tokens after ``prompt``)
+    returns with a classic slip."""
+    first = int(model(torch.tensor([prompt]))[0, 0].argmax())  # position 0's logits never change as ids grow
+    return {
+        **generation_mistakes(prompt, expected, None),
+        "the argmax of the first position's logits at every step (instead of the last position's)": [first]
+        * len(expected),
+    }
 
 
 # --- where two models part ---------------------------------------------------------------

@@ -6,7 +6,7 @@
 of every whole window predicted once, given the window's earlier tokens. It reports the mean
 cross-entropy over all those positions in nats per byte (the tokenizer is byte-level; the EOS between
 documents counts as one byte) and in bits per byte (nats / ln 2), and the mean loss at each position
-of the window across windows (the loss-by-position curve chapter 03 plots). Nothing is random: the
+of the window across windows (the loss-by-position curve chapter 03b plots). Nothing is random: the
 same model gives the same figures on every machine, up to float rounding.
 
 A protocol with ``windows`` set reads only the first that many windows: a cheaper figure under its

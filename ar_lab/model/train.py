@@ -30,7 +30,7 @@ from ar_lab.model.data import check_writable, corpus_tokens, data_dir, get_batch
 from ar_lab.model.evaluation import evaluate_protocol, protocol_for
 from ar_lab.model.gpt import GPT, GPTConfig, checked_model
 
-__all__ = [  # ar_lab.model.checkpoint's functions and default_device too: chapter 03 imports them here
+__all__ = [  # ar_lab.model.checkpoint's functions and default_device too: chapters 03 and 03b import them here
     "PRESETS",
     "CheckpointError",
     "TrainConfig",
@@ -232,7 +232,7 @@ PRESETS: dict[str, tuple[GPTConfig, list[TrainConfig]]] = {
     # The course model. Phase 1 trains every position of the 1,024-token window; phase 2
     # continues on 512-token windows, cheaper per token; phases 3 to 5 return to full windows,
     # long enough that positions past 512 are predicted as well as the earlier ones
-    # (chapter 03 plots the loss by position; phases 1-3 alone left a step at 512).
+    # (chapter 03b plots the loss by position; phases 1-3 alone left a step at 512).
     "course": (
         GPTConfig(block_size=1024, n_layer=4, n_head=4, n_embd=256, dropout=0.0),
         [
