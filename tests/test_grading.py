@@ -54,7 +54,9 @@ def test_course_lays_out_an_nbgrader_course_folder(tmp_path):
     source = folder / "source" / ASSIGNMENT / f"{ASSIGNMENT}.ipynb"
     assert source.read_bytes() == (NOTEBOOKS / f"{ASSIGNMENT}.ipynb").read_bytes()
     assert (folder / "source" / "06_sampling" / "06_sampling.ipynb").exists()
-    assert sorted(p.name for p in written) == ["00_start_here.ipynb", "06_sampling.ipynb", "nbgrader_config.py"]
+    assert (folder / "source" / "06b_beam_search_and_constraints" / "06b_beam_search_and_constraints.ipynb").exists()
+    assert sorted(p.name for p in written) == [  # a chapter and its parts
+        "00_start_here.ipynb", "06_sampling.ipynb", "06b_beam_search_and_constraints.ipynb", "nbgrader_config.py"]
     config = (folder / "nbgrader_config.py").read_text()
     compile(config, "nbgrader_config.py", "exec")
     assert config == nbgrader_config(timeout=7)

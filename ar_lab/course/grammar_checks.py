@@ -1,4 +1,4 @@
-"""Chapter 06's grammar exercise: a learner's "bytes so far -> allowed next token ids" function against
+"""Chapter 06b's grammar exercise: a learner's "bytes so far -> allowed next token ids" function against
 ``ar_lab.engine.constrained.JsonObject``, prefix by prefix, with the classic mistakes named.
 
 ``grading_prefixes`` gives the prefixes to grade on: the empty one, every prefix of texts that reach the

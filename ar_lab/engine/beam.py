@@ -9,7 +9,7 @@ its finished texts), then **finish** (rank what is left).
 
 The beams of all prompts form one batch through the model and its KV cache; the
 bookkeeping (scores, token lists) lives on the CPU. Likelihood-maximising decoders
-fall into repetition loops on open-ended text (chapter 06 measures it with
+fall into repetition loops on open-ended text (chapter 06b measures it with
 ``ar_lab.engine.sampling.repeated_ngram_fraction``).
 """
 
