@@ -335,7 +335,7 @@ def test_kv_cache_calculator_shows_ar_lab_sizes_as_the_controls_change(ran):
             nb.page.wait_for_timeout(100)  # the table is replaced after a kernel round trip
         assert shown() == want
 
-    # the notebook left it on Llama 3 8B, batch 8 (a later cell sets them from Python)
+    # the notebook shows it on Llama 3 8B, batch 8 (the cell that shows it sets them)
     expect(preset).to_have_value("Llama 3 8B")
     expect(boxes["batch"].locator("input")).to_have_value("8")
     settles_on(expected())

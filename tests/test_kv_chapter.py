@@ -171,6 +171,23 @@ def test_calculator_rejects_unknown_presets():
     assert set(BYTES_PER_VALUE) >= {"float32", "bfloat16", "float16"}
 
 
+def test_calculator_says_when_a_scheme_saves_nothing():
+    """The 'vs MHA' column: an MLA model has no KV-head groups (not '1.0x smaller'); an MHA model's GQA row
+    is MHA itself; a real GQA model's row is the ratio of its heads."""
+    import re
+
+    from ar_lab.course.widgets import kv_cache_table_html
+
+    def column(name):
+        table = kv_cache_table_html(KV_PRESETS[name], 64, 1, "bfloat16")[1]
+        return re.findall(r"(n/a: MLA|same as MHA|[\d.,]+× smaller)", table)
+
+    assert column("DeepSeek-V3")[0] == "n/a: MLA"
+    assert column("Llama 2 7B")[0] == "same as MHA"
+    assert column("Llama 2 70B")[0] == "8.0× smaller"
+    assert all(c != "1.0× smaller" for name in KV_PRESETS for c in column(name))
+
+
 # --- the lean greedy path of the decode loop keeps sample()'s behaviour ------------------
 
 

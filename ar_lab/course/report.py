@@ -29,7 +29,8 @@ ROOT_NAME = PACKAGE.name
 # The grader: a solution has no reason to import (or call) any of it.
 GRADER = tuple(
     f"{ROOT_NAME}.course.{m}"
-    for m in ("checks", "exercises", "guard", "model_checks", "quant_checks", "report", "record", "grading")
+    for m in ("checks", "exercises", "guard", "model_checks", "quant_checks", "kv_checks", "paged_checks",
+              "grammar_checks", "mistakes", "forbidden", "report", "record", "grading")
 )
 # Resolved dotted names (a name and everything under it) -> the kind of flag.
 DOTTED = {

@@ -2,8 +2,8 @@
 
 ``GPT.forward`` serves training and every batch shape through ``nn.Module`` calls. For
 one sequence and one new token that generality costs real time: a decode step of the
-course model is some seventy tiny kernels, each paying microseconds of Python and
-dispatch, and the scaled-dot-product kernel sets up tiles for a query of length one.
+course model is dozens of small PyTorch calls (``ar_lab.perf.op_count`` counts them), each paying
+microseconds of Python and dispatch, and the scaled-dot-product kernel sets up tiles for a query of length one.
 On a CPU that overhead is a large share of the step (chapter 04 measures it). ``LeanGPT`` does
 the same arithmetic on the model's own weights with direct tensor calls:
 
