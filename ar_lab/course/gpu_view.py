@@ -6,7 +6,7 @@ a prompt and a context -> predicted TTFT, TPOT, tokens/s and memory, or a clear 
 not fit". ``plot_scenario`` and ``plot_decode_intensity`` draw it. ``spec_comparison``
 and ``plot_measured_vs_spec`` put a measured roofline result (``ar_lab.perf.measure``'s JSON,
 from this GPU or a committed ``data/roofline_gpu_*.json``) beside the datasheet's
-prediction for the same GPU; ``measure_gpu`` takes that measurement.
+prediction for the same GPU; ``measure_gpu`` takes that measurement, ``gpu_measurement`` takes or finds one.
 """
 
 from __future__ import annotations
@@ -173,15 +173,8 @@ def plot_scenario(ax, s: Scenario, prompt_lens: Sequence[int] = PROMPT_LENS, bat
     cross = s.placement.weights_stop_dominating_batch
     x = s.placement.intensity(cross)
     ax.axvline(x, color=COLORS["decode"], ls="--", lw=0.8)
-    ax.annotate(
-        f"KV + activations = weights\nat B={cross}",
-        (x, peak / 30),
-        xytext=(-4, 0),
-        textcoords="offset points",
-        fontsize=7.5,
-        color=COLORS["decode"],
-        ha="right",
-    )
+    note = dict(xytext=(-4, 0), textcoords="offset points", fontsize=7.5, color=COLORS["decode"], ha="right")
+    ax.annotate(f"KV + activations = weights\nat B={cross}", (x, peak / 30), **note)
     p = s.placement
     if p.compute_bound_batch is None:
         note = f"decode at context {s.context:,} never reaches the ridge:\nits limit is {p.intensity_limit:.0f} FLOP/B"
@@ -212,14 +205,8 @@ def plot_decode_intensity(ax, shape, spec: GPUSpec, contexts: Sequence[int], wei
         label = f"context {ctx:,}: limit {p.intensity_limit:.0f} FLOP/B, fits up to B={p.max_batch:,}"
         ax.plot(fit, [p.intensity(b) for b in fit], "-o", ms=3, color=c, label=label)
     ax.axhline(ridge, color="black", ls="--", lw=1)
-    ax.annotate(
-        f"{spec.name} ridge {ridge:.0f} FLOP/B",
-        (batches[-1], ridge),
-        xytext=(0, 4),
-        textcoords="offset points",
-        fontsize=8.5,
-        ha="right",
-    )
+    where = dict(xytext=(0, 4), textcoords="offset points", fontsize=8.5, ha="right")
+    ax.annotate(f"{spec.name} ridge {ridge:.0f} FLOP/B", (batches[-1], ridge), **where)
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
     ax.set_xlabel("decode batch size (sequences per step)")
@@ -346,6 +333,18 @@ def comparison_rows(comparison: dict) -> list[list]:
     return out
 
 
+def roof_lines(comparison: dict) -> list[str]:
+    """Each measured roof of ``comparison`` (``spec_comparison``'s) against its datasheet figure, a line each."""
+    if not isinstance(comparison, dict) or "roofs" not in comparison:
+        raise TypeError(f"comparison must be the dict spec_comparison(result) returns, got {str(comparison)[:120]}")
+    if comparison["spec"] is None:
+        return ["this GPU is not in ar_lab.perf.gpus: compared with its measured roofs only"]
+    return [
+        f"{roof} roof: measured {value:.3g}, datasheet {sheet:.3g} -> measured / datasheet = {ratio:.2f}"
+        for roof, (value, sheet, ratio) in comparison["roofs"].items()
+    ]
+
+
 def plot_measured_vs_spec(ax, result: dict, spec: GPUSpec | None = None):
     """Measured roofs and points (filled) beside the datasheet roofline and predicted points (hollow)."""
     from ar_lab.course.plots import plot_roofline
@@ -426,3 +425,24 @@ def measure_gpu(
         del model
         if cuda:
             torch.cuda.empty_cache()
+
+
+def gpu_measurement(device, *, progress: Callable[[str], None] | None = None) -> tuple[dict | None, str]:
+    """A GPU roofline result and where it comes from: measured now (``measure_gpu``) when ``device`` is a CUDA
+    GPU, else the newest committed ``data/roofline_gpu_*.json``; without either, None and a sentence saying so."""
+    import time
+
+    from ar_lab.base.timing import checked_device, device_name
+    from ar_lab.perf.measure import load_result, reference_files
+
+    device = checked_device(device)
+    if device.type == "cuda":
+        start = time.perf_counter()
+        result = measure_gpu(device, progress=progress)
+        return result, f"measured now on this GPU, in {time.perf_counter() - start:.0f} s"
+    if files := reference_files(device_type="cuda"):
+        return load_result(files[-1]), f"committed measurement {files[-1].name}, from {files[-1].parent}"
+    return None, (
+        f"This machine has no GPU ({device_name(device)}) and the repository holds no GPU measurement: nothing in "
+        "this chapter was measured on a GPU. The GPU figures above are predictions from datasheets."
+    )
