@@ -32,7 +32,7 @@ import pytest
 import torch
 
 from ar_lab.base import timing
-from ar_lab.course import quiz, speculative_view, widgets
+from ar_lab.course import kv_calculator, quiz, speculative_view, widgets
 from ar_lab.course.sampler_view import sampler_view
 from ar_lab.engine import beam, lean, prefix_cache, prompts, sampling, serving, speculative
 from ar_lab.engine.generate import generate, sample_batch, stream, token_steps
@@ -629,18 +629,20 @@ CALLS = [
     # widgets' pure functions and builders
     Call(
         "kv_cache_table_html(shape, -1, 1, 'float32')",
-        lambda: widgets.kv_cache_table_html(widgets_shape(), -1, 1, "float32"),
+        lambda: kv_calculator.kv_cache_table_html(widgets_shape(), -1, 1, "float32"),
         ValueError,
         "seq_len",
     ),
     Call(
         "kv_cache_table_html(shape, 8, 1, 'fp7')",
-        lambda: widgets.kv_cache_table_html(widgets_shape(), 8, 1, "fp7"),
+        lambda: kv_calculator.kv_cache_table_html(widgets_shape(), 8, 1, "fp7"),
         ValueError,
         "dtype",
     ),
-    Call("kv_cache_calculator('GPT-9')", lambda: widgets.kv_cache_calculator("GPT-9"), ValueError, "unknown preset"),
-    Call("kv_cache_calculator(dtype='fp7')", lambda: widgets.kv_cache_calculator(dtype="fp7"), ValueError, "dtype"),
+    Call("kv_cache_calculator('GPT-9')", lambda: kv_calculator.kv_cache_calculator("GPT-9"), ValueError,
+         "unknown preset"),
+    Call("kv_cache_calculator(dtype='fp7')", lambda: kv_calculator.kv_cache_calculator(dtype="fp7"), ValueError,
+         "dtype"),
     Call("speculation_explorer(m, {})", lambda: widgets.speculation_explorer(tiny(), {}), ValueError, "drafts"),
     # checkpoints
     Call(
@@ -948,7 +950,7 @@ class Edit:
 
 
 def calculator():
-    return widgets.KVCacheCalculator("Llama 2 7B")
+    return kv_calculator.KVCacheCalculator("Llama 2 7B")
 
 
 def sampler():

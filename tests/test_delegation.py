@@ -8,6 +8,7 @@ with every solution replaced by an answer that only delegates
 versions passing and the student versions failing are proven by nbval and test_exercises.
 """
 
+import re
 import sys
 from pathlib import Path
 
@@ -15,6 +16,7 @@ import nbformat
 import pytest
 
 from ar_lab.course.exercises import execute, exercises_only, grade, graded_cells, nbgrader_meta
+from ar_lab.course.forbidden import FORBIDDEN
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from delegating_answers import DELEGATING, NO_REFERENCE, ROUTES  # noqa: E402
@@ -44,6 +46,20 @@ def test_every_graded_test_runs_the_learners_code_under_no_delegation():
                 if "with no_delegation(" not in cell.source:
                     unguarded.append(gid)
     assert not unguarded, f"graded tests that a delegating answer could pass: {unguarded}"
+
+
+def test_each_graded_test_names_its_own_forbid_list_and_every_list_is_used():
+    """The forbid lists live in the course layer (ar_lab.course.forbidden); a test cell names its own."""
+    named = {}
+    for path in WITH_EXERCISES:
+        for cell in nbformat.read(path, as_version=4).cells:
+            if nbgrader_meta(cell).get("grade"):
+                gid = nbgrader_meta(cell)["grade_id"].removesuffix("-tests")
+                for key in re.findall(r'forbid="([^"]+)"', cell.source):
+                    assert key == gid, f"{gid}'s test forbids what {key} forbids"
+                    named[key] = path.name
+                assert "forbid=[" not in cell.source, f"{gid}: its forbid list belongs in ar_lab/course/forbidden.py"
+    assert set(named) == set(FORBIDDEN), f"forbid lists no test names: {sorted(set(FORBIDDEN) - set(named))}"
 
 
 @pytest.mark.slow

@@ -143,7 +143,8 @@ def test_release_command_line(tmp_path, capsys):
     from ar_lab.course.exercises import main
 
     assert main(["release", "--chapter", "00", "--out", str(tmp_path / "c")]) == 0
-    assert [p.name for p in (tmp_path / "c").iterdir()] == ["00_start_here.ipynb"]
+    assert sorted(p.name for p in (tmp_path / "c").iterdir()) == ["00_start_here.ipynb", "glossary.md"]
+    assert "wrote 1 student notebook(s) and the glossary" in capsys.readouterr().out
     assert main(["release", "--chapter", "00", "--out", str(tmp_path / "c")]) == 0
     assert "kept 1 already there" in capsys.readouterr().out
     bad_inputs = [

@@ -40,7 +40,7 @@ def kinds_and_lines(answer: str, setup: str = SETUP) -> list[tuple[str, int]]:
     return [(f.kind, f.line) for f in scan_notebook(submission(answer, setup=setup))]
 
 
-@pytest.mark.parametrize("path", sorted(NOTEBOOKS.glob("[0-9][0-9]_*.ipynb")), ids=lambda p: p.stem[:2])
+@pytest.mark.parametrize("path", sorted(NOTEBOOKS.glob("[0-9][0-9]*_*.ipynb")), ids=lambda p: p.stem.split("_")[0])
 def test_the_courses_own_solutions_give_no_flags(path):
     nb = nbformat.read(path, as_version=4)
     assert solution_cells(nb), "the notebook should have solution cells to scan"

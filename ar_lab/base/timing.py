@@ -159,7 +159,8 @@ def steady_clock(device: torch.device | str = "cpu") -> Callable[[], float]:
     computes on the CPU with one thread, else the wall clock.
 
     One thread's CPU time is the wall-clock time the work takes on a quiet machine, and
-    other processes on a shared machine do not inflate it (they only delay it). On a GPU,
+    other processes cannot inflate it by taking the CPU away (they only delay it); they still can by
+    competing for caches and memory bandwidth (appendix A1 measures both). On a GPU,
     or with several threads, only the wall clock measures the work.
     """
     if checked_device(device, present=False).type == "cpu" and torch.get_num_threads() == 1:

@@ -6,7 +6,8 @@ same prompt; repeats are interleaved (every format once per repeat, the order ro
 each format's speedup over fp32 is the median of its per-repeat ratios. Beside it, the
 roofline's memory-bound prediction (``ar_lab.perf.roofline.predicted_speedup``: the bytes a step
 moves, fp32 over the format) and measured / predicted. For the course model, the quality
-columns (``ar_lab.perf.quality``). First, the kernels alone: one matrix times one vector.
+columns (``ar_lab.perf.quality``). First, the kernels alone: one matrix times one vector, on
+matrices that fit in a cache, then streaming several times the largest cache from main memory.
 """
 
 from __future__ import annotations
@@ -89,6 +90,102 @@ def kernel_timings(shapes=((1024, 256), (4096, 1024)), repeats: int = 30) -> lis
         for r in rows[-len(calls) :]:
             r["x_fp32"] = base / r["us"]
     return rows
+
+
+# CPU flags (as Linux names them) of instructions that multiply bfloat16 pairs and add into float32:
+# x86 AVX512-BF16 (vdpbf16ps), x86 AMX-BF16 (tile products), Arm's BF16 extension (bfdot).
+BF16_DOT_FLAGS = ("avx512_bf16", "amx_bf16", "bf16")
+
+
+def bf16_dot_instructions(cpuinfo: str | None = None) -> list[str] | None:
+    """Which of ``BF16_DOT_FLAGS`` this CPU lists (``/proc/cpuinfo``, or the text given), or None where
+    the flags cannot be read. Without any, a bfloat16 product widens every value to float32 (a 16-bit
+    shift) before a float32 multiply-add: the arithmetic of fp32 plus a conversion per weight."""
+    if cpuinfo is None:
+        try:
+            with open("/proc/cpuinfo") as f:
+                cpuinfo = f.read()
+        except OSError:
+            return None
+    flags: set[str] = set()
+    for line in cpuinfo.splitlines():
+        key, _, value = line.partition(":")
+        if key.strip() in ("flags", "Features"):  # x86, Arm
+            flags.update(value.split())
+    return [f for f in BF16_DOT_FLAGS if f in flags] if flags else None
+
+
+def kernels_from_memory(nbytes: int, *, repeats: int = 5, n_in: int = 4096, group_size: int = 32) -> list[dict]:
+    """The four decode kernels, each streaming the same ``nbytes`` (make it several times the largest
+    cache, so that every call reads main memory): per call, microseconds (median of interleaved calls),
+    weights and bytes read, GB/s, and per byte and per weight against fp32's ``mv``.
+
+    The bytes are one buffer read as each format: fp32 rows, bf16 rows, int8 rows (plus a bfloat16 scale
+    per row), and int4 in the CPU kernel's packed layout followed by its bfloat16 scales and zeros (one
+    pair per ``group_size`` weights), so no format's copy is held beside another's. Every byte lies in
+    [0x30, 0x3F]: read as fp32 or bf16 it is a normal number (no subnormals, which some CPUs compute
+    slowly), as int8 a small positive one. Values do not change these kernels' speed; only the bytes do.
+    """
+    from ar_lab.engine.quant import INT4_GROUP_SIZES
+
+    checked_count("repeats", repeats)
+    checked_count("n_in", n_in, 2 * group_size)
+    if group_size not in INT4_GROUP_SIZES or n_in % group_size:
+        raise ValueError(f"group_size must be one of {INT4_GROUP_SIZES} and divide n_in={n_in}, got {group_size}")
+    rows = checked_count("nbytes", nbytes, 64 * 4 * n_in) // (64 * 4 * n_in) * 64  # fp32 rows, a multiple of 64
+    size = rows * 4 * n_in
+    g = torch.Generator().manual_seed(0)
+    block = torch.randint(0x30, 0x40, (4 * n_in,), dtype=torch.uint8, generator=g)
+    buf = block.repeat(rows)  # (size,) bytes
+    int4_rows = size // (n_in // 2 + 4 * n_in // group_size) // 64 * 64  # packed weights + scales fit in size
+    packed = buf[: int4_rows * n_in // 2].view(int4_rows, n_in // 2)  # two 4-bit weights per byte
+    zs = buf[packed.numel() : packed.numel() + 4 * int4_rows * n_in // group_size]
+    scales_and_zeros = zs.view(torch.bfloat16).view(n_in // group_size, int4_rows, 2)
+    int8_scales = torch.full((4 * rows,), 0.01, dtype=torch.bfloat16)
+    x = torch.randn(n_in, generator=g)
+    xb = x.bfloat16()
+    w32, w16, w8 = (buf.view(dtype).view(-1, n_in) for dtype in (torch.float32, torch.bfloat16, torch.int8))
+    aten = torch.ops.aten
+    calls = {  # name -> (the call, weights it multiplies, bytes it reads)
+        "fp32 mv": (lambda: torch.mv(w32, x), w32.numel(), size),
+        "bf16 mv": (lambda: torch.mv(w16, xb), w16.numel(), size),
+        "int8 kernel": (lambda: aten._weight_int8pack_mm(xb[None], w8, int8_scales), w8.numel(), size + 8 * rows),
+        "int4 kernel": (
+            lambda: aten._weight_int4pack_mm_for_cpu(xb[None], packed, group_size, scales_and_zeros),
+            2 * packed.numel(),
+            packed.numel() + zs.numel(),
+        ),
+    }
+    with torch.inference_mode():
+        times = interleaved({k: fn for k, (fn, _, _) in calls.items()}, repeats, warmup=1, clock=time.perf_counter)
+    out = []
+    for name, (_, weights, nread) in calls.items():
+        seconds = median(times[name])
+        out.append(
+            {
+                "call": name,
+                "us": 1e6 * seconds,
+                "weights": weights,
+                "bytes": nread,
+                "bytes_per_weight": nread / weights,
+                "gb_per_s": nread / seconds / 1e9,
+            }
+        )
+    fp32 = out[0]
+    for r in out:
+        r["per_byte_vs_fp32"] = r["gb_per_s"] / fp32["gb_per_s"]
+        r["byte_ratio"] = fp32["bytes_per_weight"] / r["bytes_per_weight"]  # fewer bytes per weight than fp32
+        r["per_weight_vs_fp32"] = r["byte_ratio"] * r["per_byte_vs_fp32"]  # = (weights/s) / fp32's
+    return out
+
+
+def streamed_bytes(cache: int | None = None, *, times: int = 3, most: int = 2**30) -> int:
+    """Bytes for ``kernels_from_memory``: ``times`` the largest CPU cache (``ar_lab.perf.peaks.cache_bytes``;
+    32 MiB where the machine does not say), at most ``most``."""
+    from ar_lab.perf.peaks import cache_bytes
+
+    cache = cache_bytes() if cache is None else cache
+    return min(times * (cache or 32 * 2**20), most)
 
 
 def decode_times(models: dict, prompt: str, tokens: int, repeats: int, say=None) -> dict[str, list[float]]:
@@ -206,6 +303,8 @@ def quant_benchmark(
     # what the quality columns were measured on (bits/byte: the evaluation protocol, by name)
     result["quality"] = {**quality, "bpb_protocol": _protocol(course, quality).name}
     result["kernels"] = kernel_timings(shapes, repeats=3 if quick else 30)
+    say("kernels streaming from main memory")
+    result["kernels_from_memory"] = kernels_from_memory(2**20 if quick else streamed_bytes(), repeats=2 if quick else 5)
     result["models"] = [
         measure_model(
             course, f"course model ({source})", tokens=tokens, repeats=repeats, prompt=prompt, quality=quality, say=say
@@ -236,6 +335,23 @@ def format_quant_results(res: dict) -> str:
         for k in res["kernels"]
     ]
     lines += [format_table(["matrix", "call", "us/call", "x fp32 speed", "max rel. error"], krows), ""]
+    streamed = res.get("kernels_from_memory")  # absent from results stored before it was measured
+    if streamed:
+        mib = streamed[0]["bytes"] / 2**20
+        lines.append(f"kernels streaming {mib:.0f} MiB from main memory (one matrix x one vector)")
+        srows = [
+            [
+                k["call"],
+                f"{k['us'] / 1e3:.1f}",
+                f"{k['bytes_per_weight']:.3f}",
+                f"{k['gb_per_s']:.1f}",
+                f"{k['per_byte_vs_fp32']:.2f}",
+                f"{k['per_weight_vs_fp32']:.2f}",
+            ]
+            for k in streamed
+        ]
+        headers = ["call", "ms/call", "bytes/weight", "GB/s", "per byte x fp32", "per weight x fp32"]
+        lines += [format_table(headers, srows), ""]
     for model in res["models"]:
         lines.append(f"{model['label']}: {model['parameters'] / 1e6:.1f} M parameters, mean context {model['context']}")
         headers = ["weights", "tokens/s", "MB/token", "speedup", "predicted", "measured/predicted"]

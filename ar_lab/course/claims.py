@@ -123,7 +123,8 @@ def timed_claim(
     """Claim ``name`` about how long the calls in ``runs`` take, and measure until the measurement decides.
 
     The sides are timed in turns (``interleaved``: ``rounds`` calls each, after ``warmup``), on the
-    steady clock (one thread's CPU time on a CPU, so another process does not inflate it) of ``device``
+    steady clock (one thread's CPU time on a CPU, which another process cannot inflate by taking the CPU away, only by
+    competing for caches and memory bandwidth) of ``device``
     (by default the one the notebooks compute on: a CUDA GPU when present, else the CPU). ``holds``
     gets each side's median seconds and returns the verdict, e.g. ``lambda t: t["cached"] < t["uncached"] / 3``.
     ``first``, the samples a cell already measured for its table or plot, is judged before anything more

@@ -399,9 +399,11 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.cmd == "release":
             written = release(args.src, args.out, chapters=args.chapter)
-            kept = len(select_notebooks(args.src, args.chapter)) - len(written)
+            notebooks = [p for p in written if p.suffix == ".ipynb"]
+            kept = len(select_notebooks(args.src, args.chapter)) - len(notebooks)
             note = f"; kept {kept} already there (a learner's work is never replaced)" if kept else ""
-            print(f"wrote {len(written)} student notebook(s) to {args.out}{note}")
+            glossary = " and the glossary" if len(written) > len(notebooks) else ""
+            print(f"wrote {len(notebooks)} student notebook(s){glossary} to {args.out}{note}")
         else:
             options = dict(src=args.src, chapters=args.chapter, timeout=args.timeout, overwrite=args.overwrite)
             written = course(args.dir, **options)

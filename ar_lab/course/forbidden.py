@@ -69,6 +69,16 @@ FORBIDDEN: dict[str, tuple[str, ...]] = {
         "torch.nn.TransformerEncoderLayer",
         "torch.nn.TransformerDecoderLayer",
     ),
+    "ch03-gpt": (
+        "ar_lab.model.gpt.GPT",
+        "ar_lab.engine.lean.LeanGPT",
+        "ar_lab.engine.lean.for_model",
+        "ar_lab.model.reference.to_hf_gpt2",
+    ),
+    "ch03-mlp": (
+        "ar_lab.model.gpt.MLP",
+    ),
+    # 03b_train_a_gpt.ipynb
     "ch03-course-model": (
         "ar_lab.model.gpt.GPT",
         "ar_lab.model.gpt.Block",
@@ -93,15 +103,6 @@ FORBIDDEN: dict[str, tuple[str, ...]] = {
         "aten::nll_loss",
         "aten::nll_loss_nd",
         "aten::nll_loss_forward",
-    ),
-    "ch03-gpt": (
-        "ar_lab.model.gpt.GPT",
-        "ar_lab.engine.lean.LeanGPT",
-        "ar_lab.engine.lean.for_model",
-        "ar_lab.model.reference.to_hf_gpt2",
-    ),
-    "ch03-mlp": (
-        "ar_lab.model.gpt.MLP",
     ),
     "ch03-param-count": (
         "ar_lab.model.gpt.GPT",
@@ -164,20 +165,6 @@ FORBIDDEN: dict[str, tuple[str, ...]] = {
         "ar_lab.perf.roofline.approx_decode_bytes",
     ),
     # 06_sampling.ipynb
-    "ch06-grammar": (
-        "ar_lab.engine.constrained.JsonObject",
-        "ar_lab.engine.constrained.JsonObject.allowed_ids",
-        "ar_lab.engine.constrained.JsonObject._step",
-        "ar_lab.engine.constrained.Grammar.allowed",
-        "ar_lab.engine.constrained.Grammar.advance",
-        "ar_lab.engine.constrained.Grammar.state_after",
-        "ar_lab.engine.constrained.Grammar.allowed_after",
-        "ar_lab.engine.constrained.Grammar.accepts",
-        "ar_lab.engine.constrained.json_problem",
-    ),
-    "ch06-ngrams": (
-        "ar_lab.engine.sampling.repeated_ngram_fraction",
-    ),
     "ch06-sampler": (
         "ar_lab.engine.sampling.sample",
         "ar_lab.engine.sampling.pick",
@@ -206,6 +193,21 @@ FORBIDDEN: dict[str, tuple[str, ...]] = {
         "ar_lab.course.sampler_view.sampler_view",
         "ar_lab.engine.sampling._top_p",
     ),
+    # 06b_beam_search_and_constraints.ipynb
+    "ch06-grammar": (
+        "ar_lab.engine.constrained.JsonObject",
+        "ar_lab.engine.constrained.JsonObject.allowed_ids",
+        "ar_lab.engine.constrained.JsonObject._step",
+        "ar_lab.engine.constrained.Grammar.allowed",
+        "ar_lab.engine.constrained.Grammar.advance",
+        "ar_lab.engine.constrained.Grammar.state_after",
+        "ar_lab.engine.constrained.Grammar.allowed_after",
+        "ar_lab.engine.constrained.Grammar.accepts",
+        "ar_lab.engine.constrained.json_problem",
+    ),
+    "ch06-ngrams": (
+        "ar_lab.engine.sampling.repeated_ngram_fraction",
+    ),
     # 07_speculative_decoding.ipynb
     "ch07-accept": (
         "ar_lab.engine.accept.accepted_count",
@@ -216,6 +218,7 @@ FORBIDDEN: dict[str, tuple[str, ...]] = {
         "ar_lab.engine.speculative.expected_tokens_per_iteration",
         "ar_lab.engine.speculative.expected_speedup",
     ),
+    # 07b_drafts_without_a_draft_model.ipynb
     "ch07-lookup": (
         "ar_lab.engine.lookup.prompt_lookup",
         "ar_lab.engine.lookup.PromptLookup.__call__",
@@ -226,10 +229,6 @@ FORBIDDEN: dict[str, tuple[str, ...]] = {
         "ar_lab.engine.scheduling.continuous_admit",
         "ar_lab.engine.scheduling.policy_function",
     ),
-    "ch08-blocks": (
-        "ar_lab.engine.paged.BlockAllocator",
-        "ar_lab.engine.paged.blocks_for",
-    ),
     "ch08-continuous": (
         "ar_lab.engine.serving.simulate",
         "ar_lab.engine.serving.serve",
@@ -237,6 +236,11 @@ FORBIDDEN: dict[str, tuple[str, ...]] = {
     "ch08-row-mask": (
         "ar_lab.model.cache.BatchKVCache",
         "ar_lab.model.cache.BatchKVCache.begin",
+    ),
+    # 08b_kv_memory_and_prompt_caching.ipynb
+    "ch08-blocks": (
+        "ar_lab.engine.paged.BlockAllocator",
+        "ar_lab.engine.paged.blocks_for",
     ),
     # 09_quantization.ipynb
     "ch09-int4": (

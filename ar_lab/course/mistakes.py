@@ -1,4 +1,4 @@
-"""Named mistakes for the function exercises of chapters 01, 02, 04 and 06: what a classic slip computes.
+"""Named mistakes for the function exercises of chapters 00, 01, 02 and 04 to 08: what a classic slip computes.
 
 A test that only says "values differ at index 17" leaves a learner guessing. Each function here
 computes, with the exercise's own inputs, what the common wrong versions of the answer return (the
@@ -10,12 +10,13 @@ mistake a learner's output equals. The GPT's modules have theirs in ``ar_lab.cou
 from __future__ import annotations
 
 import math
+from collections import Counter
 from collections.abc import Sequence
 from typing import Any
 
 import torch
 
-from ar_lab.course.checks import CheckFailed, check_equal
+from ar_lab.course.checks import CheckFailed, check_cases, check_equal
 
 
 def _same(got: Any, value: Any) -> bool:
@@ -46,6 +47,27 @@ def check_exact(what: str, got: Any, expected: Any, mistakes: dict[str, Any], hi
     """``check_equal``, naming the mistake whose value ``got`` equals (see ``name_mistake``)."""
     name_mistake(what, got, expected, mistakes, hint)
     check_equal(what, got, expected, hint)
+
+
+# --- chapter 00 ----------------------------------------------------------------------------
+
+
+def token_mistakes(text: str) -> dict[str, Any]:
+    """The tokens of ``text`` (its UTF-8 byte values, as a list) computed wrongly."""
+    return {
+        "the characters' code points (ord) instead of their UTF-8 bytes": [ord(c) for c in text],
+        "a bytes object instead of a list of ints": text.encode("utf-8"),
+    }
+
+
+def tokens_per_char_mistakes(text: str) -> dict[str, float]:
+    """Tokens (UTF-8 bytes) per character of ``text`` computed wrongly."""
+    n_bytes, n_chars = len(text.encode("utf-8")), len(text)
+    return {
+        "characters per token (the ratio upside down)": n_chars / n_bytes,
+        "integer division (//) instead of /": float(n_bytes // n_chars),
+        "counting characters as tokens (code points, not UTF-8 bytes)": 1.0,
+    }
 
 
 # --- chapter 01 ----------------------------------------------------------------------------
@@ -208,4 +230,183 @@ def sampler_mistakes(logits: torch.Tensor, params) -> dict[str, torch.Tensor]:
             temper(z).masked_fill(~both, float("-inf"))
         ).softmax(-1),
         "the kept probabilities not renormalised (they no longer sum to 1)": temper(z).softmax(-1) * kept,
+    }
+
+
+def ngram_mistakes(tokens: Sequence[int], n: int) -> dict[str, float]:
+    """The fraction of the n-grams of ``tokens`` already seen earlier in them, computed wrongly (a mistake
+    giving the same value as another one on these tokens is left out: it could not be told apart)."""
+    grams = [tuple(tokens[i : i + n]) for i in range(len(tokens) - n + 1)]
+    if not grams:
+        return {}
+    counts, short = Counter(grams), grams[:-1]
+    found = {
+        "counting every copy of a repeated n-gram, its first occurrence included":
+            sum(c for c in counts.values() if c > 1) / len(grams),
+        "dividing by the number of tokens instead of the number of n-grams": (len(grams) - len(counts)) / len(tokens),
+        "the share of n-grams seen for the first time (1 minus the answer)": len(counts) / len(grams),
+        "leaving out the last n-gram (range(len(tokens) - n) instead of range(len(tokens) - n + 1))":
+            (len(short) - len(set(short))) / len(short) if short else 0.0,
+    }
+    return {m: v for m, v in found.items() if sum(_same(v, w) for w in found.values()) == 1}
+
+
+def check_ngram_cases(name: str, fn, cases, hint: str = "") -> None:
+    """``check_cases`` for the repeated n-gram exercise, naming the classic mistake a wrong fraction equals."""
+    for args, expected in cases:
+        try:
+            got = fn(*args)
+        except Exception:
+            check_cases(name, fn, [(args, expected)], hint=hint)  # calls again: says which case raised, and how
+            raise
+        what = f"{name}({', '.join(map(repr, args))})"
+        name_mistake(what, got, expected, ngram_mistakes(*args), hint)
+        if not _same(got, expected):
+            check_equal(what, got, expected, hint)
+
+
+# --- chapter 07 ----------------------------------------------------------------------------
+
+
+def accepted_count_mistakes(
+    p: torch.Tensor, q: torch.Tensor, drafts: Sequence[int], u: torch.Tensor
+) -> dict[str, int]:
+    """How many of ``drafts`` one speculative iteration accepts, counted wrongly
+    (p: (γ + 1, V), q: (γ, V), u: (γ,) uniforms; draft i passes if u[i] q[i, x] < p[i, x])."""
+    passes = [bool(u[i] * q[i, x] < p[i, x]) for i, x in enumerate(drafts)]
+    upside_down = [bool(u[i] * p[i, x] < q[i, x]) for i, x in enumerate(drafts)]
+    return {
+        "counting every draft that passes instead of stopping at the first rejection": sum(passes),
+        "the ratio upside down (accepting when u < q(x) / p(x))": next(
+            (i for i, ok in enumerate(upside_down) if not ok), len(drafts)
+        ),
+    }
+
+
+@torch.no_grad()
+def accept_dist_mistakes(p: torch.Tensor, q: torch.Tensor, n: int) -> dict[str, torch.Tensor]:
+    """The distribution an iteration's last token is drawn from after ``n`` accepted drafts (of γ = len(q)),
+    computed wrongly: after a rejection, p itself (the classic mistake), the residual unnormalised or
+    the wrong way round; after a full accept, the bonus from the wrong row."""
+    p, q = p.double(), q.double()
+    gamma = q.shape[0]
+    if n >= gamma:
+        wrong_row = "drawing the bonus token from p[γ - 1] (the last draft's position) instead of p[γ]"
+        return {wrong_row: p[gamma - 1].float()}
+    residual = (p[n] - q[n]).clamp_min(0.0)
+    reverse = (q[n] - p[n]).clamp_min(0.0)
+    out = {
+        "drawing the replacement from p instead of the residual norm(max(0, p − q)) (the classic mistake: the "
+        "tokens the draft over-proposed get their accepted share and a share of p again)": p[n],
+        "the residual max(0, p − q) left unnormalised (it sums to 1 − α, not 1)": residual,
+    }
+    if reverse.sum() > 0:
+        out["the residual the wrong way round, norm(max(0, q − p))"] = reverse / reverse.sum()
+    return {k: v.float() for k, v in out.items()}
+
+
+def check_raises(name: str, fn, cases, error: type[Exception] = ValueError, hint: str = "") -> None:
+    """``fn(*args)`` raises ``error`` for every ``args`` in ``cases`` (arguments the exercise says to refuse).
+    Returning a value instead (the check left out) or raising another error fails, naming the case."""
+    for args in cases:
+        what = f"{name}({', '.join(map(repr, args))})"
+        tail = f"\nHint: {hint}" if hint else ""
+        try:
+            got = fn(*args)
+        except error:
+            continue
+        except NotImplementedError:
+            raise CheckFailed(f"{what}: not implemented yet\nHint: replace `raise NotImplementedError()` with your code"
+                              ) from None
+        except Exception as e:
+            raise CheckFailed(f"{what}: your code raised {type(e).__name__}: {e}; expected a {error.__name__}"
+                              + tail) from e
+        raise CheckFailed(f"{what}: returned {got!r}; expected a {error.__name__} (the task asks to refuse these "
+                          "arguments)" + tail)
+
+
+# --- chapter 08 ----------------------------------------------------------------------------
+
+
+def row_mask_mistakes(lengths: Sequence[int], T: int) -> dict[str, list]:
+    """The per-row mask of one batched step, (rows, 1, T, max(lengths) + T) as nested lists, computed wrongly."""
+    keys = torch.arange(max(lengths) + T)  # (keys,)
+    news = torch.arange(T)  # (T,)
+    rows = torch.tensor(list(lengths))[:, None]  # (rows, 1)
+
+    def mask(last: torch.Tensor, strict: bool = False) -> list:  # last: (rows, T), the last key each token sees
+        seen = keys < last[:, :, None] if strict else keys <= last[:, :, None]
+        return seen[:, None].tolist()
+
+    return {
+        "a token that does not see itself (keys < position instead of <=)": mask(rows + news, strict=True),
+        "every row at the longest row's length (one length for the whole batch)": mask(
+            (max(lengths) + news).expand(len(lengths), T)
+        ),
+        "no causal part among the new tokens (each sees all T new keys of its row)": mask(
+            (rows + T - 1).expand(len(lengths), T)
+        ),
+    }
+
+
+def admission_mistakes(policy: str, waiting: int, running: int, max_batch: int) -> dict[str, int]:
+    """How many requests a ``policy`` ("static" or "continuous") admits in a state, computed wrongly."""
+    free, idle = max_batch - running, running == 0
+    if policy == "static":
+        return {
+            "admitting into free slots while requests still run (that is continuous batching)": min(waiting, free),
+            "a whole batch whatever is waiting (max_batch, not capped by the queue)": max_batch if idle else 0,
+        }
+    return {
+        "every free slot even when fewer requests wait (max_batch - running, not capped by the queue)": free,
+        "waiting for the whole batch to finish (that is static batching)": min(waiting, max_batch) if idle else 0,
+        "one request per step, however many slots are free": min(waiting, free, 1),
+    }
+
+
+def _finish_steps(
+    needs: Sequence[int],
+    max_batch: int,
+    *,
+    static: bool = False,
+    one_per_step: bool = False,
+    zero_takes_slot: bool = False,
+) -> list[int]:
+    """The finish step of each request under a schedule stepped one decode step at a time (and its variants)."""
+    queue, running, finish, step = list(range(len(needs))), {}, [0] * len(needs), 0
+    while queue or running:
+        admitted, may = 0, not (static and running)  # static: a new batch only once nothing runs
+        while may and queue and len(running) < max_batch and not (one_per_step and admitted):
+            i, admitted = queue.pop(0), admitted + 1
+            if needs[i] == 0 and not zero_takes_slot:
+                finish[i] = step
+            else:
+                running[i] = max(needs[i], 1)
+        if not running:
+            continue
+        step += 1
+        for i in list(running):
+            running[i] -= 1
+            if running[i] == 0:
+                finish[i] = step
+                del running[i]
+    return finish
+
+
+def continuous_finish_mistakes(steps_needed: Sequence[int], max_batch: int) -> dict[str, list[int]]:
+    """The finish steps of continuous batching (``ar_lab.engine.serving.simulate``), computed wrongly."""
+    right = _finish_steps(steps_needed, max_batch)
+    return {
+        "static batching's schedule (a new batch only when the whole batch is done)": _finish_steps(
+            steps_needed, max_batch, static=True
+        ),
+        "recording a finish before counting its step (one step early)": [
+            f - 1 if n else f for f, n in zip(right, steps_needed, strict=True)
+        ],
+        "a request needing 0 steps taking a slot for one step": _finish_steps(
+            steps_needed, max_batch, zero_takes_slot=True
+        ),
+        "one request admitted per step, however many slots are free": _finish_steps(
+            steps_needed, max_batch, one_per_step=True
+        ),
     }

@@ -113,13 +113,6 @@ QUIZZES: dict[str, list[dict]] = {
     ],
     "03": [
         {
-            "q": "The loss of a freshly initialised course model is close to:",
-            "choices": ["1/257 ≈ 0.0039 nats", "ln 257 ≈ 5.55 nats", "log₂ 257 ≈ 8.01 nats"],
-            "answer": 1,
-            "why": "An untrained model spreads probability almost evenly over 257 tokens: −ln(1/257) = ln 257. "
-            "(log₂ 257 is the same loss in bits.)",
-        },
-        {
             "q": "Weight tying means:",
             "choices": [
                 "The output layer reuses the token-embedding matrix",
@@ -130,10 +123,76 @@ QUIZZES: dict[str, list[dict]] = {
             "why": "GPT-2 ties the output projection to the token embedding, saving V × C parameters.",
         },
         {
+            "q": "In the course model's pre-norm blocks, where is each LayerNorm applied?",
+            "choices": [
+                "On the embeddings only, once, before the first block of the stack",
+                "At the input of each branch: before attention, before the MLP",
+                "On the residual stream after each addition",
+            ],
+            "answer": 1,
+            "why": "Pre-norm (GPT-2) normalises what goes into each branch and adds the branch's output to the "
+            "unnormalised stream; only ln_f normalises the stream itself, after the last block. Normalising "
+            "after each addition is the original Transformer's post-norm.",
+        },
+        {
+            "q": "Swap the course model's tanh-approximated GELU for the exact GELU, same weights. Its logits:",
+            "choices": [
+                "Stay the same: the two agree exactly",
+                "Move by far more than float32 rounding would",
+                "Change in the first block only: later blocks undo it",
+            ],
+            "answer": 1,
+            "why": "The two GELUs differ by less than 10⁻³ per value, but the gaps add up: part 1 measures them "
+            "growing block after block, to logits far further apart than float32 rounding puts them.",
+        },
+        {
             "q": "Our GPT gives the same logits as Hugging Face's GPT2LMHeadModel with the same weights.",
             "choices": TF,
             "answer": 0,
-            "why": "The MHA configuration is exactly GPT-2's architecture; a test checks logits and greedy tokens.",
+            "why": "With one key/value head per query head it is GPT-2's architecture; part 1 compares the "
+            "logits and 40 greedy tokens.",
+        },
+    ],
+    "03b": [
+        {
+            "q": "The loss of a freshly initialised course model is close to:",
+            "choices": ["1/257 ≈ 0.0039 nats", "ln 257 ≈ 5.55 nats", "log₂ 257 ≈ 8.01 nats"],
+            "answer": 1,
+            "why": "An untrained model spreads probability almost evenly over 257 tokens: −ln(1/257) = ln 257. "
+            "(log₂ 257 is the same loss in bits.)",
+        },
+        {
+            "q": "sum(p.numel() for p in model.parameters()) on the course model, whose lm_head is tied to wte:",
+            "choices": [
+                "Counts the shared (V, C) matrix once",
+                "Counts it twice, under each name",
+                "Leaves it out, since no single layer owns it",
+            ],
+            "answer": 0,
+            "why": "parameters() lists each parameter object once, and a tied matrix is one object under two "
+            "names; state_dict() lists both names (so a checkpoint loads into either layer).",
+        },
+        {
+            "q": "Which parameters does the course trainer's AdamW decay?",
+            "choices": [
+                "Every parameter, biases and LayerNorms included",
+                "The matrices: embeddings and linear weights",
+                "Only the biases and the LayerNorm parameters",
+            ],
+            "answer": 1,
+            "why": "Two parameter groups: the 2-D parameters with weight decay, the 1-D ones (biases, LayerNorm "
+            "gains and shifts) without, as nanoGPT's trainer sets it up too.",
+        },
+        {
+            "q": "A training loop never calls optimizer.zero_grad(). What happens?",
+            "choices": [
+                "Nothing changes, since every call of backward() overwrites .grad",
+                "Each update uses the gradients of all steps so far, summed",
+                "backward() raises an error at the second step",
+            ],
+            "answer": 1,
+            "why": "backward() adds into .grad; without a reset, step n updates with the sum of n steps' "
+            "gradients. The graded test of the training step names this mistake.",
         },
     ],
     "04": [
@@ -258,6 +317,44 @@ QUIZZES: dict[str, list[dict]] = {
             "why": "The logits are identical; only the pick from them changes.",
         },
         {
+            "q": "Min-p 0.1 at temperature 1.5, applied after the temperature (as ar_lab and transformers do) instead "
+            "of on the untempered distribution: which tokens does it keep?",
+            "choices": [
+                "The same ones: min-p compares each token with the top one, a ratio temperature leaves alone",
+                "More of them: at T > 1 the ratios to the top token grow, so more pass the 0.1 bar",
+                "Fewer of them: the flatter distribution pushes every probability below 0.1 of the top",
+            ],
+            "answer": 1,
+            "why": "Temperature raises every ratio p / p_max to the power 1/T; after it, a token passes when its "
+            "untempered ratio is at least 0.1^1.5 ≈ 0.03, a lower bar than 0.1, so more tokens survive.",
+        },
+    ],
+    "06b": [
+        {
+            "q": "With length_penalty = 0, beam search ranks finished texts by their summed log-probability. "
+            "Which texts does that favour?",
+            "choices": [
+                "Long ones: every extra token adds to the sum, so more tokens score higher",
+                "Short ones: every extra token adds a log-probability below zero to the sum",
+                "Neither: a sum of log-probabilities does not depend on the length of a text",
+            ],
+            "answer": 1,
+            "why": "A log-probability is at most 0, so each token can only lower the sum; a length penalty of 1 "
+            "divides by the length and compares log-probability per token instead.",
+        },
+        {
+            "q": "On open-ended text, the continuation that beam search finds (more likely under the model than "
+            "greedy's) usually repeats itself:",
+            "choices": [
+                "Less than greedy's: searching wider steers it away from greedy's loops",
+                "About as much as human text: the beams average the model's choices out",
+                "About as much as greedy's or more: likely text under the model is often a loop",
+            ],
+            "answer": 2,
+            "why": "Maximising likelihood is what produces the loops (Holtzman et al., 2020): once a phrase repeats, "
+            "repeating it again is likely. The chapter measures beam search repeating about as much as greedy.",
+        },
+        {
             "q": "A grammar's mask sets refused tokens to −∞ before the sampler chain. At T = 1 with no truncation, "
             "an allowed token t is drawn with probability:",
             "choices": [
@@ -331,7 +428,92 @@ QUIZZES: dict[str, list[dict]] = {
             "acceptance figures, with their dates).",
         },
     ],
+    "07b": [
+        {
+            "q": "A prompt-lookup draft proposes token x (its q puts all its mass on x). With what probability does "
+            "the target's acceptance rule keep it?",
+            "choices": [
+                "p(x), the target's own probability of x",
+                "1: the token is copied from the context, so it is always kept",
+                "min(1, q(x) / p(x))",
+            ],
+            "answer": 0,
+            "why": "The rule keeps x with probability min(1, p(x) / q(x)), and q(x) = 1 for a looked-up token; after "
+            "a rejection the residual norm(max(0, p − q)) is p without x, renormalised. The output keeps exactly "
+            "the target's distribution.",
+        },
+        {
+            "q": "Medusa's typical acceptance keeps a candidate when the target gives it a high enough probability. "
+            "Does the sampled output keep the target's distribution?",
+            "choices": [
+                "No: the rule trades exactness for longer accepted runs",
+                "Yes: any rule that only keeps tokens the target finds likely is exact",
+                "Only with Medusa-2",
+            ],
+            "answer": 0,
+            "why": "Only the rejection rule (min(1, p/q), then the residual) reproduces p exactly; typical acceptance "
+            "is a relaxation. Greedy verification, or Medusa's heads verified with the rejection rule, leave the "
+            "output unchanged.",
+        },
+        {
+            "q": "Why does speculative decoding gain less at large batch sizes?",
+            "choices": [
+                "Larger batches lower the acceptance rate α",
+                "The verify pass's extra positions cost real time once a step is no longer memory-bound",
+                "Every sequence in the batch needs a draft model of its own, whose weights crowd out the target's "
+                "in the GPU's memory",
+            ],
+            "answer": 1,
+            "why": "At batch 1 a step reads all the weights for little arithmetic, so scoring a few more positions is "
+            "nearly free. A big batch already fills the arithmetic units: the extra positions of every sequence "
+            "then cost time, and the spare compute speculation spends is gone.",
+        },
+    ],
     "08": [
+        {
+            "q": "A request's TTFT is 0.2 s and its TPOT 0.02 s. How long until its 101st token?",
+            "choices": [
+                "2.2 s: one prefill, then 100 decode steps",
+                "2.22 s: one prefill, then 101 decode steps",
+                "2.02 s: 101 decode steps, no prefill",
+            ],
+            "answer": 0,
+            "why": "latency(N) = TTFT + (N - 1) x TPOT: the first token comes from the prefill, each later one from a "
+            "decode step, so 0.2 + 100 x 0.02 = 2.2 s.",
+        },
+        {
+            "q": "Continuous batching admits new requests as others finish instead of waiting for the whole batch.",
+            "choices": TF,
+            "answer": 0,
+            "why": "Short requests leave the batch early and free slots are refilled at once, raising throughput and "
+            "cutting queueing latency on mixed workloads.",
+        },
+        {
+            "q": "Why does one decode step of 32 rows cost far less than 32 decode steps of one row?",
+            "choices": [
+                "The weights are read once per step, however many rows use them",
+                "The 32 rows share one KV cache, so attention runs once for all of them",
+                "A batched step samples one token and copies it to the other rows",
+            ],
+            "answer": 0,
+            "why": "A batch-1 decode step spends its time reading the weights (it is memory-bound); B rows reuse that "
+            "one read, so the arithmetic grows with B and the weight traffic does not. Each row keeps its own KV "
+            "cache and samples its own token.",
+        },
+        {
+            "q": "In one batched decode step, row i holds lengths[i] = 5 cached positions. Which keys may its new "
+            "token attend to?",
+            "choices": [
+                "Keys 0 to 5 of its own row: its past and itself",
+                "Keys 0 to 4 of its own row: its past only",
+                "Keys 0 to the longest row's length, like every row",
+            ],
+            "answer": 0,
+            "why": "The new token sits at position lengths[i] = 5 and sees positions 0..5 of its own row; keys past "
+            "its row's length are another request's leftovers or unused space.",
+        },
+    ],
+    "08b": [
         {
             "q": "Streams that slow down as they go are most likely caused by:",
             "choices": [
@@ -342,13 +524,6 @@ QUIZZES: dict[str, list[dict]] = {
             "answer": 1,
             "why": "Per-token attention cost grows with the context; plot per-token latency against position. The "
             "vocabulary a sampler sorts never grows, and a cached prefix is copied once per request.",
-        },
-        {
-            "q": "Continuous batching admits new requests as others finish instead of waiting for the whole batch.",
-            "choices": TF,
-            "answer": 0,
-            "why": "Short requests leave the batch early and free slots are refilled at once, raising throughput and "
-            "cutting queueing latency on mixed workloads.",
         },
         {
             "q": "Reusing the KV cache of a shared system prompt changes the generated tokens.",
@@ -363,6 +538,19 @@ QUIZZES: dict[str, list[dict]] = {
             "answer": 1,
             "why": "ceil(33 / 16) = 3 blocks of 48 positions; only the last block is partly filled (1 of 16), so 15 "
             "are empty: the waste of paging is under one block per request.",
+        },
+        {
+            "q": "Under continuous batching, a request with a long prompt is admitted and every running stream "
+            "stalls for one token. Which remedy bounds that stall?",
+            "choices": [
+                "Chunked prefill: prefill it in pieces that share steps with the decodes",
+                "A larger KV block size, so that the long prompt's keys take fewer blocks",
+                "Static batching: admit it only once every running request is done",
+            ],
+            "answer": 0,
+            "why": "The stall is the new request's prefill, run before the next decode step. Chunked prefill caps the "
+            "prefill work in each step (vLLM's V1 engine does it by default); a block size changes memory, not "
+            "work; static batching avoids the stall only by making the queue wait far longer.",
         },
     ],
     "09": [
@@ -402,14 +590,15 @@ QUIZZES: dict[str, list[dict]] = {
             "q": "On some CPU, an int4 kernel reads its weights at 5 GB/s while fp32's matrix-vector product reads "
             "16 GB/s, and int4 decoding is far slower than its 6× fewer bytes predict. Why?",
             "choices": [
-                "The kernel's unpacking and scaling arithmetic, not memory, became the limit",
+                "The kernel's own work per byte (unpacking, widening, scaling), not memory, became the limit",
                 "int4 weights do not fit in the CPU cache, so they are read twice",
                 "The roofline counts bytes wrongly for integers",
             ],
             "answer": 0,
-            "why": "Per byte the int4 kernel streams far more slowly than fp32's product: each weight is unpacked and "
-            "scaled before it is multiplied. A prediction from bytes assumes the memory stays the limit; chapter 09 "
-            "times the kernels alone on your CPU to see which holds there.",
+            "why": "Per byte the int4 kernel streams far more slowly than fp32's product, from the same memory: each "
+            "weight is unpacked, widened and scaled before it is multiplied. Its speedup per weight is then its byte "
+            "ratio times its share of fp32's bytes per second; chapter 09 times the kernels from main memory on your "
+            "CPU to see which holds there.",
         },
         {
             "q": "An int4 copy of a model, used as the draft for the full-precision model in speculative decoding, "
@@ -420,15 +609,17 @@ QUIZZES: dict[str, list[dict]] = {
             "distribution. The quantized draft's high α (near 1) only makes it fast where its step is cheap.",
         },
         {
-            "q": "Why does the course model (14 MB in fp32) barely speed up with int8 weights on a CPU?",
+            "q": "The course model is 13 MB in fp32, less than a typical CPU's last-level cache. Why is the "
+            "roofline's byte ratio a poor prediction of its int8 decode speedup on a CPU?",
             "choices": [
-                "Its weights fit in the CPU's cache, so memory bandwidth was not the limit",
+                "Its weights are read from the cache after the first steps, so memory bandwidth is not the limit",
                 "int8 rounding makes it generate longer replies",
                 "Its weights are already stored in 8 bits",
             ],
             "answer": 0,
-            "why": "After the first steps a model that fits in the last-level cache is read from the cache; the "
-            "per-step overhead and arithmetic weigh as much as the bytes, so a byte ratio predicts little.",
+            "why": "A model that fits in the last-level cache is read from the cache, not from main memory; the "
+            "per-step overhead (Python, dozens of small kernels) and the kernels' own work then weigh as much as "
+            "the bytes, so its measured speedup follows the machine's caches and overheads, not the ratio.",
         },
     ],
 }

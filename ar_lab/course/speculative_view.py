@@ -10,6 +10,7 @@ validation prompts that the chapter and ``python -m ar_lab.bench speculative`` t
 
 from __future__ import annotations
 
+import statistics
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -44,6 +45,8 @@ class SpeculationView:
     speculative_time: float  # seconds for the speculative run (the fastest of the repeats)
     clock_name: str = "wall clock"
     max_gamma: int = 8
+    baseline_times: tuple[float, ...] = ()  # every plain run's seconds, one per round (the rounds took turns)
+    speculative_times: tuple[float, ...] = ()  # every speculative run's seconds, in the same rounds
 
     @property
     def alpha(self) -> float:
@@ -64,9 +67,21 @@ class SpeculationView:
         return self.result.stats.draft_time_per_call / self.target_step_time if self.gamma else 0.0
 
     @property
+    def speedups(self) -> list[float]:
+        """Plain time / speculative time in each round (the two ran in turns, so a round's load hits both)."""
+        pairs = zip(self.baseline_times, self.speculative_times, strict=True)
+        return [plain / spec for plain, spec in pairs] or [self.baseline_time / self.speculative_time]
+
+    @property
     def measured_speedup(self) -> float:
-        """Plain decoding's time / speculative decoding's, for the same number of tokens."""
-        return self.baseline_time / self.speculative_time
+        """Plain decoding's time / speculative decoding's, for the same number of tokens: the median of the
+        rounds' ratios (one run is one draw from a spread: ``speedup_range`` gives it)."""
+        return statistics.median(self.speedups)
+
+    @property
+    def speedup_range(self) -> tuple[float, float]:
+        """The lowest and highest of the rounds' speedups."""
+        return min(self.speedups), max(self.speedups)
 
     @property
     def predicted_speedup(self) -> float:
@@ -107,8 +122,9 @@ def speculation_view(
     Both runs generate exactly ``max_new_tokens`` tokens (no EOS stop, so their times
     compare) with ``sampling``, each from a generator seeded with ``seed``. They take turns
     ``repeats`` times (``ar_lab.base.timing.interleaved``) and the fastest run of each is kept
-    (a shared machine's hiccups only ever add time), timed with ``clock`` (default:
-    ``ar_lab.base.timing.steady_clock``). The
+    (a shared machine's hiccups only ever add time) for the counts and the cost ratio c; the speedup
+    is the median of the rounds' ratios, with their range beside it (``speedups``). Timed with ``clock``
+    (default: ``ar_lab.base.timing.steady_clock``). The
     same arguments give the same tokens and counts; the times are measurements. ``accept``: an accept
     rule of one's own for the speculative run (``ar_lab.engine.accept.AcceptRule``; chapter 07).
     """
@@ -155,7 +171,8 @@ def speculation_view(
     clock_name = "CPU time" if clock in (time.process_time, time.thread_time) else "wall clock"
     (t_plain, baseline), (t_spec, result) = fastest("plain"), fastest("speculative")
     return SpeculationView(
-        prompt, draft_name, gamma, sampling, seed, result, baseline, t_plain, t_spec, clock_name, max_gamma
+        prompt, draft_name, gamma, sampling, seed, result, baseline, t_plain, t_spec, clock_name, max_gamma,
+        tuple(times["plain"]), tuple(times["speculative"]),
     )
 
 
@@ -181,22 +198,34 @@ def token_pieces(tokens: Sequence[int]) -> list[str]:
     return pieces
 
 
+def _text_span(piece: str, colour: str) -> str:
+    """One token's text in its colour; whitespace, which no text colour shows, is shaded in it instead
+    (a line end also gets a visible ↵), so a run of spaces shows who chose each one."""
+    import html
+
+    if not piece.isspace():
+        return f"<span style='color:{colour}'>{html.escape(piece)}</span>"
+    shown = html.escape(piece).replace("\n", "↵\n")
+    return f"<span style='color:{colour};background:{colour}40'>{shown}</span>"
+
+
 def speculation_text_html(view) -> str:
     """The generated text with each character coloured by who chose the token that completed it:
-    an accepted draft token or the target."""
+    an accepted draft token or the target (whitespace shaded in that colour, line ends marked ↵)."""
     import html
 
     from ar_lab.course.plots import COLORS
 
     pieces = token_pieces(view.result.tokens)
     spans = [
-        f"<span style='color:{COLORS[source]}'>{html.escape(piece)}</span>"
+        _text_span(piece, COLORS[source])
         for piece, source in zip(pieces, token_sources(view.result.stats), strict=False)
         if piece
     ]
     legend = (
         f"<span style='color:{COLORS['draft']}'>■ accepted draft token</span> &nbsp; "
-        f"<span style='color:{COLORS['target']}'>■ token drawn by the target (residual or bonus)</span>"
+        f"<span style='color:{COLORS['target']}'>■ token drawn by the target (residual or bonus)</span> &nbsp; "
+        "(spaces shaded in these colours, line ends marked ↵)"
     )
     prompt = html.escape(view.prompt)
     return (
@@ -206,10 +235,10 @@ def speculation_text_html(view) -> str:
 
 
 def plot_speculation_view(axes, view):
-    """Two panels: tokens per target call and wall-clock speedup against gamma.
+    """Two panels: tokens per target call and measured speedup against gamma.
 
     Lines: the theory for the alpha and c measured in ``view`` (Leviathan et al., 2023);
-    dots: what this run measured at its gamma.
+    dots: what this run measured at its gamma (the speedup: the median of the runs, with their range).
     """
     from ar_lab.course.plots import COLORS
 
@@ -226,7 +255,10 @@ def plot_speculation_view(axes, view):
     label = f"theory (c = {view.cost_ratio:.2f})"
     right.plot(gammas, theory["speedup"], "-o", ms=3, color=COLORS["theory"], label=label)
     right.axhline(1.0, color=COLORS["accent"], lw=1, ls="--", label="plain decoding")
-    right.plot([view.gamma], [view.measured_speedup], "o", ms=9, color=COLORS["draft"], label="measured")
+    low, high = view.speedup_range
+    mid = view.measured_speedup
+    right.errorbar([view.gamma], [mid], yerr=[[mid - low], [high - mid]], fmt="o", ms=9, capsize=5,
+                   color=COLORS["draft"], label=f"measured: median, min–max of {len(view.speedups)} runs")
     right.set_xlabel("γ (draft tokens per iteration)")
     right.set_ylabel("speedup over plain decoding (×)")
     right.set_title(f"draft: {view.draft_name}, {view.sampling.label}", fontsize=10.5)

@@ -35,8 +35,10 @@ multiple of 16). What was found when measuring them on a CPU without AVX-512 (th
 - one row of an M-row product equals the one-row product bit for bit, so the cached decode
   step and the multi-token verify pass of speculative decoding compute the same thing;
 - on small matrices (the course model) they about match float32; on matrices that stream
-  from main memory they beat it, though by less than the bytes ratio predicts: unpacking
-  costs arithmetic on a 2-core CPU. ``_dyn_quant_matmul_4bit`` targets ARM CPUs and is not used.
+  from main memory they beat it, though by less than the bytes ratio predicts: per byte they
+  stream more slowly than float32's product on the same core (their own work per byte:
+  widening, scaling, unpacking), which ``ar_lab.bench.quant.kernels_from_memory`` measures.
+  ``_dyn_quant_matmul_4bit`` targets ARM CPUs and is not used.
 
 Embeddings, LayerNorms and biases stay float32: the tied output projection reads the token
 embedding (vocab x C), which is small next to the blocks here, and the blocks' four Linear
