@@ -36,7 +36,8 @@ def test_plural():
 
 @pytest.mark.slow
 def test_a_planted_false_claim_fails_the_notebook_tests_with_its_name(tmp_path):
-    """Break the bound of a claim in a copy of chapter 01 (cut after that cell): nbval, as make test runs
+    """Break the bound of a claim in a copy of chapter 01 (cut after that cell; the claim sits in a cell JupyterLab
+    shows collapsed, out of the learner's path): nbval, as make test runs
     it, fails on that cell and names the claim; the unbroken copy passes."""
     import subprocess
     import sys
@@ -48,6 +49,7 @@ def test_a_planted_false_claim_fails_the_notebook_tests_with_its_name(tmp_path):
     nb = nbformat.read(source, as_version=4)
     name = "the plausible order is far more likely than the scrambled one"
     at = next(i for i, c in enumerate(nb.cells) if name in c.source)
+    assert nb.cells[at].metadata.get("jupyter", {}).get("source_hidden"), "the claim sits in a collapsed cell"
     nb.cells = nb.cells[: at + 1]
     nbformat.write(nb, tmp_path / "honest.ipynb")
     assert "ratio > 100," in nb.cells[at].source
