@@ -643,6 +643,7 @@ CALLS = [
          "unknown preset"),
     Call("kv_cache_calculator(dtype='fp7')", lambda: kv_calculator.kv_cache_calculator(dtype="fp7"), ValueError,
          "dtype"),
+    Call("sampler_explorer(None)", lambda: widgets.sampler_explorer(None), TypeError, "a GPT"),
     Call("speculation_explorer(m, {})", lambda: widgets.speculation_explorer(tiny(), {}), ValueError, "drafts"),
     # checkpoints
     Call(

@@ -149,3 +149,15 @@ def test_a_cache_of_ones_own_still_works_with_forward(tiny_model):
     with torch.no_grad():
         parts = [tiny_model(x[:, :4], cache), tiny_model(x[:, 4:5], cache), tiny_model(x[:, 5:], cache)]
         torch.testing.assert_close(torch.cat(parts, dim=1), tiny_model(x), atol=1e-5, rtol=1e-4)
+
+
+def test_a_cache_of_another_dtype_than_the_model_is_refused_before_any_write():
+    import ar_lab
+    from ar_lab.model.cache import KVCache
+
+    model = ar_lab.load_pretrained("course")
+    c = model.config
+    cache = KVCache(c.n_layer, 1, c.n_head, 16, c.n_embd // c.n_head, dtype=torch.float64)
+    with pytest.raises(TypeError, match="dtype=torch.float32"):
+        model(torch.tensor([[1, 2]]), cache)
+    assert cache.length == 0 and not cache.k[0].any()  # nothing was written

@@ -3,6 +3,7 @@
 import time
 
 import pytest
+import torch
 
 from ar_lab.course.claims import ClaimFailed, claim, magnitude, plural, timed_claim
 
@@ -14,10 +15,17 @@ def test_a_true_claim_is_silent_and_a_false_one_names_itself():
 
 
 @pytest.mark.parametrize(
-    "x, text", [(6.2e5, "6 × 10⁵"), (9.6e5, "1 × 10⁶"), (1.2e-3, "1 × 10⁻³"), (3, "3 × 10⁰"), (1e8, "1 × 10⁸")]
+    "x, text", [(6.2e5, "6 × 10⁵"), (9.6e5, "1 × 10⁶"), (1.2e-3, "1 × 10⁻³"), (3, "3 × 10⁰"), (1e8, "1 × 10⁸"),
+                (5e-324, "5 × 10⁻³²⁴"), (1.7e308, "2 × 10³⁰⁸")]
 )
 def test_magnitude(x, text):
     assert magnitude(x) == text
+
+
+def test_magnitude_of_a_0d_tensor_is_its_numbers():
+    import numpy as np
+
+    assert magnitude(torch.tensor(5e5)) == magnitude(np.float64(5e5)) == "5 × 10⁵"
 
 
 def test_magnitude_refuses_what_has_none():

@@ -95,3 +95,10 @@ def test_widget_headless():
     assert "✘" in quiz.feedback[1].value and f"Score: 1 / {n} (2 answered)" in quiz.score.value
     quiz.buttons[2].click()  # nothing picked
     assert "Pick an answer first" in quiz.feedback[2].value
+
+
+def test_a_chapter_that_is_no_chapter_is_refused_at_the_boundary():
+    for bad, error in [("²", ValueError), ("7c", ValueError), (None, TypeError), (True, TypeError)]:
+        with pytest.raises(error):
+            questions(bad)
+    assert questions(7) == questions("07") and questions("07b")

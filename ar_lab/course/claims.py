@@ -173,12 +173,11 @@ def say(text: str) -> None:
 
 def magnitude(x: float) -> str:
     """A positive number as a power of ten for prose: 6.2e5 -> '6 × 10⁵', 1.2e-3 -> '1 × 10⁻³'."""
+    if getattr(x, "ndim", None) == 0 and not isinstance(x, bool):  # a 0-d tensor or numpy scalar: its number
+        x = x.item()
     if isinstance(x, bool) or not (isinstance(x, numbers.Real) and math.isfinite(x) and x > 0):
         raise ValueError(f"magnitude needs a finite positive number, got {x!r}")
-    exponent = math.floor(math.log10(x))
-    mantissa = round(x / 10**exponent)
-    if mantissa == 10:
-        mantissa, exponent = 1, exponent + 1
+    mantissa, exponent = (int(part) for part in f"{float(x):.0e}".split("e"))  # exact, subnormals included
     superscript = str(exponent).translate(str.maketrans("-0123456789", "⁻⁰¹²³⁴⁵⁶⁷⁸⁹"))
     return f"{mantissa} × 10{superscript}"
 

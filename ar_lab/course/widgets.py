@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import math
 
+import torch
+
 from ar_lab.base.args import check_seed, finite_number
 from ar_lab.course.speculative_view import plot_speculation_view, speculation_text_html
 
@@ -174,6 +176,8 @@ def sampler_params(temperature, top_k, top_p, min_p):
 
 def sampler_explorer(model, prompt: str = "The ", n_samples: int = 4, max_new_tokens: int = 40, samplers=None):
     """The chapter-06 explorer (leave it last in a cell); ``samplers``: named token pickers, chosen in a drop-down."""
+    if not isinstance(model, torch.nn.Module) or not hasattr(model, "config"):
+        raise TypeError(f"sampler_explorer needs model to be a GPT (ar_lab.load_pretrained('course')), got {model!r}")
     return SamplerExplorer(model, prompt, n_samples, max_new_tokens, samplers=samplers)
 
 

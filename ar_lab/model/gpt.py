@@ -222,6 +222,11 @@ class GPT(nn.Module):
             raise ValueError(
                 f"idx holds token ids outside the vocabulary [0, {self.config.vocab_size - 1}]"
             ) from None
+        if cache is not None and cache.dtype != x.dtype:
+            raise TypeError(
+                f"the cache holds {cache.dtype} keys and values but the model computes in {x.dtype}: "
+                f"build the cache with dtype={x.dtype} (or convert the model)"
+            )
         if self.training:
             x = self.drop(x)  # (dropout is the identity in eval: skip the call)
         for layer, block in enumerate(self.blocks):
