@@ -6,6 +6,18 @@ makes. An entry lists functions, methods or classes by dotted name, or PyTorch o
 (``guard.forbidden`` resolves them).
 """
 
+# PyTorch's and ar_lab's ready-made attention, fused or not: what an exercise that writes attention forbids.
+ATTENTION = (
+    "torch.nn.functional.scaled_dot_product_attention",
+    "ar_lab.model.gpt.CausalSelfAttention",
+    "aten::scaled_dot_product_attention",
+    "aten::_scaled_dot_product_attention_math",
+    "aten::_scaled_dot_product_flash_attention_for_cpu",
+    "torch.nn.MultiheadAttention",
+    "torch.nn.functional.multi_head_attention_forward",
+    "aten::_native_multi_head_attention",
+)
+
 FORBIDDEN: dict[str, tuple[str, ...]] = {
     # 00_start_here.ipynb
     "ch00-to-tokens": (
@@ -29,30 +41,12 @@ FORBIDDEN: dict[str, tuple[str, ...]] = {
         "ar_lab.model.bigram.BigramModel",
     ),
     # 02_attention_and_the_causal_mask.ipynb
-    "ch02-attention": (
-        "torch.nn.functional.scaled_dot_product_attention",
-        "ar_lab.model.gpt.CausalSelfAttention",
-        "aten::scaled_dot_product_attention",
-        "aten::_scaled_dot_product_attention_math",
-        "aten::_scaled_dot_product_flash_attention_for_cpu",
-        "torch.nn.MultiheadAttention",
-        "torch.nn.functional.multi_head_attention_forward",
-        "aten::_native_multi_head_attention",
-    ),
+    "ch02-attention": ATTENTION,
     "ch02-embeddings": (
         "ar_lab.model.gpt.GPT",
         "ar_lab.engine.lean.LeanGPT",
     ),
-    "ch02-multi-head": (
-        "torch.nn.functional.scaled_dot_product_attention",
-        "ar_lab.model.gpt.CausalSelfAttention",
-        "aten::scaled_dot_product_attention",
-        "aten::_scaled_dot_product_attention_math",
-        "aten::_scaled_dot_product_flash_attention_for_cpu",
-        "torch.nn.MultiheadAttention",
-        "torch.nn.functional.multi_head_attention_forward",
-        "aten::_native_multi_head_attention",
-    ),
+    "ch02-multi-head": ATTENTION,
     # 03_build_a_gpt.ipynb
     "ch03-attention": (
         "torch.nn.functional.scaled_dot_product_attention",
