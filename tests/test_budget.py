@@ -1,5 +1,5 @@
-"""Every notebook fits a sitting, and the proof of its claims stays out of the learner's path (DESIGN.md,
-"A notebook is a lesson, not a lab report"; ar_lab.course.budget measures)."""
+"""Every notebook fits a sitting, and the proof of its claims stays out of the learner's path (ARCHITECTURE.md,
+"How a claim is checked"; ar_lab.course.budget measures)."""
 
 import math
 import re

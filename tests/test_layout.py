@@ -1,19 +1,22 @@
-"""The package's layout rules (DESIGN.md), read from the source with ``ast``.
+"""The package's layout rules (ARCHITECTURE.md, "Layout rules"), read from the source with ``ast``.
 
 No import cycle inside ``ar_lab``; every module in a layer folder, and imports pointing down
 the layers only (base < model < engine < perf < course < bench); no module imports another
 module's ``_private`` name; no module much over 450 lines; no function over ~80 lines outside
-data tables.
+data tables; ARCHITECTURE.md names every folder of the package and every module of the engine
+and course layers.
 """
 
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 import pytest
 
 PACKAGE = Path(__file__).resolve().parent.parent / "ar_lab"
+ARCHITECTURE = PACKAGE.parent / "ARCHITECTURE.md"  # the maintainers' guide to these rules and the layers
 MAX_MODULE_LINES = 450
 MAX_FUNCTION_LINES = 80
 # Modules that are data tables rather than logic (the quiz questions).
@@ -186,6 +189,38 @@ def test_no_function_over_the_length_limit():
     assert not bad, f"functions over {MAX_FUNCTION_LINES} lines (name their phases): " + ", ".join(bad)
 
 
+def named_in(text: str, name: str) -> bool:
+    """``name`` (e.g. ``decoder.py``, ``serving/``) appears in ``text`` not as the tail of a longer name
+    (``quant.py`` is not named by ``kv_quant.py``)."""
+    tail = "" if name.endswith("/") else r"(?![\w-])"  # a folder may be followed by a file in it
+    return re.search(rf"(?<![\w.-]){re.escape(name)}{tail}", text) is not None
+
+
+def documented_names(package: Path = PACKAGE, detailed: tuple[str, ...] = ("engine", "course")) -> list[str]:
+    """What ARCHITECTURE.md must name: every folder of the package (``base/``) and, in the ``detailed``
+    layers, every module file (``decoder.py``) and subpackage (``serving/``), relative to its layer."""
+    folders = sorted(p for p in package.iterdir() if p.is_dir() and (p / "__init__.py").is_file())
+    wanted = [f"{p.name}/" for p in folders]
+    for layer in detailed:
+        for path in sorted((package / layer).rglob("*.py")):
+            rel = path.relative_to(package / layer)
+            if rel.name != "__init__.py":
+                wanted.append(rel.as_posix())
+            elif rel.parent != Path("."):
+                wanted.append(f"{rel.parent.as_posix()}/")
+    return wanted
+
+
+def test_the_architecture_guide_names_every_folder_and_every_engine_and_course_module():
+    assert ARCHITECTURE.is_file(), f"{ARCHITECTURE.name} is missing: the maintainers' guide to the package's layout"
+    text = ARCHITECTURE.read_text()
+    assert set(f"{layer}/" for layer in LAYERS) <= set(documented_names()), "a layer folder is missing on disk"
+    missing = [name for name in documented_names() if not named_in(text, name)]
+    assert not missing, f"{ARCHITECTURE.name} does not name these (describe them there): {', '.join(missing)}"
+    limits = [f"{MAX_MODULE_LINES} lines", f"{MAX_FUNCTION_LINES} lines"]
+    assert all(limit in text for limit in limits), f"{ARCHITECTURE.name} should state the limits {limits}"
+
+
 # --- the checks themselves catch what they are for --------------------------------------
 
 
@@ -215,6 +250,17 @@ def test_the_checks_find_a_planted_cycle_a_private_import_and_long_code(tmp_path
     assert private_imports(pkg) == ["pkg.c:2 imports pkg.d._secret", "pkg.sub.e:1 imports pkg.d._secret"]
     assert long_functions(pkg) == ["pkg.d.long (91 lines, line 5)"]
     assert long_modules(pkg, limit=50) == ["pkg.d (95 lines)"]
+
+
+def test_the_guide_check_finds_an_unnamed_module_and_is_not_fooled_by_a_longer_name(tmp_path):
+    pkg = write_package(tmp_path, {**{f"{layer}/__init__.py": "" for layer in LAYERS}, "engine/quant.py": "",
+                                   "engine/kv_quant.py": "", "engine/serving/__init__.py": "",
+                                   "engine/serving/server.py": "", "course/checks.py": ""})
+    assert documented_names(pkg) == [f"{layer}/" for layer in sorted(LAYERS)] + [
+        "kv_quant.py", "quant.py", "serving/", "serving/server.py", "checks.py"]
+    folders = "`base/` `bench/` `course/` `engine/` `model/` `perf/`"
+    text = f"{folders}: `kv_quant.py`, `engine/serving/server.py`, model_checks.py"
+    assert [n for n in documented_names(pkg) if not named_in(text, n)] == ["quant.py", "checks.py"]
 
 
 @pytest.mark.parametrize("text", ["from pkg.d import helper\n", "import pkg.d\n", "from pkg import d\n"])

@@ -1,6 +1,6 @@
 """A notebook's budget: what a learner reads and does in one sitting, measured from the file.
 
-A chapter is a lesson only if it fits a sitting (DESIGN.md, "A notebook is a lesson"). This module
+A chapter is a lesson only if it fits a sitting (ARCHITECTURE.md, "How a claim is checked"). This module
 measures a notebook the way a learner meets it:
 
 - **words**: prose a learner reads, the markdown cells plus the Markdown that cells render

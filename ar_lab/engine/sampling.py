@@ -21,7 +21,8 @@ and no step can produce NaN: logits are shifted by their maximum before dividing
 ``-inf`` logits (masked tokens) simply get probability 0, and logits that are NaN,
 +inf or all -inf raise a ``ValueError`` that says so.
 
-A sampler of your own (chapter 06's learner writes one) plugs into every decode loop through
+A sampler of your own (chapter 06's learner writes one) plugs into generate, stream, token_steps and
+sample_batch (not yet beam search, speculative decoding or serving) through
 ``sampler=``: a function ``(logits (vocab,), params, generator) -> token id`` called once per
 row and step, instead of ``sample``, on the logits after step 1 (the loops keep the repetition
 penalty, which needs the history); ``pick`` is that call, with its answer checked.
