@@ -6,9 +6,6 @@ BIN := $(VENV)/bin
 COURSE_STAMP := $(VENV)/.course-installed
 DEV_STAMP := $(VENV)/.dev-installed
 PYTEST_ARGS ?=
-# Test files run in 2 processes (pytest-xdist), a file's tests in one of them (a notebook's cells in order,
-# a module's fixtures once); the timing claims hold with one busy core beside them.
-TEST_WORKERS ?= 2
 
 .PHONY: lab test test-fast lint checkpoints bench clean help grading-course
 
@@ -41,7 +38,7 @@ lint: $(DEV_STAMP)
 	$(BIN)/ruff check ar_lab tests notebooks
 
 test: lint
-	$(BIN)/python -m pytest tests notebooks --nbval-lax --nbval-current-env -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
+	$(BIN)/python -m pytest tests notebooks --nbval-lax --nbval-current-env $(PYTEST_ARGS)
 
 test-fast: lint
 	$(BIN)/python -m pytest tests -m "not slow" $(PYTEST_ARGS)

@@ -49,8 +49,6 @@ def _question(d: dict) -> Question:
 
 def questions(chapter: str) -> list[Question]:
     """The quiz of a chapter ("00" … "09"), choices in their shown order."""
-    if isinstance(chapter, bool) or not isinstance(chapter, (str, int)):
-        raise TypeError(f"chapter must be a str such as '07' or '07b', got {chapter!r}")
     chapter = f"{int(chapter):02d}" if str(chapter).isascii() and str(chapter).isdigit() else str(chapter)
     if chapter not in QUIZZES:
         raise ValueError(f"no quiz for chapter {chapter!r}; chapters with quizzes: {sorted(QUIZZES)}")

@@ -222,7 +222,7 @@ class GPT(nn.Module):
             raise ValueError(
                 f"idx holds token ids outside the vocabulary [0, {self.config.vocab_size - 1}]"
             ) from None
-        if cache is not None and cache.dtype != x.dtype:
+        if cache is not None and getattr(cache, "dtype", x.dtype) != x.dtype:  # a cache of one's own may have none
             raise TypeError(
                 f"the cache holds {cache.dtype} keys and values but the model computes in {x.dtype}: "
                 f"build the cache with dtype={x.dtype} (or convert the model)"
