@@ -37,8 +37,11 @@ lab: $(COURSE_STAMP)
 lint: $(DEV_STAMP)
 	$(BIN)/ruff check ar_lab tests notebooks
 
+# Two processes (pytest-xdist; tests/conftest.py's scope: a notebook's cells, or a test file's tests, in one of
+# them), then the tests that need the machine to themselves (tests/conftest.py: QUIET) alone.
 test: lint
-	$(BIN)/python -m pytest tests notebooks --nbval-lax --nbval-current-env $(PYTEST_ARGS)
+	$(BIN)/python -m pytest tests notebooks --nbval-lax --nbval-current-env -m "not quiet" -n 2 --dist loadscope $(PYTEST_ARGS)
+	$(BIN)/python -m pytest tests notebooks --nbval-lax --nbval-current-env -m quiet $(PYTEST_ARGS)
 
 test-fast: lint
 	$(BIN)/python -m pytest tests -m "not slow" $(PYTEST_ARGS)

@@ -8,11 +8,42 @@ settings.register_profile("ar_lab", deadline=None, max_examples=30, derandomize=
 settings.load_profile("ar_lab")
 
 
+# Appendix A1 times a neighbour it starts itself: beside another test process its quiet baseline is not quiet.
+QUIET = {"A1_measuring_time.ipynb"}
+# Test files whose tests share no module fixture: each test can go to whichever process is free.
+SPREAD = {"test_exercises.py", "test_delegation.py", "test_fresh_grading.py"}
+
+
 def pytest_collection_modifyitems(config, items):
-    """Browser tests and notebook cells (nbval) are slow by nature: ``-m "not slow"`` leaves them out."""
+    """Browser tests and notebook cells (nbval) are slow by nature: ``-m "not slow"`` leaves them out. The quiet
+    ones are marked ``quiet``: ``make test`` runs them alone, after the others."""
     for item in items:
         if item.get_closest_marker("browser") or type(item).__name__ == "IPyNbCell":
             item.add_marker(pytest.mark.slow)
+        if item.path.name in QUIET:
+            item.add_marker(pytest.mark.quiet)
+
+
+def scope(nodeid: str) -> str:
+    """What one process runs in order: a notebook's cells (one kernel), a test file's tests (its module fixtures
+    computed once), or, in SPREAD, one test."""
+    path = str(nodeid).split("::", 1)[0]
+    return str(nodeid) if path.rsplit("/", 1)[-1] in SPREAD else path
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_xdist_make_scheduler(config, log):
+    """With ``-n 2 --dist loadscope`` (make test), the scopes are ``scope``'s: pytest-xdist's own by-group scheduling
+    marks items by rewriting their node ids, which pytest 9.2's nodes no longer take."""
+    if config.getoption("dist") != "loadscope":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ByScope(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return scope(nodeid)
+
+    return ByScope(config, log)
 
 
 @pytest.fixture

@@ -4,7 +4,7 @@ A "test" here is a function of this module that runs the learner's callables ins
 as a notebook's test cell does. It runs once with recording on (``AR_LAB_RECORD=1``, in a temporary
 folder: the record lands in ``.ar_lab_grading/``), then again with the learner's callables replaced by
 ``replay_stub`` objects and ``AR_LAB_REPLAY`` naming that folder: what the fresh kernel of
-``python -m ar_lab.course.grading`` does (tests/test_grading.py runs it end to end with nbgrader).
+``python -m ar_lab.course.grading`` does (tests/test_grading_fresh.py runs it end to end with nbgrader).
 """
 
 from __future__ import annotations

@@ -181,8 +181,15 @@ def _scores(folder):
 @pytest.fixture(scope="module")
 def graded(tmp_path_factory):
     """Lay out the course, release, grade every submission once, regrade the renamed one, feedback, export."""
-    folder = tmp_path_factory.mktemp("grading")
-    course(folder, chapters=[ASSIGNMENT[:2]], timeout=TIMEOUT)
+    from ar_lab.course.exercises import exercises_only
+
+    root = tmp_path_factory.mktemp("graded")
+    cut = root / "cut"  # the chapter cut to its exercises: eleven autograde runs of the experiments would add minutes
+    cut.mkdir()
+    nbformat.write(exercises_only(nbformat.read(NOTEBOOKS / f"{ASSIGNMENT}.ipynb", as_version=4)),
+                   cut / f"{ASSIGNMENT}.ipynb")
+    folder = root / "grading"
+    course(folder, src=cut, chapters=[ASSIGNMENT[:2]], timeout=TIMEOUT)
     assert nbgrader(folder, GENERATE, assignment=ASSIGNMENT).returncode == 0
     source = nbformat.read(folder / "source" / ASSIGNMENT / f"{ASSIGNMENT}.ipynb", as_version=4)
     released = nbformat.read(folder / "release" / ASSIGNMENT / f"{ASSIGNMENT}.ipynb", as_version=4)
@@ -284,165 +291,3 @@ def test_release_matches_nbgrader_generate_assignment_for_every_chapter(tmp_path
     for path in ours:
         theirs = tmp_path / "grading" / "release" / path.stem / path.name
         assert nbformat.read(path, as_version=4) == nbformat.read(theirs, as_version=4), path.name
-
-
-# --- a verdict the kernel cannot change: `python -m ar_lab.course.grading` after autograde (slow) ------------
-
-GRADING = "python -m ar_lab.course.grading . {assignment}"  # the guide's step after autograde, from the course folder
-CH01, CH02 = "01_the_autoregressive_loop", "02_attention_and_the_causal_mask"
-FLOAT_MASK = "def causal_mask(T: int) -> torch.Tensor:\n    return torch.ones(T, T).tril()"  # a float 0/1 mask: wrong
-TAMPERING = {
-    # wrong answer + three lines that patch the checkers the test cell imports: the kernel passes it
-    "patched": FLOAT_MASK + "\nimport ar_lab.course.checks as grader\nok = lambda *args, **kwargs: None\n"
-                            "grader.check_dtype = grader.check_equal = grader.check_shape = ok",
-    # wrong answer + an IPython AST transformer that wraps every later cell in try/except: the kernel passes it
-    # (a handler set with set_custom_exc hides the traceback, but nbgrader 0.9.6 reads the error from the reply)
-    "swallowed": FLOAT_MASK + """
-import ast
-class Swallow(ast.NodeTransformer):
-    def visit_Module(self, node):
-        catch = ast.ExceptHandler(ast.Name("Exception", ast.Load()), None, [ast.Pass()])
-        return ast.fix_missing_locations(ast.Module([ast.Try(node.body, [catch], [], [])], []))
-get_ipython().ast_transformers.append(Swallow())""",
-    # wrong answer + an input transformer that empties the test cell: nothing runs, nothing is recorded
-    "transformed": FLOAT_MASK + "\nget_ipython().input_transformers_post.append(\n"
-                                "    lambda lines: ['pass\\n'] if 'causal_mask(3)' in ''.join(lines) else lines)",
-}
-DELETES = "import shutil\nshutil.rmtree('.ar_lab_grading', ignore_errors=True)  # the records of the tests before\n"
-# Chapter 01's answer in the torch.tensor(counts[token]) style: torch warns (copy-constructing a tensor), still right.
-WARNS = ("def next_token_distribution(counts, token, smoothing=0.1):\n"
-         "    row = torch.tensor(counts[token], dtype=torch.float64) + smoothing\n"
-         "    return (row / row.sum()).float()")
-
-
-def _fresh_submissions(assignment, source, released):
-    """Student -> notebook, for the fresh-verdict course (chapters cut to their exercises)."""
-    def answered(nb, **answers):
-        nb = copy.deepcopy(nb)
-        for grade_id, text in answers.items():
-            nb.cells[_index(nb, grade_id)].source = text
-        return nb
-
-    if assignment == CH01:
-        return {"complete": source, "warns": answered(source, **{"ch01-next-token-distribution": WARNS})}
-    attention = source.cells[_index(source, "ch02-attention")].source
-    out = {"complete": source, "wrong": answered(source, **{"ch02-causal-mask": FLOAT_MASK})}
-    out |= {student: answered(source, **{"ch02-causal-mask": text}) for student, text in TAMPERING.items()}
-    out["deletes"] = answered(source, **{"ch02-attention": DELETES + attention})
-    out["brought"] = source  # handed in with a records folder of its own (see the fixture)
-    return out
-
-
-@pytest.fixture(scope="module")
-def fresh(tmp_path_factory):
-    """Chapters 01 and 02 (cut to their exercises) through generate, autograde, then the grading step, export."""
-    from ar_lab.course.exercises import exercises_only
-
-    root = tmp_path_factory.mktemp("fresh")
-    cut = root / "cut"
-    cut.mkdir()
-    for name in (CH01, CH02):
-        nbformat.write(exercises_only(nbformat.read(NOTEBOOKS / f"{name}.ipynb", as_version=4)), cut / f"{name}.ipynb")
-    folder = root / "grading"
-    course(folder, src=cut, chapters=["01", "02"], timeout=60)
-    out = dict(folder=folder)
-    for assignment in (CH01, CH02):
-        assert nbgrader(folder, GENERATE, assignment=assignment).returncode == 0
-        source = nbformat.read(folder / "source" / assignment / f"{assignment}.ipynb", as_version=4)
-        released = nbformat.read(folder / "release" / assignment / f"{assignment}.ipynb", as_version=4)
-        for student, nb in _fresh_submissions(assignment, source, released).items():
-            target = folder / "submitted" / student / assignment / f"{assignment}.ipynb"
-            target.parent.mkdir(parents=True)
-            nbformat.write(nb, target)
-            if student == "brought":
-                (target.parent / ".ar_lab_grading").mkdir()
-                (target.parent / ".ar_lab_grading" / "forged.pt").write_bytes(b"")
-        autograde = nbgrader(folder, AUTOGRADE, assignment=assignment)
-        assert autograde.returncode == 0, (autograde.stdout + autograde.stderr)[-3000:]
-        kernel = _scores_of(folder, assignment)
-        grading = subprocess.run([sys.executable, "-m", *shlex.split(GRADING.format(assignment=assignment))[2:]],
-                                 cwd=folder, capture_output=True, text=True, timeout=900)
-        assert grading.returncode == 0, (grading.stdout + grading.stderr)[-3000:]
-        final = _scores_of(folder, assignment)
-        out[assignment] = dict(source=source, kernel=kernel, grading=grading.stdout, final=final)
-    assert nbgrader(folder, FEEDBACK, assignment=CH02).returncode == 0
-    assert nbgrader(folder, EXPORT).returncode == 0
-    report = subprocess.run([sys.executable, "-m", "ar_lab.course.report", str(folder)], capture_output=True, text=True)
-    out["report"] = report.stdout
-    return out
-
-
-def _scores_of(folder, assignment):
-    from nbgrader.api import Gradebook
-
-    with Gradebook(f"sqlite:///{folder / 'gradebook.db'}") as gb:
-        return {s.id: {g.name: g.score for nb in gb.find_submission(assignment, s.id).notebooks for g in nb.grades}
-                for s in gb.students if any(sub.assignment.name == assignment for sub in s.submissions)}
-
-
-def _points(source):
-    return {meta["grade_id"]: float(meta["points"]) for _, meta in graded_cells(source)}
-
-
-@pytest.mark.slow
-def test_the_fresh_run_keeps_every_correct_answer_and_zeroes_the_tampering(fresh):
-    ch02 = fresh[CH02]
-    full = _points(ch02["source"])
-    mask, multi_head = "ch02-causal-mask-tests", "ch02-multi-head-tests"  # multi-head attention uses the mask
-    assert ch02["kernel"]["complete"] == full == ch02["final"]["complete"]
-    wrong = {**full, mask: 0, multi_head: 0}  # a float mask: ~mask fails in multi_head_attention
-    assert ch02["kernel"]["wrong"] == wrong == ch02["final"]["wrong"]
-    assert ch02["kernel"]["patched"] == {**wrong, mask: 1}  # the kernel was fooled: the checkers are patched
-    assert ch02["kernel"]["swallowed"] == full  # the kernel was fooled: every error is swallowed
-    assert ch02["kernel"]["transformed"] == {**wrong, mask: 1}  # the kernel was fooled: the test cell is emptied
-    for student in TAMPERING:
-        assert ch02["final"][student] == wrong, student
-        assert f"\n{student} {CH02} {mask}: 1 -> 0 points (fresh run: " in ch02["grading"], student
-    patched = f"patched {CH02} {mask}: 1 -> 0 points (fresh run: CheckFailed: causal_mask(3): expected dtype torch.bool"
-    assert patched in ch02["grading"]
-    assert f"swallowed {CH02} {multi_head}: 3 -> 0 points (fresh run: TypeError: " in ch02["grading"]
-    assert f"transformed {CH02} {mask}: 1 -> 0 points (fresh run: ReplayMismatch: no record of this test" \
-        in ch02["grading"]
-    assert "kernel verdict only" not in ch02["grading"]
-
-
-@pytest.mark.slow
-def test_a_removed_record_fails_its_tests(fresh):
-    ch02, full = fresh[CH02], _points(fresh[CH02]["source"])
-    assert fresh[CH02]["kernel"]["deletes"] == full  # the records went after their tests had passed
-    removed = {"ch02-embeddings-tests": 0, "ch02-causal-mask-tests": 0}
-    assert ch02["final"]["deletes"] == {**full, **removed}
-    assert "no record of this test's calls" in ch02["grading"]
-    assert ch02["kernel"]["brought"] == full and set(ch02["final"]["brought"].values()) == {0}
-    assert f"brought {CH02} ch02-embeddings-tests: 1 -> 0 points (fresh run: the submission brought its own" \
-        in ch02["grading"]
-
-
-@pytest.mark.slow
-def test_a_correct_answer_that_makes_torch_warn_keeps_its_points(fresh):
-    ch01 = fresh[CH01]
-    full = _points(ch01["source"])
-    assert ch01["kernel"]["warns"] == full == ch01["final"]["warns"] == ch01["final"]["complete"]
-    # every test is judged afresh, the generation loop's too (the course model it is given: by fingerprint)
-    assert ch01["grading"] == f"judged 2 submission(s) of {CH01} in fresh kernels; 0 score(s) changed\n"
-
-
-@pytest.mark.slow
-def test_the_zeros_show_in_export_and_feedback_with_the_reason(fresh):
-    folder = fresh["folder"]
-    with open(folder / "grades.csv") as f:
-        rows = {(r["student_id"], r["assignment"]): float(r["score"]) for r in csv.DictReader(f)}
-    for student, grades in fresh[CH02]["final"].items():
-        assert rows[(student, CH02)] == sum(grades.values()), student
-    html = re.sub(r"<[^>]+>", "", (folder / "feedback" / "patched" / CH02 / f"{CH02}.html").read_text())
-    assert "ar_lab grading: the test ch02-causal-mask-tests failed when run again outside" in html
-
-
-@pytest.mark.slow
-def test_the_report_flags_each_tampering_submission(fresh):
-    report = fresh["report"]
-    assert re.search(rf"^complete / {CH02}: ok$", report, re.M)
-    for student, kind in [("patched", "grader-import"), ("swallowed", "ipython-hook"), ("transformed", "ipython-hook"),
-                          ("deletes", "file-read")]:
-        section = report.split(f"{student} / {CH02}:")[1].split("\n\n")[0]
-        assert re.search(rf"^  {CH02}\.ipynb cell .* {kind}: ", section, re.M), (student, section)

@@ -19,7 +19,6 @@ sequence length of every forward call actually made.
 
 from __future__ import annotations
 
-import math
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
@@ -34,7 +33,7 @@ from ar_lab.engine.prompts import (
     prompt_batch,
     stop_list,
 )
-from ar_lab.engine.sampling import GREEDY, Sampler, SamplingParams, check_sampler, pick, sample
+from ar_lab.engine.sampling import GREEDY, LogitsPipeline, Sampler, SamplingParams, check_sampler
 from ar_lab.model.cache import KVCache
 from ar_lab.model.inference import check_inference_ready, inference
 from ar_lab.model.tokenizer import EOS_ID, N_BYTES, StreamDecoder
@@ -168,9 +167,7 @@ def _steps(plan: _Plan) -> Iterator[int]:
     seq = torch.empty(1, P + N, dtype=torch.long, device=model.device)  # (1, P + N): the text so far
     seq[0, :P] = torch.tensor(prompt)
     history = list(prompt) if sampling.repetition_penalty != 1.0 else ()
-    # Greedy without a penalty is the argmax of the raw logits: take it directly rather
-    # than have sample() build the one-token distribution every step.
-    greedy = plan.sampler is None and sampling.greedy and sampling.repetition_penalty == 1.0
+    picker = LogitsPipeline(sampling, plan.sampler)
     token = None  # the token picked by the previous step
     state = plan.constraint.start() if plan.constraint is not None else None
     t_last = time.perf_counter()
@@ -185,15 +182,7 @@ def _steps(plan: _Plan) -> Iterator[int]:
                 logits, fed = decoder.step(token, cache, end - 1), 1
             if state is not None:  # the grammar's mask, before the sampler chain (which renormalises)
                 logits = masked_logits(logits, plan.constraint, state, n)
-            token = int(logits.argmax()) if greedy else None
-            if token is None or not math.isfinite(logits[token]):
-                # A NaN or inf would win the argmax: one look at the winner is enough,
-                # and sample() then raises its explanatory error.
-                token = int(
-                    sample(logits, sampling, generator, history)
-                    if plan.sampler is None
-                    else pick(plan.sampler, logits, sampling, generator, history)
-                )
+            token = picker.one(logits, generator, history)
         stats.forward_calls += 1
         stats.positions_processed += fed
         if cache is None:  # (with a cache, the next step is fed the token itself)
@@ -380,6 +369,7 @@ def sample_rows(
         seen = torch.zeros(B, model.config.vocab_size, dtype=torch.bool, device=idx.device)
         seen.scatter_(1, idx, True)
     states = [constraint.start()] * B if constraint is not None else None
+    picker = LogitsPipeline(sampling, sampler)
     with inference(model):  # not a generator: one block for the whole loop
         for n in range(N):
             end = P + n
@@ -390,10 +380,7 @@ def sample_rows(
             history = seen if seen is not None else ()
             if states is not None:
                 logits = masked_logits(logits, constraint, states, n)
-            if sampler is None:
-                token = sample(logits, sampling, generator, history)  # (B,)
-            else:
-                token = pick(sampler, logits, sampling, generator, history)  # (B,): one call per row
+            token = picker(logits, generator, history)  # (B,) (a sampler of one's own: called row by row)
             buf[:, end] = token
             if states is not None:
                 states = [None if s is None or t == EOS_ID else constraint.advance(s, t)

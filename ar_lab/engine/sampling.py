@@ -21,11 +21,15 @@ and no step can produce NaN: logits are shifted by their maximum before dividing
 ``-inf`` logits (masked tokens) simply get probability 0, and logits that are NaN,
 +inf or all -inf raise a ``ValueError`` that says so.
 
-A sampler of your own (chapter 06's learner writes one) plugs into generate, stream, token_steps and
-sample_batch (not yet beam search, speculative decoding or serving) through
-``sampler=``: a function ``(logits (vocab,), params, generator) -> token id`` called once per
-row and step, instead of ``sample``, on the logits after step 1 (the loops keep the repetition
-penalty, which needs the history); ``pick`` is that call, with its answer checked.
+``LogitsPipeline`` is this chain as one object, built once per call and run by every loop that picks
+tokens (generate, stream, token_steps, sample_batch, serve, speculative decoding): the greedy shortcut
+(the argmax of the raw logits, no distribution built) lives there once.
+
+A sampler of your own (chapter 06's learner writes one) plugs into generate, stream, token_steps,
+sample_batch and serve through ``sampler=``: a function ``(logits (vocab,), params, generator) -> token id``
+called once per row and step, instead of ``sample``, on the logits after step 1 (the loops keep the
+repetition penalty, which needs the history); ``pick`` is that call, with its answer checked. Speculative
+decoding compares distributions, which a sampler does not give, and beam search has no pick step.
 
 Nothing here runs a model: the loops that do (``generate``, ``sample_batch``, the
 explorer's ``sampler_view``) live in ``ar_lab.generate``, beam search in ``ar_lab.engine.beam``.
@@ -337,6 +341,52 @@ def pick(
     ids = [_token_id(sampler(row, params, generator), V) for row in (x if x.ndim == 2 else x[None])]
     out = torch.tensor(ids, dtype=torch.long, device=logits.device)
     return out if x.ndim == 2 else out[0]
+
+
+class LogitsPipeline:
+    """The step from a model's logits to token ids, built once per call from checked settings and run by every
+    loop that picks tokens (``generate``/``stream``/``token_steps``, ``sample_batch``, ``serve``, speculative
+    decoding): repetition penalty -> temperature and filters -> pick, or after the penalty the ``sampler`` of
+    one's own. A grammar's mask (``constrained.masked_logits``) is the loop's to apply first: it needs the
+    sequence's state. Greedy without a penalty or a sampler of one's own is the argmax of the logits, taken
+    directly (``argmax_only``: no distribution built); a winner that is not finite (NaN, inf, or every logit
+    -inf) goes through ``sample``, which raises the error that says which."""
+
+    def __init__(self, params: SamplingParams, sampler: Sampler | None = None) -> None:
+        if not isinstance(params, SamplingParams):
+            raise TypeError(f"sampling must be a SamplingParams, got {type(params).__name__}")
+        check_sampler(sampler)
+        self.params, self.sampler = params, sampler
+        self.argmax_only = sampler is None and params.greedy and params.repetition_penalty == 1.0
+
+    def __call__(
+        self, logits: torch.Tensor, generator: torch.Generator | None = None, history: Iterable[int] | torch.Tensor = ()
+    ) -> torch.Tensor:
+        """Token ids: shape () for logits (vocab,), (batch,) for (batch, vocab); ``history`` as ``sample`` takes it
+        (a list of ids, or a bool mask (batch, vocab) of the ids each row has seen)."""
+        if self.argmax_only:
+            ids = logits.argmax(dim=-1)
+            if bool(torch.isfinite(logits.gather(-1, ids.unsqueeze(-1))).all()):
+                return ids
+        if self.sampler is None:
+            return sample(logits, self.params, generator, history)
+        return pick(self.sampler, logits, self.params, generator, history)
+
+    def one(self, logits: torch.Tensor, generator: torch.Generator | None = None, history=()) -> int:
+        """The token id for one row of logits (vocab,): the per-step call of a batch-1 loop."""
+        if self.argmax_only:
+            token = int(logits.argmax())
+            if math.isfinite(logits[token]):
+                return token
+        return int(self(logits, generator, history))
+
+    def probabilities(self, logits: torch.Tensor, history: Iterable[int] | torch.Tensor = ()) -> torch.Tensor:
+        """The distribution a token is drawn from (``probabilities``): what speculative decoding compares. A
+        ``sampler`` of one's own picks a token and has no distribution to give."""
+        if self.sampler is not None:
+            raise ValueError("a sampler of one's own picks tokens; speculative decoding needs the distribution "
+                             "(give sampling=SamplingParams(...) instead)")
+        return probabilities(logits, self.params, history)
 
 
 def _token_id(picked, V: int) -> int:

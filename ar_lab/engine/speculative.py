@@ -48,7 +48,7 @@ from ar_lab.engine.accept import AcceptRule, accept_step, checked_accept, draw
 from ar_lab.engine.decoder import decoder_for
 from ar_lab.engine.lookup import checked_proposal, is_proposer
 from ar_lab.engine.prompts import check_eos, check_prompt, prompt_ids
-from ar_lab.engine.sampling import GREEDY, SamplingParams, probabilities
+from ar_lab.engine.sampling import GREEDY, LogitsPipeline, SamplingParams
 from ar_lab.model.cache import KVCache
 from ar_lab.model.inference import inference
 from ar_lab.model.tokenizer import EOS_ID, N_BYTES, decode
@@ -159,13 +159,6 @@ def alpha_for_speedup(speedup: float, gamma: int, c: float, verify_cost: float =
     return hi
 
 
-def _fast_greedy(sampling: SamplingParams) -> bool:
-    # Greedy without a penalty: p and q are one-hot at the argmax of the raw logits, so
-    # accept <=> the draft's argmax equals the target's, and the last token is the target's
-    # argmax. Taken directly (no distributions built); tests compare it with the general path.
-    return sampling.greedy and sampling.repetition_penalty == 1.0
-
-
 # --- the decode loop -----------------------------------------------------------------------
 
 
@@ -237,7 +230,11 @@ class Speculation:
         # Each call has its own decoders (their working memory and the verify pass's weight copies are
         # this call's, taken from the weights as they are now: this is not a generator).
         self.decoders = {id(m): decoder_for(m, lean=lean) for m in (target, draft) if not is_proposer(m)}
-        self.fast = _fast_greedy(sampling) and accept is None  # a rule of one's own sees one-hot p and q
+        # Greedy without a penalty: p and q are one-hot at the argmax of the raw logits, so accept <=> the draft's
+        # argmax equals the target's, and the last token is the target's argmax: taken directly, no distributions
+        # built (tests compare it with the general path). A rule of one's own sees one-hot p and q.
+        self.picker = LogitsPipeline(sampling)
+        self.fast = self.picker.argmax_only and accept is None
         self.penalised = sampling.repetition_penalty != 1.0
         self.device = target.device
 
@@ -263,9 +260,9 @@ class Speculation:
             self.stats.draft_calls += 1
             self.stats.draft_positions += len(new)
             if self.fast:
-                drafts.append(int(logits.argmax()))
+                drafts.append(self.picker.one(logits))
             else:
-                q = probabilities(logits, self.sampling, self.seq + drafts if self.penalised else ())
+                q = self.picker.probabilities(logits, self.seq + drafts if self.penalised else ())
                 qs.append(q)
                 drafts.append(draw(q, self.generator))
         self.stats.proposals += g
@@ -294,11 +291,11 @@ class Speculation:
         stats.target_calls += 1
         stats.target_positions += len(new)
         if self.fast:
-            best = logits.argmax(dim=-1).tolist()  # the target's greedy token at each position
+            best = self.picker(logits).tolist()  # the target's greedy token at each position
             n = next((i for i in range(g) if drafts[i] != best[i]), g)
             stats.alpha_sum += n  # one-hot p and q: sum min(p, q) is 1 if they agree, else 0
             return n, drafts[:n] + [best[n]]
-        p = probabilities(logits, self.sampling, self._history(drafts))  # (g + 1, V)
+        p = self.picker.probabilities(logits, self._history(drafts))  # (g + 1, V)
         if not g:
             return 0, [draw(p[0], self.generator)]
         q = torch.stack(qs)  # (g, V)

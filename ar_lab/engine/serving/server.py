@@ -22,7 +22,6 @@ running batch. The workloads and measurements of chapter 08 are in ``ar_lab.perf
 from __future__ import annotations
 
 import heapq
-import math
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -35,10 +34,10 @@ from ar_lab.engine.generate import Generation, GenerationStats
 from ar_lab.engine.paged import PagedKVCache, blocks_for, check_allocator
 from ar_lab.engine.prefix_cache import PrefixCache
 from ar_lab.engine.prompts import checked_prompt
-from ar_lab.engine.sampling import GREEDY, SamplingParams, sample
+from ar_lab.engine.sampling import GREEDY, LogitsPipeline, Sampler, SamplingParams
 from ar_lab.engine.scheduling import POLICIES, admitted, policy_function, policy_name
 from ar_lab.engine.serving.requests import Request, RequestResult, ServeReport
-from ar_lab.model.cache import BatchKVCache
+from ar_lab.model.cache import BatchKVCache, KVCache
 from ar_lab.model.inference import inference
 from ar_lab.model.tokenizer import EOS_ID
 
@@ -106,33 +105,114 @@ def _check_slots(max_batch: int) -> None:
         raise ValueError(f"max_batch must be an int >= 1, got {max_batch!r}")
 
 
+# --- the KV memory a server runs on ------------------------------------------------------------
+# One protocol, two implementations: the server asks for room, opens a request's slot (its prefill writes there),
+# makes it a row or gives it back, frees a finished row, and reads what is reserved and used; it never asks which.
+
+
+class _ContiguousMemory:
+    """Every slot reserves room for the longest request (a ``BatchKVCache``); a prefix is copied into each slot."""
+
+    def __init__(self, model, slots: int, max_len: int, prefix: PrefixCache | None) -> None:
+        self.cache, self.prefix = BatchKVCache.for_model(model, max_batch=slots, max_len=max_len), prefix
+
+    def room(self, j: int) -> bool:
+        """Whether request j can be admitted now (a slot is free: the server knows that)."""
+        return True
+
+    def open(self, j: int, ids: list[int]) -> tuple[KVCache, int]:
+        """A batch-1 view of the next free slot for request j, and how many of its positions the prefix filled."""
+        slot = self.cache.slot(self.cache.rows)  # the prefill writes in place
+        slot.length = 0
+        return slot, (self.prefix.copy_into(slot, ids) if self.prefix is not None else 0)
+
+    def join(self, j: int, slot: KVCache) -> int:
+        """Make request j's prefilled slot a row of the batch; its row index."""
+        return self.cache.add(slot.length)
+
+    def cancel(self, j: int) -> None:
+        """Request j was finished by its prefill alone: its slot was never a row."""
+
+    def remove(self, i: int, j: int) -> int | None:
+        """Free row i (request j, finished); the index of the row that moved into it, or None."""
+        return self.cache.remove(i)
+
+    def usage(self, rows: list[int]) -> tuple[int, int]:
+        """(positions set aside, positions holding keys and values) with ``rows`` running."""
+        cache = self.cache
+        return cache.max_batch * cache.max_len, sum(cache.lengths[: len(rows)])
+
+    def close(self) -> None:
+        """Nothing to give back: the buffers go with the cache."""
+
+
+class _PagedMemory:
+    """Keys and values in blocks of one pool (a ``PagedKVCache``), taken as requests grow; a request is admitted
+    when all of it fits the pool beside what the running ones may still take, so no running request ever waits
+    for a block. Requests share a prefix's full blocks."""
+
+    def __init__(self, model, slots: int, max_len: int, prefix: PrefixCache | None, prompts, requests, options) -> None:
+        self.cache, self.prefix = PagedKVCache.for_model(model, slots, max_len, **options), prefix
+        bs = self.cache.block_size
+        self.needs = [_blocks_needed(p, r.max_new_tokens, prefix, bs) for p, r in zip(prompts, requests, strict=True)]
+        self.committed = 0  # blocks the running requests (and the prefix) may hold at their longest
+        self.shared: dict[int, int] = {}  # request -> prefix positions it shares (by whole blocks)
+        if prefix is not None:
+            self.committed = blocks_for(len(prefix), bs)
+            self.cache.hold_prefix(prefix.cache.k, prefix.cache.v)
+
+    def room(self, j: int) -> bool:
+        return self.committed + self.needs[j] <= self.cache.num_blocks
+
+    def open(self, j: int, ids: list[int]) -> tuple[KVCache, int]:
+        reused = self.prefix.reusable(ids) if self.prefix is not None else 0
+        self.committed += self.needs[j]
+        self.shared[j] = reused // self.cache.block_size * self.cache.block_size
+        return self.cache.slot(self.cache.rows, shared=reused), reused  # (its partly filled block copied)
+
+    def join(self, j: int, slot: KVCache) -> int:
+        return self.cache.add(slot.length)
+
+    def cancel(self, j: int) -> None:
+        self.cache.drop_pending()  # its blocks go back
+        self.committed -= self.needs[j]
+        del self.shared[j]
+
+    def remove(self, i: int, j: int) -> int | None:
+        self.committed -= self.needs[j]
+        del self.shared[j]
+        return self.cache.remove(i)
+
+    def usage(self, rows: list[int]) -> tuple[int, int]:
+        cache, bs = self.cache, self.cache.block_size
+        prefix = len(self.prefix) if self.prefix is not None else 0  # held once, shared by reference
+        used = prefix + sum(cache.lengths[: len(rows)]) - sum(self.shared[j] for j in rows)
+        return (cache.num_blocks - cache.allocator.num_free) * bs, used
+
+    def close(self) -> None:
+        self.cache.close()  # every block back in the pool
+
+
 class _Server:
     """The state of one ``serve`` run: the slots and who decodes in them, each request's result, the timings."""
 
-    def __init__(self, model, requests, prompts, slots: int, *, prefix, sampling, eos_id, clock, paged) -> None:
-        self.model, self.prompts, self.prefix, self.sampling, self.eos_id = model, prompts, prefix, sampling, eos_id
+    def __init__(self, model, requests, prompts, slots: int, *, prefix, picker, eos_id, clock, paged) -> None:
+        self.model, self.prompts, self.prefix, self.picker, self.eos_id = model, prompts, prefix, picker, eos_id
         self.clock, self.t0, self.slots = clock, 0.0, slots
         max_len = max(len(p) + r.max_new_tokens - 1 for p, r in zip(prompts, requests, strict=True))
-        self.paged = paged is not None
-        if self.paged:  # paged: keys/values in blocks; a request is admitted when all of it fits the pool
-            self.cache = PagedKVCache.for_model(model, slots, max_len, **paged)
-            self.committed = 0  # blocks the running requests (and the prefix) may hold at their longest
-            bs, pairs = self.cache.block_size, zip(prompts, requests, strict=True)
-            self.needs = [_blocks_needed(p, r.max_new_tokens, prefix, bs) for p, r in pairs]
-            if prefix is not None:
-                self.committed = blocks_for(len(prefix), self.cache.block_size)
-                self.cache.hold_prefix(prefix.cache.k, prefix.cache.v)
+        if paged is None:
+            self.memory = _ContiguousMemory(model, slots, max_len, prefix)
         else:
-            self.cache = BatchKVCache.for_model(model, max_batch=slots, max_len=max_len)
+            self.memory = _PagedMemory(model, slots, max_len, prefix, prompts, requests, paged)
+        self.cache = self.memory.cache
         self.kv_reserved: list[int] = []  # positions of KV memory set aside at each decode step
         self.kv_used: list[int] = []  # positions of it holding keys and values
         self.decoder = ForwardDecoder(model)  # rows at lengths of their own: through forward
         device = model.device
         self.results = [RequestResult(r, p) for r, p in zip(requests, prompts, strict=True)]
-        self.greedy = sampling.greedy and sampling.repetition_penalty == 1.0
-        self.penalised = sampling.repetition_penalty != 1.0
+        self.penalised = picker.params.repetition_penalty != 1.0
         self.generators = [
-            None if r.seed is None or self.greedy else torch.Generator(device=device).manual_seed(r.seed)
+            None if r.seed is None or self.picker.argmax_only else torch.Generator(device=device).manual_seed(r.seed)
             for r in requests
         ]
         self.rows: list[int] = []  # rows[i]: the request decoding in slot i
@@ -143,11 +223,9 @@ class _Server:
 
     def pick(self, logits: torch.Tensor, j: int) -> int:
         """Request j's next token from its logits (vocab,)."""
-        if self.greedy and math.isfinite(float(logits.max())):
-            return int(logits.argmax())
         res = self.results[j]
         history = res.prompt + res.tokens if self.penalised else ()
-        return int(sample(logits, self.sampling, self.generators[j], history))
+        return self.picker.one(logits, self.generators[j], history)
 
     def record(self, j: int, token: int, now: float) -> bool:
         """Add request j's new token; True when the request is finished."""
@@ -162,26 +240,10 @@ class _Server:
             return True
         return False
 
-    def need(self, j: int) -> int:
-        """Blocks request j holds at its longest, beside the prefix's full blocks it shares."""
-        return self.needs[j]
-
-    def room(self, j: int) -> bool:
-        """Whether request j can be admitted now: always with slots; with blocks, if all of it fits the pool
-        beside what the running requests may still take (so no running request ever waits for a block)."""
-        return not self.paged or self.committed + self.need(j) <= self.cache.num_blocks
-
     def admit(self, j: int) -> None:
         """Prefill request j alone, straight into the next free slot; it joins the batch unless already done."""
-        res, ids, cache = self.results[j], self.prompts[j], self.cache
-        if self.paged:  # a new request sharing the prefix's full blocks (its partly filled one copied)
-            res.reused = self.prefix.reusable(ids) if self.prefix is not None else 0
-            slot = cache.slot(cache.rows, shared=res.reused)
-            self.committed += self.need(j)
-        else:
-            slot = cache.slot(cache.rows)  # a batch-1 view of the next free slot: the prefill writes in place
-            slot.length = 0
-            res.reused = self.prefix.copy_into(slot, ids) if self.prefix is not None else 0
+        res, ids = self.results[j], self.prompts[j]
+        slot, res.reused = self.memory.open(j, ids)
         start = self.clock()
         res.admitted, res.admitted_step = start - self.t0, len(self.step_times)
         new = torch.tensor([ids[res.reused :]], device=self.model.device)
@@ -192,24 +254,16 @@ class _Server:
         self.prefill_times.append(res.prefill_time)
         res.finish_step = len(self.step_times)
         if not self.record(j, token, now - self.t0):
-            self.last[cache.add(slot.length)] = token
+            self.last[self.memory.join(j, slot)] = token
             self.rows.append(j)
-        elif self.paged:  # done by its prefill alone: its blocks go back
-            cache.drop_pending()
-            self.committed -= self.need(j)
+        else:  # done by its prefill alone
+            self.memory.cancel(j)
 
     def account(self) -> None:
         """Note the KV memory set aside and the positions filled, before a decode step."""
-        cache, n = self.cache, len(self.rows)
-        used = sum(cache.lengths[:n])
-        if not self.paged:
-            self.kv_reserved.append(cache.max_batch * cache.max_len)
-            self.kv_used.append(used)
-            return
-        bs = cache.block_size
-        prefix = len(self.prefix) if self.prefix is not None else 0  # held once, shared by reference
-        self.kv_reserved.append((cache.num_blocks - cache.allocator.num_free) * bs)
-        self.kv_used.append(prefix + used - sum(self.results[j].reused // bs * bs for j in self.rows))
+        reserved, used = self.memory.usage(self.rows)
+        self.kv_reserved.append(reserved)
+        self.kv_used.append(used)
 
     def decode_step(self) -> None:
         """One batched forward step: one more token for every row; finished rows leave their slots."""
@@ -217,8 +271,8 @@ class _Server:
         self.account()
         start = self.clock()
         logits = self.decoder.step(self.last[:n], self.cache, None)  # (n, vocab): one token for every row
-        if self.greedy and bool(torch.isfinite(logits).all()):
-            tokens = logits.argmax(dim=-1)
+        if self.picker.argmax_only:  # every row's argmax at once (each request's own generator otherwise)
+            tokens = self.picker(logits)
             new = tokens.tolist()
         else:
             new = [self.pick(logits[i], j) for i, j in enumerate(rows)]
@@ -230,9 +284,7 @@ class _Server:
         done = [i for i, (j, t) in enumerate(zip(rows, new, strict=True)) if self.record(j, t, now - self.t0)]
         for i in reversed(done):  # highest first: the row moved into i is never a finished one
             self.results[rows[i]].finish_step = len(self.step_times)
-            if self.paged:
-                self.committed -= self.need(rows[i])
-            moved = self.cache.remove(i)
+            moved = self.memory.remove(i, rows[i])
             if moved is not None:
                 self.last[i] = self.last[moved]
             rows[i] = rows[-1]
@@ -253,6 +305,7 @@ def serve(
     block_size: int | None = None,
     num_blocks: int | None = None,
     allocator=None,
+    sampler: Sampler | None = None,
 ) -> ServeReport:
     """Run ``requests`` (all queued at time 0, served in order) through ``max_batch`` slots.
 
@@ -271,12 +324,12 @@ def serve(
     can hold all of it beside the running ones; with ``prefix``, requests share its full blocks.
     ``allocator``: an object with ``ar_lab.engine.paged.BlockAllocator``'s interface, empty, that the
     paged cache runs on (its ``block_size`` and ``num_blocks`` size the pool). The tokens are the
-    contiguous cache's.
+    contiguous cache's. ``sampler``: a function that picks each request's token instead of ``sample``
+    (``ar_lab.engine.sampling.Sampler``), called with that request's generator.
     """
     admit = policy_function(policy)  # a name of POLICIES or a function; anything else is refused here
     _check_slots(max_batch)
-    if not isinstance(sampling, SamplingParams):
-        raise TypeError(f"sampling must be a SamplingParams, got {type(sampling).__name__}")
+    picker = LogitsPipeline(sampling, sampler)  # checks both
     if prefix is not None and not isinstance(prefix, PrefixCache):
         raise TypeError(f"prefix must be a PrefixCache(model, prefix_text) or None, got {type(prefix).__name__}")
     if eos_id is not None and (not isinstance(eos_id, int) or isinstance(eos_id, bool)):
@@ -292,7 +345,7 @@ def serve(
         prompts,
         min(max_batch, len(requests)),
         prefix=prefix,
-        sampling=sampling,
+        picker=picker,
         eos_id=eos_id,
         clock=clock,
         paged=paged,
@@ -304,14 +357,13 @@ def serve(
             while queue or server.rows:
                 # The policy says how many requests join the batch; one its prefill finishes takes no slot.
                 goal = len(server.rows) + (admitted(admit, len(queue), len(server.rows), server.slots) if queue else 0)
-                while queue and len(server.rows) < goal and server.room(queue[0]):  # (paged: room in the pool)
+                while queue and len(server.rows) < goal and server.memory.room(queue[0]):
                     server.admit(queue.popleft())
                 if server.rows:
                     server.decode_step()
             total = clock() - server.t0
     finally:
-        if server.paged:
-            server.cache.close()  # every block back in the pool, even when a step raised
+        server.memory.close()  # (paged: every block back in the pool, even when a step raised)
     return ServeReport(
         policy_name(policy), max_batch, server.results, total, server.step_times, server.step_rows,
         server.prefill_times, kv=kv, kv_reserved=server.kv_reserved, kv_used=server.kv_used,
