@@ -111,3 +111,27 @@ def test_serve_takes_a_sampler_of_ones_own_with_each_requests_generator(tiny_mod
 def test_sample_batch_greedy_is_each_rows_argmax_path(tiny_model):
     rows = sample_batch(tiny_model, ["ab", "cd"], 8, sampling=GREEDY, eos_id=None)
     assert rows == [generate(tiny_model, p, 8, eos_id=None).tokens for p in ["ab", "cd"]]
+
+
+def test_eos_id_has_one_rule_in_every_loop(tiny_model):
+    """An end token the model cannot emit would never stop anything: every loop refuses it the same way, and
+    every loop takes a numpy integer where it takes an int."""
+    import numpy as np
+
+    from ar_lab.engine.beam import beam_search
+    from ar_lab.model.tokenizer import EOS_ID
+
+    loops = {
+        "generate": lambda eos: generate(tiny_model, "ab", 3, eos_id=eos),
+        "sample_batch": lambda eos: sample_batch(tiny_model, ["ab"], 3, eos_id=eos),
+        "serve": lambda eos: serve(tiny_model, [Request("ab", 3)], eos_id=eos),
+        "beam_search": lambda eos: beam_search(tiny_model, "ab", 3, num_beams=2, eos_id=eos),
+        "speculative": lambda eos: speculative_generate(tiny_model, tiny_model, "ab", 3, eos_id=eos),
+    }
+    for name, run in loops.items():
+        for bad in [10_000, -1, True, 2.0]:
+            with pytest.raises(ValueError, match="eos_id") as raised:
+                run(bad)
+            assert type(raised.value) is ValueError, name
+        run(np.int64(EOS_ID))
+        run(None)

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from ar_lab.engine.decoder import ForwardDecoder
-from ar_lab.engine.prompts import prompt_batch
+from ar_lab.engine.prompts import check_eos, prompt_batch
 from ar_lab.model.cache import KVCache
 from ar_lab.model.inference import inference
 from ar_lab.model.tokenizer import EOS_ID, decode
@@ -232,10 +232,7 @@ def beam_search_batch(
     if not real or not math.isfinite(length_penalty):
         raise ValueError(f"length_penalty must be a finite number, got {length_penalty!r}")
     V = model.config.vocab_size
-    if eos_id is not None and (not isinstance(eos_id, int) or isinstance(eos_id, bool)):
-        raise ValueError(f"eos_id must be None or a token id (an int), got {eos_id!r}")
-    if eos_id is not None and not 0 <= eos_id < V:
-        raise ValueError(f"eos_id {eos_id} is outside the vocabulary [0, {V - 1}]")
+    eos_id = check_eos(model, eos_id)
     idx = prompt_batch(model, prompts, max_new_tokens)  # (N, P)
     N, P = idx.shape
     K, T_new, alpha = num_beams, max_new_tokens, float(length_penalty)

@@ -33,7 +33,7 @@ from ar_lab.engine.decoder import ForwardDecoder
 from ar_lab.engine.generate import Generation, GenerationStats
 from ar_lab.engine.paged import PagedKVCache, blocks_for, check_allocator
 from ar_lab.engine.prefix_cache import PrefixCache
-from ar_lab.engine.prompts import checked_prompt
+from ar_lab.engine.prompts import check_eos, checked_prompt
 from ar_lab.engine.sampling import GREEDY, LogitsPipeline, Sampler, SamplingParams
 from ar_lab.engine.scheduling import POLICIES, admitted, policy_function, policy_name
 from ar_lab.engine.serving.requests import Request, RequestResult, ServeReport
@@ -332,8 +332,7 @@ def serve(
     picker = LogitsPipeline(sampling, sampler)  # checks both
     if prefix is not None and not isinstance(prefix, PrefixCache):
         raise TypeError(f"prefix must be a PrefixCache(model, prefix_text) or None, got {type(prefix).__name__}")
-    if eos_id is not None and (not isinstance(eos_id, int) or isinstance(eos_id, bool)):
-        raise ValueError(f"eos_id must be None or a token id (an int), got {eos_id!r}")
+    eos_id = check_eos(model, eos_id)  # (an id the model cannot emit would never stop a request)
     if not callable(clock):
         raise TypeError(f"clock must be a function returning seconds (e.g. time.perf_counter), got {clock!r}")
     prompts = _check_requests(model, requests)
