@@ -135,3 +135,18 @@ def test_eos_id_has_one_rule_in_every_loop(tiny_model):
             assert type(raised.value) is ValueError, name
         run(np.int64(EOS_ID))
         run(None)
+
+
+def test_a_count_has_one_rule_numpy_integers_included(tiny_model):
+    """``top_k`` took a numpy integer and ``max_new_tokens`` refused one; both take it now (base.args.positive_int)."""
+    import numpy as np
+
+    params = SamplingParams(temperature=1.0, top_k=np.int64(5))
+    out = generate(tiny_model, "ab", np.int64(4), sampling=params, eos_id=None,
+                   generator=torch.Generator().manual_seed(0))
+    assert out.tokens == generate(tiny_model, "ab", 4, sampling=params, eos_id=None,
+                                  generator=torch.Generator().manual_seed(0)).tokens
+    assert len(serve(tiny_model, [Request("ab", 3)], max_batch=np.int64(2), eos_id=None).results[0].tokens) == 3
+    for bad in [np.float64(4.0), True, 0, np.int64(0)]:
+        with pytest.raises(ValueError, match="max_new_tokens"):
+            generate(tiny_model, "ab", bad)

@@ -9,10 +9,11 @@ import numbers
 
 
 def positive_int(name: str, value, minimum: int = 1) -> int:
-    """``value`` if it is an int (not a bool) >= ``minimum``; else a ValueError naming ``name``."""
-    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
+    """``value`` as an int if it is a whole number (an int or a numpy integer, not a bool) >= ``minimum``;
+    else a ValueError naming ``name``. The one rule for counts: ``SamplingParams.top_k`` takes the same."""
+    if not isinstance(value, numbers.Integral) or isinstance(value, bool) or value < minimum:
         raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
-    return value
+    return int(value)
 
 
 def finite_number(name: str, value, *, minimum: float = 0.0, above: bool = False) -> float:

@@ -28,6 +28,7 @@ import torch
 from ar_lab.engine.constrained import check_constraint, check_constraint_eos, masked_logits
 from ar_lab.engine.decoder import Decoder, ForwardDecoder, decoder_for
 from ar_lab.engine.prompts import (
+    check_budget,
     check_eos,
     checked_prompt,
     prompt_batch,
@@ -130,6 +131,7 @@ def _plan(
     constraint=None,
 ) -> _Plan:
     """Check every option of ``token_steps`` against ``model`` and pick the decoder: the public boundary."""
+    max_new_tokens = check_budget(max_new_tokens)  # an int from here on (a numpy integer is taken)
     ids = checked_prompt(model, prompt, max_new_tokens)
     check_sampling(sampling)
     check_sampler(sampler)

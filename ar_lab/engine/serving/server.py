@@ -100,9 +100,8 @@ def _check_kv(kv, block_size, num_blocks, allocator, prefix, prompts, requests) 
             )
 
 
-def _check_slots(max_batch: int) -> None:
-    if not isinstance(max_batch, int) or isinstance(max_batch, bool) or max_batch < 1:
-        raise ValueError(f"max_batch must be an int >= 1, got {max_batch!r}")
+def _check_slots(max_batch: int) -> int:
+    return positive_int("max_batch", max_batch)
 
 
 # --- the KV memory a server runs on ------------------------------------------------------------
@@ -328,7 +327,7 @@ def serve(
     (``ar_lab.engine.sampling.Sampler``), called with that request's generator.
     """
     admit = policy_function(policy)  # a name of POLICIES or a function; anything else is refused here
-    _check_slots(max_batch)
+    max_batch = _check_slots(max_batch)
     picker = LogitsPipeline(sampling, sampler)  # checks both
     if prefix is not None and not isinstance(prefix, PrefixCache):
         raise TypeError(f"prefix must be a PrefixCache(model, prefix_text) or None, got {type(prefix).__name__}")
