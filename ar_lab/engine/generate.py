@@ -34,7 +34,7 @@ from ar_lab.engine.prompts import (
     prompt_batch,
     stop_list,
 )
-from ar_lab.engine.sampling import GREEDY, LogitsPipeline, Sampler, SamplingParams, check_sampler
+from ar_lab.engine.sampling import GREEDY, LogitsPipeline, Sampler, SamplingParams, check_sampler, check_sampling
 from ar_lab.model.cache import KVCache
 from ar_lab.model.inference import check_inference_ready, inference
 from ar_lab.model.tokenizer import EOS_ID, N_BYTES, StreamDecoder
@@ -97,11 +97,6 @@ def _check_cache(cache, use_cache: bool, ids: list[int], max_new_tokens: int) ->
     cache.reusable(ids)  # raises if the cache holds positions whose token ids it does not know
 
 
-def check_sampling(sampling, name: str = "sampling") -> None:
-    if not isinstance(sampling, SamplingParams):
-        raise TypeError(f"{name} must be a SamplingParams, got {type(sampling).__name__}")
-
-
 def _stats(stats) -> GenerationStats:
     if stats is None:
         return GenerationStats()
@@ -122,7 +117,7 @@ class _Plan:
     generator: torch.Generator | None
     cache: KVCache | None
     stats: GenerationStats
-    sampler: Sampler | None = None  # None: the package's ``sample``
+    picker: LogitsPipeline  # the settings and the sampler of one's own, checked: the step from logits to a token
     constraint: object = None  # a grammar (``ar_lab.engine.constrained``); None: every token allowed
 
 
@@ -133,8 +128,7 @@ def _plan(
     """Check every option of ``token_steps`` against ``model`` and pick the decoder: the public boundary."""
     max_new_tokens = check_budget(max_new_tokens)  # an int from here on (a numpy integer is taken)
     ids = checked_prompt(model, prompt, max_new_tokens)
-    check_sampling(sampling)
-    check_sampler(sampler)
+    picker = LogitsPipeline(sampling, sampler)  # checks both
     if not isinstance(use_cache, bool):
         raise TypeError(f"use_cache must be True or False, got {use_cache!r}")
     if not isinstance(lean, bool):
@@ -147,7 +141,7 @@ def _plan(
     if cache is not None:
         decoder.fits(cache)  # the cache against the model, here at the call; the decoder remembers it
     stats = _stats(stats)
-    return _Plan(decoder, ids, max_new_tokens, use_cache, sampling, generator, cache, stats, sampler, constraint)
+    return _Plan(decoder, ids, max_new_tokens, use_cache, sampling, generator, cache, stats, picker, constraint)
 
 
 # --- the loops (arguments already checked) ----------------------------------------------
@@ -169,7 +163,7 @@ def _steps(plan: _Plan) -> Iterator[int]:
     seq = torch.empty(1, P + N, dtype=torch.long, device=model.device)  # (1, P + N): the text so far
     seq[0, :P] = torch.tensor(prompt)
     history = list(prompt) if sampling.repetition_penalty != 1.0 else ()
-    picker = LogitsPipeline(sampling, plan.sampler)
+    picker = plan.picker
     token = None  # the token picked by the previous step
     state = plan.constraint.start() if plan.constraint is not None else None
     t_last = time.perf_counter()

@@ -314,6 +314,12 @@ def sample(
 Sampler = Callable[[torch.Tensor, "SamplingParams", "torch.Generator | None"], int]
 
 
+def check_sampling(sampling, name: str = "sampling") -> None:
+    """A ``sampling=`` argument: a ``SamplingParams``."""
+    if not isinstance(sampling, SamplingParams):
+        raise TypeError(f"{name} must be a SamplingParams, got {type(sampling).__name__}")
+
+
 def check_sampler(sampler) -> None:
     """A ``sampler=`` argument: None (the package's ``sample``) or a function as ``Sampler`` describes."""
     if sampler is not None and not callable(sampler):
@@ -353,8 +359,7 @@ class LogitsPipeline:
     -inf) goes through ``sample``, which raises the error that says which."""
 
     def __init__(self, params: SamplingParams, sampler: Sampler | None = None) -> None:
-        if not isinstance(params, SamplingParams):
-            raise TypeError(f"sampling must be a SamplingParams, got {type(params).__name__}")
+        check_sampling(params)
         check_sampler(sampler)
         self.params, self.sampler = params, sampler
         self.argmax_only = sampler is None and params.greedy and params.repetition_penalty == 1.0

@@ -58,7 +58,7 @@ def _check_requests(model, requests) -> list[list[int]]:
 def _check_schedule(max_batch: int, policy: str) -> None:
     if policy not in POLICIES:
         raise ValueError(f"policy must be one of {POLICIES}, got {policy!r}")
-    _check_slots(max_batch)
+    positive_int("max_batch", max_batch)
 
 
 KV_LAYOUTS = ("contiguous", "paged")  # how serve lays out the keys and values
@@ -98,10 +98,6 @@ def _check_kv(kv, block_size, num_blocks, allocator, prefix, prompts, requests) 
                 f"requests[{i}] needs {need} blocks of {block_size} positions{' beside the prefix' * bool(held)}, "
                 f"but the pool has {num_blocks - held}: give more num_blocks (or a larger block_size)"
             )
-
-
-def _check_slots(max_batch: int) -> int:
-    return positive_int("max_batch", max_batch)
 
 
 # --- the KV memory a server runs on ------------------------------------------------------------
@@ -196,7 +192,7 @@ class _Server:
     """The state of one ``serve`` run: the slots and who decodes in them, each request's result, the timings."""
 
     def __init__(self, model, requests, prompts, slots: int, *, prefix, picker, eos_id, clock, paged) -> None:
-        self.model, self.prompts, self.prefix, self.picker, self.eos_id = model, prompts, prefix, picker, eos_id
+        self.model, self.prompts, self.picker, self.eos_id = model, prompts, picker, eos_id
         self.clock, self.t0, self.slots = clock, 0.0, slots
         max_len = max(len(p) + r.max_new_tokens - 1 for p, r in zip(prompts, requests, strict=True))
         if paged is None:
@@ -327,7 +323,7 @@ def serve(
     (``ar_lab.engine.sampling.Sampler``), called with that request's generator.
     """
     admit = policy_function(policy)  # a name of POLICIES or a function; anything else is refused here
-    max_batch = _check_slots(max_batch)
+    max_batch = positive_int("max_batch", max_batch)
     picker = LogitsPipeline(sampling, sampler)  # checks both
     if prefix is not None and not isinstance(prefix, PrefixCache):
         raise TypeError(f"prefix must be a PrefixCache(model, prefix_text) or None, got {type(prefix).__name__}")
