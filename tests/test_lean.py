@@ -1,12 +1,14 @@
 """ar_lab.engine.lean: the batch-1 decode step without nn.Module layers must be GPT.forward's arithmetic."""
 
 
+import copy
+
 import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from ar_lab.engine import lean
+from ar_lab.engine import lean, packed
 from ar_lab.engine.decoder import ForwardDecoder
 from ar_lab.engine.generate import generate
 from ar_lab.engine.sampling import SamplingParams
@@ -167,7 +169,7 @@ def test_every_change_of_the_weights_is_seen(change):
         want_logits = tiny_model(ids, b)[0]
         tiny_model(ids[:, :1], a)
         torch.testing.assert_close(engine.step(6, a), want_logits[1], atol=1e-5, rtol=1e-5)
-        got = engine.extend([7, 8], a, lean.transposed_copies(tiny_model))
+        got = engine.extend([7, 8], a, lean.extend_copies(tiny_model))
     torch.testing.assert_close(got, want_logits[2:], atol=1e-5, rtol=1e-5)
 
 
@@ -178,17 +180,36 @@ def generate_stream_tokens(model, prompt, n):
     return lambda lean_: token_steps(model, prompt, n, lean=lean_)
 
 
-def test_transposed_copies_are_fresh_copies_of_the_weights_now(tiny_model):
-    first = lean.transposed_copies(tiny_model)
+def test_extend_copies_are_fresh_copies_of_the_weights_now(tiny_model):
+    """Whatever their layout (oneDNN's blocked one on a CPU that has it, else (in, out)), the copies multiply
+    like the weights they were taken from, and a later edit reaches the next copies only."""
+    x = torch.randn(3, tiny_model.config.n_embd)
     block = tiny_model.blocks[1]
-    torch.testing.assert_close(first.layers[1].fc, block.mlp.fc.weight.t(), rtol=0, atol=0)
-    assert first.layers[1].fc.is_contiguous() and first.out.shape == (tiny_model.config.n_embd, 257)
-    assert first.layers[1].fc.data_ptr() != block.mlp.fc.weight.data_ptr()  # a copy, not a view
+    first = lean.extend_copies(tiny_model)
+    assert (type(first.layers[1].fc) is packed.Packed) == packed.packs(block.mlp.fc.weight)
+    with torch.inference_mode():
+        want = x @ block.mlp.fc.weight.t()
+        torch.testing.assert_close(packed.extend_mm(None, x, first.layers[1].fc), want, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(packed.extend_mm(None, x, first.out), x @ tiny_model.wte.weight.t(), atol=1e-5,
+                                   rtol=1e-5)
     block.mlp.fc.weight.data[0, 0] += 1.0  # one value, through .data: no version counter moves
-    second = lean.transposed_copies(tiny_model)
-    assert second.layers[1].fc[0, 0] == block.mlp.fc.weight[0, 0] != first.layers[1].fc[0, 0]
+    second = lean.extend_copies(tiny_model)
+    with torch.inference_mode():
+        edited = x @ block.mlp.fc.weight.t()
+        torch.testing.assert_close(packed.extend_mm(None, x, second.layers[1].fc), edited, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(packed.extend_mm(None, x, first.layers[1].fc), want, atol=1e-5, rtol=1e-5)
     with pytest.raises(TypeError, match="a GPT that LeanGPT runs"):
-        lean.transposed_copies(ScriptedModel([1], 1))
+        lean.extend_copies(ScriptedModel([1], 1))
+
+
+def test_extend_copies_fall_back_to_in_out_copies_where_onednn_does_not_take_the_weights(tiny_model):
+    model = copy.deepcopy(tiny_model).double()
+    copies = lean.extend_copies(model)
+    fc = model.blocks[0].mlp.fc.weight
+    assert not packed.packs(fc) and type(copies.layers[0].fc) is torch.Tensor
+    assert copies.layers[0].fc.is_contiguous() and copies.layers[0].fc.shape == fc.t().shape
+    torch.testing.assert_close(copies.layers[0].fc, fc.t(), rtol=0, atol=0)
+    assert copies.layers[0].fc.data_ptr() != fc.data_ptr()  # a copy, not a view
 
 
 def test_a_decoder_takes_its_copies_once_and_a_new_one_sees_an_edit(tiny_model):

@@ -325,7 +325,7 @@ def test_edits_of_quantized_weights_are_seen(course, weights, edit):
         unedited = quantize_model(course, weights=weights)(ids)[0]
         model(ids[:, :1], a)
         torch.testing.assert_close(engine.step(6, a), want_logits[1], atol=1e-4, rtol=1e-4)
-        got = engine.extend([7, 8], a, lean.transposed_copies(model))
+        got = engine.extend([7, 8], a, lean.extend_copies(model))
     # A zeroed matrix leaves each layer's MLP a constant, and LayerNorm then magnifies float rounding:
     # CPUs' kernels differ there (a few 1e-3 on one, 0.024 on one logit of 514 on an AMX Xeon, whose int8
     # kernel takes another path for 2 rows than for 4). The edit itself moves the logits 20x further.

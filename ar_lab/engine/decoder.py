@@ -31,7 +31,7 @@ from typing import Protocol
 
 import torch
 
-from ar_lab.engine.lean import LeanGPT, NotLean, Transposed, transposed_copies
+from ar_lab.engine.lean import ExtendCopies, LeanGPT, NotLean, extend_copies
 from ar_lab.model.cache import BatchKVCache, KVCache
 
 
@@ -122,7 +122,7 @@ class LeanDecoder(ForwardDecoder):
     def __init__(self, model) -> None:
         super().__init__(model)
         self.engine = LeanGPT(model)
-        self._transposed: Transposed | None = None
+        self._copies: ExtendCopies | None = None
 
     def step(self, token, cache, pos: int | None) -> torch.Tensor:
         if not isinstance(token, int):
@@ -138,9 +138,9 @@ class LeanDecoder(ForwardDecoder):
         _rewind(cache, pos)
         if len(tokens) == 1:
             return self.engine.step(tokens[0], cache)[None]  # (1, vocab)
-        if self._transposed is None:
-            self._transposed = transposed_copies(self.model)
-        return self.engine.extend(tokens, cache, self._transposed)  # (T, vocab)
+        if self._copies is None:
+            self._copies = extend_copies(self.model)
+        return self.engine.extend(tokens, cache, self._copies)  # (T, vocab)
 
 
 def decoder_for(model, *, lean: bool = True) -> Decoder:

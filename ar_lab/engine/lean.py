@@ -19,10 +19,12 @@ The engine holds the model's parameters themselves, never copies of them, so eve
 of the weights (an optimizer step, ``load_state_dict``, a write through ``p.data``,
 ``p.data = other``) is what the next step computes with, as in ``GPT.forward``. Its working
 memory is per thread, so one engine (and one model) serves several threads at once. The one
-copy is opt-in: for a handful of rows, MKL's CPU kernels are markedly faster against (in, out)
-weights than against nn.Linear's (out, in), so ``transposed_copies(model)`` makes such copies,
-fresh at each call; a ``LeanDecoder`` (``ar_lab.engine.decoder``) takes them once per generation
-and hands them to ``extend``.
+copy is opt-in, for ``extend``: a product of a few rows by a weight matrix should cost about what
+reading the matrix once costs (the verify pass of speculative decoding relies on it), and on a CPU
+the float32 weights reach that only in the layout the product's kernel reads fastest, so
+``extend_copies(model)`` makes copies in that layout (``ar_lab.engine.packed``: oneDNN's blocked one
+on a CPU that has it), fresh at each call; a ``LeanDecoder`` (``ar_lab.engine.decoder``) takes them
+once per generation and hands them to ``extend``.
 
 A block's Linear layer may be a ``QuantizedLinear`` (``ar_lab.engine.quant``, chapter 09): the step and
 ``extend`` then call its kernel, which reads the layer's narrow weights (its buffers) at every
@@ -50,7 +52,8 @@ from torch import nn
 from ar_lab.base.args import positive_int
 from ar_lab.base.timing import synchronize
 from ar_lab.engine.kv_quant import Int8KVCache
-from ar_lab.engine.quant import QuantizedLinear, bf16_addmv, quantized_addmm, quantized_addmv
+from ar_lab.engine.packed import ExtendMatrix, extend_mm, product_copy
+from ar_lab.engine.quant import QuantizedLinear, bf16_addmv, quantized_addmv
 from ar_lab.model.cache import KVCache
 from ar_lab.model.gpt import GPT, MLP, Block, CausalSelfAttention
 
@@ -82,20 +85,20 @@ class LayerWeights(NamedTuple):
     mlp_proj_bias: torch.Tensor  # (C,)
 
 
-class TransposedWeights(NamedTuple):
-    """(in, out) layouts of one block's four weight matrices: what ``extend``'s matrix products read."""
+class BlockCopies(NamedTuple):
+    """One block's four weight matrices as ``extend``'s products read them."""
 
-    qkv: Matrix  # (C, C + 2 KD)
-    attn_proj: Matrix  # (C, C)
-    fc: Matrix  # (C, 4C)
-    mlp_proj: Matrix  # (4C, C)
+    qkv: ExtendMatrix  # (C, C + 2 KD) as (in, out)
+    attn_proj: ExtendMatrix  # (C, C)
+    fc: ExtendMatrix  # (C, 4C)
+    mlp_proj: ExtendMatrix  # (4C, C)
 
 
-class Transposed(NamedTuple):
-    """Every matrix ``extend`` multiplies by, (in, out): per block, then the tied output projection."""
+class ExtendCopies(NamedTuple):
+    """Every matrix ``extend`` multiplies by: per block, then the tied output projection."""
 
-    layers: list[TransposedWeights]
-    out: torch.Tensor  # (C, vocab)
+    layers: list[BlockCopies]
+    out: ExtendMatrix  # (C, vocab) as (in, out)
 
 
 class _Work(threading.local):
@@ -159,7 +162,6 @@ class LeanGPT:
             )
         slow_addmv = dtype == torch.bfloat16 and self.device.type == "cpu"  # (see quant.bf16_addmv)
         self._mv = quantized_addmv if quantized else bf16_addmv if slow_addmv else torch.addmv
-        self._mm = quantized_addmm if quantized else torch.addmm
         self._zero = torch.zeros(1, 1, 1, dtype=dtype, device=self.device)  # baddbmm's ignored input (beta 0)
         self._work = _Work(self.C, self.Hk, self.G, self.D, dtype, self.device)
 
@@ -225,12 +227,12 @@ class LeanGPT:
         return torch.mv(self.wte, _layer_norm(x, shape, *self.ln_f, eps)[0])  # tied output projection
 
     def extend(
-        self, tokens: Sequence[int] | torch.Tensor, cache: KVCache, transposed: Transposed | None = None
+        self, tokens: Sequence[int] | torch.Tensor, cache: KVCache, copies: ExtendCopies | None = None
     ) -> torch.Tensor:
         """Logits (T, vocab) after feeding T tokens at positions ``cache.length ..``; the cache advances by T.
 
-        ``transposed``: ``transposed_copies(model)`` (faster on CPU), taken after the weights last
-        changed; without it the products read the parameters through transposed views.
+        ``copies``: ``extend_copies(model)`` (faster on CPU), taken after the weights last
+        changed; without them the products read the parameters through transposed views.
         """
         if len(tokens) == 1 and not isinstance(tokens, torch.Tensor):  # one token: the decode step
             return self.step(tokens[0], cache)[None]
@@ -245,11 +247,11 @@ class LeanGPT:
         pos = self._check(cache, T)
         if torch.is_grad_enabled():
             _no_grad_needed()
-        C, Hk, G, D, KD, shape, eps, mm = self.C, self.Hk, self.G, self.D, self.KD, self.shape, self.eps, self._mm
+        C, Hk, G, D, KD, shape, eps, mm = self.C, self.Hk, self.G, self.D, self.KD, self.shape, self.eps, extend_mm
         L = pos + T
         x = self.wte[idx] + self.wpe[pos:L]  # (T, C)
         hidden = torch.ones(T, L, dtype=torch.bool, device=self.device).triu_(pos + 1)  # query i sees keys <= pos + i
-        layers_t, out_t = transposed if transposed is not None else self._views()
+        layers_t, out_t = copies if copies is not None else self._views()
         for w, wt, K, V in zip(self.layers, layers_t, cache.k, cache.v, strict=True):
             K, V = K[0], V[0]  # (Hk, T_max, D)
             h = torch.layer_norm(x, shape, w.ln1_weight, w.ln1_bias, eps)  # (T, C)
@@ -267,12 +269,12 @@ class LeanGPT:
             x = mm(w.mlp_proj_bias, h, wt.mlp_proj).add_(x)
         cache.length = L
         cache.record(pos, tokens.tolist() if isinstance(tokens, torch.Tensor) else [int(t) for t in tokens])
-        return torch.mm(torch.layer_norm(x, shape, *self.ln_f, eps), out_t)  # (T, vocab)
+        return mm(None, torch.layer_norm(x, shape, *self.ln_f, eps), out_t)  # (T, vocab)
 
-    def _views(self) -> Transposed:
+    def _views(self) -> ExtendCopies:
         """The parameters' (in, out) views: always current, no copy (slower than copies on CPU for a few rows)."""
         layers = [
-            TransposedWeights(
+            BlockCopies(
                 qkv=_t(w.qkv_weight),
                 attn_proj=_t(w.attn_proj_weight),
                 fc=_t(w.fc_weight),
@@ -280,7 +282,7 @@ class LeanGPT:
             )
             for w in self.layers
         ]
-        return Transposed(layers, self.wte.t())
+        return ExtendCopies(layers, self.wte.t())
 
 
 def _token_id(token) -> int:
@@ -395,7 +397,7 @@ def for_model(model: GPT) -> LeanGPT:
 
 
 def _matrices(model: GPT) -> list[Matrix]:
-    """The matrices ``extend`` multiplies by, in ``Transposed`` order (4 per block, then the embedding).
+    """The matrices ``extend`` multiplies by, in ``ExtendCopies`` order (4 per block, then the embedding).
 
     A QuantizedLinear is its own entry: its kernel reads the module's buffers at each call, no copy."""
     out = []
@@ -404,18 +406,19 @@ def _matrices(model: GPT) -> list[Matrix]:
     return [*out, model.wte.weight]
 
 
-def transposed_copies(model: GPT) -> Transposed:
-    """(in, out) copies of every matrix ``LeanGPT.extend`` multiplies by, equal to ``model``'s weights now.
+def extend_copies(model: GPT) -> ExtendCopies:
+    """Copies of every matrix ``LeanGPT.extend`` multiplies by, in the layout its products read fastest
+    (see the module's docstring), equal to ``model``'s weights now.
 
     Fresh copies each call, kept by whoever asked (a ``LeanDecoder``, for one generation): no
     registry to consult, and a later change of the weights is never hidden behind a stale copy.
     """
     if not supports(model):
-        raise TypeError(f"transposed_copies takes a GPT that LeanGPT runs, got {type(model).__name__}")
+        raise TypeError(f"extend_copies takes a GPT that LeanGPT runs, got {type(model).__name__}")
     with torch.no_grad():
-        t = [m if type(m) is QuantizedLinear else m.detach().t().contiguous() for m in _matrices(model)]
-    layers = [TransposedWeights(*t[i : i + 4]) for i in range(0, len(t) - 1, 4)]
-    return Transposed(layers, t[-1])
+        t = [product_copy(m) for m in _matrices(model)]
+    layers = [BlockCopies(*t[i : i + 4]) for i in range(0, len(t) - 1, 4)]
+    return ExtendCopies(layers, t[-1])
 
 
 def weights_only_pass(model, steps: int) -> None:

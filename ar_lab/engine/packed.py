@@ -1,0 +1,64 @@
+"""Weights in the layout a product of a few rows reads fastest (the multi-token pass of ``LeanGPT.extend``).
+
+The verify pass of speculative decoding multiplies gamma + 1 rows by every weight matrix. Reading each
+matrix once should make that cost about one decode step (chapter 07), but on a CPU a float32 product
+of a few rows by nn.Linear's (out, in) weight reaches that only in the layout its kernel reads
+fastest. On a CPU with oneDNN, ``product_copy`` reorders the matrix once into oneDNN's blocked layout
+(``torch.ops.mkldnn._reorder_linear_weight``, which PyTorch's compiler uses for CPU linear layers);
+elsewhere it makes an (in, out) copy, which MKL multiplies faster than (out, in) for a few rows.
+``python -m ar_lab.bench selfspec`` measures the pass in decode steps with each.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+from ar_lab.engine.quant import QuantizedLinear, quantized_addmm
+
+
+class Packed(NamedTuple):
+    """A float32 weight (out, in) reordered once into oneDNN's blocked layout (a CPU kernel's own format)."""
+
+    weight: torch.Tensor  # layout torch._mkldnn: only oneDNN's linear kernel reads it
+
+
+# An operand of extend's products: an (in, out) tensor, a Packed weight, or a QuantizedLinear (its own kernel).
+ExtendMatrix = torch.Tensor | Packed | QuantizedLinear
+
+
+def extend_mm(bias: torch.Tensor | None, x: torch.Tensor, w: ExtendMatrix) -> torch.Tensor:
+    """bias + x @ W for rows x (M, in), whatever form W takes (see ``ExtendMatrix``); (M, out)."""
+    if type(w) is Packed:
+        return torch.ops.mkldnn._linear_pointwise(x, w.weight, bias, "none", [], "")
+    if bias is None:
+        return x @ w if type(w) is not QuantizedLinear else w.addmm(None, x)
+    return quantized_addmm(bias, x, w)
+
+
+# Rows the packed layout is tuned for: a verify pass of speculative decoding (gamma + 1 of them); it serves any count.
+_PACK_ROWS = 8
+
+
+def packs(weight: torch.Tensor) -> bool:
+    """True where ``extend_copies`` reorders ``weight`` for oneDNN: a float32 tensor on a CPU whose PyTorch has it."""
+    return (
+        weight.device.type == "cpu"
+        and weight.dtype == torch.float32
+        and torch.backends.mkldnn.is_available()
+        and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+    )
+
+
+def product_copy(m: torch.Tensor | QuantizedLinear) -> ExtendMatrix:
+    """What ``extend_mm`` multiplies by for the weight ``m`` (out, in): a ``Packed`` copy where ``packs(m)``,
+    else an (in, out) copy; a ``QuantizedLinear`` itself (its kernel reads its buffers: no copy)."""
+    if type(m) is QuantizedLinear:
+        return m  # its kernel reads the module's buffers at each call: no copy
+    w = m.detach()
+    if packs(w):
+        return Packed(torch.ops.mkldnn._reorder_linear_weight(w.contiguous(), _PACK_ROWS))
+    return w.t().contiguous()
+
+
