@@ -56,6 +56,7 @@ bench: $(DEV_STAMP)
 	$(BIN)/python -m ar_lab.bench sampler --json data/bench/sampler.json
 	$(BIN)/python -m ar_lab.bench constrained --json data/bench/constrained.json
 	$(BIN)/python -m ar_lab.bench speculative --json data/bench/speculative.json
+	$(BIN)/python -m ar_lab.bench selfspec --json data/bench/selfspec.json
 	$(BIN)/python -m ar_lab.bench lookup --json data/bench/lookup.json
 	$(BIN)/python -m ar_lab.bench serving --json data/bench/serving.json
 	$(BIN)/python -m ar_lab.bench paged --json data/bench/paged.json

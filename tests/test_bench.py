@@ -106,3 +106,24 @@ def test_serving_benchmark_returns_data_and_prints_nothing(model_128, capsys):
     assert json.loads(json.dumps(res)) == res
     report = format_serving_results(res)
     assert "continuous / static" in report and "prefix cache: 32-token static prefix" in report
+
+
+def test_selfspec_benchmark_widens_drafts_and_times_the_verify_pass(capsys):
+    from ar_lab.bench.selfspec import format_selfspec_results, selfspec_benchmark
+    from ar_lab.model.gpt import GPT, GPTConfig
+
+    torch.manual_seed(0)
+    course = GPT(GPTConfig(block_size=64, n_layer=1, n_head=2, n_embd=32)).eval()
+    res = selfspec_benchmark(2, "int8", course=course, tokens=6, prompts=1, prompt_tokens=8, gammas=[2, 3], repeats=1)
+    assert capsys.readouterr().out == ""
+    assert res["benchmark"] == "selfspec" and res["target"]["parameters"] > 3 * course.num_parameters()
+    assert res["target"]["weight_bytes"] == 4 * res["target"]["parameters"]
+    assert set(res["modes"]) == {"greedy"} and set(res["modes"]["greedy"]["gammas"]) == {2, 3}
+    assert set(res["verify_pass"]["rows"]) == {3, 4}
+    assert all(v > 0 for row in res["verify_pass"]["rows"].values() for v in row.values())
+    assert json.loads(json.dumps(res))["benchmark"] == "selfspec"
+    assert "verify pass alone" in format_selfspec_results(res)
+    with pytest.raises(ValueError):
+        selfspec_benchmark(0, course=course)
+    with pytest.raises(ValueError):
+        selfspec_benchmark(2, "fp8", course=course)

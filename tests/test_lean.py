@@ -202,6 +202,22 @@ def test_extend_copies_are_fresh_copies_of_the_weights_now(tiny_model):
         lean.extend_copies(ScriptedModel([1], 1))
 
 
+def test_a_model_with_large_matrices_runs_extend_on_packed_weights():
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(block_size=16, n_layer=1, n_head=4, n_embd=512)).eval()  # fc: 2048 x 512 weights
+    copies = lean.extend_copies(model)
+    assert packed.packs(model.blocks[0].mlp.fc.weight) == (type(copies.layers[0].fc) is packed.Packed)
+    if not packed.packs(model.blocks[0].mlp.fc.weight):
+        pytest.skip("this PyTorch has no oneDNN on this machine: extend runs on (in, out) copies (tested above)")
+    ids = torch.tensor([[5, 6, 7, 8, 9, 10]])
+    a, b = KVCache.for_model(model), KVCache.for_model(model)
+    with torch.inference_mode():
+        want = model(ids, b)[0]
+        model(ids[:, :2], a)
+        got = lean.LeanGPT(model).extend([7, 8, 9, 10], a, copies)
+    torch.testing.assert_close(got, want[2:], atol=1e-4, rtol=1e-4)
+
+
 def test_extend_copies_fall_back_to_in_out_copies_where_onednn_does_not_take_the_weights(tiny_model):
     model = copy.deepcopy(tiny_model).double()
     copies = lean.extend_copies(model)

@@ -32,6 +32,9 @@ COMPARES = {
     "constrained": "JSON records sampled at T = 1 from the course model, free vs under a grammar (a JSON object "
     "with fixed keys): valid share, time per step on equal steps, mean log-probability per token",
     "speculative": "speculative vs plain cached decoding, γ = 1…8, greedy and T = 1, against theory",
+    "selfspec": "greedy speculative decoding where the step is memory-bound: the course model widened 5x (same "
+    "text, 80 M dense weights streamed from memory) drafted by its own int4 copy, vs plain decoding; the verify pass "
+    "alone in decode steps, weights packed for a few rows vs (in, out) copies",
     "lookup": "greedy decoding with prompt lookup (no draft model) vs the draft checkpoint vs plain, on prompts that "
     "repeat their context and on fresh text; ar_lab's lookup vs `transformers`' `prompt_lookup_num_tokens` (same "
     "weights, identical tokens asserted)",
@@ -195,12 +198,29 @@ def _quant(res: dict) -> str:
     )
 
 
+def _selfspec(res: dict) -> str:
+    greedy, b = res["modes"]["greedy"], res["greedy_best"]
+    rows = {int(k): v for k, v in greedy["gammas"].items()}
+    g = int(b["gamma"])
+    verify = {int(t): v for t, v in res["verify_pass"]["rows"].items()}
+    t = g + 1 if g + 1 in verify else max(verify)
+    return (
+        f"α ≈ {rows[g]['alpha']:.2f}, c = {greedy['cost_ratio_c']:.2f}: **{b['speedup']:.2f}× faster at γ = {g}** "
+        f"(target {res['targets']['greedy_speedup_at_best_gamma']}× {_met(b['speedup_target_met'])}; "
+        f"{_span([r['speedup'] for r in rows.values()], '.2f')}× over γ = {_span(list(rows), 'd')}); predicted "
+        f"{b['predicted_verify_measured']:.2f}× with the measured verify cost, {b['predicted']:.2f}× with the paper's "
+        f"one step. The verify pass over {t} positions costs {verify[t]['packed']:.2f} decode steps on packed weights, "
+        f"{verify[t]['(in, out)']:.2f} on (in, out) copies (the bytes say about 1)"
+    )
+
+
 ROWS: dict[str, Callable[[dict], str]] = {
     "decode": _decode,
     "roofline": _roofline,
     "sampler": _sampler,
     "constrained": _constrained,
     "speculative": _speculative,
+    "selfspec": _selfspec,
     "lookup": _lookup,
     "serving": _serving,
     "paged": _paged,

@@ -406,9 +406,9 @@ def _matrices(model: GPT) -> list[Matrix]:
     return [*out, model.wte.weight]
 
 
-def extend_copies(model: GPT) -> ExtendCopies:
+def extend_copies(model: GPT, *, pack: bool = True) -> ExtendCopies:
     """Copies of every matrix ``LeanGPT.extend`` multiplies by, in the layout its products read fastest
-    (see the module's docstring), equal to ``model``'s weights now.
+    (``ar_lab.engine.packed``; ``pack=False``: (in, out) copies, to compare), equal to ``model``'s weights now.
 
     Fresh copies each call, kept by whoever asked (a ``LeanDecoder``, for one generation): no
     registry to consult, and a later change of the weights is never hidden behind a stale copy.
@@ -416,7 +416,7 @@ def extend_copies(model: GPT) -> ExtendCopies:
     if not supports(model):
         raise TypeError(f"extend_copies takes a GPT that LeanGPT runs, got {type(model).__name__}")
     with torch.no_grad():
-        t = [product_copy(m) for m in _matrices(model)]
+        t = [product_copy(m, pack=pack) for m in _matrices(model)]
     layers = [BlockCopies(*t[i : i + 4]) for i in range(0, len(t) - 1, 4)]
     return ExtendCopies(layers, t[-1])
 

@@ -39,25 +39,31 @@ def extend_mm(bias: torch.Tensor | None, x: torch.Tensor, w: ExtendMatrix) -> to
 
 # Rows the packed layout is tuned for: a verify pass of speculative decoding (gamma + 1 of them); it serves any count.
 _PACK_ROWS = 8
+# The smallest matrix worth packing. oneDNN's call costs more than MKL's, which a small matrix does not win back:
+# on the course model (matrices of at most 262,144 weights) a verify pass took 1.9 decode steps packed, 1.3-1.9 as
+# (in, out) copies; on the course model widened 3x (2.4 M) and 5x (6.6 M), 1.4-1.7 packed against 1.4-2.2.
+PACK_MIN_WEIGHTS = 2**20
 
 
 def packs(weight: torch.Tensor) -> bool:
-    """True where ``extend_copies`` reorders ``weight`` for oneDNN: a float32 tensor on a CPU whose PyTorch has it."""
+    """True where ``extend_copies`` reorders ``weight`` for oneDNN: a float32 matrix of at least
+    ``PACK_MIN_WEIGHTS`` weights, on a CPU whose PyTorch has oneDNN."""
     return (
-        weight.device.type == "cpu"
+        weight.numel() >= PACK_MIN_WEIGHTS
+        and weight.device.type == "cpu"
         and weight.dtype == torch.float32
         and torch.backends.mkldnn.is_available()
         and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
     )
 
 
-def product_copy(m: torch.Tensor | QuantizedLinear) -> ExtendMatrix:
-    """What ``extend_mm`` multiplies by for the weight ``m`` (out, in): a ``Packed`` copy where ``packs(m)``,
-    else an (in, out) copy; a ``QuantizedLinear`` itself (its kernel reads its buffers: no copy)."""
+def product_copy(m: torch.Tensor | QuantizedLinear, *, pack: bool = True) -> ExtendMatrix:
+    """What ``extend_mm`` multiplies by for the weight ``m`` (out, in): a ``Packed`` copy where ``pack`` and
+    ``packs(m)``, else an (in, out) copy; a ``QuantizedLinear`` itself (its kernel reads its buffers: no copy)."""
     if type(m) is QuantizedLinear:
         return m  # its kernel reads the module's buffers at each call: no copy
     w = m.detach()
-    if packs(w):
+    if pack and packs(w):
         return Packed(torch.ops.mkldnn._reorder_linear_weight(w.contiguous(), _PACK_ROWS))
     return w.t().contiguous()
 
