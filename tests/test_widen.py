@@ -6,6 +6,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ar_lab import load_pretrained
+from ar_lab.engine import lean
 from ar_lab.engine.generate import generate
 from ar_lab.model.gpt import GPT, GPTConfig
 from ar_lab.model.widen import widen
@@ -35,6 +36,7 @@ def test_a_widened_trained_model_writes_the_same_text():
     prompt = "The cat sat on the"
     assert generate(wide, prompt, 40, eos_id=None).tokens == generate(course_model, prompt, 40, eos_id=None).tokens
     assert all(p.count_nonzero() > 0.9 * p.numel() for p in wide.parameters() if p.ndim == 2)  # dense, no padding
+    assert wide.lm_head.weight is wide.wte.weight and lean.supports(wide)  # tied: the lean engine runs it
 
 
 @pytest.mark.parametrize("k, error", [(0, ValueError), (2.0, ValueError), (True, ValueError)])

@@ -92,6 +92,7 @@ def selfspec_benchmark(
     repeats: int = 3,
     course=None,
     progress: Callable[[str], None] | None = None,
+    iteration: Callable | None = None,
 ) -> dict:
     """Greedy speculative decoding of the widened course model with its own quantized copy as the draft,
     against plain decoding (``speculative_benchmark``), and the verify pass's cost in decode steps."""
@@ -103,7 +104,7 @@ def selfspec_benchmark(
     target, draft = self_draft_pair(k, draft_format, course=course)
     res = speculative_benchmark(
         target, draft, tokens=tokens, prompts=prompts, prompt_tokens=prompt_tokens, gammas=gammas,
-        repeats=repeats, modes={"greedy": GREEDY}, progress=progress,
+        repeats=repeats, modes={"greedy": GREEDY}, progress=progress, iteration=iteration,
     )
     res["benchmark"] = "selfspec"
     res["target"]["source"] = f"course model widened {k}x"

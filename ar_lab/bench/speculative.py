@@ -73,7 +73,7 @@ def _plain_steps(target, draft, prompt: list[int], tokens: int, repeats: int, cl
     return min(times["target"]) / tokens, min(times["draft"]) / tokens
 
 
-def _paired_runs(target, draft, prompts, tokens, *, gammas, params, seed, repeats, clock, say, mode):
+def _paired_runs(target, draft, prompts, tokens, *, gammas, params, seed, repeats, clock, say, mode, iteration):
     """Every speculative run right after a plain run of the same prompt; the fastest of each kept.
 
     Returns (fastest plain seconds per prompt, {(prompt index, gamma): (seconds, stats)}).
@@ -87,7 +87,8 @@ def _paired_runs(target, draft, prompts, tokens, *, gammas, params, seed, repeat
     say(f"{mode}: warm-up")
     generate(target, prompts[0], 8, sampling=params, generator=gen(seed), eos_id=None)
     speculative_generate(
-        target, draft, prompts[0], 8, gamma=max(gammas), sampling=params, generator=gen(seed), eos_id=None
+        target, draft, prompts[0], 8, gamma=max(gammas), sampling=params, generator=gen(seed), eos_id=None,
+        iteration=iteration,
     )
     pairs = [(k, g) for k in range(len(prompts)) for g in gammas]
     outs: dict[tuple[int, int, str], list] = {(k, g, s): [] for k, g in pairs for s in ("plain", "spec")}
@@ -97,7 +98,9 @@ def _paired_runs(target, draft, prompts, tokens, *, gammas, params, seed, repeat
         if side == "plain":
             out = generate(target, prompts[k], tokens, **kw)
         else:
-            out = speculative_generate(target, draft, prompts[k], tokens, gamma=g, clock=clock, **kw)
+            out = speculative_generate(
+                target, draft, prompts[k], tokens, gamma=g, clock=clock, iteration=iteration, **kw
+            )
         outs[k, g, side].append(out)
 
     # Each round keeps this order (no rotation), so every speculative run follows the plain run it is paired with.
@@ -204,6 +207,7 @@ def speculative_benchmark(
     modes: dict | None = None,
     progress: Callable[[str], None] | None = None,
     device: str | torch.device = "cpu",
+    iteration: Callable | None = None,
 ) -> dict:
     """Plain cached decoding of the target against speculative decoding with the draft, side by side.
 
@@ -217,7 +221,8 @@ def speculative_benchmark(
     same runs: the draft's mean time per forward pass (its sampling included) inside the
     speculative runs, over the plain run's time per token. Greedy runs must reproduce the
     plain tokens exactly. ``device``: where the shipped checkpoints are loaded when the
-    models are not given (models passed in stay where they are).
+    models are not given (models passed in stay where they are). ``iteration``: a speculative
+    iteration of one's own (``speculative_generate``'s ``iteration=``; chapter 07's learner's loop).
     """
     from ar_lab.base.args import check_seed
     from ar_lab.engine.sampling import GREEDY, SamplingParams
@@ -248,6 +253,7 @@ def speculative_benchmark(
             clock=clock,
             say=say,
             mode=mode,
+            iteration=iteration,
         )
         results[mode] = _mode_summary(plain_best, fastest, gammas, tokens)
     out = {

@@ -46,8 +46,11 @@ def widen(model: GPT, k: int) -> GPT:
         raise TypeError(f"widen takes an ar_lab GPT, got {type(model).__name__}")
     k = positive_int("k (the widening factor)", k)
     cfg = model.config
-    wide = GPT(GPTConfig(vocab_size=cfg.vocab_size, block_size=cfg.block_size, n_layer=cfg.n_layer,
-                         n_head=cfg.n_head, n_kv_heads=cfg.n_kv_heads, n_embd=cfg.n_embd * k))
+    with torch.device("meta"):  # no random initialisation: every weight is set below
+        wide = GPT(GPTConfig(vocab_size=cfg.vocab_size, block_size=cfg.block_size, n_layer=cfg.n_layer,
+                             n_head=cfg.n_head, n_kv_heads=cfg.n_kv_heads, n_embd=cfg.n_embd * k))
+    wide.to_empty(device="cpu")  # memory, uninitialised
+    wide.lm_head.weight = wide.wte.weight  # tied again, as GPT ties them (to_empty gives each its own memory)
     src = model.state_dict()
     out = {}
     q_rows = cfg.n_head * cfg.head_dim * k  # the queries' share of a wide qkv layer's outputs
