@@ -165,9 +165,18 @@ def kv_bytes_per_token(scheme, n_layer, n_head, n_kv_heads, head_dim, latent_dim
     shape = AttentionShape(n_layer, n_head, n_kv_heads, head_dim, latent_dim, rope_dim)
     return cache_sizes(shape, 1, 1, bytes_per_value)[scheme]
 """,
-    "ch05-decode-intensity": """
-def decode_intensity(cfg, context, batch=1, bytes_per_value=4):
-    return rl.decode_cost(cfg, context, batch, bytes_per_value).intensity
+    "ch05-probes": """
+def fastest(fn, repeats):
+    from ar_lab.base.timing import time_call
+    return min(time_call(fn, repeats=repeats, warmup=1, device=device))
+
+
+def stream_probe(n, repeats=5):
+    return peaks.stream_probe(n, repeats, device=device, dtype=dtype)
+
+
+def matmul_probe(m, k, n, repeats=5):
+    return peaks.matmul_probe(m, k, n, repeats, device=device, dtype=dtype)
 """,
     "ch05-predict-tpot": """
 def predict_tpot(n_params, bytes_per_param, bandwidth, kv_cache_bytes=0.0):
@@ -215,9 +224,12 @@ def my_accept_step(p, q, drafts, u):
     n = accepted_count(p[rows, drafts].double(), q[rows, drafts].double(), u.double())
     return n, (residual_distribution(p[n], q[n]) if n < len(drafts) else p[n])
 """,
-    "ch07-expected-tokens": """
-def my_expected_tokens(alpha, gamma):
-    return expected_tokens_per_iteration(alpha, gamma)
+    "ch07-loop": """
+from ar_lab.engine.speculative import speculative_iteration
+
+
+def my_iteration(target, draft, seq, gamma, accept, probs, generator):
+    return speculative_iteration(target, draft, seq, gamma, accept, probs, generator)
 """,
     "ch07-lookup": """
 from ar_lab.engine.lookup import prompt_lookup
@@ -275,9 +287,12 @@ class MyBlockAllocator:
     def free(self, request):
         self.inner.free(request)
 """,
-    "ch08-continuous": """
-def my_continuous_finish(steps_needed, max_batch):
-    return simulate(steps_needed, max_batch, "continuous")
+    "ch08-server-step": """
+from ar_lab.engine.serving import serve_step
+
+
+def my_server_step(server):
+    serve_step(server)
 """,
     "ch09-int8": """
 def my_quantize_int8(w):

@@ -1,4 +1,4 @@
-"""Chapter 08's named mistakes: the row mask, the admission policies and the continuous schedule."""
+"""Chapter 08's named mistakes: the row mask, the admission policies and the server step."""
 
 import pytest
 import torch
@@ -15,11 +15,10 @@ def _fails_naming(fragment: str, check, *args, **kwargs) -> str:
 
 
 def test_chapter_08_mistakes_are_named():
-    """The row mask, the two admission policies and the continuous schedule: each classic slip, written out by
-    hand, is named; the right answer passes."""
-    from ar_lab.course.mistakes import admission_mistakes, continuous_finish_mistakes, row_mask_mistakes
+    """The row mask and the two admission policies: each classic slip, written out by hand, is named; the right
+    answer passes."""
+    from ar_lab.course.mistakes import admission_mistakes, row_mask_mistakes
     from ar_lab.engine.scheduling import continuous_admit, static_admit
-    from ar_lab.engine.serving import simulate
     from ar_lab.model.cache import BatchKVCache
 
     lengths, T = [2, 5, 3], 2
@@ -30,7 +29,7 @@ def test_chapter_08_mistakes_are_named():
     keys, pos = torch.arange(max(lengths) + T), torch.tensor(lengths)[:, None] + torch.arange(T)  # pos: (rows, T)
     wrong = {
         "does not see itself": keys < pos[:, :, None],
-        "longest row's length": (keys <= (max(lengths) + torch.arange(T))[:, None]).expand(3, T, -1),
+        "a padding position attended": (keys <= (max(lengths) + torch.arange(T))[:, None]).expand(3, T, -1),
         "no causal part": (keys < (torch.tensor(lengths) + T)[:, None, None]).expand(3, T, -1),
     }
     for fragment, answer in wrong.items():
@@ -46,17 +45,59 @@ def test_chapter_08_mistakes_are_named():
     want = continuous_admit(3, 1, 4)
     check_exact("continuous", want, want, admission_mistakes("continuous", 3, 1, 4))
 
-    need = [1, 10, 10, 0, 3]
-    right = simulate(need, 2, "continuous")
-    mistakes = continuous_finish_mistakes(need, 2)
-    _fails_naming("static batching", check_exact, "finish", simulate(need, 2, "static"), right, mistakes)
-    early = [f - 1 if n else f for f, n in zip(right, need, strict=True)]
-    _fails_naming("one step early", check_exact, "finish", early, right, mistakes)
-    check_exact("finish", right, right, mistakes)
-    for seed in range(50):  # the stepped schedule behind the mistakes is simulate's, static and continuous
-        g = torch.Generator().manual_seed(seed)
-        need = torch.randint(0, 9, (int(torch.randint(1, 12, (1,), generator=g)),), generator=g).tolist()
-        b = int(torch.randint(1, 5, (1,), generator=g))
-        named = continuous_finish_mistakes(need, b)
-        static = named["static batching's schedule (a new batch only when the whole batch is done)"]
-        assert static == simulate(need, b, "static")
+
+def _step(*, mask=None, retire=True, admit_one=False):
+    """A server step as a learner writes it (chapter 08, exercise 3), with one classic slip switched on."""
+    from ar_lab.model.cache import row_mask
+
+    def step(server):
+        if server.waiting:
+            n = server.policy(len(server.waiting), len(server.rows), server.max_batch)
+            goal = len(server.rows) + (min(n, 1) if admit_one else n)
+            while server.waiting and len(server.rows) < goal and server.has_room():
+                server.prefill(server.waiting.popleft())
+        if server.rows:
+            lengths = server.lengths
+            tokens = server.pick(server.decode(row_mask(lengths, 1) if mask is None else mask(lengths)))
+            done = [i for i, t in enumerate(tokens) if server.record(i, t)]
+            if retire:
+                server.retire(done)
+
+    return step
+
+
+@pytest.fixture(scope="module")
+def course_model():
+    import ar_lab
+
+    torch.manual_seed(0)
+    return ar_lab.load_pretrained("course")
+
+
+def test_each_classic_wrong_server_step_fails_the_graded_check_with_its_mistake_named(course_model):
+    """The graded test's own check on its workload (7 requests, 3 rows, both policies): a finished row left in the
+    batch, a padding position attended (or no mask at all), a token that does not see itself, each fails naming
+    its mistake; admitting one request per step fails on the schedule; the right step passes."""
+    from ar_lab.course.serving_checks import check_server_step
+    from ar_lab.engine.serving import StepError
+    from ar_lab.perf.serving_measure import mixed_workload
+
+    small = mixed_workload(n_requests=7, short=3, long=9, long_every=3)
+
+    def keys(n):
+        return torch.arange(max(n) + 1)
+
+    wrong = [  # (what the failure names, the step); with T = 1, no mask at all is the longest row's mask
+        ("a padding position attended", _step(mask=lambda n: (keys(n) <= max(n)).expand(len(n), 1, 1, -1))),
+        ("a padding position attended", _step(mask=lambda n: torch.ones(len(n), 1, 1, max(n) + 1, dtype=torch.bool))),
+        ("does not see itself", _step(mask=lambda n: (keys(n) < torch.tensor(n)[:, None])[:, None, None])),
+    ]
+    for policy in ("static", "continuous"):
+        options = {"max_batch": 3, "policy": policy, "eos_id": None}
+        check_server_step(course_model, small, _step(), **options)
+        for fragment, step in wrong:
+            _fails_naming(fragment, check_server_step, course_model, small, step, **options)
+        with pytest.raises(StepError, match="a finished row left in the batch"):
+            check_server_step(course_model, small, _step(retire=False), **options)
+    _fails_naming("the decode step at which each request finished", check_server_step, course_model, small,
+                  _step(admit_one=True), max_batch=3, policy="continuous", eos_id=None)

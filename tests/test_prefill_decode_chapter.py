@@ -1,5 +1,6 @@
-"""Chapter 05's course-layer helpers: the named mistakes of its three exercises, where its GPU measurement
-comes from, and the sizes of the models a GPU measures."""
+"""Chapter 05's course-layer helpers: the named mistakes of its TPOT and decode-plan exercises (the probes'
+are in test_mistakes_ch05.py), where its GPU measurement comes from, and the sizes of the models a GPU
+measures."""
 
 import math
 from pathlib import Path
@@ -9,49 +10,16 @@ import pytest
 from ar_lab.course import gpu_view as gv
 from ar_lab.course.checks import CheckFailed
 from ar_lab.course.mistakes import name_mistake
-from ar_lab.course.roofline_checks import decode_intensity_mistakes, decode_plan_mistakes, predict_tpot_mistakes
-from ar_lab.model.gpt import GPTConfig
+from ar_lab.course.roofline_checks import decode_plan_mistakes, predict_tpot_mistakes
 from ar_lab.perf import gpus, measure
 from ar_lab.perf import llm_costs as lc
 from ar_lab.perf import roofline as rl
-
-CFG = GPTConfig(block_size=1024, n_layer=4, n_head=4, n_embd=256)
 
 
 def _named(fragment: str, what: str, got, expected, mistakes) -> None:
     with pytest.raises(CheckFailed) as e:
         name_mistake(what, got, expected, mistakes)
     assert fragment in str(e.value), str(e.value)
-
-
-def intensity_parts(cfg, context, batch, bpv):
-    flops = batch * (2 * rl.matmul_parameters(cfg) + 4 * cfg.n_embd * cfg.n_layer * context)
-    weights = rl.parameter_count(cfg) - cfg.block_size * cfg.n_embd
-    return flops, weights, batch * context * rl.kv_bytes_per_token(cfg, bpv)
-
-
-def test_decode_intensity_mistakes_are_named_and_the_answer_passes():
-    context, batch, bpv = 512, 16, 2
-    flops, weights, kv = intensity_parts(CFG, context, batch, bpv)
-    ref = rl.decode_cost(CFG, context, batch, bpv).intensity
-    mistakes = decode_intensity_mistakes(CFG, context, batch, bpv)
-    name_mistake("i", flops / (weights * bpv + kv), ref, mistakes)  # the answer (activations left out): quiet
-    assert math.isclose(flops / (weights * bpv + kv), ref, rel_tol=0.03)
-    wrong = {
-        "once per sequence": flops / (batch * weights * bpv + kv),
-        "KV cache out": flops / (weights * bpv),
-        "4 bytes per value": flops / (4 * weights + batch * context * rl.kv_bytes_per_token(CFG, 4)),
-        "upside down": (weights * bpv + kv) / flops,
-    }
-    for fragment, answer in wrong.items():
-        _named(fragment, "i", answer, ref, mistakes)
-
-
-def test_a_slip_inside_the_tolerance_is_not_named():
-    # at batch 1 the weights read "once per sequence" are read once: the same value, so not a mistake here
-    mistakes = decode_intensity_mistakes(CFG, 64, 1, 4)
-    assert not any("once per sequence" in m for m in mistakes)
-    assert not any("whole batch" in m for m in mistakes)
 
 
 def test_predict_tpot_mistakes_are_named():

@@ -140,6 +140,31 @@ def test_roofline_helpers():
     assert rl.format_si(3.35e12, "B/s") == "3.35 TB/s"
 
 
+def test_the_probes_chapter_05_stands_in_count_what_they_run_and_time_the_fastest_call():
+    from ar_lab.perf import peaks
+
+    moved, seconds = peaks.stream_probe(1000, 3)
+    assert moved == 3 * 1000 * 4 and 0 < seconds < 1  # three fp32 arrays, each read or written once
+    half, _ = peaks.stream_probe(1000, 1, dtype=torch.bfloat16)
+    assert half == moved // 2
+    flops, seconds = peaks.matmul_probe(30, 50, 70, 2)
+    assert flops == 2 * 30 * 50 * 70 and 0 < seconds < 1
+    # the fastest of the repeats: never slower than a single timed call of the same work
+    calls = []
+    real = peaks.time_call
+    try:
+        peaks.time_call = lambda fn, **kw: calls.append(kw) or [0.3, 0.1, 0.2]
+        assert peaks.stream_probe(8, 3) == (96, 0.1) and calls[-1]["repeats"] == 3 and calls[-1]["warmup"] == 1
+        assert peaks.matmul_probe(2, 3, 4, 7)[1] == 0.1 and calls[-1]["repeats"] == 7
+    finally:
+        peaks.time_call = real
+    for bad in (0, -3, 2.5, "8"):
+        with pytest.raises(ValueError, match="n must be an int >= 1"):
+            peaks.stream_probe(bad)
+    with pytest.raises(ValueError, match="k must be an int >= 1"):
+        peaks.matmul_probe(2, 0, 2)
+
+
 def test_cost_errors():
     with pytest.raises(ValueError, match="exceed the context window of 8"):
         rl.prefill_cost(HAND, 9)

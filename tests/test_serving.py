@@ -408,3 +408,124 @@ def test_serve_takes_an_admission_policy_of_ones_own_and_checks_its_answers(tiny
     for bad in ("dynamic", 3):
         with pytest.raises(ValueError, match="policy must be one of"):
             serve(tiny_model, requests, max_batch=2, policy=bad, eos_id=None)
+
+
+# --- the server's step: serve(..., step=...) -------------------------------------------------
+
+
+def _a_step(mask=None, *, retire=True, record_all=True, drop_one=False):
+    """A server step written against ServerState only, as chapter 08's learner writes it (with a slip switched on)."""
+    from ar_lab.model.cache import row_mask
+
+    def step(server):
+        if server.waiting:
+            goal = len(server.rows) + server.policy(len(server.waiting), len(server.rows), server.max_batch)
+            if drop_one:
+                server.waiting.popleft()  # taken from the queue, never prefilled
+            while server.waiting and len(server.rows) < goal and server.has_room():
+                server.prefill(server.waiting.popleft())
+        if server.rows:
+            tokens = server.pick(server.decode((mask or row_mask)(server.lengths, 1)))
+            done = [i for i, t in enumerate(tokens[: len(tokens) if record_all else -1]) if server.record(i, t)]
+            if retire:
+                server.retire(done)
+
+    return step
+
+
+def _observed(report):
+    return ([(r.tokens, r.finish_step, r.admitted_step, r.stop_reason) for r in report.results], report.step_rows,
+            report.kv_reserved, report.kv_used)
+
+
+@pytest.mark.parametrize("options", [
+    {"policy": "static"}, {"policy": "continuous"}, {"kv": "paged", "block_size": 4, "num_blocks": 9},
+    {"sampling": SamplingParams(temperature=0.9, top_k=30, repetition_penalty=1.2)},
+], ids=["static", "continuous", "paged-tight", "sampled"])
+def test_the_package_step_keeps_serves_schedule_and_a_step_of_ones_own_gives_the_same(tiny_model, options):
+    """serve's own step (serve_step, the default) keeps serve's schedule (simulate's finish steps, generate's
+    tokens per request, a request its prefill finishes taking no row); a step written against ServerState gives
+    the same tokens, steps, rows and KV accounting, on contiguous slots, a tight paged pool and sampled tokens."""
+    from ar_lab.engine.serving import serve_step
+
+    lengths, counts = [4, 9, 2, 6, 3, 5, 1], [3, 12, 2, 1, 8, 6, 5]
+    requests = [Request(p, n, seed=i) for i, (p, n) in enumerate(zip(random_prompts(lengths), counts, strict=True))]
+    ours = serve(tiny_model, requests, max_batch=3, eos_id=None, **options)
+    for step in (serve_step, _a_step()):
+        assert _observed(serve(tiny_model, requests, max_batch=3, eos_id=None, step=step, **options)) == _observed(ours)
+    if "sampling" in options:
+        return
+    needs = [n - 1 for n in counts]
+    if "kv" not in options:  # the pool holds fewer rows than 3 at times: a request waits for room
+        assert [r.finish_step for r in ours.results] == simulate(needs, 3, options["policy"])
+    else:
+        assert any(n < 3 for n in ours.step_rows[: max(r.admitted_step for r in ours.results)])
+    for req, res in zip(requests, ours.results, strict=True):
+        assert_same_greedy(tiny_model, list(req.prompt), generate(tiny_model, req.prompt, req.max_new_tokens,
+                                                                  eos_id=None).tokens, res.tokens)
+
+
+def test_the_steps_mask_is_the_one_the_decode_step_attends_through(tiny_model):
+    """ServerState.decode uses the mask it is given: a mask that lets each row attend to the padding (every row
+    masked as the longest) changes some request's tokens."""
+    requests = [Request(p, 12) for p in random_prompts([2, 11, 5])]
+    right = serve(tiny_model, requests, max_batch=3, eos_id=None, step=_a_step())
+
+    def longest(lengths, T):
+        return torch.ones(len(lengths), 1, T, max(lengths) + T, dtype=torch.bool)
+
+    wrong = serve(tiny_model, requests, max_batch=3, eos_id=None, step=_a_step(longest))
+    assert [r.tokens for r in wrong.results] != [r.tokens for r in right.results]
+
+
+def test_a_step_that_breaks_the_loop_or_a_helper_given_bad_input_fails_with_a_typed_error(tiny_model):
+    from ar_lab.engine.serving import StepError
+
+    requests = [Request(p, n) for p, n in zip(random_prompts([3, 5, 2]), [4, 2, 3], strict=True)]
+
+    def run(step, **kw):
+        return serve(tiny_model, requests, max_batch=2, eos_id=None, step=step, **kw)
+
+    for bad in ("serve_step", 3):
+        with pytest.raises(TypeError, match="step must be a function"):
+            run(bad)
+    with pytest.raises(StepError, match="a finished row left in the batch"):
+        run(_a_step(retire=False))
+    with pytest.raises(StepError, match=r"rows \[1\] got no token"):
+        run(_a_step(record_all=False))
+    with pytest.raises(StepError, match="gave no request a token"):
+        run(lambda server: None)
+    with pytest.raises(StepError, match="pass every request taken from server.waiting to server.prefill"):
+        run(_a_step(drop_one=True))
+
+    def calls(action):
+        def step(server):
+            if server.waiting:
+                server.prefill(server.waiting.popleft())
+            action(server)
+        return step
+
+    cases = [
+        (lambda s: s.decode(torch.ones(len(s.rows), 1, 1, max(s.lengths) + 1)), TypeError, "mask must be a bool"),
+        (lambda s: s.decode([[True]]), TypeError, "mask must be a bool"),
+        (lambda s: s.decode(torch.ones(len(s.rows), 1, 1, 2, dtype=torch.bool)), ValueError, "mask must have shape"),
+        (lambda s: s.record(0, 5), ValueError, "i must be a row waiting for its token"),
+        (lambda s: s.retire([0]), ValueError, "done: row 0's request .* is not finished"),
+        (lambda s: s.retire([5]), ValueError, "done must hold distinct rows"),
+        (lambda s: s.retire("0"), TypeError, "done must be a list of row indices"),
+        (lambda s: s.prefill(0), ValueError, "j must be a request not admitted yet"),
+        (lambda s: s.prefill("1"), TypeError, "j must be an int"),
+        (lambda s: s.pick(torch.zeros(7, 3)), ValueError, "logits must be the decode step's"),
+    ]
+    for action, kind, message in cases:
+        with pytest.raises(kind, match=message):
+            run(calls(action))
+
+    def overfill(server):
+        while server.waiting:
+            server.prefill(server.waiting.popleft())
+
+    with pytest.raises(ValueError, match="all 2 rows are in use"):
+        run(overfill)
+    with pytest.raises(ValueError, match="the KV memory cannot hold request"):
+        run(overfill, kv="paged", block_size=2, num_blocks=4)

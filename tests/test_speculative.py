@@ -560,3 +560,117 @@ def test_steady_clock_is_cpu_time_only_for_one_cpu_thread():
     finally:
         torch.set_num_threads(before)
     assert steady_clock("cuda") is time.perf_counter
+
+
+# --- an iteration of one's own (chapter 07's loop) ----------------------------------------
+
+
+def _learners_iteration(target, draft, seq, gamma, accept, probs, generator):
+    """Chapter 07's solution, as a learner writes it through the sides."""
+    from ar_lab.engine.accept import draw
+
+    drafts, qs = [], []
+    for _ in range(gamma):
+        text = seq + drafts
+        qs.append(probs(draft.feed(text[draft.length :])[-1], text))
+        drafts.append(draw(qs[-1], generator))
+    p = probs(target.feed(seq[-1:] + drafts), seq + drafts)
+    n, dist = accept(p, qs, drafts)
+    target.truncate(len(seq) + n)
+    draft.truncate(min(draft.length, len(seq) + n))
+    return drafts[:n] + [draw(dist, generator)]
+
+
+def test_the_package_iteration_through_the_hook_is_speculative_generate():
+    """speculative_generate's own round passed as iteration= gives the same tokens and counts, greedy
+    (its argmax path), sampled with a penalty, and with a proposer for a draft."""
+    from ar_lab.engine.lookup import PromptLookup
+    from ar_lab.engine.speculative import speculative_iteration
+
+    target, draft = _tiny(0), _tiny(1, n_layer=1, n_embd=16)
+    for d, params in [(draft, SamplingParams(temperature=0.0)), (draft, SamplingParams(repetition_penalty=1.3)),
+                      (PromptLookup(), SamplingParams(temperature=0.8)), (target, SamplingParams(temperature=0.0))]:
+        runs = [speculative_generate(target, d, "abcab", 37, 3, sampling=params, eos_id=None, iteration=it,
+                                     generator=torch.Generator().manual_seed(5))
+                for it in (None, speculative_iteration)]
+        a, b = (r.stats for r in runs)
+        assert runs[0].tokens == runs[1].tokens
+        for field in ("target_calls", "draft_calls", "proposals", "tested", "acceptances", "produced",
+                      "accepted_per_iteration", "emitted_per_iteration", "target_positions", "draft_positions"):
+            assert getattr(a, field) == getattr(b, field), field
+        assert a.alpha_sum == pytest.approx(b.alpha_sum)
+
+
+@pytest.mark.parametrize("gamma", [0, 1, 3, 8])
+def test_a_learners_iteration_gives_greedys_tokens_and_the_package_loops_counts(gamma):
+    target, draft = _tiny(0), _tiny(1, n_layer=1, n_embd=16)
+    for prompt in ["a", "def f(x):"]:
+        ours = speculative_generate(target, draft, prompt, 40, gamma, eos_id=None)
+        theirs = speculative_generate(target, draft, prompt, 40, gamma, eos_id=None, iteration=_learners_iteration)
+        assert theirs.tokens == ours.tokens == generate(target, prompt, 40, eos_id=None).tokens
+        assert theirs.stats.accepted_per_iteration == ours.stats.accepted_per_iteration
+        a, b = theirs.stats, ours.stats
+        assert (a.target_calls, a.draft_calls, a.tested) == (b.target_calls, b.draft_calls, b.tested)
+
+
+def test_the_classic_slips_change_the_text_or_the_drafts_accepted():
+    """Without truncate or the bonus token the greedy text leaves the target's (or the loop stops with an error
+    saying why); a draft fed only the last token gives the same text with fewer drafts accepted."""
+    from ar_lab.course.mistakes import loop_outcome, slipped_iteration
+
+    target = draft = _tiny(2)  # the target as its own draft: every draft right, full accepts
+    want = loop_outcome(target, draft, "abc", 40, 2, None)
+    assert want[0] == generate(target, "abc", 40, eos_id=None).tokens
+    forgot, no_bonus, lag = (loop_outcome(target, draft, "abc", 40, 2, slipped_iteration(s))
+                             for s in ("rollback", "bonus", "lag"))
+    assert no_bonus[0] != want[0] and lag[0] == want[0] and sum(lag[1]) < sum(want[1])
+    partial = _tiny(1, n_layer=1, n_embd=16)
+    forgot = loop_outcome(target, partial, "abc", 40, 2, slipped_iteration("rollback"))
+    assert forgot[0] != loop_outcome(target, partial, "abc", 40, 2, None)[0]
+
+
+@pytest.mark.parametrize("bad, error, fragment", [
+    (lambda t, d, s, g, a, p, r: {5}, TypeError, "list of token ids"),
+    (lambda t, d, s, g, a, p, r: torch.tensor([5]), TypeError, "list of token ids"),
+    (lambda t, d, s, g, a, p, r: [5.0], TypeError, "must be an int"),
+    (lambda t, d, s, g, a, p, r: [5] * (g + 2), ValueError, "emits 1 to"),
+    (lambda t, d, s, g, a, p, r: [], ValueError, "emits 1 to"),
+    (lambda t, d, s, g, a, p, r: [999], ValueError, "outside the vocabulary"),
+    (lambda t, d, s, g, a, p, r: [int(a(p(t.feed(s[-1:] + [1, 2]), s + [1, 2]), [], [1, 2])[0])], ValueError, "qs"),
+    (lambda t, d, s, g, a, p, r: [int(a(p(t.feed(s[-1:]), s), [], [1])[0])], ValueError, "shape (2, 257)"),
+    (lambda t, d, s, g, a, p, r: d.feed("ab"), TypeError, "list of token ids"),
+    (lambda t, d, s, g, a, p, r: d.feed([300]), ValueError, "outside the vocabulary"),
+    ("not a function", TypeError, "iteration must be a function"),
+])
+def test_an_iteration_of_ones_own_is_checked(bad, error, fragment):
+    target, draft = _tiny(0), _tiny(1, n_layer=1, n_embd=16)
+    with pytest.raises(error) as e:
+        speculative_generate(target, draft, "abc", 10, 2, eos_id=None, iteration=bad)
+    assert fragment in str(e.value)
+
+
+@pytest.mark.slow
+@given(st.integers(0, 2**31 - 1), st.integers(1, 3), st.sampled_from([1.0, 0.7]))
+def test_sampling_through_a_learners_iteration_is_speculative_sampling_draw_for_draw(seed, gamma, temperature):
+    """Property: the learner's round draws what ar_lab's draws (same generator, same order of draws), so its
+    sampled output is the package's, which the chi-square tests above prove exact."""
+    target = BigramModel(TARGET_TABLE, smoothing=0.0, block_size=16)
+    draft = BigramModel(DRAFT_TABLE, smoothing=0.0, block_size=16)
+    params = SamplingParams(temperature=temperature)
+    runs = [speculative_generate(target, draft, PROMPT, 8, gamma, sampling=params, eos_id=None, iteration=it,
+                                 generator=torch.Generator().manual_seed(seed)) for it in (None, _learners_iteration)]
+    assert runs[0].tokens == runs[1].tokens
+    assert runs[0].stats.accepted_per_iteration == runs[1].stats.accepted_per_iteration
+
+
+@pytest.mark.slow
+def test_a_learners_iteration_samples_exactly(tables):
+    """The joint distribution of the first tokens through the learner's round: the chi-square test."""
+    target, draft = tables
+    g = torch.Generator().manual_seed(0)
+    counts = {}
+    for _ in range(N_SAMPLES):
+        out = speculative_generate(target, draft, PROMPT, N_TOKENS, 2, sampling=T1, generator=g, eos_id=None,
+                                   iteration=_learners_iteration)
+        counts[tuple(out.tokens)] = counts.get(tuple(out.tokens), 0) + 1
+    assert chi_square_pvalue(counts, exact_joint(target, T1), N_SAMPLES) > 1e-3

@@ -98,3 +98,28 @@ def test_check_raises_names_a_missing_error():
 
     with pytest.raises(CheckFailed, match="not implemented yet"):
         check_raises("stub", stub, [(1,)])
+
+
+def test_the_view_runs_an_iteration_of_ones_own_and_measures_the_verify_cost():
+    """speculation_view(..., iteration=) runs the loop's round passed in (chapter 07's section 6 runs the learner's):
+    ar_lab's own round gives the default's tokens and counts; the verify cost is the target's time per call in
+    plain decode steps, and the prediction with it uses that cost in place of one step."""
+    from ar_lab.course.speculative_view import speculation_view
+    from ar_lab.engine.speculative import expected_tokens_per_iteration, speculative_iteration
+    from ar_lab.model.gpt import GPT, GPTConfig
+
+    torch.manual_seed(0)
+    target = GPT(GPTConfig(n_layer=2, n_head=2, n_embd=32, block_size=96)).eval()
+    calls = []
+
+    def counted(*args):
+        calls.append(args[3])
+        return speculative_iteration(*args)
+
+    mine = speculation_view(target, target, "abc", gamma=3, max_new_tokens=20, repeats=1, iteration=counted)
+    plain = speculation_view(target, target, "abc", gamma=3, max_new_tokens=20, repeats=1)
+    assert calls and calls[0] == 3 and mine.result.tokens == plain.result.tokens == mine.baseline.tokens
+    s = mine.result.stats
+    assert mine.verify_cost == pytest.approx(s.target_time / s.target_calls / mine.target_step_time)
+    want = expected_tokens_per_iteration(1.0, 3) / (3 * mine.cost_ratio + mine.verify_cost)
+    assert mine.alpha == 1.0 and mine.predicted_with_verify == pytest.approx(want)

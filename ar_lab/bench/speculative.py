@@ -220,9 +220,8 @@ def speculative_benchmark(
     and the measured cost ratio c = one draft step / one target step, both measured in the
     same runs: the draft's mean time per forward pass (its sampling included) inside the
     speculative runs, over the plain run's time per token. Greedy runs must reproduce the
-    plain tokens exactly. ``device``: where the shipped checkpoints are loaded when the
-    models are not given (models passed in stay where they are). ``iteration``: a speculative
-    iteration of one's own (``speculative_generate``'s ``iteration=``; chapter 07's learner's loop).
+    plain tokens exactly. ``device``: where the shipped checkpoints are loaded when the models are not
+    given. ``iteration``: a round of one's own (``speculative_generate``'s; chapter 07's learner's loop).
     """
     from ar_lab.base.args import check_seed
     from ar_lab.engine.sampling import GREEDY, SamplingParams

@@ -139,11 +139,6 @@ FORBIDDEN: dict[str, tuple[str, ...]] = {
         "ar_lab.perf.roofline.kv_bytes_per_token",
     ),
     # 05_prefill_vs_decode.ipynb
-    "ch05-decode-intensity": (
-        "ar_lab.perf.roofline.decode_cost",
-        "ar_lab.perf.roofline.forward_cost",
-        "ar_lab.perf.roofline.prefill_cost",
-    ),
     "ch05-decode-plan": (
         "ar_lab.perf.llm_costs.place_decode",
         "ar_lab.perf.llm_costs.decode_cost",
@@ -157,6 +152,17 @@ FORBIDDEN: dict[str, tuple[str, ...]] = {
     "ch05-predict-tpot": (
         "ar_lab.perf.roofline.approx_tpot",
         "ar_lab.perf.roofline.approx_decode_bytes",
+    ),
+    "ch05-probes": (  # the package's probes and timers: the exercise is to count and to time
+        "ar_lab.perf.peaks.stream_probe",
+        "ar_lab.perf.peaks.matmul_probe",
+        "ar_lab.perf.peaks.measure_bandwidth",
+        "ar_lab.perf.peaks.measure_matmul_peak",
+        "ar_lab.perf.peaks.measure_peaks",
+        "ar_lab.perf.peaks.streaming_kernels",
+        "ar_lab.base.timing.time_call",
+        "ar_lab.base.timing.interleaved",
+        "torch.utils.benchmark.Timer",
     ),
     # 06_sampling.ipynb
     "ch06-sampler": (
@@ -209,9 +215,11 @@ FORBIDDEN: dict[str, tuple[str, ...]] = {
         "ar_lab.engine.accept.residual_distribution",
         "ar_lab.engine.accept.accept_step",
     ),
-    "ch07-expected-tokens": (
-        "ar_lab.engine.speculative.expected_tokens_per_iteration",
-        "ar_lab.engine.speculative.expected_speedup",
+    "ch07-loop": (
+        "ar_lab.engine.speculative.speculative_iteration",
+        "ar_lab.engine.speculative.speculative_generate",
+        "ar_lab.engine.speculative.Speculation.iteration",
+        "ar_lab.course.mistakes.slipped_iteration",
     ),
     # 07b_drafts_without_a_draft_model.ipynb
     "ch07-lookup": (
@@ -224,13 +232,18 @@ FORBIDDEN: dict[str, tuple[str, ...]] = {
         "ar_lab.engine.scheduling.continuous_admit",
         "ar_lab.engine.scheduling.policy_function",
     ),
-    "ch08-continuous": (
-        "ar_lab.engine.serving.simulate",
-        "ar_lab.engine.serving.serve",
-    ),
     "ch08-row-mask": (
         "ar_lab.model.cache.BatchKVCache",
         "ar_lab.model.cache.BatchKVCache.begin",
+        "ar_lab.model.cache.row_mask",
+    ),
+    "ch08-server-step": (
+        "ar_lab.engine.serving.serve_step",
+        "ar_lab.engine.serving.serve",
+        "ar_lab.engine.serving.generate_batch",
+        "ar_lab.engine.generate.generate",
+        "ar_lab.engine.generate.token_steps",
+        "ar_lab.engine.generate.sample_rows",
     ),
     # 08b_kv_memory_and_prompt_caching.ipynb
     "ch08-blocks": (

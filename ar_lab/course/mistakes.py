@@ -305,6 +305,78 @@ def accept_dist_mistakes(p: torch.Tensor, q: torch.Tensor, n: int) -> dict[str, 
     return {k: v.float() for k, v in out.items()}
 
 
+# The classic slips of one speculative iteration (chapter 07's loop), written as a learner would.
+LOOP_SLIPS = {
+    "rollback": "forgetting the rollback: without `truncate` the rejected drafts' keys stay in the caches and "
+                "the target's next pass reads them",
+    "bonus": "dropping the bonus token after a full accept: the target's cache then holds the whole text, and "
+             "its next pass feeds the last token again",
+    "lag": "feeding the draft only the text's last token: after a full accept it has not read its own last "
+           "proposal (the target still corrects every draft: the same text, fewer drafts accepted)",
+}
+
+
+def slipped_iteration(slip: str):
+    """A speculative iteration (``speculative_generate(..., iteration=)``'s signature) with one of
+    ``LOOP_SLIPS``: what a learner's loop with that slip does."""
+    from ar_lab.engine.accept import draw
+
+    def iteration(target, draft, seq, gamma, accept, probs, generator):
+        drafts, qs = [], []
+        for _ in range(gamma):
+            text = seq + drafts
+            fed = (drafts[-1:] or seq[-1:]) if slip == "lag" else text[draft.length :]
+            qs.append(probs(draft.feed(fed)[-1], text))
+            drafts.append(draw(qs[-1], generator))
+        p = probs(target.feed(seq[-1:] + drafts), seq + drafts)
+        n, dist = accept(p, qs, drafts)
+        if slip != "rollback":
+            target.truncate(len(seq) + n)
+            draft.truncate(min(draft.length, len(seq) + n))
+        return drafts if slip == "bonus" and n == len(drafts) else drafts[:n] + [draw(dist, generator)]
+
+    return iteration
+
+
+def loop_outcome(target, draft, prompt, max_new_tokens: int, gamma: int, iteration) -> tuple:
+    """Greedy ``speculative_generate`` (no EOS stop) with ``iteration``: (tokens, drafts accepted per
+    iteration), or ("raised", "TypeName: message") if it raised."""
+    from ar_lab.engine.speculative import speculative_generate
+
+    try:
+        out = speculative_generate(target, draft, prompt, max_new_tokens, gamma, eos_id=None, iteration=iteration)
+    except Exception as e:  # the learner's loop may fail in any way: the outcome says how
+        return "raised", f"{type(e).__name__}: {e}"
+    return out.tokens, out.stats.accepted_per_iteration
+
+
+def check_loop(what: str, iteration, target, draft, prompt, max_new_tokens: int, gamma: int) -> None:
+    """Greedy speculative decoding with ``iteration`` against plain greedy decoding (``ar_lab.generate``, no EOS
+    stop): the same tokens, and ar_lab's drafts accepted in each iteration; a difference names the slip of
+    ``LOOP_SLIPS`` that gives it (``loop_outcome`` of each)."""
+    from ar_lab.engine.generate import generate
+
+    got = loop_outcome(target, draft, prompt, max_new_tokens, gamma, iteration)
+    if got[0] == "raised" and got[1].startswith("NotImplementedError"):
+        raise CheckFailed(f"{what}: not implemented yet\nHint: replace `raise NotImplementedError()` with your code")
+    ours = loop_outcome(target, draft, prompt, max_new_tokens, gamma, None)
+    want = (generate(target, prompt, max_new_tokens, eos_id=None).tokens, ours[1])
+    if got == want:
+        return
+    slips = {LOOP_SLIPS[s]: loop_outcome(target, draft, prompt, max_new_tokens, gamma, slipped_iteration(s))
+             for s in LOOP_SLIPS}
+    hint = ("each cache must hold at most the text minus its last token when an iteration ends: "
+            "truncate both to len(seq) + n, and emit the accepted drafts and one token of the target's")
+    name_mistake(what, got, want, slips, hint)
+    if got[0] == "raised":
+        raise CheckFailed(f"{what}: your loop raised {got[1]}\nHint: {hint}")
+    tokens, accepted = got
+    if tokens != want[0]:
+        i = next((i for i, (a, b) in enumerate(zip(tokens, want[0], strict=False)) if a != b), len(tokens))
+        raise CheckFailed(f"{what}: your tokens differ from plain greedy decoding's from token {i} on\nHint: {hint}")
+    raise CheckFailed(f"{what}: the same text, but drafts accepted per iteration {accepted[:12]} where ar_lab's "
+                      f"loop accepts {want[1][:12]}\nHint: the draft's first pass feeds everything its cache lacks")
+
 def check_raises(name: str, fn, cases, error: type[Exception] = ValueError, hint: str = "") -> None:
     """``fn(*args)`` raises ``error`` for every ``args`` in ``cases`` (arguments the exercise says to refuse).
     Returning a value instead (the check left out) or raising another error fails, naming the case."""
@@ -340,7 +412,7 @@ def row_mask_mistakes(lengths: Sequence[int], T: int) -> dict[str, list]:
 
     return {
         "a token that does not see itself (keys < position instead of <=)": mask(rows + news, strict=True),
-        "every row at the longest row's length (one length for the whole batch)": mask(
+        "a padding position attended: every row at the longest row's length (one length for the batch)": mask(
             (max(lengths) + news).expand(len(lengths), T)
         ),
         "no causal part among the new tokens (each sees all T new keys of its row)": mask(
@@ -361,52 +433,4 @@ def admission_mistakes(policy: str, waiting: int, running: int, max_batch: int) 
         "every free slot even when fewer requests wait (max_batch - running, not capped by the queue)": free,
         "waiting for the whole batch to finish (that is static batching)": min(waiting, max_batch) if idle else 0,
         "one request per step, however many slots are free": min(waiting, free, 1),
-    }
-
-
-def _finish_steps(
-    needs: Sequence[int],
-    max_batch: int,
-    *,
-    static: bool = False,
-    one_per_step: bool = False,
-    zero_takes_slot: bool = False,
-) -> list[int]:
-    """The finish step of each request under a schedule stepped one decode step at a time (and its variants)."""
-    queue, running, finish, step = list(range(len(needs))), {}, [0] * len(needs), 0
-    while queue or running:
-        admitted, may = 0, not (static and running)  # static: a new batch only once nothing runs
-        while may and queue and len(running) < max_batch and not (one_per_step and admitted):
-            i, admitted = queue.pop(0), admitted + 1
-            if needs[i] == 0 and not zero_takes_slot:
-                finish[i] = step
-            else:
-                running[i] = max(needs[i], 1)
-        if not running:
-            continue
-        step += 1
-        for i in list(running):
-            running[i] -= 1
-            if running[i] == 0:
-                finish[i] = step
-                del running[i]
-    return finish
-
-
-def continuous_finish_mistakes(steps_needed: Sequence[int], max_batch: int) -> dict[str, list[int]]:
-    """The finish steps of continuous batching (``ar_lab.engine.serving.simulate``), computed wrongly."""
-    right = _finish_steps(steps_needed, max_batch)
-    return {
-        "static batching's schedule (a new batch only when the whole batch is done)": _finish_steps(
-            steps_needed, max_batch, static=True
-        ),
-        "recording a finish before counting its step (one step early)": [
-            f - 1 if n else f for f, n in zip(right, steps_needed, strict=True)
-        ],
-        "a request needing 0 steps taking a slot for one step": _finish_steps(
-            steps_needed, max_batch, zero_takes_slot=True
-        ),
-        "one request admitted per step, however many slots are free": _finish_steps(
-            steps_needed, max_batch, one_per_step=True
-        ),
     }

@@ -1,43 +1,34 @@
-"""Chapter 05's exercise checkers: the named mistakes of a decode step's intensity, a TPOT predicted from
-bandwidth, and a decode plan on a GPU.
+"""Chapter 05's exercise checkers: the learner's two roofline probes, a TPOT predicted from bandwidth, and a
+decode plan on a GPU.
 
-Each function computes, with the exercise's own inputs, what a classic slip gives (the weights read
-once per sequence, the KV cache left out, the ratio upside down, milliseconds for seconds, the weights
-not subtracted from the memory, ...), keeping only the slips the exercise's test would not pass
-anyway; ``ar_lab.course.mistakes.name_mistake`` names the one a learner's answer equals.
+Each ``*_mistakes`` function computes, with the exercise's own inputs, what a classic slip gives (one
+array's bytes for a stream that reads two and writes one, a multiply-add counted as one FLOP, the KV cache
+left out, the ratio upside down, milliseconds for seconds, the weights not subtracted from the memory, ...),
+keeping only the slips the exercise's test would not pass anyway; ``ar_lab.course.mistakes.name_mistake``
+names the one a learner's answer equals. A probe's *time* is noisy, so ``check_probe_rates`` judges it
+against ar_lab's probes called in turns with it, within a wide factor, and names the slips that land far
+outside it (milliseconds for seconds, the total of the repeats, a GPU not waited for).
 """
 
 from __future__ import annotations
 
 import math
 
-from ar_lab.perf import roofline as rl
+import torch
+
+from ar_lab.course.checks import CheckFailed
+from ar_lab.perf import peaks
+
+RATE_FACTOR = 3.0  # a probe's rate must be within this factor of ar_lab's, timed in turns with it
+RATE_ROUNDS = 3  # rounds of (yours, ar_lab's): a fixed number, so that the grading replay makes the same calls
+RATE_REPEATS = 10  # timed calls per probe call in the rate check (the total of 10 calls is 10x off)
+# (values per array, matmul side) the rate check times, by device type: about 10 ms a call on a CPU
+RATE_SIZES = {"cpu": (2**23, 768), "cuda": (2**27, 4096)}
 
 
 def _apart(wrong: dict[str, float], right: float, rtol: float) -> dict[str, float]:
     """The mistakes of ``wrong`` whose value a test with relative tolerance ``rtol`` would not pass."""
     return {k: v for k, v in wrong.items() if not math.isclose(v, right, rel_tol=rtol)}
-
-
-def decode_intensity_mistakes(cfg, context: int, batch: int, bytes_per_value: int) -> dict[str, float]:
-    """FLOPs per byte of one decode step (weights + KV cache, activations left out), counted wrongly;
-    only the slips that move the result past the test's 3 % tolerance."""
-    flops = batch * (2 * rl.matmul_parameters(cfg) + 4 * cfg.n_embd * cfg.n_layer * context)
-    weights = rl.parameter_count(cfg) - cfg.block_size * cfg.n_embd  # the position table is not read by a step
-    kv = batch * context * rl.kv_bytes_per_token(cfg, bytes_per_value)
-    bytes_moved = weights * bytes_per_value + kv
-    return _apart(
-        {
-            "reading the weights once per sequence, not once per step": flops
-            / (batch * weights * bytes_per_value + kv),
-            "leaving the KV cache out of the bytes": flops / (weights * bytes_per_value),
-            "4 bytes per value whatever bytes_per_value says": flops / (4 * weights + kv * 4 / bytes_per_value),
-            "one sequence's FLOPs over the whole batch's bytes": flops / batch / bytes_moved,
-            "bytes over FLOPs (the ratio upside down)": bytes_moved / flops,
-        },
-        flops / bytes_moved,
-        0.03,
-    )
 
 
 def predict_tpot_mistakes(n_params: float, bytes_per_param: float, bandwidth: float, kv_cache_bytes: float = 0.0):
@@ -87,3 +78,94 @@ def decode_plan_mistakes(shape, gpu, context: int) -> dict[str, dict[str, float]
     }
     tolerance = {"tpot": 0.01, "max_batch": 0.0, "matmul_batch": 0.15, "attention_intensity": 0.01}
     return {key: _apart(w, right[key], tolerance[key]) for key, w in wrong.items()}
+
+
+def stream_probe_mistakes(n: int, item: int) -> dict[str, int]:
+    """Bytes one call of ``c = a + b`` over three arrays of ``n`` values of ``item`` bytes moves, counted wrongly."""
+    right = 3 * n * item
+    wrong = {
+        "counting one array's bytes, not every array read or written": n * item,
+        "counting the bytes read (a and b) but not those written (c)": 2 * n * item,
+        "counting values instead of bytes": 3 * n,
+        "counting bits instead of bytes": 8 * right,
+        "4 bytes per value whatever the dtype (arrays not made in `dtype`)": 3 * n * 4,
+    }
+    return {k: v for k, v in wrong.items() if v != right}
+
+
+def matmul_probe_mistakes(m: int, k: int, n: int) -> dict[str, int]:
+    """FLOPs of one (m, k) by (k, n) product, 2 m k n, counted wrongly."""
+    right = 2 * m * k * n
+    wrong = {
+        "m x k x n: a multiply-add counted as one FLOP, not two": m * k * n,
+        "2 n^3: a square product's count, whatever m and k": 2 * n**3,
+        "2 m n: one FLOP pair per output value, not per term of its sum": 2 * m * n,
+    }
+    return {key: v for key, v in wrong.items() if v != right}
+
+
+def probe_result(what: str, got) -> tuple[float, float]:
+    """``got`` as (count, seconds) if it is a pair of positive finite numbers; else fail saying what came."""
+    ok = isinstance(got, (tuple, list)) and len(got) == 2
+    try:
+        count, seconds = (float(v) for v in got) if ok else (math.nan, math.nan)
+    except (TypeError, ValueError):
+        count = seconds = math.nan
+    if not (math.isfinite(count) and math.isfinite(seconds) and count > 0 and seconds > 0):
+        raise CheckFailed(f"{what}: expected a pair (count, seconds) of positive numbers, got {got!r}"
+                          "\nHint: return the bytes (or FLOPs) of one call and the seconds of the fastest call")
+    return count, seconds
+
+
+def rate_mistakes(device: torch.device) -> dict[str, tuple[float, float]]:
+    """What a probe's rate over ar_lab's rate is, roughly, with a slip of the timing: {slip: (low, high)}."""
+    out = {
+        "seconds read as milliseconds (the time x 1,000)": (1e-3 / 2.5, 1e-3 * 2.5),
+        # a busy moment adds to a total, never to the fastest call: the total lands at or below 1 / RATE_REPEATS
+        f"the total of all {RATE_REPEATS} calls, not the fastest one": (1 / RATE_REPEATS / 5, 1 / RATE_REPEATS * 2.5),
+    }
+    if device.type == "cuda":
+        out["the clock read before the GPU finished (call synchronize(device) before reading it)"] = (
+            RATE_FACTOR, math.inf)
+    return out
+
+
+def check_probe_rates(stream_probe, matmul_probe, device, dtype, *, hint: str = "") -> dict[str, float]:
+    """The learner's probes beside ar_lab's (``ar_lab.perf.peaks``), called in turns for ``RATE_ROUNDS`` rounds
+    on the same sizes; each side's fastest rate. Fails unless each ratio is within ``RATE_FACTOR``, naming
+    the timing slip a ratio far outside points to. Returns {"bandwidth": ratio, "FLOP/s": ratio}.
+
+    On a CPU both sides run on one thread, whatever the kernel chose: the grading's fresh run (which compares
+    the recorded rates with ar_lab's measured again, ``ar_lab.course.record``) then times ar_lab's side as the
+    kernel did, and one thread cannot wait on a thread that lost its core."""
+    device = torch.device(device)
+    n, side = RATE_SIZES[device.type]
+    calls = {
+        "bandwidth": (f"stream_probe({n}, {RATE_REPEATS})", lambda: stream_probe(n, RATE_REPEATS),
+                      lambda: peaks.stream_probe(n, RATE_REPEATS, device=device, dtype=dtype)),
+        "FLOP/s": (f"matmul_probe({side}, {side}, {side}, {RATE_REPEATS})",
+                   lambda: matmul_probe(side, side, side, RATE_REPEATS),
+                   lambda: peaks.matmul_probe(side, side, side, RATE_REPEATS, device=device, dtype=dtype)),
+    }
+    best = {(name, who): 0.0 for name in calls for who in ("yours", "ours")}
+    threads = torch.get_num_threads()
+    try:
+        if device.type == "cpu":
+            torch.set_num_threads(1)
+        for _ in range(RATE_ROUNDS):
+            for name, (what, yours, ours) in calls.items():
+                count, seconds = probe_result(what, yours())
+                best[name, "yours"] = max(best[name, "yours"], count / seconds)
+                count, seconds = ours()
+                best[name, "ours"] = max(best[name, "ours"], count / seconds)
+    finally:
+        torch.set_num_threads(threads)
+    ratios = {name: best[name, "yours"] / best[name, "ours"] for name in calls}
+    for name, ratio in ratios.items():
+        if 1 / RATE_FACTOR <= ratio <= RATE_FACTOR:
+            continue
+        what = f"{calls[name][0]}: your {name} is {ratio:.3g}x ar_lab's, timed in turns with it"
+        slip = next((s for s, (lo, hi) in rate_mistakes(device).items() if lo <= ratio <= hi), None)
+        detail = f", which is what {slip} gives" if slip else f" (it should be within {RATE_FACTOR:g}x)"
+        raise CheckFailed(what + detail + (f"\nHint: {hint}" if hint else ""))
+    return ratios

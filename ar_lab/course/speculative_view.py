@@ -67,6 +67,18 @@ class SpeculationView:
         return self.result.stats.draft_time_per_call / self.target_step_time if self.gamma else 0.0
 
     @property
+    def verify_cost(self) -> float:
+        """The target's side of an iteration (pass, accept rule, draws) in plain decode steps (theory: 1)."""
+        s = self.result.stats
+        return s.target_time / s.target_calls / self.target_step_time
+
+    @property
+    def predicted_with_verify(self) -> float:
+        """The predicted speedup with the measured verify cost in place of the theory's one step."""
+        a = min(max(self.alpha, 0.0), 1.0)
+        return expected_tokens_per_iteration(a, self.gamma) / (self.gamma * self.cost_ratio + self.verify_cost)
+
+    @property
     def speedups(self) -> list[float]:
         """Plain time / speculative time in each round (the two ran in turns, so a round's load hits both)."""
         pairs = zip(self.baseline_times, self.speculative_times, strict=True)
@@ -116,6 +128,7 @@ def speculation_view(
     repeats: int = 2,
     clock: Callable[[], float] | None = None,
     accept=None,
+    iteration=None,
 ) -> SpeculationView:
     """Run plain and speculative decoding side by side on ``prompt`` and gather what the explorer shows.
 
@@ -126,7 +139,8 @@ def speculation_view(
     is the median of the rounds' ratios, with their range beside it (``speedups``). Timed with ``clock``
     (default: ``ar_lab.base.timing.steady_clock``). The
     same arguments give the same tokens and counts; the times are measurements. ``accept``: an accept
-    rule of one's own for the speculative run (``ar_lab.engine.accept.AcceptRule``; chapter 07).
+    rule of one's own for the speculative run (``ar_lab.engine.accept.AcceptRule``; chapter 07), ``iteration``
+    a loop's round of one's own (``speculative_generate``'s ``iteration=``; chapter 07's exercise 2).
     """
     if not isinstance(prompt, str) or not prompt:
         raise ValueError("the prompt is empty: type at least one character")
@@ -156,6 +170,7 @@ def speculation_view(
             eos_id=None,
             clock=clock,
             accept=accept,
+            iteration=iteration,
         )
 
     generate(target, prompt, 2, sampling=sampling, generator=seeded(), eos_id=None)  # warm-up

@@ -13,9 +13,11 @@ and ``checked_accept`` checks what it returns.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
+
+from ar_lab.engine.sides import checked_tokens
 
 
 def accepted_count(p_x: torch.Tensor, q_x: torch.Tensor, u: torch.Tensor) -> int:
@@ -78,3 +80,41 @@ def checked_accept(result, g: int, V: int) -> tuple[int, torch.Tensor]:
     if not torch.isfinite(dist).all() or (dist < 0).any() or not abs(float(dist.sum()) - 1) < 1e-3:
         raise ValueError(f"the accept rule's dist must be a probability vector (>= 0, sum 1), got sum {dist.sum()}")
     return n, dist.float()
+
+
+class Accept:
+    """The accept rule as the loop hands it to an iteration: ``accept(p, qs, drafts) -> (n, dist)``.
+
+    ``p`` (γ + 1, vocab): the target's distributions at the γ draft positions and the one after; ``qs``: the
+    γ distributions (vocab,) the drafts were drawn from (a list, or a (γ, vocab) tensor). It draws the γ
+    uniforms from the call's generator, runs the rule (``accept_step``, or one of one's own, checked) and
+    counts the exact acceptance probability sum min(p, q) over the positions it decided on.
+    """
+
+    def __init__(self, rule: AcceptRule | None, vocab_size: int, generator) -> None:
+        self.rule, self.checked = rule or accept_step, rule is not None
+        self.vocab_size, self.generator = vocab_size, generator
+        self.calls, self.last_gamma, self.alpha_sum = 0, 0, 0.0
+
+    def __call__(self, p: torch.Tensor, qs, drafts: Sequence[int]) -> tuple[int, torch.Tensor]:
+        drafts = checked_tokens("accept(p, qs, drafts): drafts", drafts, self.vocab_size)
+        g, V = len(drafts), self.vocab_size
+        q = qs
+        if g and isinstance(qs, (list, tuple)) and len(qs) == g and all(isinstance(x, torch.Tensor) for x in qs):
+            q = torch.stack(list(qs)) if all(x.shape == (V,) for x in qs) else None
+        if not isinstance(p, torch.Tensor) or p.shape != (g + 1, V):
+            raise ValueError(f"accept(p, qs, drafts): p must be the target's distributions at the {g} drafts' "
+                             f"positions and the one after, shape ({g + 1}, {V}), got {getattr(p, 'shape', p)!r:.80} "
+                             "(the target's pass feeds the text's last token and the drafts)")
+        self.calls, self.last_gamma = self.calls + 1, g
+        if not g:
+            return 0, p[0]
+        if not isinstance(q, torch.Tensor) or q.shape != (g, V):
+            raise ValueError(f"accept(p, qs, drafts): qs must be the {g} distributions the drafts were drawn from, "
+                             f"shape ({g}, {V}), got {getattr(q, 'shape', q)!r:.80}")
+        u = torch.rand(g, generator=self.generator, device=p.device, dtype=torch.float64)
+        result = self.rule(p, q, list(drafts), u)
+        n, dist = checked_accept(result, g, V) if self.checked else result
+        tested = min(g, n + 1)
+        self.alpha_sum += float(torch.minimum(p[:tested], q[:tested]).sum())  # sum min(p, q): alpha, exactly
+        return n, dist

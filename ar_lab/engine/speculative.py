@@ -21,10 +21,12 @@ settings on both sides it emits the target's greedy text token for token.
 
 p and q are the exact distributions the sampler draws from (``ar_lab.engine.sampling.probabilities``
 with the same ``SamplingParams`` on both sides), so temperature, top-k/top-p/min-p and the
-repetition penalty are honoured. Both models run through decoders (``ar_lab.engine.decoder``) with
-explicit positions: each pass starts where the kept text ends, which drops the rejected tokens from
-the cache; after a full accept the draft has not yet seen its own last proposal, which the next
-iteration feeds together with the bonus token.
+repetition penalty are honoured. ``speculative_generate`` keeps the budget, EOS and the stats; one round,
+``speculative_iteration`` (or chapter 07's learner's, passed as ``iteration=``), drives each model through a
+``Side`` (``ar_lab.engine.sides``: its decoder and cache at implicit positions): it feeds what the cache lacks,
+and rolls both caches back (``truncate``) to the new text minus its last token, which drops the rejected
+drafts; after a full accept the draft has not yet read its own last proposal, which the next round feeds
+together with the bonus token.
 
 The theory (Leviathan et al., 2023, section 3): with a per-token acceptance
 probability alpha = sum_x min(p(x), q(x)) = 1 - TV(p, q), an iteration emits
@@ -44,11 +46,12 @@ import torch
 
 from ar_lab.base.args import finite_number, positive_int
 from ar_lab.base.timing import synchronize
-from ar_lab.engine.accept import AcceptRule, accept_step, checked_accept, draw
+from ar_lab.engine.accept import Accept, AcceptRule, draw
 from ar_lab.engine.decoder import decoder_for
-from ar_lab.engine.lookup import checked_proposal, is_proposer
+from ar_lab.engine.lookup import is_proposer
 from ar_lab.engine.prompts import check_eos, check_prompt, prompt_ids
-from ar_lab.engine.sampling import GREEDY, LogitsPipeline, SamplingParams
+from ar_lab.engine.sampling import GREEDY, SamplingParams
+from ar_lab.engine.sides import Distributions, ProposerSide, Side, checked_emitted
 from ar_lab.model.cache import KVCache
 from ar_lab.model.inference import inference
 from ar_lab.model.tokenizer import EOS_ID, N_BYTES, decode
@@ -208,132 +211,120 @@ class SpeculativeGeneration:
     stats: SpeculativeStats
 
 
-class Speculation:
-    """The state of one speculative generation: both models, their caches, the text so far, the counters.
+# An iteration: (target, draft, seq, gamma, accept, probs, generator) -> the tokens it emits.
+Iteration = Callable[..., list]
 
-    ``iteration`` runs one draft-then-verify round; ``speculative_generate`` loops it.
+
+def speculative_iteration(target, draft, seq: list[int], gamma: int, accept, probs, generator) -> list[int]:
+    """One round of speculative decoding, ar_lab's: the draft proposes ``gamma`` tokens, the target verifies.
+
+    ``target``, ``draft``: ``Side``s (a ``ProposerSide`` for a proposer function); ``seq``: the text so far;
+    ``accept``, ``probs``: the loop's ``Accept`` and ``Distributions``. Each cache holds at most the text
+    minus its last token when the round starts, so a pass feeds what its cache lacks (after a full accept
+    the draft lacks its own last proposal too). The round returns the accepted drafts and one token of the
+    target's (the residual draw or the bonus), after rolling both caches back to the new text minus its
+    last token. Greedy without a penalty takes the argmax directly (no distributions built) unless the
+    accept rule is one's own, which then sees one-hot p and q.
+    """
+    fast = getattr(probs, "argmax_only", False) and not getattr(accept, "checked", True)
+    drafts, qs = _propose(draft, seq, gamma, probs, generator, fast)
+    g = len(drafts)  # a proposer may find fewer than asked for, or none
+    text = seq + drafts
+    logits = target.feed(text[target.length :])[-(g + 1) :]  # (g + 1, V): one pass over the last token and drafts
+    if fast:
+        best = probs.pick(logits)  # the target's greedy token at each position
+        n = next((i for i in range(g) if drafts[i] != best[i]), g)
+        emitted = drafts[:n] + [best[n]]
+    else:
+        if g and not qs:  # a proposer's drafts are certain: q one-hot
+            qs = torch.nn.functional.one_hot(torch.tensor(drafts, device=logits.device), logits.shape[-1]).float()
+        n, dist = accept(probs(logits, text), qs, drafts)
+        emitted = drafts[:n] + [draw(dist, generator)]
+    keep = len(seq) + n  # the new text minus its last token: the rejected drafts' keys go
+    target.truncate(keep)
+    draft.truncate(min(draft.length, keep))
+    return emitted
+
+
+def _propose(draft, seq: list[int], gamma: int, probs, generator, fast: bool) -> tuple[list[int], list]:
+    """The draft's tokens (one pass each; its first pass feeds whatever its cache lacks) and the distributions
+    q they were drawn from (none on the fast path; a proposer's: none, its drafts are certain)."""
+    if isinstance(draft, ProposerSide):
+        return (draft.propose(seq, gamma) if gamma else []), []
+    drafts: list[int] = []
+    qs: list[torch.Tensor] = []
+    for _ in range(gamma):
+        text = seq + drafts
+        logits = draft.feed(text[draft.length :])[-1]  # (V,)
+        if fast:
+            drafts.append(probs.pipeline.one(logits))
+        else:
+            qs.append(probs(logits, text))
+            drafts.append(draw(qs[-1], generator))
+    return drafts, qs
+
+
+class Speculation:
+    """The state of one speculative generation: the two sides, the text so far, the counters.
+
+    ``iteration`` runs one round (``speculative_iteration``, or an iteration of one's own) and counts what
+    it can observe: each side's passes and positions, the tokens emitted, the drafts accepted (the tokens
+    returned but the last), and the time before and after the target's first pass.
     """
 
     def __init__(
         self, target, draft, prompt: list[int], max_new_tokens: int, gamma: int, *, sampling, generator, clock, lean,
-        accept: AcceptRule | None = None,
+        accept: AcceptRule | None = None, iteration: Iteration | None = None,
     ):
-        self.target, self.draft, self.sampling, self.generator, self.clock = target, draft, sampling, generator, clock
-        self.proposer = is_proposer(draft)  # a function (tokens, k) -> token ids, e.g. PromptLookup: no draft model
-        self.accept = accept  # None: accept_step, checked and trusted; a rule of one's own is checked at each call
+        self.clock, self.device, self.gamma = clock, target.device, gamma
         self.seq = list(prompt)  # prompt + tokens emitted so far
         self.stats = SpeculativeStats(gamma=gamma)
-        # Neither model ever needs the last emitted token's keys: at most P + N - 1 positions.
-        max_len = len(prompt) + max_new_tokens - 1
-        self.target_cache = KVCache.for_model(target, max_len=max_len)
-        self.draft_cache = None if self.proposer else KVCache.for_model(draft, max_len=max_len)
+        V = target.config.vocab_size
+        self.step = iteration or speculative_iteration
+        # Neither model ever needs the last emitted token's keys: at most P + N - 1 positions. An iteration of
+        # one's own gets the whole window, so that one which forgets a rollback runs on (and shows it).
+        def cache(m):
+            return KVCache.for_model(m, max_len=None if iteration else len(prompt) + max_new_tokens - 1)
+
         # Each call has its own decoders (their working memory and the verify pass's weight copies are
         # this call's, taken from the weights as they are now: this is not a generator).
-        self.decoders = {id(m): decoder_for(m, lean=lean) for m in (target, draft) if not is_proposer(m)}
-        # Greedy without a penalty: p and q are one-hot at the argmax of the raw logits, so accept <=> the draft's
-        # argmax equals the target's, and the last token is the target's argmax: taken directly, no distributions
-        # built (tests compare it with the general path). A rule of one's own sees one-hot p and q.
-        self.picker = LogitsPipeline(sampling)
-        self.fast = self.picker.argmax_only and accept is None
-        self.penalised = sampling.repetition_penalty != 1.0
-        self.device = target.device
-
-    def start(self, cache: KVCache) -> int:
-        """Where ``model``'s next pass starts: its cache's length, or the text's last token if the cache
-        holds rejected drafts beyond it (each cache keeps at most len(seq) - 1 positions)."""
-        return min(cache.length, len(self.seq) - 1)
-
-    def propose(self, g: int) -> tuple[list[int], list[torch.Tensor]]:
-        """The draft's g tokens, one forward pass each, and the distributions q they were drawn from.
-
-        The draft's cache may lag behind the text by two tokens (after a full accept): the first
-        pass feeds whatever it lacks.
-        """
-        if self.proposer:
-            return self._propose_by_function(g)
-        drafts: list[int] = []
-        qs: list[torch.Tensor] = []
-        for i in range(g):
-            pos = self.start(self.draft_cache) if i == 0 else len(self.seq) + i - 1
-            new = self.seq[pos:] if i == 0 else drafts[-1:]
-            logits = self.decoders[id(self.draft)].extend(new, self.draft_cache, pos)[-1]  # (V,)
-            self.stats.draft_calls += 1
-            self.stats.draft_positions += len(new)
-            if self.fast:
-                drafts.append(self.picker.one(logits))
-            else:
-                q = self.picker.probabilities(logits, self.seq + drafts if self.penalised else ())
-                qs.append(q)
-                drafts.append(draw(q, self.generator))
-        self.stats.proposals += g
-        return drafts, qs
-
-    def _propose_by_function(self, g: int) -> tuple[list[int], list[torch.Tensor]]:
-        """A proposer's tokens (up to g; maybe none), each with a one-hot q: the proposal is certain."""
-        drafts = checked_proposal(self.draft(list(self.seq), g), g, self.target.config.vocab_size) if g else []
-        self.stats.draft_calls += 1 if g else 0
-        self.stats.proposals += len(drafts)
-        qs = []
-        for x in [] if self.fast else drafts:
-            qs.append(torch.zeros(self.target.config.vocab_size, device=self.device))
-            qs[-1][x] = 1.0
-        return drafts, qs
-
-    def verify(self, drafts: list[int], qs: list[torch.Tensor]) -> tuple[int, list[int]]:
-        """The target scores the g + 1 positions in one forward pass and accepts drafts in order.
-
-        Returns how many drafts were accepted and the tokens the iteration emits.
-        """
-        g, stats = len(drafts), self.stats
-        pos = self.start(self.target_cache)
-        new = self.seq[pos:] + drafts
-        logits = self.decoders[id(self.target)].extend(new, self.target_cache, pos)[-(g + 1) :]  # (g + 1, V)
-        stats.target_calls += 1
-        stats.target_positions += len(new)
-        if self.fast:
-            best = self.picker(logits).tolist()  # the target's greedy token at each position
-            n = next((i for i in range(g) if drafts[i] != best[i]), g)
-            stats.alpha_sum += n  # one-hot p and q: sum min(p, q) is 1 if they agree, else 0
-            return n, drafts[:n] + [best[n]]
-        p = self.picker.probabilities(logits, self._history(drafts))  # (g + 1, V)
-        if not g:
-            return 0, [draw(p[0], self.generator)]
-        q = torch.stack(qs)  # (g, V)
-        u = torch.rand(g, generator=self.generator, device=self.device, dtype=torch.float64)
-        if self.accept is None:
-            n, dist = accept_step(p, q, drafts, u)
-        else:
-            n, dist = checked_accept(self.accept(p, q, list(drafts), u), g, p.shape[-1])
-        tested = min(g, n + 1)
-        stats.alpha_sum += float(acceptance_rate(p[:tested], q[:tested]).sum())
-        return n, drafts[:n] + [draw(dist, self.generator)]
-
-    def _history(self, drafts: list[int]) -> torch.Tensor | tuple:
-        """What the repetition penalty sees at each of the g + 1 positions: row i, the text and drafts[:i]."""
-        if not self.penalised:
-            return ()
-        history = torch.zeros(len(drafts) + 1, self.target.config.vocab_size, dtype=torch.bool, device=self.device)
-        history[:, self.seq] = True
-        for i, x in enumerate(drafts):
-            history[i + 1 :, x] = True
-        return history  # (g + 1, V)
+        held = prompt[:-1]  # each side holds the prompt but its last token (read with its first pass)
+        self.target = Side(target, cache(target), decoder_for(target, lean=lean), clock, "target", held)
+        self.draft = (ProposerSide(draft, V) if is_proposer(draft)
+                      else Side(draft, cache(draft), decoder_for(draft, lean=lean), clock, "draft", held))
+        self.accept = Accept(accept, V, generator)
+        self.probs = Distributions(sampling, V)
+        self.generator = generator
 
     def iteration(self, g: int, eos_id: int | None) -> None:
         """One round: the draft proposes g tokens, the target verifies them, the text grows by 1 to g + 1."""
-        stats, clock = self.stats, self.clock
-        t0 = clock()
-        drafts, qs = self.propose(g)
-        g = len(drafts)  # a proposer may find fewer than asked for, or none
+        stats, target, draft, accept = self.stats, self.target, self.draft, self.accept
+        before = (target.calls, target.positions, draft.calls, draft.positions, getattr(draft, "proposed", 0),
+                  accept.calls, accept.alpha_sum)
+        target.started = None
+        t0 = self.clock()
+        emitted = self.step(target, draft, list(self.seq), g, accept, self.probs, self.generator)
+        emitted = checked_emitted(emitted, g, target.vocab_size)
         synchronize(self.device)
-        t1 = clock()
-        stats.draft_time += t1 - t0
-        n, emitted = self.verify(drafts, qs)
-        synchronize(self.device)
-        stats.target_time += clock() - t1
-        stats.tested += min(g, n + 1)
+        t1 = self.clock()
+        split = t1 if target.started is None else target.started
+        stats.draft_time += split - t0
+        stats.target_time += t1 - split
+        stats.target_calls += target.calls - before[0]
+        stats.target_positions += target.positions - before[1]
+        stats.draft_calls += draft.calls - before[2]
+        stats.draft_positions += draft.positions - before[3]
+        n = len(emitted) - 1  # the accepted drafts; the last token is the target's
+        proposed = (accept.last_gamma if accept.calls > before[5]
+                    else getattr(draft, "proposed", 0) - before[4] if isinstance(draft, ProposerSide)
+                    else draft.calls - before[2])
+        # sum min(p, q) over the decided positions, from the distributions the rule saw; on greedy's argmax path
+        # (no distributions: one-hot p and q) 1 where they agreed
+        stats.alpha_sum += accept.alpha_sum - before[6] if accept.calls > before[5] else n
+        stats.proposals += proposed
+        stats.tested += min(proposed, n + 1)
         stats.acceptances += n
         stats.accepted_per_iteration.append(n)
-        # Emit (the next passes start at positions that drop the rejected drafts: see ``start``).
         if eos_id is not None and eos_id in emitted:
             emitted = emitted[: emitted.index(eos_id) + 1]
         self.seq += emitted
@@ -378,6 +369,7 @@ def speculative_generate(
     clock: Callable[[], float] = time.perf_counter,
     lean: bool = True,
     accept: AcceptRule | None = None,
+    iteration: Iteration | None = None,
 ) -> SpeculativeGeneration:
     """Generate like ``ar_lab.generate(target, ...)`` with ``draft`` proposing ``gamma`` tokens at a time.
 
@@ -392,14 +384,23 @@ def speculative_generate(
     theirs; greedy then runs on one-hot distributions through it, not the argmax shortcut).
     ``draft`` may also be a *proposer*, a function (tokens so far, k) -> at most k token ids, such as
     ``ar_lab.engine.lookup.PromptLookup()``: its tokens are drafts whose q is one-hot (the same exact rule).
+    ``iteration``: one round of one's own in place of ``speculative_iteration`` (chapter 07's learner passes
+    theirs), called as ``iteration(target, draft, seq, gamma, accept, probs, generator)`` with the two
+    ``Side``s (each model's cache already holds the prompt but its last token), the text so far, the drafts
+    to propose, the loop's ``Accept`` and ``Distributions`` and the generator; it returns the 1 to gamma + 1
+    tokens it emits and leaves each cache holding at most the new text minus its last token. This loop keeps
+    the budget, EOS and the stats (``alpha_exact`` from the distributions ``accept`` saw).
     """
     ids = _check_pair(target, draft, prompt, max_new_tokens, gamma, sampling, generator, clock)
     if accept is not None and not callable(accept):
         raise TypeError(f"accept must be a function (p, q, drafts, u) -> (n, dist) or None: {type(accept).__name__}")
+    if iteration is not None and not callable(iteration):
+        raise TypeError("iteration must be a function (target, draft, seq, gamma, accept, probs, generator) -> "
+                        f"tokens, or None: got {type(iteration).__name__}")
     check_eos(target, eos_id)
     run = Speculation(
         target, draft, ids, max_new_tokens, gamma, sampling=sampling, generator=generator, clock=clock, lean=lean,
-        accept=accept,
+        accept=accept, iteration=iteration,
     )
     stats = run.stats
     with inference(*(m for m in (target, draft) if not is_proposer(m))):

@@ -329,11 +329,8 @@ class BatchKVCache:
         self._end = max(lengths) + T
         if self._end > self.max_len:
             raise ValueError(f"KV cache full: positions up to {self._end} requested, capacity is {self.max_len}")
-        start = torch.tensor(lengths, device=self.device)  # (rows,)
-        positions = start[:, None] + self._steps[:T]  # (rows, T)
-        # Row b's query at position p sees keys 0..p: its own past and itself, nothing beyond.
-        mask = self._steps[: self._end] <= positions[:, :, None]  # (rows, T, keys)
-        return positions, mask[:, None]  # (rows, T), (rows, 1, T, keys): one mask for all heads
+        positions = torch.tensor(lengths, device=self.device)[:, None] + self._steps[:T]  # (rows, T)
+        return positions, row_mask(lengths, T, self._steps[: self._end])
 
     def update(self, layer: int, positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
         """Write k, v (rows, H_kv, T, D) at each row's ``positions`` (rows, T).
@@ -363,6 +360,18 @@ class BatchKVCache:
             f"BatchKVCache(layers={len(self.k)}, slots={b}, rows={self.rows}, kv_heads={h}, max_len={t}, "
             f"head_dim={d}, lengths={self.lengths[: self.rows]}, nbytes={self.nbytes:,})"
         )
+
+
+def row_mask(lengths: Sequence[int], T: int, keys: torch.Tensor | None = None) -> torch.Tensor:
+    """The attention mask of one batched step: bool (rows, 1, T, max(lengths) + T), one mask for all heads.
+
+    Row i holds ``lengths[i]`` positions and gets T new tokens; its new token t sits at position
+    ``lengths[i] + t`` and sees keys 0 .. lengths[i] + t: its own past and itself, nothing later, and none
+    of the padding beyond its own length. ``keys``: ``torch.arange(max(lengths) + T)`` on the device wanted
+    (``BatchKVCache.begin`` passes its own)."""
+    keys = torch.arange(max(lengths) + T) if keys is None else keys  # (keys,)
+    positions = torch.tensor(list(lengths), device=keys.device)[:, None] + keys[:T]  # (rows, T)
+    return (keys <= positions[:, :, None])[:, None]  # (rows, 1, T, keys)
 
 
 def common_prefix_length(a: Sequence[int], b: Sequence[int]) -> int:

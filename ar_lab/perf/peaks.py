@@ -5,7 +5,9 @@ bandwidth slope is the fastest stream through a buffer far larger than the cache
 (``measure_bandwidth``, over the kernels of ``streaming_kernels``). ``measure_peaks``
 measures both in the form a roofline result stores them. Each roof is the fastest
 repeat: the best this machine demonstrably did for this program; the medians are
-reported beside them. On a CPU the numbers are fp32, on CUDA bf16 (``default_dtype``).
+reported beside them. ``stream_probe`` and ``matmul_probe`` are chapter 05's exercise (one
+``c = a + b`` stream, one matmul, each returning its count and its fastest time). On a CPU
+the numbers are fp32, on CUDA bf16 (``default_dtype``).
 """
 
 from __future__ import annotations
@@ -77,6 +79,42 @@ def measure_matmul_peak(
         "size": size,
         "times": times,
     }
+
+
+def stream_probe(
+    n: int, repeats: int = 5, *, device: torch.device | str | None = None, dtype: torch.dtype | None = None
+) -> tuple[int, float]:
+    """``c = a + b`` over three arrays of ``n`` random values: (bytes one call moves, seconds of its fastest call).
+
+    The bytes are every array read or written once (STREAM's count: 3 n values). Chapter 05's learner
+    writes this probe; this one stands in until theirs passes its test, and is what the test times theirs
+    beside. On a CPU a write may cost a read too (the line is fetched before it is written), which the
+    count leaves out, so a read-only stream can go faster than this one's figure.
+    """
+    device = default_device() if device is None else checked_device(device)
+    dtype = default_dtype(device) if dtype is None else dtype
+    g = torch.Generator(device=device).manual_seed(0)
+    a, b, c = (torch.rand(positive_int("n", n), device=device, dtype=dtype, generator=g) for _ in range(3))
+    times = time_call(lambda: torch.add(a, b, out=c), repeats=repeats, warmup=1, device=device)
+    return 3 * a.nbytes, min(times)
+
+
+def matmul_probe(
+    m: int, k: int, n: int, repeats: int = 5, *, device: torch.device | str | None = None,
+    dtype: torch.dtype | None = None,
+) -> tuple[int, float]:
+    """An (m, k) by (k, n) matmul: (FLOPs of one product, 2 m k n; seconds of its fastest call).
+
+    Chapter 05's learner writes this probe; this one stands in until theirs passes its test."""
+    device = default_device() if device is None else checked_device(device)
+    dtype = default_dtype(device) if dtype is None else dtype
+    g = torch.Generator(device=device).manual_seed(0)
+    sizes = [positive_int(name, v) for name, v in (("m", m), ("k", k), ("n", n))]
+    a = torch.rand(sizes[0], sizes[1], device=device, dtype=dtype, generator=g)
+    b = torch.rand(sizes[1], sizes[2], device=device, dtype=dtype, generator=g)
+    out = torch.empty(sizes[0], sizes[2], device=device, dtype=dtype)
+    times = time_call(lambda: torch.mm(a, b, out=out), repeats=repeats, warmup=1, device=device)
+    return 2 * m * k * n, min(times)
 
 
 def default_buffer_bytes(device: torch.device | str) -> int:

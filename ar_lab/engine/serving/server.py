@@ -16,27 +16,26 @@
   its full blocks.
 
 A new request is prefilled alone (batch 1) straight into its slot (or its blocks), then joins the
-running batch. The workloads and measurements of chapter 08 are in ``ar_lab.perf.serving_measure``.
+running batch. ``serve`` is a loop of one step (``ar_lab.engine.serving.step``: admit, prefill, one batched
+decode step, retire), the package's ``serve_step`` or one's own (``serve(..., step=...)``). The workloads and
+measurements of chapter 08 are in ``ar_lab.perf.serving_measure``.
 """
 
 from __future__ import annotations
 
 import heapq
 import time
-from collections import deque
 from collections.abc import Callable, Sequence
 
-import torch
-
 from ar_lab.base.args import check_seed, positive_int
-from ar_lab.engine.decoder import ForwardDecoder
 from ar_lab.engine.generate import Generation, GenerationStats
 from ar_lab.engine.paged import PagedKVCache, blocks_for, check_allocator
 from ar_lab.engine.prefix_cache import PrefixCache
 from ar_lab.engine.prompts import check_eos, checked_prompt
 from ar_lab.engine.sampling import GREEDY, LogitsPipeline, Sampler, SamplingParams
-from ar_lab.engine.scheduling import POLICIES, admitted, policy_function, policy_name
+from ar_lab.engine.scheduling import POLICIES, policy_function, policy_name
 from ar_lab.engine.serving.requests import Request, RequestResult, ServeReport
+from ar_lab.engine.serving.step import ServerState, run_step, serve_step
 from ar_lab.model.cache import BatchKVCache, KVCache
 from ar_lab.model.inference import inference
 from ar_lab.model.tokenizer import EOS_ID
@@ -188,104 +187,6 @@ class _PagedMemory:
         self.cache.close()  # every block back in the pool
 
 
-class _Server:
-    """The state of one ``serve`` run: the slots and who decodes in them, each request's result, the timings."""
-
-    def __init__(self, model, requests, prompts, slots: int, *, prefix, picker, eos_id, clock, paged) -> None:
-        self.model, self.prompts, self.picker, self.eos_id = model, prompts, picker, eos_id
-        self.clock, self.t0, self.slots = clock, 0.0, slots
-        max_len = max(len(p) + r.max_new_tokens - 1 for p, r in zip(prompts, requests, strict=True))
-        if paged is None:
-            self.memory = _ContiguousMemory(model, slots, max_len, prefix)
-        else:
-            self.memory = _PagedMemory(model, slots, max_len, prefix, prompts, requests, paged)
-        self.cache = self.memory.cache
-        self.kv_reserved: list[int] = []  # positions of KV memory set aside at each decode step
-        self.kv_used: list[int] = []  # positions of it holding keys and values
-        self.decoder = ForwardDecoder(model)  # rows at lengths of their own: through forward
-        device = model.device
-        self.results = [RequestResult(r, p) for r, p in zip(requests, prompts, strict=True)]
-        self.penalised = picker.params.repetition_penalty != 1.0
-        self.generators = [
-            None if r.seed is None or self.picker.argmax_only else torch.Generator(device=device).manual_seed(r.seed)
-            for r in requests
-        ]
-        self.rows: list[int] = []  # rows[i]: the request decoding in slot i
-        self.last = torch.zeros(slots, dtype=torch.long, device=device)  # each row's newest token: the next input
-        self.step_times: list[float] = []
-        self.step_rows: list[int] = []
-        self.prefill_times: list[float] = []
-
-    def pick(self, logits: torch.Tensor, j: int) -> int:
-        """Request j's next token from its logits (vocab,)."""
-        res = self.results[j]
-        history = res.prompt + res.tokens if self.penalised else ()
-        return self.picker.one(logits, self.generators[j], history)
-
-    def record(self, j: int, token: int, now: float) -> bool:
-        """Add request j's new token; True when the request is finished."""
-        res = self.results[j]
-        res.token_times.append(now)
-        if self.eos_id is not None and token == self.eos_id:
-            res.stop_reason = "eos"
-            return True
-        res.tokens.append(token)
-        if len(res.token_times) == res.request.max_new_tokens:
-            res.stop_reason = "max_new_tokens"
-            return True
-        return False
-
-    def admit(self, j: int) -> None:
-        """Prefill request j alone, straight into the next free slot; it joins the batch unless already done."""
-        res, ids = self.results[j], self.prompts[j]
-        slot, res.reused = self.memory.open(j, ids)
-        start = self.clock()
-        res.admitted, res.admitted_step = start - self.t0, len(self.step_times)
-        new = torch.tensor([ids[res.reused :]], device=self.model.device)
-        logits = self.decoder.prefill(new, slot, res.reused)[0, -1]
-        token = self.pick(logits, j)
-        now = self.clock()
-        res.prefill_time = now - start
-        self.prefill_times.append(res.prefill_time)
-        res.finish_step = len(self.step_times)
-        if not self.record(j, token, now - self.t0):
-            self.last[self.memory.join(j, slot)] = token
-            self.rows.append(j)
-        else:  # done by its prefill alone
-            self.memory.cancel(j)
-
-    def account(self) -> None:
-        """Note the KV memory set aside and the positions filled, before a decode step."""
-        reserved, used = self.memory.usage(self.rows)
-        self.kv_reserved.append(reserved)
-        self.kv_used.append(used)
-
-    def decode_step(self) -> None:
-        """One batched forward step: one more token for every row; finished rows leave their slots."""
-        n, rows = len(self.rows), self.rows
-        self.account()
-        start = self.clock()
-        logits = self.decoder.step(self.last[:n], self.cache, None)  # (n, vocab): one token for every row
-        if self.picker.argmax_only:  # every row's argmax at once (each request's own generator otherwise)
-            tokens = self.picker(logits)
-            new = tokens.tolist()
-        else:
-            new = [self.pick(logits[i], j) for i, j in enumerate(rows)]
-            tokens = torch.tensor(new, device=self.model.device)
-        now = self.clock()
-        self.step_times.append(now - start)
-        self.step_rows.append(n)
-        self.last[:n] = tokens
-        done = [i for i, (j, t) in enumerate(zip(rows, new, strict=True)) if self.record(j, t, now - self.t0)]
-        for i in reversed(done):  # highest first: the row moved into i is never a finished one
-            self.results[rows[i]].finish_step = len(self.step_times)
-            moved = self.memory.remove(i, rows[i])
-            if moved is not None:
-                self.last[i] = self.last[moved]
-            rows[i] = rows[-1]
-            rows.pop()
-
-
 def serve(
     model,
     requests: Sequence[Request],
@@ -301,6 +202,7 @@ def serve(
     num_blocks: int | None = None,
     allocator=None,
     sampler: Sampler | None = None,
+    step: Callable[[ServerState], object] | None = None,
 ) -> ServeReport:
     """Run ``requests`` (all queued at time 0, served in order) through ``max_batch`` slots.
 
@@ -321,6 +223,11 @@ def serve(
     paged cache runs on (its ``block_size`` and ``num_blocks`` size the pool). The tokens are the
     contiguous cache's. ``sampler``: a function that picks each request's token instead of ``sample``
     (``ar_lab.engine.sampling.Sampler``), called with that request's generator.
+
+    ``step``: the server's step, a function of a ``ServerState`` (``ar_lab.engine.serving.step``), called while
+    requests wait or run; by default ``serve_step``. Chapter 08's learner writes their own. After each step the
+    loop checks what it left and raises ``StepError`` for a finished row left in the batch, a row without its
+    token, or a step that changed nothing.
     """
     admit = policy_function(policy)  # a name of POLICIES or a function; anything else is refused here
     max_batch = positive_int("max_batch", max_batch)
@@ -330,36 +237,30 @@ def serve(
     eos_id = check_eos(model, eos_id)  # (an id the model cannot emit would never stop a request)
     if not callable(clock):
         raise TypeError(f"clock must be a function returning seconds (e.g. time.perf_counter), got {clock!r}")
+    step = serve_step if step is None else step
+    if not callable(step):
+        raise TypeError(f"step must be a function of the server's state (e.g. serve_step), got {step!r}")
     prompts = _check_requests(model, requests)
     _check_kv(kv, block_size, num_blocks, allocator, prefix, prompts, requests)
     paged = {"block_size": block_size, "num_blocks": num_blocks, "allocator": allocator} if kv == "paged" else None
-    server = _Server(
-        model,
-        requests,
-        prompts,
-        min(max_batch, len(requests)),
-        prefix=prefix,
-        picker=picker,
-        eos_id=eos_id,
-        clock=clock,
-        paged=paged,
-    )
-    queue = deque(range(len(requests)))
+    slots = min(max_batch, len(requests))
+    max_len = max(len(p) + r.max_new_tokens - 1 for p, r in zip(prompts, requests, strict=True))
+    if paged is None:
+        memory = _ContiguousMemory(model, slots, max_len, prefix)
+    else:
+        memory = _PagedMemory(model, slots, max_len, prefix, prompts, requests, paged)
+    results = [RequestResult(r, p) for r, p in zip(requests, prompts, strict=True)]
+    server = ServerState(model, results, memory, slots, policy=admit, picker=picker, eos_id=eos_id, clock=clock)
     try:
         with inference(model):
             server.t0 = clock()
-            while queue or server.rows:
-                # The policy says how many requests join the batch; one its prefill finishes takes no slot.
-                goal = len(server.rows) + (admitted(admit, len(queue), len(server.rows), server.slots) if queue else 0)
-                while queue and len(server.rows) < goal and server.memory.room(queue[0]):
-                    server.admit(queue.popleft())
-                if server.rows:
-                    server.decode_step()
+            while server.waiting or server.rows:
+                run_step(server, step)
             total = clock() - server.t0
     finally:
-        server.memory.close()  # (paged: every block back in the pool, even when a step raised)
+        memory.close()  # (paged: every block back in the pool, even when a step raised)
     return ServeReport(
-        policy_name(policy), max_batch, server.results, total, server.step_times, server.step_rows,
+        policy_name(policy), max_batch, results, total, server.step_times, server.step_rows,
         server.prefill_times, kv=kv, kv_reserved=server.kv_reserved, kv_used=server.kv_used,
     )
 
