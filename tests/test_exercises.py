@@ -313,3 +313,17 @@ def test_a_wrong_sampler_fails_the_distribution_comparison(mistake):
     if mistake.startswith("min-p"):  # a mistake ar_lab.course.mistakes knows is named
         assert "what min-p before the temperature (on the untempered distribution) gives" in verdict.error
     assert all(r.passed for gid, r in results.items() if gid != "ch06-sampler-tests"), results
+
+
+@pytest.mark.parametrize("path", WITH_EXERCISES, ids=[p.stem for p in WITH_EXERCISES])
+def test_the_committed_chapter_runs_its_experiments_on_the_learners_pieces(path):
+    """In the source notebook (every answer written), each cell that picks a learner's piece ran on it: its
+    committed output says so (the README's chapter table names these cells). With no answer written, the same
+    cells fall back to ar_lab's (test_run_all_reaches_the_end_of_the_student_version)."""
+    nb = nbformat.read(path, as_version=4)
+    picks = [c for c in nb.cells if c.cell_type == "code" and re.search(r"\byours_or_ours\(", c.source)]
+    assert picks or path.stem[:2] in {"00", "01"}, f"{path.name}: no experiment runs on the learner's pieces"
+    for cell in picks:
+        said = "".join(o.get("text", "") for o in cell.get("outputs", []))
+        assert "▶ this runs on your" in said and "▷" not in said, (
+            f"{path.name}: a cell that picks the learner's piece did not run on it:\n{cell.source[:300]}")
