@@ -1,7 +1,6 @@
 """ar_lab.engine.lean: the batch-1 decode step without nn.Module layers must be GPT.forward's arithmetic."""
 
 
-import copy
 
 import pytest
 import torch
@@ -218,14 +217,33 @@ def test_a_model_with_large_matrices_runs_extend_on_packed_weights():
     torch.testing.assert_close(got, want[2:], atol=1e-4, rtol=1e-4)
 
 
-def test_extend_copies_fall_back_to_in_out_copies_where_onednn_does_not_take_the_weights(tiny_model):
-    model = copy.deepcopy(tiny_model).double()
-    copies = lean.extend_copies(model)
+def test_extend_copies_fall_back_to_in_out_copies_where_onednn_does_not_take_the_weights():
+    """A matrix large enough to pack, in float64 (which oneDNN's linear does not take), is copied (in, out)."""
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(block_size=16, n_layer=1, n_head=4, n_embd=512)).eval().double()  # fc: 2048 x 512
     fc = model.blocks[0].mlp.fc.weight
-    assert not packed.packs(fc) and type(copies.layers[0].fc) is torch.Tensor
-    assert copies.layers[0].fc.is_contiguous() and copies.layers[0].fc.shape == fc.t().shape
+    assert fc.numel() >= packed.PACK_MIN_WEIGHTS and not packed.packs(fc)
+    copies = lean.extend_copies(model)
+    assert type(copies.layers[0].fc) is torch.Tensor and copies.layers[0].fc.is_contiguous()
     torch.testing.assert_close(copies.layers[0].fc, fc.t(), rtol=0, atol=0)
     assert copies.layers[0].fc.data_ptr() != fc.data_ptr()  # a copy, not a view
+
+
+def test_every_matrix_packed_the_output_projection_included(tiny_model, monkeypatch):
+    """With the size floor lowered, every matrix of the tiny model is packed, the tied output projection
+    (no bias) too; extend still gives forward's logits."""
+    monkeypatch.setattr(packed, "PACK_MIN_WEIGHTS", 1)
+    copies = lean.extend_copies(tiny_model)
+    if not packed.packs(tiny_model.wte.weight):
+        pytest.skip("this PyTorch has no oneDNN on this machine")
+    assert type(copies.out) is packed.Packed and all(type(m) is packed.Packed for m in copies.layers[0])
+    ids = torch.tensor([[5, 6, 7, 8, 9]])
+    a, b = KVCache.for_model(tiny_model), KVCache.for_model(tiny_model)
+    with torch.inference_mode():
+        want = tiny_model(ids, b)[0]
+        tiny_model(ids[:, :2], a)
+        got = lean.LeanGPT(tiny_model).extend([7, 8, 9], a, copies)
+    torch.testing.assert_close(got, want[2:], atol=1e-5, rtol=1e-5)
 
 
 def test_a_decoder_takes_its_copies_once_and_a_new_one_sees_an_edit(tiny_model):

@@ -210,7 +210,7 @@ def _selfspec(res: dict) -> str:
         f"{_span([r['speedup'] for r in rows.values()], '.2f')}× over γ = {_span(list(rows), 'd')}); predicted "
         f"{b['predicted_verify_measured']:.2f}× with the measured verify cost, {b['predicted']:.2f}× with the paper's "
         f"one step. The verify pass over {t} positions costs {verify[t]['packed']:.2f} decode steps on packed weights, "
-        f"{verify[t]['(in, out)']:.2f} on (in, out) copies (the bytes say about 1)"
+        f"{verify[t]['(in, out)']:.2f} on (in, out) copies (reading the weights once: 1)"
     )
 
 

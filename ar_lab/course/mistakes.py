@@ -312,7 +312,7 @@ LOOP_SLIPS = {
     "bonus": "dropping the bonus token after a full accept: the target's cache then holds the whole text, and "
              "its next pass feeds the last token again",
     "lag": "feeding the draft only the text's last token: after a full accept it has not read its own last "
-           "proposal (the target still corrects every draft: the same text, fewer drafts accepted)",
+           "proposal, so the last token lands where that proposal belongs in the draft's cache",
 }
 
 

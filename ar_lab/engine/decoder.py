@@ -114,9 +114,10 @@ class LeanDecoder(ForwardDecoder):
     """A stock ``GPT`` with a batch-1 cache: the prompt through ``forward`` (one call), then the
     lean engine's step and extend.
 
-    One decoder serves one generation: ``extend`` multiplies by (in, out) copies of the weights
-    made at its first use (faster on a CPU for a few rows), so make a new decoder after the
-    weights change. ``step`` reads the model's parameters themselves at every call.
+    One decoder serves one generation: ``extend`` multiplies by copies of the weights made at its
+    first use, in the layout a few rows read fastest (``lean.extend_copies``: packed for oneDNN, or
+    (in, out)); they cost a pass over the weights per generation, and a new decoder after the weights
+    change sees the change. ``step`` reads the model's parameters themselves at every call.
     """
 
     def __init__(self, model) -> None:

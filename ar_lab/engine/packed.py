@@ -1,12 +1,13 @@
 """Weights in the layout a product of a few rows reads fastest (the multi-token pass of ``LeanGPT.extend``).
 
 The verify pass of speculative decoding multiplies gamma + 1 rows by every weight matrix. Reading each
-matrix once should make that cost about one decode step (chapter 07), but on a CPU a float32 product
-of a few rows by nn.Linear's (out, in) weight reaches that only in the layout its kernel reads
-fastest. On a CPU with oneDNN, ``product_copy`` reorders the matrix once into oneDNN's blocked layout
-(``torch.ops.mkldnn._reorder_linear_weight``, which PyTorch's compiler uses for CPU linear layers);
-elsewhere it makes an (in, out) copy, which MKL multiplies faster than (out, in) for a few rows.
-``python -m ar_lab.bench selfspec`` measures the pass in decode steps with each.
+matrix once should make that cost about one decode step (chapter 07), plus the arithmetic of the rows
+where it does not overlap the reads; on a CPU a float32 product of a few rows by nn.Linear's (out, in)
+weight comes much closer to that after a change of layout. On a CPU with oneDNN, ``product_copy``
+reorders a large matrix once into oneDNN's blocked layout (``torch.ops.mkldnn._reorder_linear_weight``,
+then ``torch.ops.mkldnn._linear_pointwise``: private PyTorch operators, so ``packs`` checks they exist);
+elsewhere, and for small matrices, it makes an (in, out) copy, which MKL multiplies faster than (out, in)
+for a few rows. ``python -m ar_lab.bench selfspec`` measures the pass in decode steps with each.
 """
 
 from __future__ import annotations
@@ -54,6 +55,7 @@ def packs(weight: torch.Tensor) -> bool:
         and weight.dtype == torch.float32
         and torch.backends.mkldnn.is_available()
         and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+        and hasattr(torch.ops.mkldnn, "_linear_pointwise")
     )
 
 

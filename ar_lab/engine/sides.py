@@ -61,6 +61,12 @@ class Side:
         self.positions += len(fed)
         return logits
 
+    @property
+    def token_ids(self) -> list[int] | None:
+        """The token ids at positions 0 .. length - 1 (the cache's and those still pending), or None if unknown."""
+        held = self.cache.token_ids
+        return None if held is None else held + self.pending
+
     def truncate(self, n: int) -> None:
         """Keep the cache's first ``n`` positions (0 <= n <= length): drop what was fed after them."""
         if self.pending:
@@ -156,3 +162,30 @@ def checked_emitted(emitted, g: int, vocab_size: int) -> list[int]:
         raise ValueError(f"an iteration with gamma = {g} emits 1 to {g + 1} tokens (the accepted drafts and one "
                          f"of the target's: a correction, or the bonus after a full accept), got {len(emitted)}")
     return checked_tokens("the iteration's tokens", emitted, vocab_size)
+
+
+class CacheMismatch(ValueError):
+    """An iteration left a side's cache holding what the text does not: positions past the text minus its
+    last token (a rollback forgotten, a bonus token fed but not emitted), or another token than the text's
+    at some position (a token fed twice, or fed where another belongs). The next pass would attend to those
+    keys and give a wrong text: ``speculative_generate`` stops instead."""
+
+
+def check_rolled_back(side, text: list[int]) -> None:
+    """Raise ``CacheMismatch`` unless ``side``'s cache holds a prefix of ``text`` minus its last token."""
+    if isinstance(side, ProposerSide):
+        return
+    n, most = side.length, len(text) - 1
+    if n > most:
+        raise CacheMismatch(
+            f"after the iteration the {side.name}'s cache holds {n} positions, but the text minus its last token is "
+            f"{most} long: roll it back ({side.name}.truncate) so it drops what the text does not hold"
+        )
+    held = side.token_ids
+    if held is not None and held != text[:n]:
+        i = next(i for i, (a, b) in enumerate(zip(held, text, strict=False)) if a != b)
+        raise CacheMismatch(
+            f"after the iteration the {side.name}'s cache holds token {held[i]} at position {i}, where the text has "
+            f"{text[i]}: feed each side what its cache lacks, text[{side.name}.length:]"
+        )
+

@@ -51,7 +51,7 @@ from ar_lab.engine.decoder import decoder_for
 from ar_lab.engine.lookup import is_proposer
 from ar_lab.engine.prompts import check_eos, check_prompt, prompt_ids
 from ar_lab.engine.sampling import GREEDY, SamplingParams
-from ar_lab.engine.sides import Distributions, ProposerSide, Side, checked_emitted
+from ar_lab.engine.sides import Distributions, ProposerSide, Side, check_rolled_back, checked_emitted
 from ar_lab.model.cache import KVCache
 from ar_lab.model.inference import inference
 from ar_lab.model.tokenizer import EOS_ID, N_BYTES, decode
@@ -305,6 +305,8 @@ class Speculation:
         t0 = self.clock()
         emitted = self.step(target, draft, list(self.seq), g, accept, self.probs, self.generator)
         emitted = checked_emitted(emitted, g, target.vocab_size)
+        for side in (target, draft):  # a cache that does not match the text would make the next pass wrong
+            check_rolled_back(side, self.seq + emitted)
         synchronize(self.device)
         t1 = self.clock()
         split = t1 if target.started is None else target.started

@@ -42,8 +42,13 @@ def _copy(t: torch.Tensor, k: int, dims: tuple[int, ...]) -> torch.Tensor:
 def widen(model: GPT, k: int) -> GPT:
     """A ``GPT`` with ``k`` times the width (``n_embd``; the heads k times wider, their number kept) that
     computes the same logits as ``model`` (see the module docstring). ``model`` is not changed."""
-    if not isinstance(model, GPT):
-        raise TypeError(f"widen takes an ar_lab GPT, got {type(model).__name__}")
+    if type(model) is not GPT:  # a subclass may compute something else: its forward is not widened here
+        raise TypeError(f"widen takes an ar_lab GPT (not a subclass), got {type(model).__name__}")
+    if model.lm_head.weight is not model.wte.weight:
+        raise TypeError("widen takes a GPT whose output projection is tied to its token embedding, as GPT ties them")
+    layers = [m for b in model.blocks for m in (b.attn.qkv, b.attn.proj, b.mlp.fc, b.mlp.proj)]
+    if any(type(m) is not torch.nn.Linear for m in layers):  # a quantized layer's weights are not a matrix
+        raise TypeError("widen takes a GPT of nn.Linear layers: widen first, then quantize (quantize_model)")
     k = positive_int("k (the widening factor)", k)
     cfg = model.config
     with torch.device("meta"):  # no random initialisation: every weight is set below
