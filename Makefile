@@ -7,7 +7,7 @@ COURSE_STAMP := $(VENV)/.course-installed
 DEV_STAMP := $(VENV)/.dev-installed
 PYTEST_ARGS ?=
 
-.PHONY: lab test test-fast lint checkpoints bench clean help grading-course
+.PHONY: lab test test-fast lint checkpoints bench clean help grading-course test-class grading-time site test-site site-node
 
 help:
 	@echo "make lab          set up and open the course in JupyterLab"
@@ -16,6 +16,10 @@ help:
 	@echo "make checkpoints  retrain the shipped checkpoints in data/ (under an hour on 2 cores)"
 	@echo "make bench        run every benchmark into data/bench/*.json and regenerate the README tables from them"
 	@echo "make grading-course DIR=grading [CHAPTER=06]  lay out an nbgrader course folder (INSTRUCTORS.md)"
+	@echo "make site         build the course as a static website (Jupyter Book 2; needs Node.js) into build/site/_build/html"
+	@echo "make test-site    build the site if needed, then test it in Chromium (tests/test_site.py)"
+	@echo "make test-class   a class on JupyterHub with nbgrader's exchange, end to end (tests/test_class.py; needs npm)"
+	@echo "make grading-time time autograde + the grading step per chapter into data/grading_time.json (~12 min)"
 
 $(BIN)/python:
 	@$(PYTHON) -c 'import sys; sys.exit(0 if sys.version_info >= (3, 11) else "ar_lab needs Python 3.11 or newer (the version CI tests)")'
@@ -67,6 +71,50 @@ grading-course:
 	@test -n "$(DIR)" || { echo "usage: make grading-course DIR=folder [CHAPTER=06]"; exit 2; }
 	@$(MAKE) --no-print-directory $(DEV_STAMP)
 	$(BIN)/python -m ar_lab.course.exercises course "$(DIR)" $(foreach c,$(CHAPTER),--chapter $(c))
+
+# The JupyterHub class test: JupyterHub from requirements/class.txt, its proxy from the npm registry into
+# .class-tools/ (git-ignored). Not part of `make test`; .ci/run runs it after.
+CHP_VERSION := 5.3.0
+CLASS_STAMP := $(VENV)/.class-installed
+CHP_STAMP := .class-tools/.configurable-http-proxy-$(CHP_VERSION)
+
+$(CLASS_STAMP): requirements/class.txt $(DEV_STAMP)
+	$(BIN)/python -m pip install -r requirements/class.txt
+	touch $@
+
+$(CHP_STAMP):
+	@command -v npm >/dev/null 2>&1 || { echo "make test-class needs Node.js 20+ with npm (the Hub's proxy, configurable-http-proxy, comes from the npm registry): install Node.js"; exit 1; }
+	npm install --prefix .class-tools --no-fund --no-audit configurable-http-proxy@$(CHP_VERSION)
+	touch $@
+
+test-class: $(CLASS_STAMP) $(CHP_STAMP)
+	AR_LAB_CLASS_TEST=1 $(BIN)/python -m pytest tests/test_class.py $(PYTEST_ARGS)
+
+# Seconds of nbgrader autograde + the grading step per submission, every chapter (INSTRUCTORS.md's table).
+grading-time: $(DEV_STAMP)
+	$(BIN)/python -m ar_lab.course.grading_time --no-once --parallel-chapter 05 --students 2 --processes 2 \
+		--json data/grading_time.json --write INSTRUCTORS.md
+
+# The static site (site/, Jupyter Book 2 from requirements/site.txt on the machine's Node.js): the student
+# versions of the notebooks with their committed outputs, nothing executed. Not part of `make test`.
+SITE_STAMP := $(VENV)/.site-installed
+SITE_HTML := build/site/_build/html/index.html
+
+site-node:
+	@command -v node >/dev/null 2>&1 || { echo "make site needs Node.js 18, 20 or 22+ (node and npm): apt-get install nodejs npm, or https://nodejs.org"; exit 1; }
+
+$(SITE_STAMP): requirements/site.txt $(COURSE_STAMP)
+	$(BIN)/python -m pip install -r requirements/site.txt
+	touch $@
+
+site: site-node $(SITE_STAMP)
+	$(BIN)/python site/build.py
+
+$(SITE_HTML): $(wildcard notebooks/*.ipynb notebooks/*.md site/*.* site/theme/*) README.md | site-node $(SITE_STAMP)
+	$(BIN)/python site/build.py
+
+test-site: $(SITE_HTML) $(DEV_STAMP)
+	$(BIN)/python -m pytest tests/test_site.py -m site $(PYTEST_ARGS)
 
 clean:
 	rm -rf $(VENV)
