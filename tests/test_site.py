@@ -192,6 +192,19 @@ def test_claim_checks_are_hidden_and_their_sentences_shown(pages):
     assert hidden_cells >= 20
 
 
+def test_every_formula_is_drawn_as_mathml(pages):
+    """Each $...$ and $$...$$ of a chapter's prose is a MathML <math> element on its page (browsers draw it
+    without scripts), not TeX source."""
+    for path in NOTEBOOKS:
+        prose = "\n".join(c.source for c in nbformat.read(path, as_version=4).cells if c.cell_type == "markdown")
+        displays = len(re.findall(r"\$\$.+?\$\$", prose, re.S))
+        inline = len(re.findall(r"(?<![$\\])\$[^$\n]+?\$(?!\$)", re.sub(r"\$\$.+?\$\$", "", prose, flags=re.S)))
+        page = pages[page_file(path).name]
+        assert page.count("<math") >= displays + inline, f"{path.name}: {displays} + {inline} formulas in the prose"
+        assert 'class="math tex"' not in page, f"{path.name}: a formula left as TeX source"
+    assert sum(p.count("<math") for p in pages.values()) >= 3
+
+
 def markdown_tables(nb) -> int:
     """Markdown tables in the notebook's prose and in the Markdown its cells displayed (a delimiter row each)."""
     texts = [c.source for c in nb.cells if c.cell_type == "markdown"]

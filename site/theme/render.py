@@ -50,6 +50,20 @@ def binder_url(notebook: str) -> str:
     return f"https://mybinder.org/v2/gh/{owner}/{repo}/{BRANCH}?urlpath=lab/tree/course/{notebook}"
 
 
+_MATHML = re.compile(r"<math\b.*?</math>", re.S)
+
+
+def math_html(node: dict, *, display: bool) -> str:
+    """A formula as MathML, which browsers draw without scripts or fonts: the MathML half of the KaTeX rendering
+    MyST stores in the node (``html``), without KaTeX's visual half (that needs KaTeX's CSS and fonts).
+    Without a rendering, the TeX source, marked as such."""
+    found = _MATHML.search(node.get("html", ""))
+    if found:
+        return f'<div class="math">{found.group(0)}</div>\n' if display else found.group(0)
+    tex = html.escape(node.get("value", ""))
+    return f'<div class="math tex">{tex}</div>\n' if display else f'<span class="math tex">{tex}</span>'
+
+
 class Page:
     """One page's HTML from its MyST AST."""
 
@@ -131,10 +145,8 @@ class Page:
             return node.get("value", "")
         if kind == "image":
             return f'<img src="{esc(self.href(node.get("url", "")))}" alt="{esc(node.get("alt", ""))}">'
-        if kind == "inlineMath":
-            return f'<span class="math">{esc(node.get("value", ""))}</span>'
-        if kind == "math":
-            return f'<div class="math">{esc(node.get("value", ""))}</div>\n'
+        if kind in ("inlineMath", "math"):
+            return math_html(node, display=kind == "math")
         if kind == "admonition":
             return f'<aside class="admonition">{inner(node)}</aside>\n'
         if kind == "admonitionTitle":
@@ -288,3 +300,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+
