@@ -106,13 +106,31 @@ def check_node() -> None:
         sys.exit(f"{NEED_NODE} (found {version or 'an unreadable version'})")
 
 
+def github_url(remote: str) -> str | None:
+    """https://github.com/OWNER/REPO for a GitHub remote (https or ssh form), else None."""
+    found = re.match(r"^(?:https://github\.com/|git@github\.com:|ssh://git@github\.com/)([\w.-]+)/([\w.-]+?)(?:\.git)?/?$",
+                     remote.strip())
+    return f"https://github.com/{found.group(1)}/{found.group(2)}" if found else None
+
+
+def repository_url() -> str:
+    """Where the Binder links point: AR_LAB_REPO_URL, else project.github in site/myst.yml unless it is the
+    placeholder, else the clone's GitHub remote (origin), else the placeholder (the build says so)."""
+    project = yaml.safe_load((SITE / "myst.yml").read_text())["project"]
+    configured = os.environ.get("AR_LAB_REPO_URL") or project["github"]
+    if "/OWNER/" not in configured:
+        return configured
+    remote = subprocess.run(["git", "-C", str(ROOT), "remote", "get-url", "origin"], capture_output=True, text=True)
+    return (github_url(remote.stdout) if remote.returncode == 0 else None) or configured
+
+
 def write_project(out: Path = OUT) -> tuple[list[Path], str]:
     """Lay out the MyST project in ``out``; returns the notebooks it holds and the repository's URL."""
     if out.exists():
         shutil.rmtree(out)
     out.mkdir(parents=True)
     shutil.copytree(SITE / "theme", out / "theme", ignore=shutil.ignore_patterns("__pycache__"))
-    repo_url = os.environ.get("AR_LAB_REPO_URL") or yaml.safe_load((SITE / "myst.yml").read_text())["project"]["github"]
+    repo_url = repository_url()
     if "/OWNER/" in repo_url:
         print(f"note: the Binder links use the placeholder {repo_url}: set project.github in site/myst.yml "
               "(or AR_LAB_REPO_URL) to the repository's URL before publishing")

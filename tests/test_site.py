@@ -255,6 +255,17 @@ def test_every_chapter_opens_on_binder(pages):
         assert urllib.parse.parse_qs(url.query)["urlpath"] == [f"lab/tree/course/{nb.name}"]
 
 
+@pytest.mark.parametrize("remote, url", [
+    ("https://github.com/someone/ar_lab.git", "https://github.com/someone/ar_lab"),
+    ("git@github.com:someone/ar_lab.git", "https://github.com/someone/ar_lab"),
+    ("https://github.com/someone/ar_lab", "https://github.com/someone/ar_lab"),
+    ("https://gitlab.com/someone/ar_lab.git", None),
+    ("/work/main", None),
+])
+def test_the_binder_links_follow_the_clones_github_remote(remote, url):
+    assert build.github_url(remote) == url
+
+
 def test_make_site_says_what_to_install_without_node(tmp_path):
     """With no node on PATH the build stops at once, with one line naming what to install."""
     run = subprocess.run([sys.executable, str(ROOT / "site" / "build.py")], capture_output=True, text=True,
