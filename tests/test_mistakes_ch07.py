@@ -12,62 +12,53 @@ from ar_lab.engine.accept import draw
 from ar_lab.model.data import benchmark_prompts
 
 
-def right(target, draft, seq, gamma, accept, probs, generator):
+def propose(draft, seq, gamma, probs, generator, *, last_only=False):
+    """The draft's gamma tokens and their q, as a learner writes it (``last_only``: the lagging draft's slip)."""
     drafts, qs = [], []
     for _ in range(gamma):
         text = seq + drafts
-        q = probs(draft.feed(text[draft.length :])[-1], text)
-        qs.append(q)
-        drafts.append(draw(q, generator))
-    p = probs(target.feed(seq[-1:] + drafts), seq + drafts)
-    n, dist = accept(p, qs, drafts)
-    keep = len(seq) + n
+        fed = [text[-1]] if last_only else text[draft.length :]  # the slip: only the last token, whatever is lacking
+        qs.append(probs(draft.feed(fed)[-1], text))
+        drafts.append(draw(qs[-1], generator))
+    return drafts, qs
+
+
+def verify(target, seq, drafts, qs, accept, probs):
+    """The target's one pass and the accept rule: (n, dist)."""
+    return accept(probs(target.feed(seq[-1:] + drafts), seq + drafts), qs, drafts)
+
+
+def roll_back(target, draft, keep):
     target.truncate(keep)
     draft.truncate(min(draft.length, keep))
+
+
+def right(target, draft, seq, gamma, accept, probs, generator):
+    drafts, qs = propose(draft, seq, gamma, probs, generator)
+    n, dist = verify(target, seq, drafts, qs, accept, probs)
+    roll_back(target, draft, len(seq) + n)
     return drafts[:n] + [draw(dist, generator)]
 
 
 def forgot_rollback(target, draft, seq, gamma, accept, probs, generator):
-    drafts, qs = [], []
-    for _ in range(gamma):
-        text = seq + drafts
-        q = probs(draft.feed(text[draft.length :])[-1], text)
-        qs.append(q)
-        drafts.append(draw(q, generator))
-    p = probs(target.feed(seq[-1:] + drafts), seq + drafts)
-    n, dist = accept(p, qs, drafts)
+    drafts, qs = propose(draft, seq, gamma, probs, generator)
+    n, dist = verify(target, seq, drafts, qs, accept, probs)
     return drafts[:n] + [draw(dist, generator)]  # WRONG: no truncate, the rejected drafts stay in both caches
 
 
 def dropped_bonus(target, draft, seq, gamma, accept, probs, generator):
-    drafts, qs = [], []
-    for _ in range(gamma):
-        text = seq + drafts
-        q = probs(draft.feed(text[draft.length :])[-1], text)
-        qs.append(q)
-        drafts.append(draw(q, generator))
-    p = probs(target.feed(seq[-1:] + drafts), seq + drafts)
-    n, dist = accept(p, qs, drafts)
-    keep = len(seq) + n
-    target.truncate(keep)
-    draft.truncate(min(draft.length, keep))
+    drafts, qs = propose(draft, seq, gamma, probs, generator)
+    n, dist = verify(target, seq, drafts, qs, accept, probs)
+    roll_back(target, draft, len(seq) + n)
     if n == len(drafts):
         return drafts  # WRONG: every draft passed, and the bonus token is left out
     return drafts[:n] + [draw(dist, generator)]
 
 
 def lagging_draft(target, draft, seq, gamma, accept, probs, generator):
-    drafts, qs = [], []
-    for _ in range(gamma):
-        text = seq + drafts
-        q = probs(draft.feed([text[-1]])[-1], text)  # WRONG: only the last token, whatever the draft's cache lacks
-        qs.append(q)
-        drafts.append(draw(q, generator))
-    p = probs(target.feed(seq[-1:] + drafts), seq + drafts)
-    n, dist = accept(p, qs, drafts)
-    keep = len(seq) + n
-    target.truncate(keep)
-    draft.truncate(min(draft.length, keep))
+    drafts, qs = propose(draft, seq, gamma, probs, generator, last_only=True)  # WRONG: see propose
+    n, dist = verify(target, seq, drafts, qs, accept, probs)
+    roll_back(target, draft, len(seq) + n)
     return drafts[:n] + [draw(dist, generator)]
 
 
