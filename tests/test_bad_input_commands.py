@@ -31,6 +31,7 @@ import nbformat
 import pytest
 import torch
 
+from ar_lab.base.errors import BadValue
 from ar_lab.course import exercises
 from ar_lab.engine import serving, speculative
 from ar_lab.engine.quant import quantize_model
@@ -38,6 +39,7 @@ from ar_lab.engine.serving import Request
 from ar_lab.model import bigram, data, train
 from ar_lab.model.gpt import GPT, GPTConfig
 from ar_lab.perf import quality, roofline, serving_measure
+from tests.raising import raises
 from tests.test_bad_input import Call
 
 # --- what the cases run on -----------------------------------------------------------------
@@ -270,7 +272,7 @@ def _read_only_folder(tmp_path: Path) -> Path:
 
 def test_check_writable_refuses_what_cannot_be_written(tmp_path):
     for bad in [tmp_path, tmp_path / TOO_LONG, tmp_path / TOO_LONG / "out.json"]:
-        with pytest.raises(ValueError, match="--json"):
+        with raises(BadValue, '--json'):
             data.check_writable(bad, "--json")
     existing = tmp_path / "kept.json"
     existing.write_text("old")
@@ -293,9 +295,9 @@ def _never(what: str):
 
 def test_train_preset_checks_out_before_training(tmp_path, monkeypatch):
     monkeypatch.setattr(train, "train", _never("training"))
-    with pytest.raises(ValueError, match="out"):
+    with raises(BadValue, 'out'):
         train.train_preset("draft", out=tmp_path / TOO_LONG, progress=False)
-    with pytest.raises(ValueError, match="folder"):
+    with raises(BadValue, 'out'):
         train.train_preset("draft", out=tmp_path, progress=False)
 
 
@@ -429,8 +431,8 @@ def test_the_checks_leave_no_file_behind(tmp_path):
 def test_serving_measurements_have_documented_size_limits(tiny_model):
     from ar_lab.perf import serving_measure
 
-    with pytest.raises(ValueError, match="n_requests must be at most 10,000"):
+    with raises(BadValue, 'n_requests'):
         serving_measure.mixed_workload(10**9)
     assert len(serving_measure.mixed_workload(serving_measure.MAX_REQUESTS)) == serving_measure.MAX_REQUESTS
-    with pytest.raises(ValueError, match="batch_sizes: a batch of 1,000,000 needs"):
+    with raises(BadValue, 'batch_sizes'):
         serving_measure.decode_throughput(tiny_model, [1, 10**6], context=4, steps=2, repeats=1)

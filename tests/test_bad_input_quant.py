@@ -22,15 +22,19 @@ import torch
 from safetensors.torch import save_file
 
 import ar_lab
+from ar_lab.base.errors import BadValue
 from ar_lab.engine import lean
 from ar_lab.engine.decoder import ForwardDecoder, LeanDecoder, decoder_for
 from ar_lab.engine.generate import generate
 from ar_lab.engine.kv_quant import Int8KVCache
+from ar_lab.engine.lean import NotLean
 from ar_lab.engine.prefix_cache import PrefixCache
 from ar_lab.engine.quant import QuantizedLinear, QuantizedTensor, quantize_int8, quantize_model
 from ar_lab.model import checkpoint
 from ar_lab.model.cache import BatchKVCache, KVCache
+from ar_lab.model.checkpoint import CheckpointError
 from ar_lab.model.gpt import GPT, GPTConfig
+from tests.raising import raises
 from tests.test_bad_input import Call
 
 PROMPT = "The history of the "
@@ -266,7 +270,7 @@ def test_a_quantized_model_cast_after_quantizing_decodes_the_same_tokens_lean_or
     the same prompt); such a model now goes through forward, and its layers keep the kernels' dtypes."""
     model = quantize_model(course(), weights=weights).to(torch.bfloat16)
     assert not lean.supports(model)
-    with pytest.raises(lean.NotLean, match="float32 residual stream"):
+    with raises(NotLean, 'model'):
         lean.LeanGPT(model)
     layer = model.blocks[0].attn.qkv
     assert layer.bias.dtype == torch.float32 and all(
@@ -304,7 +308,7 @@ def test_an_int8_value_of_minus_128_is_computed_as_it_stands():
 
 def test_saving_a_quantized_model_is_refused_before_anything_is_written(tmp_path):
     path = tmp_path / "q.safetensors"
-    with pytest.raises(ValueError, match="save the full-precision model"):
+    with raises(BadValue, 'model'):
         checkpoint.save_checkpoint(path, quantize_model(tiny(), weights="int4"))
     assert not path.exists()
 
@@ -359,7 +363,7 @@ def _state(model) -> dict:
 
 def test_a_checkpoint_of_another_preset_is_refused_when_a_preset_is_asked_for(tmp_path):
     path = _write(tmp_path / "course.safetensors", _state(tiny()), tiny().config, {"preset": "draft"})
-    with pytest.raises(checkpoint.CheckpointError, match="its record says preset 'draft'"):
+    with raises(CheckpointError, 'path'):
         checkpoint.load_checkpoint(path, "cpu", preset="course")
     assert checkpoint.load_checkpoint(path, "cpu", preset="draft").checkpoint_record["preset"] == "draft"
 
@@ -368,7 +372,7 @@ def test_a_checkpoint_of_another_preset_is_refused_when_a_preset_is_asked_for(tm
 def test_tensors_of_a_dtype_the_model_does_not_hold_are_refused_despite_a_correct_digest(tmp_path, dtype):
     state = {k: (v * 100).to(dtype) for k, v in _state(tiny()).items()}
     path = _write(tmp_path / "typed.safetensors", state, tiny().config)
-    with pytest.raises(checkpoint.CheckpointError, match=f"is {dtype}, not floating point"):
+    with raises(CheckpointError, 'path'):
         checkpoint.load_checkpoint(path, "cpu")
 
 
@@ -384,7 +388,7 @@ def test_a_header_claiming_a_huge_model_is_refused_before_it_is_allocated(tmp_pa
     monkeypatch.setattr(checkpoint, "GPT", spy)
     big = GPTConfig(block_size=4096, n_layer=400, n_head=16, n_embd=2048)
     path = _write(tmp_path / "huge.safetensors", _state(tiny()), big)
-    with pytest.raises(checkpoint.CheckpointError, match="does not match its config"):
+    with raises(CheckpointError, 'path'):
         checkpoint.load_checkpoint(path, "cpu")
     assert built and set(built) == {"meta"}
 
@@ -397,7 +401,7 @@ def test_a_refused_truncate_leaves_the_cache_as_it_was(n):
     cache = KVCache.for_model(tiny(), max_len=8)
     generate(tiny(), [1, 2, 3], 3, eos_id=None, cache=cache)
     before = (cache.length, cache.token_ids)
-    with pytest.raises(ValueError, match="n must be an int"):
+    with raises(BadValue, 'n'):
         cache.truncate(n)
     assert (cache.length, cache.token_ids) == before and before[0] == 5  # unchanged, still usable
     fresh = generate(tiny(), [1, 2, 3], 3, eos_id=None).tokens
@@ -408,7 +412,7 @@ def test_check_fits_accepts_the_caches_for_model_builds():
     for cache in (KVCache.for_model(tiny()), Int8KVCache.for_model(tiny()), BatchKVCache.for_model(tiny(), 2)):
         cache.check_fits(tiny())
     assert Int8KVCache.for_model(tiny(), dtype=torch.bfloat16).dtype == torch.bfloat16
-    with pytest.raises(ValueError, match="not shaped for this model"):
+    with raises(BadValue, 'cache'):
         BatchKVCache.for_model(other(), 2).check_fits(tiny())
 
 

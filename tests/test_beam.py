@@ -12,10 +12,12 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
+from ar_lab.base.errors import BadValue, ContextFull
 from ar_lab.engine.beam import beam_search, beam_search_batch, length_normalised
 from ar_lab.engine.generate import generate
 from ar_lab.model.gpt import GPT, GPTConfig
 from tests.conftest import ScriptedModel
+from tests.raising import raises
 
 
 class TableModel(torch.nn.Module):
@@ -198,13 +200,13 @@ def test_beam_search_stops_early_when_nothing_can_beat_the_finished():
 
 
 def test_beam_search_rejects_bad_arguments(tiny_model):
-    with pytest.raises(ValueError, match="num_beams must be an int >= 1"):
+    with raises(BadValue, 'num_beams'):
         beam_search(tiny_model, "a", 3, num_beams=0)
-    with pytest.raises(ValueError, match="length_penalty must be a finite number"):
+    with raises(BadValue, 'length_penalty'):
         beam_search(tiny_model, "a", 3, length_penalty=float("nan"))
-    with pytest.raises(ValueError, match=r"eos_id must be a token id in \[0, "):
+    with raises(BadValue, 'eos_id'):
         beam_search(tiny_model, "a", 3, eos_id=999)
-    with pytest.raises(ValueError, match="prompt is empty"):
+    with raises(BadValue, 'prompts'):
         beam_search(tiny_model, "", 3)
-    with pytest.raises(ValueError, match="ask for at most"):
+    with raises(ContextFull, 'max_new_tokens'):
         beam_search(tiny_model, "a" * 60, 10)

@@ -6,12 +6,14 @@ import sys
 import pytest
 import torch
 
+from ar_lab.base.errors import BadValue, ContextFull
 from ar_lab.bench.__main__ import main
 from ar_lab.bench.common import checked_device, torch_threads
 from ar_lab.bench.sampler import format_sampler_results, sampler_benchmark
 from ar_lab.bench.serving import format_serving_results, serving_benchmark
 from ar_lab.bench.table import format_table
 from ar_lab.model.gpt import GPT, GPTConfig
+from tests.raising import raises
 
 
 def test_format_table_right_aligns_and_rounds_floats():
@@ -47,7 +49,7 @@ def test_bad_options_end_with_one_message_and_status_2(args, capsys):
 def test_checked_device():
     assert checked_device("cpu") == torch.device("cpu")
     for bad in ["mps", "banana", "cuda:x"]:
-        with pytest.raises(ValueError, match="device must be like 'cpu' or 'cuda'"):
+        with raises(BadValue, 'device'):
             checked_device(bad)
 
 
@@ -56,7 +58,7 @@ def test_torch_threads_restores_the_count():
     with torch_threads(1):
         assert torch.get_num_threads() == 1
     assert torch.get_num_threads() == before
-    with pytest.raises(ValueError, match="--threads must be positive"):
+    with raises(BadValue, 'threads'):
         with torch_threads(0):
             pass
 
@@ -87,9 +89,9 @@ def test_sampler_benchmark_returns_data_and_prints_nothing(model_128, capsys):
     assert json.loads(json.dumps(res)) == res
     table = format_sampler_results(res)
     assert "x decode step" in table and "sampler: all + repetition penalty 1.2" in table
-    with pytest.raises(ValueError, match="context window of 128"):
+    with raises(ContextFull, 'context'):
         sampler_benchmark(model_128, context=128)
-    with pytest.raises(ValueError, match="rounds must be"):
+    with raises(BadValue, 'rounds'):
         sampler_benchmark(model_128, rounds=0)
 
 

@@ -5,9 +5,11 @@ import json
 import pytest
 import torch
 
+from ar_lab.base.errors import BadValue, ContextFull
 from ar_lab.bench.__main__ import main
 from ar_lab.bench.constrained import RECORDS_PROMPT, constrained_benchmark, format_constrained_results, record_grammar
 from ar_lab.model.gpt import GPT, GPTConfig
+from tests.raising import raises
 
 
 def test_the_prompt_holds_records_of_the_grammar():
@@ -29,9 +31,9 @@ def test_the_benchmark_returns_data_and_prints_nothing(capsys):
     assert json.loads(json.dumps(res)) == res
     table = format_constrained_results(res)
     assert "valid records" in table and "a constrained step takes" in table
-    with pytest.raises(ValueError, match="tokens must be at most"):
+    with raises(ContextFull, 'tokens'):
         constrained_benchmark(model, tokens=500)
-    with pytest.raises(ValueError, match="samples must be"):
+    with raises(BadValue, 'samples'):
         constrained_benchmark(model, samples=0)
 
 

@@ -5,10 +5,12 @@ import json
 import pytest
 import torch
 
+from ar_lab.base.errors import BadValue, ContextFull
 from ar_lab.bench.__main__ import main
 from ar_lab.bench.decode import decode_benchmark, format_decode_results
 from ar_lab.model.gpt import GPT, GPTConfig
 from ar_lab.model.reference import have_transformers
+from tests.raising import raises
 
 needs_hf = pytest.mark.skipif(not have_transformers(), reason="transformers is not installed")
 
@@ -90,11 +92,11 @@ def test_decode_benchmark_without_peer_and_bad_input(small_model):
     assert res["ratios"]["ar_lab_vs_transformers"] is None and "overhead_transformers_vs_ar_lab" not in res["ratios"]
     assert torch.get_num_threads() == threads  # restored
     assert "KV cache" not in format_decode_results(res)
-    with pytest.raises(ValueError, match="context window of 64"):
+    with raises(ContextFull, 'max_new_tokens'):
         decode_benchmark(small_model, tokens=64, prompt="abc", peer=False)
-    with pytest.raises(ValueError, match="tokens must be"):
+    with raises(BadValue, 'tokens'):
         decode_benchmark(small_model, tokens=0, peer=False)
-    with pytest.raises(ValueError, match="repeats must be"):
+    with raises(BadValue, 'repeats'):
         decode_benchmark(small_model, tokens=3, repeats=0, peer=False)
 
 

@@ -8,8 +8,10 @@ from pathlib import Path
 
 import pytest
 
+from ar_lab.base.errors import BadValue
 from ar_lab.bench import readme
 from ar_lab.model.checkpoint import load_checkpoint
+from tests.raising import raises
 
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
@@ -68,7 +70,7 @@ def test_missing_json_and_markers_are_clear_errors(tmp_path):
     (root / "data" / "bench" / "speculative.json").unlink()
     with pytest.raises(FileNotFoundError, match="python -m ar_lab.bench speculative --json"):
         readme.bench_table(root / "data" / "bench")
-    with pytest.raises(ValueError, match="markers"):
+    with raises(BadValue, 'readme'):
         readme.render("no markers here", ROOT)
     with pytest.raises(SystemExit) as e:
         readme.main(["--readme", str(tmp_path / "nothing.md"), "--check"])

@@ -3,10 +3,12 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from ar_lab.base.errors import BadType, BadValue, ContextFull
 from ar_lab.engine.decoder import ForwardDecoder, decoder_for
 from ar_lab.engine.generate import generate
 from ar_lab.model.cache import KVCache, kv_cache_bytes
 from ar_lab.model.gpt import GPT, GPTConfig
+from tests.raising import raises
 
 configs = st.builds(
     lambda layers, heads, group, d, seed: (
@@ -69,19 +71,19 @@ def test_truncate_and_capacity_errors(tiny_model):
     with torch.no_grad():
         tiny_model(torch.zeros(1, 5, dtype=torch.long), cache)
     assert cache.length == 5
-    with pytest.raises(ValueError, match="truncate to 0..5"):
+    with raises(BadValue, 'n'):
         cache.truncate(6)
     cache.truncate(2)
     assert cache.length == 2 and cache.used_bytes == cache.nbytes * 2 // 8
-    with pytest.raises(ValueError, match="KV cache full"):
+    with raises(ContextFull, 'cache'):
         with torch.no_grad():
             tiny_model(torch.zeros(1, 7, dtype=torch.long), cache)
-    with pytest.raises(ValueError, match="exceeds the model's context window"):
+    with raises(ContextFull, 'max_len'):
         KVCache.for_model(tiny_model, max_len=65)
-    with pytest.raises(ValueError, match="batch size 1"):
+    with raises(BadValue, 'cache'):
         with torch.no_grad():
             tiny_model(torch.zeros(2, 1, dtype=torch.long), KVCache.for_model(tiny_model))
-    with pytest.raises(ValueError, match="positive int"):
+    with raises(BadValue, 'n_layer'):
         KVCache(0, 1, 1, 1, 1)
 
 
@@ -114,7 +116,7 @@ def test_positions_written_without_their_ids_are_unknown(tiny_model):
     k = torch.zeros(1, 4, 2, 8)
     cache.update(0, 1, k, k)  # rewrites positions 1..2 of one layer: their ids are no longer known
     assert cache.token_ids is None
-    with pytest.raises(ValueError, match="knows the token ids of only 1"):
+    with raises(BadValue, 'cache'):
         cache.reusable([5, 6, 7, 8])
     cache.truncate(1)
     assert cache.token_ids == [5]
@@ -158,6 +160,6 @@ def test_a_cache_of_another_dtype_than_the_model_is_refused_before_any_write():
     model = ar_lab.load_pretrained("course")
     c = model.config
     cache = KVCache(c.n_layer, 1, c.n_head, 16, c.n_embd // c.n_head, dtype=torch.float64)
-    with pytest.raises(TypeError, match="dtype=torch.float32"):
+    with raises(BadType, 'cache'):
         model(torch.tensor([[1, 2]]), cache)
     assert cache.length == 0 and not cache.k[0].any()  # nothing was written

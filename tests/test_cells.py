@@ -4,7 +4,9 @@ import nbformat
 import pytest
 from nbformat.v4 import new_code_cell, new_markdown_cell, new_notebook
 
+from ar_lab.base.errors import BadType, BadValue
 from ar_lab.course.cells import changes, cut, names
+from tests.raising import raises
 
 
 @pytest.mark.parametrize(
@@ -31,7 +33,7 @@ def test_names_follow_pythons_scopes_and_order(source, bound, read):
 
 
 def test_a_cell_that_is_not_python_is_named():
-    with pytest.raises(ValueError, match="does not parse as Python"):
+    with raises(BadValue, 'source'):
         names("def f(:\n")
 
 
@@ -58,7 +60,7 @@ def test_cut_keeps_the_chosen_cells_what_they_need_and_the_set_up():
 
 
 def test_cut_refuses_what_is_not_a_notebook():
-    with pytest.raises(TypeError, match="needs a notebook"):
+    with raises(BadType, 'nb'):
         cut({"cells": []}, lambda c: True)
 
 

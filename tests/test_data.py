@@ -1,6 +1,7 @@
 import pytest
 import torch
 
+from ar_lab.base.errors import BadValue
 from ar_lab.model.data import (
     builtin_corpus,
     builtin_documents,
@@ -11,6 +12,7 @@ from ar_lab.model.data import (
     train_val_split,
 )
 from ar_lab.model.tokenizer import EOS_ID, decode
+from tests.raising import raises
 
 
 def test_builtin_corpus_is_the_python_docs():
@@ -36,10 +38,10 @@ def test_bad_files_give_actionable_errors(tmp_path):
     with pytest.raises(FileNotFoundError, match="no such text file"):
         load_text(tmp_path / "missing.txt")
     (tmp_path / "empty.txt").write_text("  \n")
-    with pytest.raises(ValueError, match="empty"):
+    with raises(BadValue, 'path'):
         load_text(tmp_path / "empty.txt")
     (tmp_path / "bin.txt").write_bytes(b"\xff\xfe\x00abc")
-    with pytest.raises(ValueError, match="not UTF-8"):
+    with raises(BadValue, 'path'):
         load_text(tmp_path / "bin.txt")
     with pytest.raises(IsADirectoryError):
         load_text(tmp_path)
@@ -50,9 +52,9 @@ def test_split_is_deterministic_and_contiguous():
     tr, va = train_val_split(t, 0.1)
     assert len(tr) == 900 and len(va) == 100
     assert torch.equal(torch.cat([tr, va]), t)
-    with pytest.raises(ValueError, match="val_fraction"):
+    with raises(BadValue, 'val_fraction'):
         train_val_split(t, 1.5)
-    with pytest.raises(ValueError, match="too few"):
+    with raises(BadValue, 'tokens'):
         train_val_split(torch.arange(2), 0.5)
 
 
@@ -63,5 +65,5 @@ def test_batches_are_shifted_windows_and_seeded():
     assert torch.equal(y[:, :-1], x[:, 1:]) and torch.equal(y[:, -1], x[:, -1] + 1)
     x2, _ = get_batch(t, 4, 16, torch.Generator().manual_seed(0))
     assert torch.equal(x, x2)
-    with pytest.raises(ValueError, match="at least 17 tokens"):
+    with raises(BadValue, 'block_size'):
         get_batch(torch.arange(10), 1, 16)

@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 
 import ar_lab
+from ar_lab.base.errors import BadType, BadValue, ContextFull
 from ar_lab.model.checkpoint import read_checkpoint_metadata
 from ar_lab.model.data import data_dir
 from ar_lab.model.evaluation import (
@@ -20,6 +21,7 @@ from ar_lab.model.evaluation import (
     whole_windows,
 )
 from ar_lab.model.gpt import GPT, GPTConfig
+from tests.raising import raises
 
 
 def tiny(block_size: int = 16) -> GPT:
@@ -77,17 +79,17 @@ def test_the_course_protocol_is_named_and_the_shipped_records_use_it():
 
 
 def test_bad_protocols_and_models_are_refused_with_the_reason():
-    with pytest.raises(ValueError, match="window"):
+    with raises(BadValue, 'window'):
         EvalProtocol("x", 1)
-    with pytest.raises(ValueError, match="windows"):
+    with raises(BadValue, 'windows'):
         EvalProtocol("x", 8, 0)
-    with pytest.raises(ValueError, match="exceeds the model's context"):
+    with raises(ContextFull, 'protocol'):
         evaluate_protocol(tiny(8), EvalProtocol("x", 16))
-    with pytest.raises(TypeError, match="EvalProtocol"):
+    with raises(BadType, 'protocol'):
         evaluate_protocol(tiny(), 16)
-    with pytest.raises(ValueError, match="no whole 16-token window"):
+    with raises(BadValue, 'tokens'):
         evaluate_protocol(tiny(), EvalProtocol("x", 16), torch.zeros(16, dtype=torch.long))
-    with pytest.raises(TypeError, match="model must be"):
+    with raises(BadType, 'model'):
         evaluate_protocol(None)
-    with pytest.raises(ValueError, match="need 0 <= start < stop"):
+    with raises(BadValue, 'stop'):
         evaluate_protocol(tiny(), EvalProtocol("x", 16), torch.zeros(17, dtype=torch.long)).span(4, 4)

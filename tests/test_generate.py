@@ -7,6 +7,7 @@ from hypothesis import strategies as st
 
 import ar_lab
 import ar_lab.engine.prompts
+from ar_lab.base.errors import BadType, BadValue, ContextFull
 from ar_lab.course.sampler_view import sampler_view
 from ar_lab.engine.generate import generate, sample_batch, stream, token_steps
 from ar_lab.engine.sampling import GREEDY, SamplingParams, probabilities
@@ -14,6 +15,7 @@ from ar_lab.model.cache import KVCache, common_prefix_length
 from ar_lab.model.gpt import GPT, GPTConfig
 from ar_lab.model.tokenizer import EOS_ID, encode
 from tests.conftest import ScriptedModel
+from tests.raising import raises
 
 
 @pytest.mark.slow
@@ -93,20 +95,20 @@ def test_seeded_sampling_is_reproducible(tiny_model):
 
 
 def test_bad_input_is_rejected_clearly(tiny_model):
-    with pytest.raises(ValueError, match="prompt is empty"):
+    with raises(BadValue, 'prompt'):
         generate(tiny_model, "", 5)
-    with pytest.raises(ValueError, match="prompt has 65 tokens but the context window holds 64"):
+    with raises(ContextFull, 'prompt'):
         generate(tiny_model, "a" * 65, 1)
-    with pytest.raises(ValueError, match="ask for at most 5 new tokens"):
+    with raises(ContextFull, 'max_new_tokens'):
         generate(tiny_model, "a" * 60, 6)
     assert len(generate(tiny_model, "a" * 60, 5, eos_id=None).tokens) == 5
-    with pytest.raises(ValueError, match="max_new_tokens must be an int >= 1"):
+    with raises(BadValue, 'max_new_tokens'):
         generate(tiny_model, "a", 0)
-    with pytest.raises(ValueError, match="outside the vocabulary"):
+    with raises(BadValue, 'prompt'):
         generate(tiny_model, [1, 999], 3)
-    with pytest.raises(ValueError, match="stop_strings"):
+    with raises(BadValue, 'stop_strings'):
         generate(tiny_model, "a", 3, stop_strings="\n")
-    with pytest.raises(ValueError, match="top_p"):
+    with raises(BadValue, 'top_p'):
         generate(tiny_model, "a", 3, sampling=SamplingParams(top_p=1.5))
 
 
@@ -131,13 +133,13 @@ def test_options_after_the_budget_are_keyword_only(tiny_model):
 
 def test_arguments_are_checked_at_the_call_not_at_the_first_token(tiny_model):
     for call in (stream, token_steps):
-        with pytest.raises(ValueError, match="prompt is empty"):
+        with raises(BadValue, 'prompt'):
             call(tiny_model, "", 5)  # no next(): the call itself raises
-    with pytest.raises(ValueError, match="stop_strings"):
+    with raises(BadValue, 'stop_strings'):
         stream(tiny_model, "a", 3, stop_strings="\n")
-    with pytest.raises(TypeError, match="sampling must be a SamplingParams, got float"):
+    with raises(BadType, 'sampling'):
         generate(tiny_model, "a", 3, sampling=0.5)
-    with pytest.raises(TypeError, match="sampling must be a SamplingParams"):
+    with raises(BadType, 'sampling'):
         sample_batch(tiny_model, ["a"], 3, sampling=0.5)
 
 
@@ -159,9 +161,9 @@ def test_stop_strings_take_a_list_tuple_or_set_but_not_a_one_shot_iterator():
     model = ScriptedModel(encode("hello\n\nworld"), 1)
     assert generate(model, "Q", 20, stop_strings=("lo\n",)).text == "hel"
     assert generate(model, "Q", 20, stop_strings={"\n\n"}).text == "hello"
-    with pytest.raises(ValueError, match="stop_strings must be a list of non-empty strings"):
+    with raises(BadValue, 'stop_strings'):
         generate(model, "Q", 20, stop_strings=(s for s in ["\n\n"]))  # was consumed and ignored
-    with pytest.raises(ValueError, match="stop_strings must be a list of non-empty strings"):
+    with raises(BadValue, 'stop_strings'):
         generate(model, "Q", 20, stop_strings=["\n", ""])
 
 
@@ -193,7 +195,7 @@ def test_sampler_view_refuses_active_dropout_and_never_switches_the_model():
     model = GPT(GPTConfig(block_size=64, n_layer=2, n_head=4, n_embd=32, dropout=0.5)).eval()
     want = sampler_view(model, "hello", SamplingParams(), seed=1, n_samples=2, max_new_tokens=5)
     model.train()
-    with pytest.raises(ValueError, match="model.eval()"):
+    with raises(BadValue, 'model'):
         sampler_view(model, "hello", SamplingParams(), seed=1, n_samples=2, max_new_tokens=5)
     assert model.training  # refused, not switched
     got = sampler_view(model.eval(), "hello", SamplingParams(), seed=1, n_samples=2, max_new_tokens=5)
@@ -205,7 +207,7 @@ def test_a_stream_paused_while_dropout_is_switched_on_refuses_its_next_step():
     steps = token_steps(model, "ab", 5)
     next(steps)
     model.train()  # dropout on during the pause: the next step would be random
-    with pytest.raises(ValueError, match="model.eval()"):
+    with raises(BadValue, 'model'):
         next(steps)
 
 
@@ -221,9 +223,9 @@ def test_sample_batch_matches_generate_row_by_row(tiny_model):
     a = sample_batch(tiny_model, prompts, 8, generator=torch.Generator().manual_seed(0), **options)
     b = sample_batch(tiny_model, prompts, 8, generator=torch.Generator().manual_seed(0), use_cache=False, **options)
     assert a == b  # same draws, cached or not
-    with pytest.raises(ValueError, match="same number of tokens"):
+    with raises(BadValue, 'prompts'):
         sample_batch(tiny_model, ["a", "bc"], 3)
-    with pytest.raises(ValueError, match="non-empty list"):
+    with raises(BadValue, 'prompts'):
         sample_batch(tiny_model, "abc", 3)
 
 
@@ -249,7 +251,7 @@ def test_sampler_view_is_a_pure_function_of_its_arguments(tiny_model):
     assert nucleus.kept_mass >= 0.5 - 1e-6 and nucleus.continuations == []
     greedy = sampler_view(tiny_model, "hello", GREEDY, seed=1, n_samples=3, max_new_tokens=6)
     assert greedy.n_kept == 1 and len(set(greedy.continuations)) == 1 and greedy.entropy_after == 0.0
-    with pytest.raises(ValueError, match="prompt is empty"):
+    with raises(BadValue, 'prompt'):
         sampler_view(tiny_model, "", params)
 
 
@@ -347,7 +349,7 @@ def test_a_cache_holding_positions_of_unknown_tokens_is_refused(course):
         cache.update(layer, 0, k, k)  # filled by hand: the cache cannot know which tokens these are
     cache.length = 5
     for call in (generate, stream, token_steps):
-        with pytest.raises(ValueError, match="token ids"):
+        with raises(BadValue, 'cache'):
             call(course, "The for statement", 10, cache=cache)  # refused at the call, before any token
     cache.truncate(0)  # reuse only its memory
     assert generate(course, "The for", 10, cache=cache).tokens == generate(course, "The for", 10).tokens

@@ -9,8 +9,10 @@ from pathlib import Path
 import nbformat
 import pytest
 
+from ar_lab.base.errors import BadValue
 from ar_lab.course.exercises import NOTEBOOKS, graded_cells
 from ar_lab.course.grading_time import TABLE_END, TABLE_START, hours, main, table, write_table
+from tests.raising import raises
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "data" / "grading_time.json"
@@ -49,7 +51,7 @@ def test_write_table_replaces_only_between_the_markers(tmp_path, capsys):
     assert write_table(doc, data) is True and write_table(doc, data) is False
     assert doc.read_text() == f"before\n{TABLE_START}\n{table(data)}\n{TABLE_END}\nafter\n"
     (tmp_path / "none.md").write_text("no markers")
-    with pytest.raises(ValueError, match="markers"):
+    with raises(BadValue, 'document'):
         write_table(tmp_path / "none.md", data)
     assert main(["--from-json", str(RESULTS)]) == 0
     assert capsys.readouterr().out.strip() == table(data)

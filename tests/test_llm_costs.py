@@ -4,10 +4,12 @@ import math
 
 import pytest
 
+from ar_lab.base.errors import BadValue, ContextFull
 from ar_lab.model.gpt import GPTConfig
 from ar_lab.perf import gpus
 from ar_lab.perf import llm_costs as lc
 from ar_lab.perf import roofline as rl
+from tests.raising import raises
 
 # --- the spec table ------------------------------------------------------------------
 
@@ -59,7 +61,7 @@ def test_match_gpu_finds_only_the_tabulated_product():
         assert gpus.match_gpu(device_name).name == row, device_name
     for other in ["NVIDIA A10G", "NVIDIA H100 PCIe", "NVIDIA L40S", "NVIDIA A100 80GB PCIe", "NVIDIA H200 NVL", "cpu"]:
         assert gpus.match_gpu(other) is None, other
-    with pytest.raises(ValueError, match="unknown GPU 'B300'"):
+    with raises(BadValue, 'name'):
         gpus.gpu("B300")
 
 
@@ -141,15 +143,15 @@ def test_both_forward_costs_count_the_gpt_layout_by_hand():
 
 
 def test_cost_errors():
-    with pytest.raises(ValueError, match="weight_dtype must be one of"):
+    with raises(BadValue, 'weight_dtype'):
         lc.decode_cost(TINY, 4, 1, "fp8")
-    with pytest.raises(ValueError, match="exceed tiny's context window of 16"):
+    with raises(ContextFull, 'prompt_len'):
         lc.prefill_cost(TINY, 17)
-    with pytest.raises(ValueError, match="batch must be an int >= 1"):
+    with raises(BadValue, 'batch'):
         lc.decode_cost(TINY, 4, 0)
-    with pytest.raises(ValueError, match="multiple of n_kv_heads"):
+    with raises(BadValue, 'n_kv_heads'):
         lc.ModelShape("x", 1, 6, 3, 2, 2, 8, 10, 16)
-    with pytest.raises(ValueError, match="unknown model"):
+    with raises(BadValue, 'name'):
         lc.model("GPT-5")
 
 

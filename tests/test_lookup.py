@@ -7,12 +7,14 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from ar_lab.base.errors import BadValue
 from ar_lab.engine.generate import generate
 from ar_lab.engine.lookup import PromptLookup, checked_proposal, prompt_lookup
 from ar_lab.engine.sampling import SamplingParams
 from ar_lab.engine.speculative import speculative_generate
 from ar_lab.model.bigram import BigramModel
 from ar_lab.model.gpt import GPT, GPTConfig
+from tests.raising import raises
 from tests.test_speculative import N_SAMPLES, N_TOKENS, PROMPT, TARGET_TABLE, chi_square_pvalue, exact_joint
 
 
@@ -95,11 +97,11 @@ def test_bad_proposers_and_settings_are_refused_with_the_reason():
     ]:
         with pytest.raises(error, match=words):
             speculative_generate(target, proposer, "hello", 5, gamma=2)
-    with pytest.raises(ValueError, match="min_ngram"):
+    with raises(BadValue, 'min_ngram'):
         PromptLookup(max_ngram=1, min_ngram=2)
-    with pytest.raises(ValueError, match="max_ngram"):
+    with raises(BadValue, 'max_ngram'):
         PromptLookup(max_ngram=0)
-    with pytest.raises(ValueError, match="k"):
+    with raises(BadValue, 'k'):
         prompt_lookup([1, 2], -1)
     assert checked_proposal((3, 4), 2, 257) == [3, 4]
 
@@ -125,5 +127,5 @@ def test_the_benchmark_returns_data_with_identical_tokens_every_way(capsys):
         assert {"plain", "lookup", "draft model", "transformers plain", "transformers lookup"} == set(k["ms_per_token"])
         assert k["ar_lab_vs_transformers_lookup"] > 0
     assert "ar_lab / transformers" in format_lookup_results(res)
-    with pytest.raises(ValueError, match="lookahead must be"):
+    with raises(BadValue, 'lookahead'):
         lookup_benchmark(target, draft, lookahead=0)

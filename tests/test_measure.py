@@ -5,10 +5,12 @@ import matplotlib
 import pytest
 import torch
 
+from ar_lab.base.errors import BadValue, ContextFull
 from ar_lab.course.plots import plot_roofline
 from ar_lab.model.gpt import GPT, GPTConfig
 from ar_lab.perf import measure, peaks, side_by_side
 from ar_lab.perf.roofline import decode_cost, forward_cost, prefill_cost
+from tests.raising import raises
 
 matplotlib.use("Agg")
 
@@ -28,7 +30,7 @@ def test_peaks_are_measured():
     for k, times in bw["times"].items():  # the roof is the fastest repeat; the median is kept beside it
         assert bw["by_kernel"][k] == pytest.approx(6 * 2**20 / min(times))  # 6 MiB: 4096 divides it
         assert bw["by_kernel_median"][k] == pytest.approx(6 * 2**20 / statistics.median(times))
-    with pytest.raises(ValueError, match="too small"):
+    with raises(BadValue, 'nbytes'):
         peaks.measure_bandwidth("cpu", nbytes=8)
     assert peaks.default_dtype("cpu") == torch.float32 and peaks.default_dtype("cuda") == torch.bfloat16
     both = peaks.measure_peaks("cpu", matmul_size=64, buffer_bytes=2**20)
@@ -75,7 +77,7 @@ def test_measure_prefill_and_decode_run_the_pass_they_claim(tiny_model):
     v = measure.measure_forward(rec, tokens=5, past=10, repeats=2)  # e.g. verifying 4 draft tokens + 1
     assert rec.calls == [((1, 5), 10, True, False)] * 3
     assert v.cost == forward_cost(tiny_model.config, 1, 5, 10) and v.cost.context == 15
-    with pytest.raises(ValueError, match="exceed the context window"):
+    with raises(ContextFull, 'context'):
         measure.measure_decode(tiny_model, 65)
 
 
@@ -88,7 +90,7 @@ def test_measuring_never_switches_the_model_mode(tiny_model):
     fn()
     assert rec.training and rec.calls[-1][-1] is True  # the prepared pass too
     dropout = GPT(GPTConfig(block_size=16, n_layer=1, n_head=1, n_embd=8, dropout=0.5)).train()
-    with pytest.raises(ValueError, match="model.eval()"):
+    with raises(BadValue, 'model'):
         measure.measure_decode(dropout, 8, repeats=1)
     tiny_model.eval()
     measure.measure_decode(tiny_model, 8, repeats=1)
@@ -100,7 +102,7 @@ def test_fastest_threads_restores_the_thread_count(tiny_model):
     out = measure.fastest_threads(tiny_model, 8, [1, before], repeats=1)
     assert set(out["seconds"]) == {1, before} and out["seconds"][out["best"]] == min(out["seconds"].values())
     assert torch.get_num_threads() == before
-    with pytest.raises(ValueError, match="threads must be an int >= 1"):
+    with raises(BadValue, 'candidates'):
         measure.fastest_threads(tiny_model, 8, [0])
     assert torch.get_num_threads() == before
 
@@ -155,20 +157,20 @@ def test_run_roofline_result_round_trips(tiny_model, tmp_path):
 def test_load_result_rejects_what_it_cannot_plot(tmp_path, tiny_model):
     bad = tmp_path / "roofline_bad.json"
     bad.write_text("{not json")
-    with pytest.raises(ValueError, match="not valid JSON"):
+    with raises(BadValue, 'path'):
         measure.load_result(bad)
     bad.write_text(json.dumps({"schema": measure.SCHEMA}))
-    with pytest.raises(ValueError, match="missing"):
+    with raises(BadValue, 'path'):
         measure.load_result(bad)
     good = measure.run_roofline(tiny_model, [4], [1], 4, peaks=PEAKS, repeats=1)
     bad.write_text(json.dumps({**good, "schema": "something/9"}))
-    with pytest.raises(ValueError, match="schema"):
+    with raises(BadValue, 'path'):
         measure.load_result(bad)
     bad.write_text(json.dumps({**good, "peaks": {**PEAKS, "bandwidth_bytes_per_s": 0}}))
-    with pytest.raises(ValueError, match="bandwidth_bytes_per_s must be a positive"):
+    with raises(BadValue, 'path'):
         measure.load_result(bad)
     bad.write_text(json.dumps({**good, "points": [{"phase": "decode"}]}))
-    with pytest.raises(ValueError, match="point 0 has no"):
+    with raises(BadValue, 'path'):
         measure.load_result(bad)
 
 

@@ -1,30 +1,32 @@
 import pytest
 import torch
 
+from ar_lab.base.errors import BadType, BadValue, ContextFull
 from ar_lab.engine.generate import generate
 from ar_lab.model.gpt import GPT, GPTConfig
 from ar_lab.model.reference import have_transformers, to_hf_gpt2
+from tests.raising import raises
 
 
 def test_config_validation():
-    with pytest.raises(ValueError, match="divisible by n_head"):
+    with raises(BadValue, 'n_head'):
         GPTConfig(n_embd=30, n_head=4)
-    with pytest.raises(ValueError, match="multiple of n_kv_heads"):
+    with raises(BadValue, 'n_kv_heads'):
         GPTConfig(n_head=4, n_kv_heads=3)
-    with pytest.raises(ValueError, match="positive int"):
+    with raises(BadValue, 'n_layer'):
         GPTConfig(n_layer=0)
-    with pytest.raises(TypeError, match="GPTConfig"):
+    with raises(BadType, 'config'):
         GPT({"n_layer": 2})
 
 
 def test_forward_shapes_and_errors(tiny_model):
     x = torch.randint(0, 257, (3, 10))
     assert tiny_model(x).shape == (3, 10, 257)
-    with pytest.raises(ValueError, match="exceed the context window of 64"):
+    with raises(ContextFull, 'idx'):
         tiny_model(torch.zeros(1, 65, dtype=torch.long))
-    with pytest.raises(ValueError, match=r"shape \(batch, time\)"):
+    with raises(BadValue, 'idx'):
         tiny_model(torch.zeros(5, dtype=torch.long))
-    with pytest.raises(TypeError, match="integer token ids"):
+    with raises(BadType, 'idx'):
         tiny_model(torch.zeros(1, 5))
 
 
@@ -72,5 +74,5 @@ def test_same_logits_and_tokens_as_hugging_face_gpt2():
 
 @pytest.mark.skipif(not have_transformers(), reason="transformers is not installed (dev extra)")
 def test_reference_refuses_gqa():
-    with pytest.raises(ValueError, match="grouped-query"):
+    with raises(BadValue, 'model'):
         to_hf_gpt2(GPT(GPTConfig(block_size=16, n_layer=1, n_head=4, n_kv_heads=2, n_embd=32)))

@@ -1,10 +1,11 @@
 """ar_lab.perf.op_count: which PyTorch calls compute (a kernel) and which only describe memory (chapter 04)."""
 
-import pytest
 import torch
 
+from ar_lab.base.errors import BadType, BadValue
 from ar_lab.model.gpt import GPT, GPTConfig
 from ar_lab.perf.op_count import count_ops, decode_step_ops, pass_ops
+from tests.raising import raises
 
 
 def test_views_and_attribute_reads_do_not_compute_in_place_and_out_do():
@@ -33,7 +34,7 @@ def test_a_pass_calls_the_same_operations_for_any_number_of_positions():
     lean, forward = decode_step_ops(model, lean=True), decode_step_ops(model, lean=False)
     assert lean.computing["addmv"] == 2 * 4 and "linear" not in lean.computing
     assert forward.computing["__setitem__"] == 2 * 2  # the new key and value written into each layer's cache
-    with pytest.raises(ValueError, match="positions"):
+    with raises(BadValue, 'positions'):
         pass_ops(model, 0)
-    with pytest.raises(TypeError, match="function"):
+    with raises(BadType, 'fn'):
         count_ops(42)

@@ -9,6 +9,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
+from ar_lab.base.errors import BadType, BadValue, ContextFull
 from ar_lab.engine.decoder import ForwardDecoder
 from ar_lab.engine.paged import BlockAllocator, OutOfBlocks, PagedKVCache, blocks_for, check_allocator
 from ar_lab.engine.prefix_cache import PrefixCache
@@ -26,6 +27,7 @@ from ar_lab.perf.paged_memory import (
     paged_footprint,
     scale_up,
 )
+from tests.raising import raises
 
 # --- the allocator ---------------------------------------------------------------------------
 
@@ -104,30 +106,30 @@ def test_allocate_grow_fork_free_by_hand():
 def test_allocator_errors_say_what_to_do():
     a = BlockAllocator(2, 4)
     a.allocate("x", 5)
-    with pytest.raises(OutOfBlocks, match=r"needs 1 more block\(s\), 0 are free") as e:
+    with raises(OutOfBlocks, 'allocator') as e:
         a.grow("x", 9)
     assert (e.value.asked, e.value.free) == (1, 0) and a.length("x") == 5
-    with pytest.raises(ValueError, match="already holds blocks"):
+    with raises(BadValue, 'request'):
         a.allocate("x")
-    with pytest.raises(ValueError, match="n_tokens must be an int >= 5"):
+    with raises(BadValue, 'n_tokens'):
         a.grow("x", 3)
     with pytest.raises(KeyError, match="unknown request 'y'"):
         a.free("y")
-    with pytest.raises(ValueError, match=r"n_tokens must be an int in 0..5"):
+    with raises(BadValue, 'n_tokens'):
         a.fork("x", "z", 6)
     a.free("x")
     with pytest.raises(KeyError, match="already freed"):
         a.free("x")
     with pytest.raises(KeyError, match="already freed"):
         a.grow("x", 6)
-    with pytest.raises(TypeError, match="hashable"):
+    with raises(BadType, 'request'):
         a.allocate(["a"])
     for bad in [0, -1, 1.5, True]:
-        with pytest.raises(ValueError, match="block_size must be an int >= 1"):
+        with raises(BadValue, 'block_size'):
             BlockAllocator(4, bad)
-        with pytest.raises(ValueError, match="num_blocks must be an int >= 1"):
+        with raises(BadValue, 'num_blocks'):
             BlockAllocator(bad, 4)
-    with pytest.raises(ValueError, match="block must be an int in 0..3"):
+    with raises(BadValue, 'block'):
         BlockAllocator(4, 2).refcount(4)
 
 
@@ -139,11 +141,11 @@ def test_check_allocator_names_the_missing_method():
 
         def grow(self, r, n): ...
 
-    with pytest.raises(TypeError, match="Half lacks 'fork'"):
+    with raises(BadType, 'allocator'):
         check_allocator(Half())
     used = BlockAllocator(4, 2)
     used.allocate("a", 1)
-    with pytest.raises(ValueError, match="must be empty"):
+    with raises(BadValue, 'allocator'):
         check_allocator(used)
 
 
@@ -186,14 +188,14 @@ def test_paged_cache_gathers_what_the_contiguous_cache_holds(gqa_model):
 
 
 def test_paged_cache_bad_input(gqa_model):
-    with pytest.raises(ValueError, match="block_size must be an int >= 1"):
+    with raises(BadValue, 'block_size'):
         PagedKVCache.for_model(gqa_model, 2, 16, block_size=0)
-    with pytest.raises(ValueError, match="num_blocks=3 but the allocator has 8"):
+    with raises(BadValue, 'num_blocks'):
         PagedKVCache.for_model(gqa_model, 2, 16, allocator=BlockAllocator(8, 4), num_blocks=3)
     c = PagedKVCache.for_model(gqa_model, 1, 16)
-    with pytest.raises(ValueError, match="no request was started"):
+    with raises(BadValue, 'cache'):
         c.add(0)
-    with pytest.raises(ValueError, match="no prefix is held"):
+    with raises(BadValue, 'shared'):
         c.slot(0, shared=3)
 
 
@@ -238,7 +240,7 @@ def test_a_fixed_pool_makes_requests_wait_but_changes_no_token(gqa_model):
     assert tight.decode_steps > plain.decode_steps  # fewer rows at once: it waited for blocks
     assert max(tight.kv_reserved) <= (max(need) + 1) * 4
     assert all(u <= r for u, r in zip(tight.kv_used, tight.kv_reserved, strict=True))
-    with pytest.raises(ValueError, match=r"requests\[\d\] needs \d+ blocks of 4 positions, but the pool has 2"):
+    with raises(ContextFull, 'num_blocks'):
         serve(gqa_model, work, kv="paged", block_size=4, num_blocks=2)
 
 
@@ -267,13 +269,13 @@ def test_serving_runs_on_any_allocator_and_checks_it(gqa_model):
         serve(gqa_model, work, eos_id=None)
     )
     assert Counting.calls > 0 and alloc.num_free == 40 and alloc.requests == []  # nothing leaked
-    with pytest.raises(TypeError, match="lacks 'allocate'"):
+    with raises(BadType, 'allocator'):
         serve(gqa_model, work, kv="paged", allocator=object())
-    with pytest.raises(ValueError, match="either an allocator or block_size"):
+    with raises(BadValue, 'block_size'):
         serve(gqa_model, work, kv="paged", allocator=BlockAllocator(40, 4), block_size=4)
-    with pytest.raises(ValueError, match="kv must be one of"):
+    with raises(BadValue, 'kv'):
         serve(gqa_model, work, kv="pages")
-    with pytest.raises(ValueError, match="num_blocks is an option of the paged cache"):
+    with raises(BadValue, 'num_blocks'):
         serve(gqa_model, work, num_blocks=8)
 
 
@@ -288,11 +290,11 @@ def test_footprints_by_hand():
     assert contiguous_footprint([4], 8, bytes_per_position=10) == Footprint(80, 40)
     assert fit_contiguous([1, 1, 1, 1], 20, 8) == 2
     assert fit_paged([3, 10, 17, 1], 48, 8) == 3 and fit_paged([3, 10, 17, 1], 56, 8) == 4
-    with pytest.raises(ValueError, match="does not fit max_len=8"):
+    with raises(ContextFull, 'max_len'):
         contiguous_footprint([9], 8)
-    with pytest.raises(ValueError, match="non-empty list"):
+    with raises(BadValue, 'lengths'):
         paged_footprint([], 8)
-    with pytest.raises(ValueError, match=r"lengths\[1\] must be an int >= 1"):
+    with raises(BadValue, 'lengths'):
         paged_footprint([3, 0], 8)
 
 

@@ -6,11 +6,13 @@ import pytest
 import torch
 
 from ar_lab.base import timing
+from ar_lab.base.errors import BadType, BadValue, ContextFull
 from ar_lab.engine.prompts import check_prompt, checked_prompt, prompt_batch, prompt_ids, stop_list
 from ar_lab.model.data import data_dir
 from ar_lab.model.gpt import GPT, GPTConfig
 from ar_lab.model.inference import check_inference_ready, inference
 from ar_lab.model.tokenizer import encode
+from tests.raising import raises
 
 
 @pytest.fixture
@@ -43,29 +45,29 @@ def test_prompt_ids_rejects_what_would_silently_go_wrong(bad, error, message):
 
 
 def test_the_window_and_vocabulary_checks_say_what_to_do(model):
-    with pytest.raises(ValueError, match="outside the vocabulary"):
+    with raises(BadValue, 'prompt'):
         check_prompt(model, [300], 1)
-    with pytest.raises(ValueError, match="shorten it to at most 16 tokens"):
+    with raises(ContextFull, 'prompt'):
         check_prompt(model, [1] * 17, 1)
-    with pytest.raises(ValueError, match="ask for at most 7 new tokens"):
+    with raises(ContextFull, 'max_new_tokens'):
         check_prompt(model, [1] * 10, 8)
     check_prompt(model, [1] * 10, 7)  # 10 + 7 - 1 = 16 positions: fits exactly
-    with pytest.raises(ValueError, match="max_new_tokens must be an int >= 1"):
+    with raises(BadValue, 'max_new_tokens'):
         checked_prompt(model, "a", 0)
 
 
 def test_stop_list_takes_sequences_once_and_refuses_iterators():
     assert stop_list(None) == () and stop_list(["\n\n", "x"]) == ("\n\n", "x")
     for bad in ("\n", ["", "x"], [3], (s for s in ["x"])):
-        with pytest.raises(ValueError, match="stop_strings must be a list of non-empty strings"):
+        with raises(BadValue, 'stop_strings'):
             stop_list(bad)
 
 
 def test_prompt_batch_needs_equal_lengths(model):
     assert prompt_batch(model, ["ab", [1, 2]], 3).tolist() == [encode("ab"), [1, 2]]
-    with pytest.raises(ValueError, match="same number of tokens"):
+    with raises(BadValue, 'prompts'):
         prompt_batch(model, ["a", "ab"], 3)
-    with pytest.raises(ValueError, match="non-empty list of prompts"):
+    with raises(BadValue, 'prompts'):
         prompt_batch(model, "ab", 3)
 
 
@@ -85,16 +87,16 @@ def test_inference_never_switches_the_model_and_restores_gradients(model):
 
 def test_inference_refuses_a_model_whose_training_mode_is_random():
     model = GPT(GPTConfig(block_size=8, n_layer=1, n_head=1, n_embd=8, dropout=0.1)).train()
-    with pytest.raises(ValueError, match=r"training mode .*dropout p=0\.1.*call model\.eval\(\)"):
+    with raises(BadValue, 'model'):
         check_inference_ready(model)
-    with pytest.raises(ValueError, match="model.eval"), inference(model):
+    with raises(BadValue, 'model'), inference(model):
         pass
     assert model.training  # refused, not switched
     check_inference_ready(model.eval())  # eval mode: dropout off, accepted
     bn = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.BatchNorm1d(2)).train()
-    with pytest.raises(ValueError, match="BatchNorm1d"):
+    with raises(BadValue, 'model'):
         check_inference_ready(bn)
-    with pytest.raises(TypeError, match="torch.nn.Module"):
+    with raises(BadType, 'model'):
         check_inference_ready("model")
 
 
@@ -102,7 +104,7 @@ def test_time_call_counts_calls_and_checks_its_options():
     calls = []
     times = timing.time_call(lambda: calls.append(time.sleep(0.001)), repeats=3, warmup=2)
     assert len(calls) == 5 and len(times) == 3 and all(t >= 0.001 for t in times)
-    with pytest.raises(ValueError, match="repeats must be an int >= 1"):
+    with raises(BadValue, 'repeats'):
         timing.time_call(lambda: None, repeats=0)
 
 

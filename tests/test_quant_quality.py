@@ -9,10 +9,12 @@ import pytest
 import torch
 
 import ar_lab
+from ar_lab.base.errors import BadType, BadValue
 from ar_lab.engine.quant import quantize_model
 from ar_lab.model.evaluation import COURSE_EVAL, EvalProtocol, evaluate_protocol
 from ar_lab.model.gpt import GPT
 from ar_lab.perf.quality import bits_per_byte, greedy_agreement, self_draft_acceptance
+from tests.raising import raises
 
 PROMPTS = ["def main(args):\n    ", "import os\nimport sys\n", "The for statement"]
 
@@ -65,11 +67,11 @@ def test_a_random_model_disagrees_and_int8_mostly_agrees(course, int8):
 
 
 def test_bad_arguments_are_explained(course):
-    with pytest.raises(ValueError, match="non-empty list of prompts"):
+    with raises(BadValue, 'prompts'):
         greedy_agreement(course, course, "just one string")
-    with pytest.raises(ValueError, match="n_tokens"):
+    with raises(BadValue, 'n_tokens'):
         greedy_agreement(course, course, PROMPTS, n_tokens=0)
-    with pytest.raises(TypeError, match="EvalProtocol"):
+    with raises(BadType, 'protocol'):
         bits_per_byte(course, 4096)
-    with pytest.raises(ValueError, match="gamma"):
+    with raises(BadValue, 'gamma'):
         self_draft_acceptance(course, course, PROMPTS, gamma=0)

@@ -5,10 +5,12 @@ from hypothesis import strategies as st
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
+from ar_lab.base.errors import BadType, BadValue, ContextFull
 from ar_lab.model.cache import KVCache
 from ar_lab.model.gpt import GPT, GPTConfig
 from ar_lab.perf import measure
 from ar_lab.perf import roofline as rl
+from tests.raising import raises
 
 HAND = GPTConfig(vocab_size=10, block_size=8, n_layer=1, n_head=1, n_embd=2)
 
@@ -134,7 +136,7 @@ def test_roofline_helpers():
     assert rl.attainable_flops(1000.0, 100e9, 10e9) == 100e9
     got = rl.attainable_flops(torch.tensor([1.0, 10.0, 100.0]), 100e9, 10e9)
     assert torch.allclose(got, torch.tensor([10e9, 100e9, 100e9]))
-    with pytest.raises(ValueError, match="must be > 0"):
+    with raises(BadValue, 'peak_flops'):
         rl.ridge_point(0, 1)
     assert rl.format_si(1.3e11, "FLOP/s") == "130 GFLOP/s"
     assert rl.format_si(3.35e12, "B/s") == "3.35 TB/s"
@@ -159,29 +161,29 @@ def test_the_probes_chapter_05_stands_in_count_what_they_run_and_time_the_fastes
     finally:
         peaks.time_call = real
     for bad in (0, -3, 2.5, "8"):
-        with pytest.raises(ValueError, match="n must be an int >= 1"):
+        with raises(BadValue, 'n'):
             peaks.stream_probe(bad)
-    with pytest.raises(ValueError, match="k must be an int >= 1"):
+    with raises(BadValue, 'k'):
         peaks.matmul_probe(2, 0, 2)
 
 
 def test_cost_errors():
-    with pytest.raises(ValueError, match="exceed the context window of 8"):
+    with raises(ContextFull, 'prompt_len'):
         rl.prefill_cost(HAND, 9)
-    with pytest.raises(ValueError, match="context must be an int >= 1"):
+    with raises(BadValue, 'context'):
         rl.decode_cost(HAND, 0)
-    with pytest.raises(ValueError, match="batch must be an int >= 1"):
+    with raises(BadValue, 'batch'):
         rl.decode_cost(HAND, 3, batch=0)
-    with pytest.raises(ValueError, match="past must be an int >= 0"):
+    with raises(BadValue, 'past'):
         rl.forward_cost(HAND, 1, 1, -1)
-    with pytest.raises(TypeError, match="GPTConfig"):
+    with raises(BadType, 'cfg'):
         rl.matmul_parameters("small")
     shape = rl.from_gpt_config(HAND)
-    with pytest.raises(TypeError, match="shape must be a ModelShape"):
+    with raises(BadType, 'shape'):
         rl.shape_cost(HAND, 1, 1, 0, 4, 4)
-    with pytest.raises(ValueError, match="weight_bytes must be > 0"):
+    with raises(BadValue, 'weight_bytes'):
         rl.shape_cost(shape, 1, 1, 0, 0, 4)
-    with pytest.raises(ValueError, match="9 positions exceed GPT's context window of 8"):
+    with raises(ContextFull, 'tokens'):
         rl.shape_cost(shape, 1, 9, 0, 4, 4)
 
 

@@ -6,9 +6,11 @@ import html
 import pytest
 import torch
 
+from ar_lab.base.errors import BadType, BadValue
 from ar_lab.course.sampler_view import sampler_view
 from ar_lab.engine.generate import generate, sample_batch
 from ar_lab.engine.sampling import GREEDY, SamplingParams, pick, probabilities, sample
+from tests.raising import raises
 
 SETTINGS = [
     SamplingParams(temperature=1.0),
@@ -59,14 +61,14 @@ def test_the_hook_is_called_per_row_and_step_after_the_penalty_with_the_one_gene
 
 def test_a_sampler_that_answers_anything_but_a_token_id_is_refused(tiny_model):
     for bad in [300, -1, 1.5, True, "a", torch.tensor([1, 2]), torch.tensor(2.0)]:
-        with pytest.raises(ValueError, match="the sampler returned .*: it must return one token id"):
+        with raises(BadValue, 'sampler'):
             generate(tiny_model, "ab", 3, sampler=lambda logits, p, g, bad=bad: bad)
     assert generate(tiny_model, "ab", 3, eos_id=None, sampler=lambda logits, p, g: torch.tensor(5)).tokens == [5] * 3
     for call in (generate, sample_batch):
         prompts = "ab" if call is generate else ["ab"]
-        with pytest.raises(TypeError, match="sampler must be a function"):
+        with raises(BadType, 'sampler'):
             call(tiny_model, prompts, 3, sampler="top_p")
-    with pytest.raises(ValueError, match="logits contain NaN"):
+    with raises(BadValue, 'logits'):
         pick(written_out, torch.tensor([0.0, float("nan")]), SamplingParams())
 
 

@@ -9,6 +9,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
+from ar_lab.base.errors import BadValue
 from ar_lab.engine.generate import generate, sample_batch
 from ar_lab.engine.sampling import (
     GREEDY,
@@ -24,6 +25,7 @@ from ar_lab.engine.sampling import (
     repeated_ngram_fraction,
     sample,
 )
+from tests.raising import raises
 
 NEG_INF = float("-inf")
 
@@ -93,11 +95,11 @@ def test_parameters_accept_numpy_numbers_and_store_python_ones():
 
 def test_filters_validate_their_arguments_too():
     x = torch.zeros(5)
-    with pytest.raises(ValueError, match="top_k"):
+    with raises(BadValue, 'k'):
         filter_top_k(x, 0)
-    with pytest.raises(ValueError, match="top_p"):
+    with raises(BadValue, 'p'):
         filter_top_p(x, 0.0)
-    with pytest.raises(ValueError, match="min_p"):
+    with raises(BadValue, 'min_p'):
         filter_min_p(x, 2.0)
 
 
@@ -274,7 +276,7 @@ def test_repetition_penalty_divides_positive_and_multiplies_negative_logits_once
     assert torch.equal(apply_repetition_penalty(x, torch.tensor([1, 1, 0, 2]), 2.0), out)  # int tensor
     assert torch.equal(apply_repetition_penalty(x, [0, 1], 1.0), x)
     assert apply_repetition_penalty(x, [0, 1], 0.5).tolist()[:2] == [4.0, -1.0]  # < 1 encourages repeats
-    with pytest.raises(ValueError, match=r"history holds token id 9, outside the vocabulary \[0, 4\]"):
+    with raises(BadValue, 'history'):
         apply_repetition_penalty(x, [9], 2.0)
 
 
@@ -370,5 +372,5 @@ def test_repeated_ngram_fraction():
     assert repeated_ngram_fraction([7] * 10, 3) == pytest.approx(7 / 8)
     assert repeated_ngram_fraction(list(range(20)), 1) == 0.0
     assert repeated_ngram_fraction([1, 2], 4) == 0.0
-    with pytest.raises(ValueError, match="n must be an int >= 1"):
+    with raises(BadValue, 'n'):
         repeated_ngram_fraction([1, 2, 3], 0)

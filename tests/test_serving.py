@@ -5,6 +5,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
+from ar_lab.base.errors import BadType, BadValue, ContextFull
 from ar_lab.engine.decoder import ForwardDecoder
 from ar_lab.engine.generate import generate, stream
 from ar_lab.engine.prefix_cache import PrefixCache, reusable_length
@@ -19,6 +20,7 @@ from ar_lab.perf.serving_measure import (
     mixed_workload,
     prefix_ttft,
 )
+from tests.raising import raises
 
 configs = st.builds(
     lambda layers, heads, group, d, seed: (
@@ -128,13 +130,13 @@ def test_batch_cache_slots_stay_packed():
             buf[:, :, :n] = float(i + 1)  # writes through the view land in slot i
         c.add(n)
     assert c.rows == 3 and c.lengths == [2, 5, 3]
-    with pytest.raises(ValueError, match="all 3 slots are in use"):
+    with raises(BadValue, 'cache'):
         c.add(1)
     assert c.remove(0) == 2  # the last row moves into the freed slot
     assert c.rows == 2 and c.lengths[:2] == [3, 5]
     assert torch.all(c.k[1][0, :, :3] == 3.0) and torch.all(c.v[0][1, :, :5] == 2.0)
     assert c.remove(1) is None and c.rows == 1  # removing the last row moves nothing
-    with pytest.raises(ValueError, match="must be in use"):
+    with raises(BadValue, 'i'):
         c.remove(1)
     positions, mask = c.begin(2)
     assert positions.tolist() == [[3, 4]]
@@ -143,18 +145,18 @@ def test_batch_cache_slots_stay_packed():
 
 def test_batch_cache_errors(tiny_model):
     c = BatchKVCache.for_model(tiny_model, max_batch=2, max_len=6)
-    with pytest.raises(ValueError, match="rows sit at lengths of their own: feed it with"):
+    with raises(BadValue, 'cache'):
         tiny_model(torch.tensor([[1]]), c)  # forward alone cannot place rows of different lengths
-    with pytest.raises(ValueError, match="no row is in use"):
+    with raises(BadValue, 'cache'):
         ForwardDecoder(tiny_model).step(torch.tensor([1]), c, None)
     c.add(5)
-    with pytest.raises(ValueError, match="KV cache full"):
+    with raises(ContextFull, 'cache'):
         ForwardDecoder(tiny_model).prefill(torch.tensor([[1, 2]]), c, None)
-    with pytest.raises(ValueError, match="max_len must be"):
+    with raises(ContextFull, 'max_len'):
         BatchKVCache.for_model(tiny_model, max_batch=2, max_len=65)
-    with pytest.raises(ValueError, match="max_batch must be a positive int"):
+    with raises(BadValue, 'max_batch'):
         BatchKVCache(1, 0, 1, 4, 2)
-    with pytest.raises(ValueError, match="k and v must be"):
+    with raises(BadValue, 'v'):
         KVCache.from_buffers([torch.zeros(1, 1, 4, 2)], [torch.zeros(1, 1, 3, 2)])
 
 
@@ -224,26 +226,26 @@ def test_simulate_by_hand():
     assert simulate([1, 10, 10], 2, "static") == [1, 10, 20]
     assert simulate([1, 10, 10], 2, "continuous") == [1, 10, 11]
     assert simulate([0, 2], 1, "continuous") == [0, 2]  # a prefill-only request never takes the slot
-    with pytest.raises(ValueError, match="policy must be one of"):
+    with raises(BadValue, 'policy'):
         simulate([1], 1, "dynamic")
-    with pytest.raises(ValueError, match="steps_needed must hold ints >= 0"):
+    with raises(BadValue, 'steps_needed'):
         simulate([1, -1], 1)
 
 
 def test_serve_rejects_bad_input(tiny_model):
-    with pytest.raises(ValueError, match="non-empty list of Request"):
+    with raises(BadValue, 'requests'):
         serve(tiny_model, [])
-    with pytest.raises(TypeError, match=r"requests\[0\] must be a Request"):
+    with raises(BadType, 'requests'):
         serve(tiny_model, [("hi", 3)])
-    with pytest.raises(ValueError, match="max_new_tokens must be"):
+    with raises(BadValue, 'requests'):
         serve(tiny_model, [Request("hi", 0)])
-    with pytest.raises(ValueError, match="context window"):
+    with raises(ContextFull, 'requests'):
         serve(tiny_model, [Request("x" * 60, 10)])
-    with pytest.raises(ValueError, match="max_batch must be"):
+    with raises(BadValue, 'max_batch'):
         serve(tiny_model, [Request("hi", 2)], max_batch=0)
-    with pytest.raises(ValueError, match="policy must be"):
+    with raises(BadValue, 'policy'):
         serve(tiny_model, [Request("hi", 2)], policy="fifo")
-    with pytest.raises(ValueError, match="one max_new_tokens and one seed per prompt"):
+    with raises(BadValue, 'max_new_tokens'):
         generate_batch(tiny_model, ["a", "b"], [2])
 
 
@@ -275,7 +277,7 @@ def test_reusable_length_rules():
     assert reusable_length([1, 2, 3], [1, 2]) == 1
     assert reusable_length([1, 2, 3], [1, 9, 3, 4]) == 1  # only the shared start counts
     assert reusable_length([1, 2, 3], [7, 8]) == 0
-    with pytest.raises(ValueError, match="empty"):
+    with raises(BadValue, 'prompt'):
         reusable_length([1], [])
 
 
@@ -290,9 +292,9 @@ def test_prefix_cache_in_serve_and_shape_errors(tiny_model):
     for a, b in zip(without.results, with_prefix.results, strict=True):
         assert_same_greedy(tiny_model, a.prompt, a.tokens, b.tokens)
     other = GPT(GPTConfig(block_size=64, n_layer=2, n_head=2, n_embd=32))
-    with pytest.raises(ValueError, match="cannot copy a prefix cache"):
+    with raises(BadValue, 'cache'):
         pc.copy_into(KVCache.for_model(other, max_len=40), prefix + [1])
-    with pytest.raises(ValueError, match="context window"):
+    with raises(ContextFull, 'prefix'):
         PrefixCache(tiny_model, list(range(65)))
 
 
@@ -322,11 +324,11 @@ def test_generate_continues_a_conversation_through_its_cache(tiny_model):
     fresh = generate(tiny_model, context, 10, eos_id=None)
     assert_same_greedy(tiny_model, context, fresh.tokens, second.tokens)
     assert second.stats.positions_processed == len(inserted) + 1 + 9  # last turn-1 token + inserted, then 9 steps
-    with pytest.raises(ValueError, match="use_cache=False"):
+    with raises(BadValue, 'use_cache'):
         generate(tiny_model, prompt, 3, use_cache=False, cache=cache)
-    with pytest.raises(ValueError, match="needs 12"):
+    with raises(ContextFull, 'cache'):
         generate(tiny_model, prompt, 8, cache=KVCache.for_model(tiny_model, max_len=6))
-    with pytest.raises(ValueError, match="batch size 1"):
+    with raises(BadValue, 'cache'):
         generate(tiny_model, prompt, 3, cache=KVCache.for_model(tiny_model, batch_size=2))
 
 
@@ -339,7 +341,7 @@ def test_latency_budget_and_its_inverse():
     for n in (1, 2, 10, 800):
         assert tokens_within(latency_budget(0.3, 0.01, n), 0.3, 0.01) == n
     assert tokens_within(0.1, 0.3, 0.01) == 0
-    with pytest.raises(ValueError, match="n_tokens"):
+    with raises(BadValue, 'n_tokens'):
         latency_budget(0.1, 0.1, 0)
 
 
@@ -347,7 +349,7 @@ def test_decode_throughput_rows(tiny_model):
     rows = decode_throughput(tiny_model, [1, 4], context=8, steps=3, repeats=1)
     assert [r["batch"] for r in rows] == [1, 4]
     assert all(r["step_s"] > 0 for r in rows)
-    with pytest.raises(ValueError, match="context window"):
+    with raises(ContextFull, 'context'):
         decode_throughput(tiny_model, [1], context=60, steps=10)
 
 
@@ -357,7 +359,7 @@ def test_decode_step_runs_can_be_called_again_and_again(tiny_model):
     runs = decode_step_runs(tiny_model, [1, 3], context=8, steps=3)
     for _ in range(4):
         runs[1](), runs[3]()
-    with pytest.raises(ValueError, match="batch_sizes"):
+    with raises(BadValue, 'batch_sizes'):
         decode_step_runs(tiny_model, [0])
 
 
@@ -367,7 +369,7 @@ def test_prefix_ttft_reports_both_sides_and_equal_outputs(tiny_model):
     assert res["prefix_tokens"] == 40 and res["suffix_tokens"] == [3, 2]
     assert res["runs"] == 4 and res["identical_outputs"] == 4
     assert res["ttft_plain_s"] > 0 and res["ttft_reused_s"] > 0
-    with pytest.raises(ValueError, match="at least one suffix"):
+    with raises(BadValue, 'suffixes'):
         prefix_ttft(tiny_model, prefix, [])
 
 
@@ -401,12 +403,12 @@ def test_serve_takes_an_admission_policy_of_ones_own_and_checks_its_answers(tiny
     assert [r.tokens for r in report.results] == [r.tokens for r in named.results]
     runs = compare_policies(tiny_model, requests, 2, policies={"mine": one_at_a_time, "static": "static"})
     assert list(runs) == ["mine", "static"] and runs["mine"][0].policy == "one_at_a_time"
-    for bad, why in [(lambda w, r, b: w + 1, "an int from 0 to"), (lambda w, r, b: 0, "wait forever"),
+    for bad, _why in [(lambda w, r, b: w + 1, "an int from 0 to"), (lambda w, r, b: 0, "wait forever"),
                      (lambda w, r, b: 1.0, "an int from 0 to"), (lambda w, r, b: -1, "an int from 0 to")]:
-        with pytest.raises(ValueError, match=why):
+        with raises(BadValue, 'policy'):
             serve(tiny_model, requests, max_batch=2, policy=bad, eos_id=None)
     for bad in ("dynamic", 3):
-        with pytest.raises(ValueError, match="policy must be one of"):
+        with raises(BadValue, 'policy'):
             serve(tiny_model, requests, max_batch=2, policy=bad, eos_id=None)
 
 
@@ -487,15 +489,15 @@ def test_a_step_that_breaks_the_loop_or_a_helper_given_bad_input_fails_with_a_ty
         return serve(tiny_model, requests, max_batch=2, eos_id=None, step=step, **kw)
 
     for bad in ("serve_step", 3):
-        with pytest.raises(TypeError, match="step must be a function"):
+        with raises(BadType, 'step'):
             run(bad)
-    with pytest.raises(StepError, match="a finished row left in the batch"):
+    with raises(StepError, 'step'):
         run(_a_step(retire=False))
-    with pytest.raises(StepError, match=r"rows \[1\] got no token"):
+    with raises(StepError, 'step'):
         run(_a_step(record_all=False))
-    with pytest.raises(StepError, match="gave no request a token"):
+    with raises(StepError, 'step'):
         run(lambda server: None)
-    with pytest.raises(StepError, match="pass every request taken from server.waiting to server.prefill"):
+    with raises(StepError, 'step'):
         run(_a_step(drop_one=True))
 
     def calls(action):
@@ -525,7 +527,7 @@ def test_a_step_that_breaks_the_loop_or_a_helper_given_bad_input_fails_with_a_ty
         while server.waiting:
             server.prefill(server.waiting.popleft())
 
-    with pytest.raises(ValueError, match="all 2 rows are in use"):
+    with raises(BadValue, 'server'):
         run(overfill)
-    with pytest.raises(ValueError, match="the KV memory cannot hold request"):
+    with raises(BadValue, 'server'):
         run(overfill, kv="paged", block_size=2, num_blocks=4)

@@ -5,8 +5,10 @@ import statistics
 import pytest
 import torch
 
+from ar_lab.base.errors import BadValue, ContextFull
 from ar_lab.perf import side_by_side
 from ar_lab.perf.roofline import decode_cost
+from tests.raising import raises
 
 
 def test_decode_bandwidth_fraction_pairs_and_restores_threads(tiny_model):
@@ -31,14 +33,14 @@ def test_decode_bandwidth_fraction_pairs_and_restores_threads(tiny_model):
     assert out["fraction"] == out["by_variant"][out["best"]]["fraction"] == best
     assert out["best_threads"] == out["by_variant"][out["best"]]["threads"] and out["cuda_graph"] is False
     assert torch.get_num_threads() == before
-    with pytest.raises(ValueError, match="pairs must be an int >= 1"):
+    with raises(BadValue, 'pairs'):
         side_by_side.decode_bandwidth_fraction(tiny_model, 8, pairs=0)
 
 
 def test_decode_bandwidth_fraction_restores_threads_when_a_step_fails(tiny_model):
     before = torch.get_num_threads()
     other = 2 if before == 1 else 1
-    with pytest.raises(ValueError, match="exceed the context window"):  # preparing the step at context 65 fails
+    with raises(ContextFull, 'context'):  # preparing the step at context 65 fails
         side_by_side.decode_bandwidth_fraction(tiny_model, 65, pairs=1, threads=[other], buffer_bytes=2**20)
     assert torch.get_num_threads() == before
 
@@ -57,9 +59,9 @@ def test_decode_step_growth_interleaves_steps_at_the_two_contexts(tiny_model):
     assert [c for c, _ in seen[-10:]] == [3, 39] * 5
     assert out["short"] == 4 and out["long"] == 40 and out["short_seconds"] > 0
     assert out["ratio"] == pytest.approx(out["long_seconds"] / out["short_seconds"])
-    with pytest.raises(ValueError, match="long must be a longer context than short"):
+    with raises(BadValue, 'long'):
         side_by_side.decode_step_growth(tiny_model, 40, 40)
-    with pytest.raises(ValueError, match="exceed the context window"):
+    with raises(ContextFull, 'long'):
         side_by_side.decode_step_growth(tiny_model, 4, 65)
-    with pytest.raises(ValueError, match="pairs must be an int >= 1"):
+    with raises(BadValue, 'pairs'):
         side_by_side.decode_step_growth(tiny_model, 4, 40, pairs=0)

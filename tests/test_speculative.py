@@ -18,6 +18,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
+from ar_lab.base.errors import BadType, BadValue, ContextFull
 from ar_lab.base.timing import steady_clock
 from ar_lab.course.speculative_view import chi_square, speculation_view
 from ar_lab.engine.accept import accept_step, accepted_count, residual_distribution
@@ -39,6 +40,7 @@ from ar_lab.model.data import benchmark_prompts
 from ar_lab.model.gpt import GPT, GPTConfig
 from ar_lab.model.tokenizer import EOS_ID, encode
 from tests.conftest import ScriptedModel
+from tests.raising import raises
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -111,7 +113,7 @@ def test_alpha_for_speedup_inverts_the_formula():
     assert expected_speedup(alpha_for_speedup(1.5, 2, 0.2), 2, 0.2) == pytest.approx(1.5)  # verify_cost 1
     assert alpha_for_speedup(3.5, 2, 0.0) is None  # gamma 2 emits at most 3 tokens per call
     assert alpha_for_speedup(0.5, 2, 0.2) == 0.0  # slower than plain decoding is always reachable
-    with pytest.raises(ValueError, match="verify_cost"):
+    with raises(BadValue, 'verify_cost'):
         alpha_for_speedup(1.5, 2, 0.2, 0.0)
 
 
@@ -302,11 +304,11 @@ def test_the_accept_hook_runs_a_correct_rule_exactly_and_checks_what_it_returns(
     target, draft = tables
     hooked = run_speculative(target, draft, 2, T1, n=300, accept=accept_step)
     assert hooked == run_speculative(target, draft, 2, T1, n=300)
-    for bad, why in [(lambda p, q, d, u: (len(d) + 1, p[0]), "n an int in"), (lambda p, q, d, u: 1, "n an int in"),
+    for bad, _why in [(lambda p, q, d, u: (len(d) + 1, p[0]), "n an int in"), (lambda p, q, d, u: 1, "n an int in"),
                      (lambda p, q, d, u: (0, p[0] * 2), "probability vector"), (lambda p, q, d, u: (0, p), "shape")]:
-        with pytest.raises(ValueError, match=why):
+        with raises(BadValue, 'accept'):
             speculative_generate(target, draft, PROMPT, N_TOKENS, 2, sampling=T1, eos_id=None, accept=bad)
-    with pytest.raises(TypeError, match="accept must be a function"):
+    with raises(BadType, 'accept'):
         speculative_generate(target, draft, PROMPT, N_TOKENS, 2, eos_id=None, accept="min(p, q)")
 
 
@@ -450,16 +452,16 @@ def test_training_mode_is_restored_and_bad_input_is_explained():
     speculative_generate(target, draft, "ab", 5, 2)
     assert target.training and not draft.training and not torch.is_inference_mode_enabled()
     other_vocab = GPT(GPTConfig(vocab_size=100, block_size=96, n_layer=1, n_head=1, n_embd=8))
-    with pytest.raises(ValueError, match="share the vocabulary"):
+    with raises(BadValue, 'draft'):
         speculative_generate(target, other_vocab, "ab", 5)
-    with pytest.raises(ValueError, match="gamma"):
+    with raises(BadValue, 'gamma (draft tokens per iteration)'):
         speculative_generate(target, draft, "ab", 5, -1)
-    with pytest.raises(ValueError, match="prompt is empty"):
+    with raises(BadValue, 'prompt'):
         speculative_generate(target, draft, "", 5)
     short = _tiny(1, n_layer=1, n_embd=16, block_size=8)
-    with pytest.raises(ValueError, match="draft model: .*context window"):
+    with raises(ContextFull, 'max_new_tokens'):
         speculative_generate(target, short, "abcd", 10)
-    with pytest.raises(TypeError, match="SamplingParams"):
+    with raises(BadType, 'sampling'):
         speculative_generate(target, draft, "ab", 5, 2, sampling=0.5)
 
 
@@ -481,9 +483,9 @@ def test_speculation_view_measures_and_predicts():
     assert len(sampled.result.tokens) == len(sampled.baseline.tokens) == 24
     self_view = speculation_view(target, target, "hello", gamma=2, max_new_tokens=24)
     assert self_view.alpha == 1.0 and self_view.tokens_per_target_call > 2.5
-    with pytest.raises(ValueError, match="prompt is empty"):
+    with raises(BadValue, 'prompt'):
         speculation_view(target, draft, "")
-    with pytest.raises(ValueError, match="repeats"):
+    with raises(BadValue, 'repeats'):
         speculation_view(target, draft, "hello", repeats=0)
 
 
@@ -507,7 +509,7 @@ def test_speculation_explorer_widget_headless():
     assert w.view.prompt == "hello"
     w.prompt.value = "abc"
     assert w.error == "" and w.view.prompt == "abc"
-    with pytest.raises(ValueError, match="at least one draft"):
+    with raises(BadValue, 'drafts'):
         speculation_explorer(target, {})
 
 
@@ -530,17 +532,17 @@ def test_speculative_benchmark_runs_and_reports_ratios():
             )
     table = format_speculative_results(res)
     assert "meas/pred" in table and "greedy" in table and "T=1" in table
-    with pytest.raises(ValueError, match="gammas"):
+    with raises(BadValue, 'gammas'):
         speculative_benchmark(target, draft, gammas=[0])
     if not torch.cuda.is_available():
-        with pytest.raises(ValueError, match="no CUDA GPU"):
+        with raises(BadValue, 'device'):
             speculative_benchmark(device="cuda")
         from ar_lab.bench.__main__ import main
 
         with pytest.raises(SystemExit) as stop:  # the command line: the message, no traceback
             main(["speculative", "--device", "cuda"])
         assert stop.value.code == 2
-    with pytest.raises(ValueError, match="device must be like"):
+    with raises(BadValue, 'device'):
         speculative_benchmark(device="gpu0")
 
 
@@ -548,7 +550,7 @@ def test_benchmark_prompts_are_fixed_validation_windows():
     a, b = benchmark_prompts(4, 20), benchmark_prompts(4, 20)
     assert a == b and len(a) == 4 and len({tuple(p) for p in a}) == 4
     assert all(1 <= len(p) <= 20 and EOS_ID not in p for p in a)
-    with pytest.raises(ValueError, match="n and length"):
+    with raises(BadValue, 'n'):
         benchmark_prompts(0)
 
 

@@ -1,8 +1,9 @@
-import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from ar_lab.base.errors import BadType, BadValue
 from ar_lab.model.tokenizer import EOS_ID, VOCAB_SIZE, StreamDecoder, decode, encode
+from tests.raising import raises
 
 
 @given(st.text())
@@ -40,9 +41,9 @@ def test_invalid_bytes_become_replacement_characters():
 
 
 def test_bad_input_is_rejected_clearly():
-    with pytest.raises(ValueError, match="outside the vocabulary"):
+    with raises(BadValue, 'ids'):
         decode([300])
-    with pytest.raises(ValueError, match="outside the vocabulary"):
+    with raises(BadValue, 'token_id'):
         StreamDecoder().feed(-1)
-    with pytest.raises(TypeError, match="expects a str"):
+    with raises(BadType, 'text'):
         encode(b"bytes")

@@ -7,21 +7,24 @@ from __future__ import annotations
 import math
 import numbers
 
+from ar_lab.base.errors import BadValue
+
 
 def positive_int(name: str, value, minimum: int = 1) -> int:
     """``value`` as an int if it is a whole number (an int or a numpy integer, not a bool) >= ``minimum``;
-    else a ValueError naming ``name``. The one rule for counts: ``SamplingParams.top_k`` takes the same."""
+    else a BadValue (a ValueError) naming ``name``. The one rule for counts: ``SamplingParams.top_k`` takes the same."""
     if not isinstance(value, numbers.Integral) or isinstance(value, bool) or value < minimum:
-        raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
+        raise BadValue(f"{name} must be an int >= {minimum}, got {value!r}", arg=name)
     return int(value)
 
 
 def finite_number(name: str, value, *, minimum: float = 0.0, above: bool = False) -> float:
     """``value`` as a float if it is a finite real number >= ``minimum`` (> with ``above``); else a
-    ValueError naming ``name`` (NaN, infinity, text and bools are refused)."""
+    BadValue naming ``name`` (NaN, infinity, text and bools are refused)."""
     real = isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value)
     if not real or (value <= minimum if above else value < minimum):
-        raise ValueError(f"{name} must be {'>' if above else '>='} {minimum:g} (a finite number), got {value!r}")
+        bound = f"{'>' if above else '>='} {minimum:g}"
+        raise BadValue(f"{name} must be {bound} (a finite number), got {value!r}", arg=name)
     return float(value)
 
 
@@ -31,5 +34,5 @@ SEED_MAX = 2**64 - 1  # the largest seed torch.Generator.manual_seed takes
 def check_seed(seed, name: str = "seed") -> int:
     """``seed`` if it is a whole number torch can seed a generator with (0 .. 2**64 - 1)."""
     if not isinstance(seed, numbers.Integral) or isinstance(seed, bool) or not 0 <= seed <= SEED_MAX:
-        raise ValueError(f"{name} must be a whole number from 0 to 2**64 - 1, got {seed!r}")
+        raise BadValue(f"{name} must be a whole number from 0 to 2**64 - 1, got {seed!r}", arg=name)
     return int(seed)

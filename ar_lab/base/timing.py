@@ -20,6 +20,7 @@ from typing import TypeVar
 import torch
 
 from ar_lab.base.args import positive_int
+from ar_lab.base.errors import BadType, BadValue
 
 Name = TypeVar("Name")  # what names the sides ``interleaved`` compares: a string, a tuple, ...
 
@@ -39,14 +40,18 @@ def checked_device(device: torch.device | str, *, present: bool = True) -> torch
     try:
         d = torch.device(device)
     except (RuntimeError, TypeError, ValueError):
-        raise ValueError(f"device must be like 'cpu' or 'cuda', got {device!r}") from None
+        raise BadValue(f"device must be like 'cpu' or 'cuda', got {device!r}", arg="device") from None
     if d.type not in ("cpu", "cuda"):
-        raise ValueError(f"device must be like 'cpu' or 'cuda', got {str(d)!r} (ar_lab runs on a CPU or a CUDA GPU)")
+        raise BadValue(
+            f"device must be like 'cpu' or 'cuda', got {str(d)!r} (ar_lab runs on a CPU or a CUDA GPU)", arg="device"
+        )
     if d.type == "cuda" and present:
         if not torch.cuda.is_available():
-            raise ValueError(f"device {str(d)!r} asked for, but torch sees no CUDA GPU here: use 'cpu'")
+            raise BadValue(f"device {str(d)!r} asked for, but torch sees no CUDA GPU here: use 'cpu'", arg="device")
         if d.index is not None and d.index >= torch.cuda.device_count():
-            raise ValueError(f"device {str(d)!r} asked for, but torch sees {torch.cuda.device_count()} CUDA GPU(s)")
+            raise BadValue(
+                f"device {str(d)!r} asked for, but torch sees {torch.cuda.device_count()} CUDA GPU(s)", arg="device"
+            )
     return d
 
 
@@ -72,7 +77,7 @@ def time_call(
     launch time); elsewhere from ``time.perf_counter``.
     """
     if not callable(fn):
-        raise TypeError(f"time_call times a function of no arguments, e.g. lambda: model(x); got {fn!r}")
+        raise BadType(f"time_call times a function of no arguments (fn), e.g. lambda: model(x); got {fn!r}", arg="fn")
     positive_int("repeats", repeats)
     positive_int("warmup", warmup, minimum=0)
     on_cuda = device is not None and checked_device(device).type == "cuda"
@@ -118,14 +123,16 @@ def interleaved(
     is called with each round's index (from 0, warm-up rounds included) before it runs.
     """
     if not isinstance(runs, dict) or not runs:
-        raise ValueError(f"runs must be a non-empty dict {{name: function of no arguments}}, got {runs!r}")
+        raise BadValue(f"runs must be a non-empty dict {{name: function of no arguments}}, got {runs!r}", arg="runs")
     for name, fn in runs.items():
         if not callable(fn):
-            raise TypeError(f"runs[{name!r}] must be a function of no arguments, e.g. lambda: model(x); got {fn!r}")
+            raise BadType(
+                f"runs[{name!r}] must be a function of no arguments, e.g. lambda: model(x); got {fn!r}", arg="runs"
+            )
     positive_int("rounds", rounds)
     positive_int("warmup", warmup, minimum=0)
     if clock is not None and not callable(clock):
-        raise TypeError(f"clock must be a function returning seconds, e.g. time.perf_counter; got {clock!r}")
+        raise BadType(f"clock must be a function returning seconds, e.g. time.perf_counter; got {clock!r}", arg="clock")
     device = None if device is None else checked_device(device)
     names = list(runs)
     times: dict[Name, list[float]] = {name: [] for name in names}
@@ -150,7 +157,7 @@ def interleaved(
 def median(values: list[float]) -> float:
     values = list(values)
     if not values:
-        raise ValueError("no values to take the median of (did the measurement run zero times?)")
+        raise BadValue("no values to take the median of (did the measurement run zero times?)", arg="values")
     return statistics.median(values)
 
 

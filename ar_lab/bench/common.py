@@ -3,14 +3,21 @@
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 
+from ar_lab.base.errors import BadValue
 from ar_lab.base.timing import checked_device
 
 __all__ = [
-    "checked_device", "checked_count", "checked_threads", "checkpoints", "course_model_or_random", "torch_threads"
+    "checked_device",
+    "checked_count",
+    "checked_threads",
+    "checkpoints",
+    "course_model_or_random",
+    "named",
+    "torch_threads",
 ]
 
 
@@ -33,15 +40,24 @@ def course_model_or_random():
 def checked_count(name: str, value, minimum: int = 1) -> int:
     """``value`` if it is an int >= ``minimum`` (a size, a number of repeats), else a ValueError naming it."""
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
+        raise BadValue(f"{name} must be an int >= {minimum}, got {value!r}", arg=name)
     return value
+
+
+def named(arg: str, check: Callable[[], object]) -> None:
+    """Run ``check``; a BadValue it raises comes back naming ``arg``, the argument (an option, a list) the
+    checked value came from, as the message's first word."""
+    try:
+        check()
+    except BadValue as error:
+        raise type(error)(f"{arg}: {error}", arg=arg) from None
 
 
 def checked_threads(threads) -> list[int]:
     """``threads`` (an int or a list of ints) as a list of thread counts, each >= 1."""
     counts = [threads] if isinstance(threads, int) else list(threads)
     if not counts or any(isinstance(t, bool) or not isinstance(t, int) or t < 1 for t in counts):
-        raise ValueError(f"--threads must be positive ints, got {threads}")
+        raise BadValue(f"--threads must be positive ints, got {threads}", arg="threads")
     return counts
 
 

@@ -21,6 +21,7 @@ import argparse
 
 import torch
 
+from ar_lab.base.errors import ContextFull
 from ar_lab.base.timing import interleaved, machine, median, steady_clock
 from ar_lab.bench.common import checked_count, course_model_or_random, torch_threads
 from ar_lab.bench.table import format_table
@@ -61,7 +62,7 @@ def constrained_benchmark(model=None, *, samples: int = 32, tokens: int = 96, re
     grammar, prompt, params = record_grammar(), encode(RECORDS_PROMPT), SamplingParams()
     if len(prompt) + tokens > model.config.block_size:
         most = model.config.block_size - len(prompt)
-        raise ValueError(f"tokens must be at most {most} for this prompt and model, got {tokens}")
+        raise ContextFull(f"tokens must be at most {most} for this prompt and model, got {tokens}", arg="tokens")
     free = [generate(model, prompt, tokens, sampling=params, generator=_seeded(i)) for i in range(samples)]
     bound = [generate(model, prompt, tokens, sampling=params, generator=_seeded(i), constraint=grammar)
              for i in range(samples)]

@@ -18,6 +18,7 @@ from collections.abc import Callable
 
 import torch
 
+from ar_lab.base.errors import BadValue
 from ar_lab.base.timing import interleaved, median
 from ar_lab.bench.common import checked_count, course_model_or_random, torch_threads
 from ar_lab.bench.table import format_table
@@ -131,7 +132,9 @@ def kernels_from_memory(nbytes: int, *, repeats: int = 5, n_in: int = 4096, grou
     checked_count("repeats", repeats)
     checked_count("n_in", n_in, 2 * group_size)
     if group_size not in INT4_GROUP_SIZES or n_in % group_size:
-        raise ValueError(f"group_size must be one of {INT4_GROUP_SIZES} and divide n_in={n_in}, got {group_size}")
+        raise BadValue(
+            f"group_size must be one of {INT4_GROUP_SIZES} and divide n_in={n_in}, got {group_size}", arg="group_size"
+        )
     rows = checked_count("nbytes", nbytes, 64 * 4 * n_in) // (64 * 4 * n_in) * 64  # fp32 rows, a multiple of 64
     size = rows * 4 * n_in
     g = torch.Generator().manual_seed(0)
@@ -403,7 +406,7 @@ def run(args: argparse.Namespace) -> dict:
     checked_count("tokens", args.tokens, 2)
     checked_count("repeats", args.repeats)
     if args.config != "none" and args.config not in CONFIGS:
-        raise ValueError(f"--config must be one of {sorted(CONFIGS)} or none, got {args.config!r}")
+        raise BadValue(f"--config must be one of {sorted(CONFIGS)} or none, got {args.config!r}", arg="config")
     threads = torch.get_num_threads() if args.threads is None else args.threads
     tokens, repeats = (QUICK["tokens"], QUICK["repeats"]) if args.quick else (args.tokens, args.repeats)
     with torch_threads(threads):

@@ -19,6 +19,7 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
+from ar_lab.base.errors import BadValue
 from ar_lab.bench.decode import CACHED, PEER
 
 # name -> what the benchmark compares (the table's second column)
@@ -327,7 +328,9 @@ def _threads(phases: list[dict], default: int) -> str:
 
 def _replace(text: str, start: str, end: str, body: str) -> str:
     if text.count(start) != 1 or text.count(end) != 1 or text.index(start) > text.index(end):
-        raise ValueError(f"the README must hold the markers {start!r} and {end!r} once each, in that order")
+        raise BadValue(
+            f"the README (readme) must hold the markers {start!r} and {end!r} once each, in that order", arg="readme"
+        )
     head, rest = text.split(start)
     _, tail = rest.split(end)
     return f"{head}{start}\n{body}\n{end}{tail}"

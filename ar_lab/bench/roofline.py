@@ -13,7 +13,8 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from ar_lab.bench.common import checked_count, checked_device, checked_threads
+from ar_lab.base.errors import BadValue
+from ar_lab.bench.common import checked_count, checked_device, checked_threads, named
 from ar_lab.bench.table import format_table
 
 # Sweeps per device type: prompt lengths (prefill), batch sizes (decode at one
@@ -73,17 +74,20 @@ def _config(config: str | None, quick: bool):
         return GPTConfig(block_size=64, n_layer=2, n_head=4, n_embd=64)
     if config in CONFIGS:
         return CONFIGS[config]
-    raise ValueError(f"config must be one of {sorted(CONFIGS)}, got {config!r}")
+    raise BadValue(f"config must be one of {sorted(CONFIGS)}, got {config!r}", arg="config")
 
 
 def _check_sweep(cfg, sweep: dict, pairs: int, threads, buffer_mb: int | None, repeats: int) -> None:
     """Every size against the model's window, every count >= 1: all before anything is built or measured."""
     from ar_lab.perf.roofline import decode_cost, prefill_cost
 
-    for t in sweep["prompt_lens"]:
-        prefill_cost(cfg, t)
-    for c, b in [(sweep["context"], b) for b in sweep["batches"]] + [(c, 1) for c in sweep["contexts"]]:
-        decode_cost(cfg, c, b)
+    for t in sweep["prompt_lens"]:  # each error names roofline_benchmark's argument
+        named("prompt_lens", lambda t=t: prefill_cost(cfg, t))
+    for b in sweep["batches"]:
+        named("context", lambda: decode_cost(cfg, sweep["context"]))
+        named("batches", lambda b=b: decode_cost(cfg, sweep["context"], b))
+    for c in sweep["contexts"]:
+        named("contexts", lambda c=c: decode_cost(cfg, c))
     checked_count("pairs", pairs)
     checked_count("repeats", repeats)
     if buffer_mb is not None:

@@ -9,6 +9,7 @@ import argparse
 
 import torch
 
+from ar_lab.base.errors import ContextFull
 from ar_lab.base.timing import machine, machine_line, median, time_call
 from ar_lab.bench.common import checked_count, course_model_or_random, torch_threads
 from ar_lab.bench.table import format_table
@@ -57,7 +58,9 @@ def sampler_benchmark(model=None, context: int = 128, *, rounds: int = 30, calls
     if model is None:
         model, source = course_model_or_random()
     if context >= model.config.block_size:
-        raise ValueError(f"context must be below the context window of {model.config.block_size}, got {context}")
+        raise ContextFull(
+            f"context must be below the context window of {model.config.block_size}, got {context}", arg="context"
+        )
     device = model.device
     gen = torch.Generator(device=device).manual_seed(0)
     history = torch.randint(0, model.config.vocab_size, (context,), generator=gen, device=device)

@@ -18,6 +18,7 @@ from collections.abc import Callable
 
 import torch
 
+from ar_lab.base.errors import BadValue
 from ar_lab.base.timing import interleaved, median, steady_clock
 from ar_lab.bench.common import checked_count, torch_threads
 from ar_lab.bench.speculative import SPEEDUP_TARGET, format_speculative_results, speculative_benchmark
@@ -43,7 +44,7 @@ def self_draft_pair(k: int, draft_format: str = "int4", *, course=None):
     from ar_lab.model.widen import widen
 
     if draft_format not in DRAFT_FORMATS:
-        raise ValueError(f"draft_format must be one of {DRAFT_FORMATS}, got {draft_format!r}")
+        raise BadValue(f"draft_format must be one of {DRAFT_FORMATS}, got {draft_format!r}", arg="draft_format")
     if course is None:  # the trained weights: they set how often the draft agrees
         from ar_lab.model.train import checkpoint_path, load_checkpoint
 
@@ -101,7 +102,11 @@ def selfspec_benchmark(
     from ar_lab.engine.sampling import GREEDY
     from ar_lab.perf.peaks import cache_bytes
 
-    checked_count("k (--widen)", k)
+    try:
+        checked_count("k (--widen)", k)
+    except BadValue as error:
+        error.arg = "k"  # the message adds the command's option to the argument's name
+        raise
     gammas = [2, 4, 6, 8] if gammas is None else gammas
     target, draft = self_draft_pair(k, draft_format, course=course)
     res = speculative_benchmark(

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 
+from ar_lab.base.errors import BadValue, ContextFull
 from ar_lab.base.timing import machine, machine_line, median
 from ar_lab.bench.common import checked_count, course_model_or_random, torch_threads
 from ar_lab.bench.table import format_table
@@ -102,11 +103,14 @@ def serving_benchmark(
         checked_count(name, value)
     window = model.config.block_size
     if context + 16 > window:  # the sweep decodes 16 steps after `context` positions
-        raise ValueError(f"context {context} + 16 decode steps must fit in the context window ({window})")
+        raise ContextFull(
+            f"context {context} + 16 decode steps must fit in the context window ({window})", arg="context"
+        )
     if prefix_tokens > window - PREFIX_ROOM:  # refused, not cut short: the report would show another size
-        raise ValueError(
+        raise ContextFull(
             f"prefix_tokens must be at most {window - PREFIX_ROOM} (the context window of {window} less "
-            f"{PREFIX_ROOM} positions for each question and its answer), got {prefix_tokens}"
+            f"{PREFIX_ROOM} positions for each question and its answer), got {prefix_tokens}",
+            arg="prefix_tokens",
         )
     policies, same = _policies(model, work, max_batch, repeats)
     sweep = _batch_sweep(model, batch_sizes, context, repeats)
@@ -166,8 +170,9 @@ def run(args: argparse.Namespace) -> dict:
     try:
         sizes = tuple(int(b) for b in args.batch_sizes.split(","))
     except ValueError:
-        raise ValueError(
-            f"--batch-sizes must be ints separated by commas, e.g. 1,2,4, got {args.batch_sizes!r}"
+        raise BadValue(
+            f"--batch-sizes must be ints separated by commas, e.g. 1,2,4, got {args.batch_sizes!r} (batch_sizes)",
+            arg="batch_sizes",
         ) from None
     with torch_threads(args.threads):
         res = serving_benchmark(

@@ -31,6 +31,8 @@ from pathlib import Path
 
 import nbformat
 
+from ar_lab.base.errors import BadValue
+
 MAX_WORDS = 2500
 MAX_CODE_LINES = 350
 MAX_EXERCISES = 4
@@ -186,7 +188,8 @@ def write_tables(root: Path, rows: list[Budget]) -> list[Path]:
         path = root / name
         text = path.read_text()
         if TABLE_START not in text or TABLE_END not in text:
-            raise ValueError(f"{path} has no sitting table markers ({TABLE_START!r} ... {TABLE_END!r})")
+            raise BadValue(f"{path} (under root) has no sitting table markers ({TABLE_START!r} ... {TABLE_END!r})",
+                           arg="root")
         head, rest = text.split(TABLE_START, 1)
         new = head + block + rest.split(TABLE_END, 1)[1]
         if new != text:

@@ -19,6 +19,8 @@ from collections.abc import Callable
 
 import nbformat
 
+from ar_lab.base.errors import BadType, BadValue
+
 _BUILTINS = frozenset(dir(builtins))
 
 
@@ -29,7 +31,8 @@ def _python(source: str) -> ast.Module:
     try:
         return ast.parse(TransformerManager().transform_cell(source))
     except SyntaxError as e:
-        raise ValueError(f"a code cell does not parse as Python (line {e.lineno}): {source[:80]!r}") from None
+        raise BadValue(f"a code cell's source does not parse as Python (line {e.lineno}): {source[:80]!r}",
+                       arg="source") from None
 
 
 class _Names(ast.NodeVisitor):
@@ -191,11 +194,14 @@ def cut(nb: nbformat.NotebookNode, keep: Callable[[nbformat.NotebookNode], bool]
     not only the last: an earlier binding may be what a later change works on), transitively.
     """
     if not isinstance(nb, nbformat.NotebookNode) or "cells" not in nb:
-        raise TypeError(f"cut needs a notebook (nbformat.read(...)), got {type(nb).__name__}")
+        raise BadType(f"cut needs a notebook (nbformat.read(...)) as nb, got {type(nb).__name__}", arg="nb")
     code = [i for i, c in enumerate(nb.cells) if c.cell_type == "code"]
     bound, read = {}, {}
     for i in code:
-        bound[i], read[i] = names(nb.cells[i].source)
+        try:
+            bound[i], read[i] = names(nb.cells[i].source)
+        except BadValue as e:  # the notebook is what the caller changes: name it, and the cell
+            raise BadValue(f"nb, cell {i}: {e}", arg="nb") from None
     wanted = {i for i in code if keep(nb.cells[i])} | set(code[:1])
     todo = sorted(wanted)
     while todo:

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from ar_lab.base.args import positive_int
+from ar_lab.base.errors import BadType, BadValue
 from ar_lab.base.timing import checked_device, default_device, interleaved, steady_clock
 
 
@@ -41,9 +42,10 @@ def truth(holds) -> bool:
     got = type(holds).__name__
     if getattr(holds, "shape", None) is not None:
         got += f" of shape {tuple(holds.shape)}, dtype {getattr(holds, 'dtype', None)}"
-    raise TypeError(
+    raise BadType(
         f"claim needs holds to be a boolean (a comparison such as x < y, or bool((a == b).all()) for arrays), "
-        f"got {got}: {holds!r}"[:400]
+        f"got {got}: {holds!r}"[:400],
+        arg="holds",
     )
 
 
@@ -53,7 +55,7 @@ def claim(name: str, holds: bool, measured: str = "") -> None:
     ``holds`` must be a real boolean (``truth``), so that a claim can fail: the result of a comparison,
     not the measured value itself."""
     if not isinstance(name, str) or not name.strip():
-        raise TypeError(f"claim needs name to be the claim's sentence (a non-empty str), got {name!r}")
+        raise BadType(f"claim needs name to be the claim's sentence (a non-empty str), got {name!r}", arg="name")
     if not truth(holds):
         raise ClaimFailed(
             f"the notebook claims: {name!r}, but the measurement says otherwise"
@@ -136,16 +138,17 @@ def timed_claim(
     and (for two sides) their ratio. Returns the deciding measurement.
     """
     if not isinstance(runs, dict) or not runs:
-        raise ValueError(f"runs must be a non-empty dict {{name: function of no arguments}}, got {runs!r}")
+        raise BadValue(f"runs must be a non-empty dict {{name: function of no arguments}}, got {runs!r}", arg="runs")
     if not callable(holds):
-        raise TypeError(
-            f"holds must be a function of the sides' median seconds, e.g. lambda t: t['a'] < t['b']; got {holds!r}"
+        raise BadType(
+            f"holds must be a function of the sides' median seconds, e.g. lambda t: t['a'] < t['b']; got {holds!r}",
+            arg="holds",
         )
     positive_int("rounds", rounds)
     if isinstance(budget_s, bool) or not isinstance(budget_s, numbers.Real) or not budget_s >= 0:
-        raise ValueError(f"budget_s must be a number of seconds >= 0, got {budget_s!r}")
+        raise BadValue(f"budget_s must be a number of seconds >= 0, got {budget_s!r}", arg="budget_s")
     if first is not None and (not isinstance(first, dict) or set(first) != set(runs) or not all(first.values())):
-        raise ValueError(f"first must hold samples for exactly the sides {list(runs)}, got {first!r}"[:300])
+        raise BadValue(f"first must hold samples for exactly the sides {list(runs)}, got {first!r}"[:300], arg="first")
     device = default_device() if device is None else checked_device(device)  # where the notebooks compute
     clock = steady_clock(device) if device.type == "cpu" else None
     start, attempts = time.perf_counter(), 0
@@ -167,7 +170,7 @@ def say(text: str) -> None:
     from IPython.display import Markdown, display
 
     if not isinstance(text, str):
-        raise TypeError(f"say needs text to be a str (Markdown, e.g. an f-string), got {text!r}")
+        raise BadType(f"say needs text to be a str (Markdown, e.g. an f-string), got {text!r}", arg="text")
     display(Markdown(text))
 
 
@@ -176,7 +179,7 @@ def magnitude(x: float) -> str:
     if getattr(x, "ndim", None) == 0 and not isinstance(x, bool):  # a 0-d tensor or numpy scalar: its number
         x = x.item()
     if isinstance(x, bool) or not (isinstance(x, numbers.Real) and math.isfinite(x) and x > 0):
-        raise ValueError(f"magnitude needs a finite positive number, got {x!r}")
+        raise BadValue(f"magnitude needs x to be a finite positive number, got {x!r}", arg="x")
     mantissa, exponent = (int(part) for part in f"{float(x):.0e}".split("e"))  # exact, subnormals included
     superscript = str(exponent).translate(str.maketrans("-0123456789", "⁻⁰¹²³⁴⁵⁶⁷⁸⁹"))
     return f"{mantissa} × 10{superscript}"
@@ -185,7 +188,8 @@ def magnitude(x: float) -> str:
 def plural(n: int, word: str, many: str | None = None) -> str:
     """A count with its noun for prose: plural(1, 'thread') -> '1 thread', plural(2, 'KV head') -> '2 KV heads'."""
     if isinstance(n, bool) or not isinstance(n, numbers.Integral):
-        raise TypeError(f"plural needs an int count, got {n!r}")
+        raise BadType(f"plural needs n to be an int count, got {n!r}", arg="n")
     if not isinstance(word, str) or not (many is None or isinstance(many, str)):
-        raise TypeError(f"plural needs word (and many, if given) to be str, got {word!r}, {many!r}")
+        raise BadType(f"plural needs word (and many, if given) to be str, got {word!r}, {many!r}",
+                      arg="word" if not isinstance(word, str) else "many")
     return f"{int(n):,} {word if n == 1 else (many or word + 's')}"

@@ -37,6 +37,8 @@ from pathlib import Path
 
 import nbformat
 
+from ar_lab.base.errors import BadValue
+
 ROOT = Path(__file__).resolve().parents[2]
 NOTEBOOKS = ROOT / "notebooks"
 CODE_STUB = "# YOUR CODE HERE\nraise NotImplementedError()"
@@ -107,7 +109,8 @@ def student_version(nb: nbformat.NotebookNode) -> nbformat.NotebookNode:
     for cell in out.cells:
         meta = nbgrader_meta(cell)
         if "### BEGIN SOLUTION" in cell.source and not meta.get("solution"):
-            raise ValueError(f"a solution region is in a cell not marked as a solution: {cell.source[:60]!r}")
+            raise BadValue(f"a solution region is in a cell of nb not marked as a solution: {cell.source[:60]!r}",
+                           arg="nb")
         _lock(cell)
         if meta.get("solution"):
             cell.source = strip_solutions(cell.source, cell.cell_type)
@@ -138,7 +141,7 @@ def exercises_only(nb: nbformat.NotebookNode) -> nbformat.NotebookNode:
 def _folder(name: str, value) -> Path:
     """``value`` as a folder path; an empty string (the current folder, by accident) or a non-path is refused."""
     if not isinstance(value, (str, Path)) or not str(value).strip():
-        raise ValueError(f"{name} must be a folder path (a str or Path), got {value!r}")
+        raise BadValue(f"{name} must be a folder path (a str or Path), got {value!r}", arg=name)
     return Path(value)
 
 
@@ -149,8 +152,9 @@ def _chapters(chapters) -> list[str] | None:
     if isinstance(chapters, (str, int)) and not isinstance(chapters, bool):
         return [chapters]  # one chapter, not the characters of "04"
     if not isinstance(chapters, (list, tuple)) or not chapters:
-        raise ValueError(
-            f"chapters must be a chapter (e.g. '04'), a non-empty list of them or None (all), got {chapters!r}"
+        raise BadValue(
+            f"chapters must be a chapter (e.g. '04'), a non-empty list of them or None (all), got {chapters!r}",
+            arg="chapters",
         )
     return list(chapters)
 
@@ -165,7 +169,7 @@ def select_notebooks(src: Path, chapters: list[str] | str | None = None) -> list
     if chapters is not None:
         for chapter in chapters:
             if not str(chapter).isdigit() or int(chapter) > 99:
-                raise ValueError(f"a chapter is a number such as 04, got {chapter!r}")
+                raise BadValue(f"a chapter is a number such as 04, got {chapter!r} in chapters", arg="chapters")
         patterns = [f"{int(chapter):02d}[_a-z]*.ipynb" for chapter in chapters]  # a chapter and its parts (07b_...)
     found = []
     for pattern in patterns:
@@ -176,13 +180,13 @@ def select_notebooks(src: Path, chapters: list[str] | str | None = None) -> list
     return found
 
 
-def _refuse_source_folder(target: Path, *sources: Path) -> None:
-    """Raise if ``target`` resolves (symlinks, ``..``) into a source folder."""
+def _refuse_source_folder(target: Path, *sources: Path, arg: str) -> None:
+    """Raise if ``target`` (the argument ``arg`` names) resolves (symlinks, ``..``) into a source folder."""
     resolved = target.resolve()
     for src in sources:
         src = src.resolve()
         if resolved == src or src in resolved.parents:
-            raise ValueError(f"{target} is in the source folder {src}: choose another folder")
+            raise BadValue(f"{target} ({arg}) is in the source folder {src}: choose another folder", arg=arg)
 
 
 GLOSSARY = "glossary.md"  # the course's glossary, beside the chapters that link to it
@@ -197,7 +201,7 @@ def release(src: Path = NOTEBOOKS, out: Path = ROOT / "course", *, chapters: lis
     """
     src, out = _folder("src", src), _folder("out", out)
     notebooks = select_notebooks(src, chapters)
-    _refuse_source_folder(out, src, NOTEBOOKS)
+    _refuse_source_folder(out, src, NOTEBOOKS, arg="out")
     written = []
     for path in notebooks:
         target = out / path.name
@@ -304,13 +308,13 @@ def course(
     Returns the paths written.
     """
     if isinstance(timeout, bool) or not isinstance(timeout, int) or timeout < 1:
-        raise ValueError(f"timeout must be a whole number of seconds >= 1, got {timeout!r}")
+        raise BadValue(f"timeout must be a whole number of seconds >= 1, got {timeout!r}", arg="timeout")
     folder, src = _folder("folder", folder), _folder("src", src)
     notebooks = select_notebooks(src, chapters)
-    _refuse_source_folder(folder, src, NOTEBOOKS)
+    _refuse_source_folder(folder, src, NOTEBOOKS, arg="folder")
     targets = {path: folder / "source" / path.stem / path.name for path in notebooks}
     for target in targets.values():
-        _refuse_source_folder(target, src, NOTEBOOKS)
+        _refuse_source_folder(target, src, NOTEBOOKS, arg="folder")
     changed = [t for p, t in targets.items() if t.exists() and t.read_bytes() != p.read_bytes()]
     if changed and not overwrite:
         names = ", ".join(str(t) for t in changed)

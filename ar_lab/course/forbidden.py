@@ -6,6 +6,8 @@ makes. An entry lists functions, methods or classes by dotted name, or PyTorch o
 (``guard.forbidden`` resolves them).
 """
 
+from ar_lab.base.errors import BadValue
+
 # PyTorch's and ar_lab's ready-made attention, fused or not: what an exercise that writes attention forbids.
 ATTENTION = (
     "torch.nn.functional.scaled_dot_product_attention",
@@ -272,6 +274,6 @@ FORBIDDEN: dict[str, tuple[str, ...]] = {
 def references(exercise: str) -> tuple[str, ...]:
     """The references ``exercise``'s graded test forbids (its grade id without ``-tests``)."""
     if exercise not in FORBIDDEN:
-        raise ValueError(f"no forbid list for the exercise {exercise!r}: add it to ar_lab/course/forbidden.py "
-                         f"(known: {', '.join(sorted(FORBIDDEN))})")
+        raise BadValue(f"no forbid list for the exercise {exercise!r}: add it to ar_lab/course/forbidden.py "
+                       f"(known: {', '.join(sorted(FORBIDDEN))})", arg="exercise")
     return FORBIDDEN[exercise]

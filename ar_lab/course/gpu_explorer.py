@@ -14,6 +14,7 @@ from __future__ import annotations
 import html
 
 from ar_lab.base.args import finite_number
+from ar_lab.base.errors import BadType, BadValue
 from ar_lab.course.gpu_view import Scenario
 from ar_lab.course.widgets import whole_number
 
@@ -29,7 +30,7 @@ def format_time(seconds: float) -> str:
 def scenario_html(s: Scenario) -> str:
     """The explorer's summary: a 'does not fit' banner or the fit, then the predicted clocks."""
     if not isinstance(s, Scenario):
-        raise TypeError(f"s must be a Scenario (from gpu_view.gpu_scenario(...)), got {s!r}")
+        raise BadType(f"s must be a Scenario (from gpu_view.gpu_scenario(...)), got {s!r}", arg="s")
     p = s.placement
     if s.fits:
         banner = (
@@ -89,7 +90,7 @@ class GPUExplorer:
         gpu, model = as_gpu(gpu).name, as_model(model, "model").name  # unknown names: a ValueError listing them
         weight_dtype = check_dtype(weight_dtype)
         if model not in MODELS:
-            raise ValueError(f"model must be a name from MODELS, one of {list(MODELS)}, got {model!r}")
+            raise BadValue(f"model must be a name from MODELS, one of {list(MODELS)}, got {model!r}", arg="model")
         style = {"description_width": "110px"}
         box = dict(style=style, layout=W.Layout(width="300px"))
         self.gpu = W.Dropdown(options=list(GPUS), value=gpu, description="GPU", **box)

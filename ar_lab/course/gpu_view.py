@@ -16,6 +16,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from ar_lab.base.args import finite_number, positive_int
+from ar_lab.base.errors import BadType, BadValue
 from ar_lab.course.plots import COLORS
 from ar_lab.model.gpt import GPTConfig
 from ar_lab.perf import llm_costs as lc
@@ -91,10 +92,9 @@ def gpu_scenario(
     batch, prompt_len = lc.count("batch", batch), lc.count("prompt_len", prompt_len)
     context = lc.count("context", context)
     if context < prompt_len:
-        raise ValueError(
-            f"context ({context:,}) must be at least prompt_len ({prompt_len:,}): decoding continues after "
-            f"the prompt, so the context a decode step attends to includes the whole prompt"
-        )
+        raise BadValue(f"context ({context:,}) must be at least prompt_len ({prompt_len:,}): decoding continues after "
+                       f"the prompt, so the context a decode step attends to includes the whole prompt",
+                       arg="context")
     longest = max(prompt_len, context)
     return Scenario(
         gpu=spec,
@@ -152,7 +152,7 @@ def plot_scenario(ax, s: Scenario, prompt_lens: Sequence[int] = PROMPT_LENS, bat
     """``s``'s GPU roofline with prefill over ``prompt_lens`` and decode over ``batches`` (hollow: does not fit),
     the scenario's own two points ringed, and the batch where the weights stop dominating marked."""
     if not isinstance(s, Scenario):
-        raise TypeError(f"s must be a Scenario (from gpu_scenario(...)), got {s!r}")
+        raise BadType(f"s must be a Scenario (from gpu_scenario(...)), got {s!r}", arg="s")
     shape, dt = s.model, s.weight_dtype
     lens = sorted({t for t in prompt_lens if t <= shape.max_context} | {s.prompt_len})
     sizes = sorted(set(batches) | {s.batch})
@@ -193,7 +193,8 @@ def plot_decode_intensity(ax, shape, spec: GPUSpec, contexts: Sequence[int], wei
     ``shape`` and ``spec`` may be given by name; ``contexts`` is a list of context lengths."""
     shape, spec, weight_dtype = lc.as_model(shape), as_gpu(spec, "spec"), lc.check_dtype(weight_dtype)
     if isinstance(contexts, (str, numbers.Number)) or not isinstance(contexts, Sequence) or not contexts:
-        raise TypeError(f"contexts must be a non-empty list of context lengths (e.g. [128, 8192]), got {contexts!r}")
+        raise BadType(f"contexts must be a non-empty list of context lengths (e.g. [128, 8192]), got {contexts!r}",
+                      arg="contexts")
     batches = [2**i for i in range(positive_int("max_b", max_b).bit_length())]
     colors = ["#16a085", "#2471a3", "#8e44ad", "#c0392b", "#e67e22"]
     ridge = spec.peak_flops(weight_dtype) / spec.bandwidth
@@ -259,10 +260,8 @@ def check_result(result, keys=("device", "dtype", "peaks", "points")) -> dict:
     """``result`` if it looks like a roofline result (``measure.load_result(path)`` or ``measure_gpu(...)``:
     a dict with ``keys``); else a TypeError saying what to pass."""
     if not isinstance(result, dict) or any(k not in result for k in keys):
-        raise TypeError(
-            f"result must be a roofline result dict with {list(keys)} (measure.load_result(path) or "
-            f"measure_gpu(device)), got {str(result)[:120]}"
-        )
+        raise BadType(f"result must be a roofline result dict with {list(keys)} (measure.load_result(path) or "
+                      f"measure_gpu(device)), got {str(result)[:120]}", arg="result")
     return result
 
 
@@ -314,7 +313,8 @@ COMPARISON_HEADERS = ["phase", "B", "T", "context", "FLOP/B", "measured ms", "da
 def comparison_rows(comparison: dict) -> list[list]:
     """Rows under ``COMPARISON_HEADERS`` (datasheet columns "-" when the GPU is not tabulated)."""
     if not isinstance(comparison, dict) or "rows" not in comparison:
-        raise TypeError(f"comparison must be the dict spec_comparison(result) returns, got {str(comparison)[:120]}")
+        raise BadType(f"comparison must be the dict spec_comparison(result) returns, got {str(comparison)[:120]}",
+                      arg="comparison")
     out = []
     for r in comparison["rows"]:
         pred = r.get("predicted_s")
@@ -336,7 +336,8 @@ def comparison_rows(comparison: dict) -> list[list]:
 def roof_lines(comparison: dict) -> list[str]:
     """Each measured roof of ``comparison`` (``spec_comparison``'s) against its datasheet figure, a line each."""
     if not isinstance(comparison, dict) or "roofs" not in comparison:
-        raise TypeError(f"comparison must be the dict spec_comparison(result) returns, got {str(comparison)[:120]}")
+        raise BadType(f"comparison must be the dict spec_comparison(result) returns, got {str(comparison)[:120]}",
+                      arg="comparison")
     if comparison["spec"] is None:
         return ["this GPU is not in ar_lab.perf.gpus: compared with its measured roofs only"]
     return [

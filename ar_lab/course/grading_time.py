@@ -38,6 +38,7 @@ from pathlib import Path
 
 import nbformat
 
+from ar_lab.base.errors import BadValue
 from ar_lab.course.exercises import NOTEBOOKS, course, graded_cells, select_notebooks
 
 TABLE_START = "<!-- grading time table: written by `python -m ar_lab.course.grading_time --write` from its JSON -->"
@@ -200,7 +201,8 @@ def table(data: dict) -> str:
 def write_table(document: Path, data: dict) -> bool:
     text = document.read_text()
     if TABLE_START not in text or TABLE_END not in text:
-        raise ValueError(f"{document} has no grading time markers ({TABLE_START!r} ... {TABLE_END!r})")
+        raise BadValue(f"the document {document} has no grading time markers ({TABLE_START!r} ... {TABLE_END!r})",
+                       arg="document")
     head, rest = text.split(TABLE_START, 1)
     new = f"{head}{TABLE_START}\n{table(data)}\n{TABLE_END}{rest.split(TABLE_END, 1)[1]}"
     if new != text:

@@ -32,6 +32,7 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
+from ar_lab.base.errors import BadValue
 from ar_lab.course.library import is_library
 
 
@@ -47,7 +48,8 @@ def forbidden(reference: str | Callable) -> tuple[str, Any, Any]:
 
         op = reference.removeprefix("aten::")
         if not op.isidentifier() or not hasattr(torch.ops.aten, op):
-            raise ValueError(f"no reference named {reference!r} to forbid: torch.ops.aten has no operator {op!r}")
+            raise BadValue(f"no reference named {reference!r} to forbid: torch.ops.aten has no operator {op!r}",
+                           arg="reference")
         return f"torch.ops.aten.{op}", getattr(torch.ops.aten, op), None
     parts = reference.split(".")
     for cut in range(len(parts) - 1, 0, -1):  # the longest importable module prefix, then attributes
@@ -60,9 +62,9 @@ def forbidden(reference: str | Callable) -> tuple[str, Any, Any]:
             for attr in parts[cut:]:
                 owner, obj = obj, getattr(obj, attr)
         except AttributeError as e:
-            raise ValueError(f"no reference named {reference!r} to forbid: {e}") from None
+            raise BadValue(f"no reference named {reference!r} to forbid: {e}", arg="reference") from None
         return reference, obj, owner if isinstance(owner, type) else None
-    raise ValueError(f"no reference named {reference!r} to forbid: no module to import")
+    raise BadValue(f"no reference named {reference!r} to forbid: no module to import", arg="reference")
 
 
 def _targets(name: str, obj: Any, owner: type | None):

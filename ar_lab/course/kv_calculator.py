@@ -7,6 +7,7 @@ refuse out-of-range values with a message (``widgets.whole_number``) instead of 
 
 from __future__ import annotations
 
+from ar_lab.base.errors import BadValue
 from ar_lab.course.widgets import whole_number
 
 
@@ -20,7 +21,7 @@ def kv_cache_table_html(shape, seq_len: int, batch_size: int, dtype: str) -> tup
     from ar_lab.perf.kv_sizing import BYTES_PER_VALUE, cache_sizes, format_bytes
 
     if dtype not in BYTES_PER_VALUE:
-        raise ValueError(f"dtype must be one of {sorted(BYTES_PER_VALUE)}, got {dtype!r}")
+        raise BadValue(f"dtype must be one of {sorted(BYTES_PER_VALUE)}, got {dtype!r}", arg="dtype")
     nbytes = BYTES_PER_VALUE[dtype]
     sizes = cache_sizes(shape, seq_len, batch_size, nbytes)
     per_layer_values = {  # what one token stores in one layer, in values
@@ -77,12 +78,12 @@ class KVCacheCalculator:
         from ar_lab.perf.kv_sizing import BYTES_PER_VALUE, KV_PRESETS
 
         if preset not in KV_PRESETS:
-            raise ValueError(f"unknown preset {preset!r}; choose one of {list(KV_PRESETS)}")
+            raise BadValue(f"unknown preset {preset!r}; choose one of {list(KV_PRESETS)}", arg="preset")
         style = {"description_width": "120px"}
         box = dict(style=style, layout=W.Layout(width="260px"))
 
         if dtype not in BYTES_PER_VALUE:
-            raise ValueError(f"dtype must be one of {sorted(BYTES_PER_VALUE)}, got {dtype!r}")
+            raise BadValue(f"dtype must be one of {sorted(BYTES_PER_VALUE)}, got {dtype!r}", arg="dtype")
         self._lowest = {}  # control -> the smallest whole number it takes
 
         def number(description, low):

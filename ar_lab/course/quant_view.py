@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from ar_lab.base.args import positive_int
+from ar_lab.base.errors import BadType, BadValue
 from ar_lab.engine.quant import QuantizationError, absmax_quantize, error_between
 from ar_lab.model.gpt import GPT, GPTConfig
 from ar_lab.perf.roofline import decode_cost, parameter_count
@@ -32,7 +33,7 @@ SCALE_BYTES = {8: 2, 4: 4}
 def levels(bits: int) -> int:
     """The largest level of symmetric ``bits``-bit integers: 127 for 8 bits, 7 for 4 (2^(bits-1) - 1)."""
     if isinstance(bits, bool) or not isinstance(bits, int) or bits not in BITS:
-        raise ValueError(f"bits must be 8 or 4, got {bits!r}")
+        raise BadValue(f"bits must be 8 or 4, got {bits!r}", arg="bits")
     return 2 ** (bits - 1) - 1
 
 
@@ -44,9 +45,10 @@ def check_group_size(group_size, n_in: int) -> int | None:
     if ok and group_size in (None, 0):
         return None
     if not ok or group_size < 1 or group_size > n_in or n_in % group_size:
-        raise ValueError(
+        raise BadValue(
             f"group size must be 0 (one scale per row) or a whole number from 1 to {n_in} that divides {n_in}, "
-            f"got {group_size!r}"
+            f"got {group_size!r} for group_size",
+            arg="group_size",
         )
     return group_size
 
@@ -88,7 +90,7 @@ def weight_bytes(cfg: GPTConfig, weights: str | int, group_size: int | None = No
     if weights in ("fp32", "bf16"):
         return full if weights == "fp32" else full // 2
     if weights not in BITS or isinstance(weights, bool):
-        raise ValueError(f"weights must be 'fp32', 'bf16' or a number of bits, 8 or 4, got {weights!r}")
+        raise BadValue(f"weights must be 'fp32', 'bf16' or a number of bits, 8 or 4, got {weights!r}", arg="weights")
     total = full
     for out, n_in in block_matrices(cfg):
         groups = 1 if group_size is None else n_in // check_group_size(group_size, n_in)
@@ -153,14 +155,16 @@ def quant_view(
     """The explorer's numbers: ``weights[layer]`` quantized at ``bits`` with ``group_size`` (0 / None: per row),
     its error, and each model of ``configs`` at that format, in bytes per step and predicted speedup."""
     if not isinstance(weights, dict) or not isinstance(configs, dict):
-        raise TypeError(
+        raise BadType(
             f"weights and configs must be dicts (name -> 2-d tensor, name -> GPTConfig), got "
-            f"{type(weights).__name__} and {type(configs).__name__}"
+            f"{type(weights).__name__} and {type(configs).__name__}",
+            arg="configs" if isinstance(weights, dict) else "weights",
         )
     if not isinstance(layer, str) or layer not in weights:
-        raise ValueError(f"layer must be one of {sorted(weights)}, got {layer!r}")
+        raise BadValue(f"layer must be one of {sorted(weights)}, got {layer!r}", arg="layer")
     if not isinstance(weights[layer], torch.Tensor) or weights[layer].ndim != 2:
-        raise ValueError(f"weights[{layer!r}] must be a 2-d weight matrix (out, in), got {weights[layer]!r}"[:200])
+        raise BadValue(f"weights[{layer!r}] must be a 2-d weight matrix (out, in), got {weights[layer]!r}"[:200],
+                       arg="weights")
     w = weights[layer].detach().float()
     levels(bits)
     context, shown = positive_int("context", context), positive_int("shown", shown)
@@ -171,7 +175,7 @@ def quant_view(
         try:
             chosen = step_bytes(cfg, bits, size, context)
         except ValueError as e:  # the group size does not divide one of this model's widths
-            raise ValueError(f"{name}: {e}") from None
+            raise BadValue(f"{name}: {e}", arg=getattr(e, "arg", None) or "group_size") from None
         bf16 = step_bytes(cfg, "bf16", context=context)
         models.append(ModelBytes(name, parameter_count(cfg), fp32, bf16, chosen, fp32 / chosen))
     q, scale = quantize_groups(w, bits, size)
@@ -254,7 +258,7 @@ class QuantExplorer:
         self.weights, self.configs = dict(weights), dict(configs)
         levels(bits)  # a dropdown holds only its options: an unknown bits or layer is an error here
         if layer is not None and layer not in self.weights:
-            raise ValueError(f"layer must be one of {list(self.weights)}, got {layer!r}")
+            raise BadValue(f"layer must be one of {list(self.weights)}, got {layer!r}", arg="layer")
         style = {"description_width": "90px"}
         box = dict(style=style, layout=W.Layout(width="260px"))
         self.layer = W.Dropdown(
@@ -306,6 +310,6 @@ def quant_explorer(model, configs: dict | None = None, **settings) -> QuantExplo
     """Build the chapter-09 explorer over ``model``'s block weights (display it by leaving it last in a cell).
     ``configs``: name -> GPTConfig of the models whose bytes it predicts (default: ``model``'s own)."""
     if not isinstance(model, GPT):
-        raise TypeError(f"model must be a GPT (e.g. ar_lab.load_pretrained('course')), got {model!r}"[:200])
+        raise BadType(f"model must be a GPT (e.g. ar_lab.load_pretrained('course')), got {model!r}"[:200], arg="model")
     weights = {name: p for name, p in model.named_parameters() if p.ndim == 2 and name.startswith("blocks.")}
     return QuantExplorer(weights, configs or {"this model": model.config}, **settings)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 from dataclasses import dataclass
 
+from ar_lab.base.errors import BadType, BadValue
 from ar_lab.course.quiz_bank import QUIZZES, TF
 
 
@@ -51,7 +52,7 @@ def questions(chapter: str) -> list[Question]:
     """The quiz of a chapter ("00" … "09"), choices in their shown order."""
     chapter = f"{int(chapter):02d}" if str(chapter).isascii() and str(chapter).isdigit() else str(chapter)
     if chapter not in QUIZZES:
-        raise ValueError(f"no quiz for chapter {chapter!r}; chapters with quizzes: {sorted(QUIZZES)}")
+        raise BadValue(f"no quiz for chapter {chapter!r}; chapters with quizzes: {sorted(QUIZZES)}", arg="chapter")
     return [_question(d) for d in QUIZZES[chapter]]
 
 
@@ -60,9 +61,9 @@ def check_answer(question: Question, choice: int | None) -> tuple[bool, str]:
     if choice is None:
         return False, "Pick an answer first."
     if not isinstance(choice, int) or isinstance(choice, bool):
-        raise TypeError(f"choice must be the index of a choice (an int) or None, got {choice!r}")
+        raise BadType(f"choice must be the index of a choice (an int) or None, got {choice!r}", arg="choice")
     if not 0 <= choice < len(question.choices):
-        raise ValueError(f"choice must be 0..{len(question.choices) - 1}, got {choice}")
+        raise BadValue(f"choice must be 0..{len(question.choices) - 1}, got {choice}", arg="choice")
     right = question.choices[question.answer]
     if choice == question.answer:
         return True, f"✔ Right. {question.explanation}"
@@ -93,7 +94,7 @@ class QuizWidget:
 
     def check(self, i: int) -> bool:
         if not isinstance(i, int) or isinstance(i, bool) or not 0 <= i < len(self.questions):
-            raise ValueError(f"question must be an index 0..{len(self.questions) - 1}, got {i!r}")
+            raise BadValue(f"question i must be an index 0..{len(self.questions) - 1}, got {i!r}", arg="i")
         radio = self.choices[i]
         choice = None if radio.value is None else list(radio.options).index(radio.value)
         correct, text = check_answer(self.questions[i], choice)

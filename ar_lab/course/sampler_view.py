@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ar_lab.base.args import check_seed
+from ar_lab.base.errors import BadValue
 from ar_lab.engine.generate import check_sampling, sample_rows
 from ar_lab.engine.prompts import check_prompt, prompt_ids
 from ar_lab.engine.sampling import Sampler, SamplingParams, check_sampler, entropy_bits, probabilities
@@ -70,11 +71,11 @@ def sampler_view(
     the learner's, in chapter 06); the distribution shown is ``probabilities``'.
     """
     if not isinstance(prompt, str) or not prompt:
-        raise ValueError("the prompt is empty: type at least one character")
+        raise BadValue("the prompt is empty: type at least one character", arg="prompt")
     if not isinstance(n_samples, int) or isinstance(n_samples, bool) or n_samples < 0:
-        raise ValueError(f"n_samples must be an int >= 0, got {n_samples!r}")
+        raise BadValue(f"n_samples must be an int >= 0, got {n_samples!r}", arg="n_samples")
     if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool) or max_new_tokens < 0:
-        raise ValueError(f"max_new_tokens must be an int >= 0, got {max_new_tokens!r}")
+        raise BadValue(f"max_new_tokens must be an int >= 0, got {max_new_tokens!r}", arg="max_new_tokens")
     check_sampling(params, "params")
     check_sampler(sampler)
     check_seed(seed)
@@ -101,7 +102,7 @@ def named_samplers(samplers) -> dict:
     if samplers is None:
         return {}
     if not isinstance(samplers, dict) or not samplers:
-        raise ValueError("samplers must be a dict naming at least one sampler, e.g. {'ar_lab': sample}")
+        raise BadValue("samplers must be a dict naming at least one sampler, e.g. {'ar_lab': sample}", arg="samplers")
     for fn in samplers.values():
         check_sampler(fn)
     return dict(samplers)

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ar_lab.base.errors import BadValue
 from ar_lab.base.timing import interleaved, steady_clock
 from ar_lab.engine.generate import generate
 from ar_lab.engine.sampling import GREEDY, SamplingParams
@@ -143,13 +144,13 @@ def speculation_view(
     a loop's round of one's own (``speculative_generate``'s ``iteration=``; chapter 07's exercise 2).
     """
     if not isinstance(prompt, str) or not prompt:
-        raise ValueError("the prompt is empty: type at least one character")
+        raise BadValue("the prompt is empty: type at least one character", arg="prompt")
     if not isinstance(max_gamma, int) or isinstance(max_gamma, bool) or max_gamma < 1:
-        raise ValueError(f"max_gamma must be an int >= 1, got {max_gamma!r}")
+        raise BadValue(f"max_gamma must be an int >= 1, got {max_gamma!r}", arg="max_gamma")
     if not isinstance(gamma, int) or isinstance(gamma, bool) or not 1 <= gamma <= max_gamma:
-        raise ValueError(f"gamma must be a whole number from 1 to max_gamma ({max_gamma}), got {gamma!r}")
+        raise BadValue(f"gamma must be a whole number from 1 to max_gamma ({max_gamma}), got {gamma!r}", arg="gamma")
     if not isinstance(repeats, int) or isinstance(repeats, bool) or repeats < 1:
-        raise ValueError(f"repeats must be an int >= 1, got {repeats!r}")
+        raise BadValue(f"repeats must be an int >= 1, got {repeats!r}", arg="repeats")
     device = target.device
     clock = steady_clock(device) if clock is None else clock
 
@@ -293,7 +294,8 @@ def chi_square(counts: torch.Tensor, probs: torch.Tensor) -> tuple[float, int, f
     """
     counts, probs = torch.as_tensor(counts, dtype=torch.float64), torch.as_tensor(probs, dtype=torch.float64)
     if counts.shape != probs.shape or counts.ndim != 1:
-        raise ValueError(f"counts and probs must be 1-D of one length, got {tuple(counts.shape)}, {tuple(probs.shape)}")
+        raise BadValue(f"counts and probs must be 1-D of one length, got {tuple(counts.shape)}, {tuple(probs.shape)}",
+                       arg="probs" if counts.ndim == 1 else "counts")
     possible = probs > 0
     n = float(counts.sum())
     expected = n * probs[possible]

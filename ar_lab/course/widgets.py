@@ -15,24 +15,29 @@ import math
 import torch
 
 from ar_lab.base.args import check_seed, finite_number
+from ar_lab.base.errors import BadType, BadValue
 from ar_lab.course.speculative_view import plot_speculation_view, speculation_text_html
 
 __all__ = ["plot_speculation_view", "speculation_text_html"]  # chapter 07 imports them from here too
 
 
-def whole_number(label: str, value, low: int, high: int | None = None, hint: str = "") -> int:
-    """``value`` if it is a whole number in [low, high]; else a ValueError naming the control by its label."""
+def whole_number(
+    label: str, value, low: int, high: int | None = None, hint: str = "", *, arg: str | None = None
+) -> int:
+    """``value`` if it is a whole number in [low, high]; else a BadValue (a ValueError) naming the control by its
+    label; ``arg``: the argument's name where it is not the label (the message names it too), the label otherwise."""
     if not isinstance(value, int) or isinstance(value, bool) or value < low or (high is not None and value > high):
         allowed = f">= {low}" if high is None else f"from {low} to {high}"
-        raise ValueError(f"{label} must be a whole number {allowed}{hint}, got {value!r}")
+        named = f" for {arg}" if arg and arg != label else ""
+        raise BadValue(f"{label} must be a whole number {allowed}{hint}, got {value!r}{named}", arg=arg or label)
     return value
 
 
-def _fraction(label: str, value, *, open_low: bool) -> float:
-    """``value`` in (0, 1] (``open_low``) or [0, 1], else a ValueError giving the range."""
+def _fraction(label: str, value, *, open_low: bool, arg: str) -> float:
+    """``value`` in (0, 1] (``open_low``) or [0, 1], else a BadValue giving the range and naming ``arg``."""
     real = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
     if not real or not (0 < value if open_low else 0 <= value) or value > 1:
-        raise ValueError(f"{label} must be in {'(0, 1]' if open_low else '[0, 1]'}, got {value!r}")
+        raise BadValue(f"{label} must be in {'(0, 1]' if open_low else '[0, 1]'}, got {value!r} for {arg}", arg=arg)
     return float(value)
 
 
@@ -165,19 +170,20 @@ def sampler_params(temperature, top_k, top_p, min_p):
     """The sampler explorer's controls as ``SamplingParams`` (top-k 0: off), each checked with its label and range."""
     from ar_lab.engine.sampling import SamplingParams
 
-    k = whole_number("top-k", top_k, 0, hint=" (0 turns it off)")
+    k = whole_number("top-k", top_k, 0, hint=" (0 turns it off)", arg="top_k")
     return SamplingParams(
         temperature=finite_number("temperature", temperature),
         top_k=k or None,
-        top_p=_fraction("top-p", top_p, open_low=True),
-        min_p=_fraction("min-p", min_p, open_low=False),
+        top_p=_fraction("top-p", top_p, open_low=True, arg="top_p"),
+        min_p=_fraction("min-p", min_p, open_low=False, arg="min_p"),
     )
 
 
 def sampler_explorer(model, prompt: str = "The ", n_samples: int = 4, max_new_tokens: int = 40, samplers=None):
     """The chapter-06 explorer (leave it last in a cell); ``samplers``: named token pickers, chosen in a drop-down."""
     if not isinstance(model, torch.nn.Module) or not hasattr(model, "config"):
-        raise TypeError(f"sampler_explorer needs model to be a GPT (ar_lab.load_pretrained('course')), got {model!r}")
+        raise BadType(f"sampler_explorer needs model to be a GPT (ar_lab.load_pretrained('course')), got {model!r}",
+                      arg="model")
     return SamplerExplorer(model, prompt, n_samples, max_new_tokens, samplers=samplers)
 
 
@@ -201,7 +207,7 @@ class SpeculationExplorer(_Shown):
         import ipywidgets as W
 
         if not drafts:
-            raise ValueError("drafts must name at least one draft model, e.g. {'draft checkpoint': draft}")
+            raise BadValue("drafts must name at least one draft model, e.g. {'draft checkpoint': draft}", arg="drafts")
         self.target, self.drafts, self.max_new_tokens, self.max_gamma = target, dict(drafts), max_new_tokens, max_gamma
         self.repeats = whole_number("repeats", repeats, 1)
         style = {"description_width": "90px"}
@@ -275,7 +281,7 @@ def speculation_settings(gamma, temperature, seed, max_gamma: int = 8):
     """The speculative explorer's controls as (gamma, ``SamplingParams``, seed), each checked with its label."""
     from ar_lab.engine.sampling import SamplingParams
 
-    gamma = whole_number("γ", gamma, 1, max_gamma)
+    gamma = whole_number("γ", gamma, 1, max_gamma, arg="gamma")
     return gamma, SamplingParams(temperature=finite_number("temperature", temperature)), check_seed(seed)
 
 

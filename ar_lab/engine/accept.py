@@ -17,6 +17,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from ar_lab.base.errors import BadValue
 from ar_lab.engine.sides import checked_tokens
 
 
@@ -74,11 +75,14 @@ def checked_accept(result, g: int, V: int) -> tuple[int, torch.Tensor]:
     if isinstance(n, torch.Tensor) and n.numel() == 1 and not n.is_floating_point():
         n = n.item()
     if isinstance(n, bool) or not isinstance(n, int) or not 0 <= n <= g:
-        raise ValueError(f"the accept rule must return (n, dist) with n an int in [0, {g}], got {result!r:.200}")
+        raise BadValue(f"the accept rule must return (n, dist) with n an int in [0, {g}], got {result!r:.200}",
+                       arg="accept")
     if not isinstance(dist, torch.Tensor) or dist.shape != (V,) or not dist.is_floating_point():
-        raise ValueError(f"the accept rule must return dist, a float tensor of shape ({V},), got {dist!r:.200}")
+        raise BadValue(f"the accept rule must return dist, a float tensor of shape ({V},), got {dist!r:.200}",
+                       arg="accept")
     if not torch.isfinite(dist).all() or (dist < 0).any() or not abs(float(dist.sum()) - 1) < 1e-3:
-        raise ValueError(f"the accept rule's dist must be a probability vector (>= 0, sum 1), got sum {dist.sum()}")
+        raise BadValue(f"the accept rule's dist must be a probability vector (>= 0, sum 1), got sum {dist.sum()}",
+                       arg="accept")
     return n, dist.float()
 
 
@@ -103,15 +107,15 @@ class Accept:
         if g and isinstance(qs, (list, tuple)) and len(qs) == g and all(isinstance(x, torch.Tensor) for x in qs):
             q = torch.stack(list(qs)) if all(x.shape == (V,) for x in qs) else None
         if not isinstance(p, torch.Tensor) or p.shape != (g + 1, V):
-            raise ValueError(f"accept(p, qs, drafts): p must be the target's distributions at the {g} drafts' "
-                             f"positions and the one after, shape ({g + 1}, {V}), got {getattr(p, 'shape', p)!r:.80} "
-                             "(the target's pass feeds the text's last token and the drafts)")
+            raise BadValue(f"accept(p, qs, drafts): p must be the target's distributions at the {g} drafts' "
+                           f"positions and the one after, shape ({g + 1}, {V}), got {getattr(p, 'shape', p)!r:.80} "
+                           "(the target's pass feeds the text's last token and the drafts)", arg="p")
         self.calls, self.last_gamma = self.calls + 1, g
         if not g:
             return 0, p[0]
         if not isinstance(q, torch.Tensor) or q.shape != (g, V):
-            raise ValueError(f"accept(p, qs, drafts): qs must be the {g} distributions the drafts were drawn from, "
-                             f"shape ({g}, {V}), got {getattr(q, 'shape', q)!r:.80}")
+            raise BadValue(f"accept(p, qs, drafts): qs must be the {g} distributions the drafts were drawn from, "
+                           f"shape ({g}, {V}), got {getattr(q, 'shape', q)!r:.80}", arg="qs")
         u = torch.rand(g, generator=self.generator, device=p.device, dtype=torch.float64)
         result = self.rule(p, q, list(drafts), u)
         n, dist = checked_accept(result, g, V) if self.checked else result

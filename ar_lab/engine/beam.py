@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ar_lab.base.errors import BadValue
 from ar_lab.engine.decoder import ForwardDecoder
 from ar_lab.engine.prompts import check_eos, prompt_batch
 from ar_lab.model.cache import KVCache
@@ -68,7 +69,7 @@ def length_normalised(logprob: float, length: int, length_penalty: float) -> flo
     every token lowers it); 1 ranks by log-probability per token; above 1 favours long texts.
     """
     if not isinstance(length, int) or isinstance(length, bool) or length < 1:
-        raise ValueError(f"length must be an int >= 1 (new tokens, EOS included), got {length!r}")
+        raise BadValue(f"length must be an int >= 1 (new tokens, EOS included), got {length!r}", arg="length")
     return logprob / (length**length_penalty)
 
 
@@ -227,10 +228,10 @@ def beam_search_batch(
     nothing is pruned and the result is the exact best sequence; ``num_beams=1`` is greedy.
     """
     if not isinstance(num_beams, int) or isinstance(num_beams, bool) or num_beams < 1:
-        raise ValueError(f"num_beams must be an int >= 1, got {num_beams!r}")
+        raise BadValue(f"num_beams must be an int >= 1, got {num_beams!r}", arg="num_beams")
     real = isinstance(length_penalty, numbers.Real) and not isinstance(length_penalty, bool)
     if not real or not math.isfinite(length_penalty):
-        raise ValueError(f"length_penalty must be a finite number, got {length_penalty!r}")
+        raise BadValue(f"length_penalty must be a finite number, got {length_penalty!r}", arg="length_penalty")
     V = model.config.vocab_size
     eos_id = check_eos(model, eos_id)
     idx = prompt_batch(model, prompts, max_new_tokens)  # (N, P)

@@ -48,6 +48,7 @@ from typing import NamedTuple
 import torch
 
 from ar_lab.base.args import positive_int
+from ar_lab.base.errors import BadType, BadValue
 from ar_lab.model.tokenizer import EOS_ID, VOCAB_SIZE, encode
 
 # String values: printable ASCII without the quote (it closes the string) and the backslash (no escapes).
@@ -120,14 +121,16 @@ class Grammar:
         if isinstance(token, torch.Tensor) and token.numel() == 1 and not token.is_floating_point():
             token = token.item()
         if isinstance(token, bool) or not isinstance(token, numbers.Integral):
-            raise TypeError(f"token must be a token id (an int), got {token!r}")
+            raise BadType(f"token must be a token id (an int), got {token!r}", arg="token")
         token = int(token)
         ids = self.allowed_ids(state)
         if token not in ids:
             shown = "EOS" if token == EOS_ID else repr(chr(token)) if 0 <= token < 256 else str(token)
-            raise ValueError(f"token {token} ({shown}) is not allowed here by {self!r}; allowed: {describe_ids(ids)}")
+            raise BadValue(f"token {token} ({shown}) is not allowed here by {self!r}; allowed: {describe_ids(ids)}",
+                           arg="token")
         if token == EOS_ID:
-            raise ValueError("EOS ends the text: there is no state after it (the decode loops stop there)")
+            raise BadValue("EOS ends the text: there is no state after this token (the decode loops stop there)",
+                           arg="token")
         return self._step(state, token)
 
     def state_after(self, tokens: str | Sequence[int]):
@@ -137,8 +140,10 @@ class Grammar:
         for i, token in enumerate(ids):
             try:
                 state = self.advance(state, token)
-            except ValueError as e:
-                raise ValueError(f"at position {i} of {bytes(t for t in ids[:i] if t < 256)!r}: {e}") from None
+            except ValueError as e:  # a token of ``tokens`` is at fault, or a PrefixFunction's ``fn``
+                arg = "fn" if getattr(e, "arg", None) == "fn" else "tokens"
+                shown = bytes(t for t in ids[:i] if t < 256)
+                raise BadValue(f"at position {i} of tokens {shown!r}: {e}", arg=arg) from None
         return state
 
     def accepts(self, tokens: str | Sequence[int]) -> bool:
@@ -161,11 +166,13 @@ class Grammar:
 
 def _check_key(key) -> str:
     if not isinstance(key, str) or not key:
-        raise ValueError(f"every key must be a non-empty str, got {key!r}")
+        raise BadValue(f"every key of fields must be a non-empty str, got {key!r}", arg="fields")
     bad = [c for c in key if ord(c) not in STRING_BYTES]
     if bad:
-        raise ValueError(
-            f"key {key!r} holds {bad[0]!r}: keys are printable ASCII without '\"' or '\\' (written without escapes)"
+        raise BadValue(
+            f"key {key!r} of fields holds {bad[0]!r}: keys are printable ASCII without '\"' or '\\' "
+            "(written without escapes)",
+            arg="fields",
         )
     return key
 
@@ -174,19 +181,21 @@ def _fields(fields) -> tuple[tuple[str, str], ...]:
     """``fields`` (a dict key -> str/int, or (key, kind) pairs) checked, as ((key, "string"|"integer"), ...)."""
     pairs = list(fields.items()) if isinstance(fields, Mapping) else fields
     if isinstance(pairs, (str, bytes)) or not isinstance(pairs, Iterable):
-        raise TypeError(f"fields must be a dict key -> str or int (or (key, kind) pairs), got {type(fields).__name__}")
+        raise BadType(f"fields must be a dict key -> str or int (or (key, kind) pairs), got {type(fields).__name__}",
+                      arg="fields")
     pairs = list(pairs)
     if not pairs:
-        raise ValueError("fields is empty: give at least one key, e.g. {'name': str, 'size': int}")
+        raise BadValue("fields is empty: give at least one key, e.g. {'name': str, 'size': int}", arg="fields")
     out, seen = [], set()
     for pair in pairs:
         if not isinstance(pair, (tuple, list)) or len(pair) != 2:
-            raise ValueError(f"each field is a (key, kind) pair, got {pair!r}")
+            raise BadValue(f"each field is a (key, kind) pair, got {pair!r} in fields", arg="fields")
         key, kind = _check_key(pair[0]), pair[1]
         if key in seen:
-            raise ValueError(f"key {key!r} is given twice: a JSON object's keys must be distinct")
+            raise BadValue(f"key {key!r} is given twice in fields: a JSON object's keys must be distinct", arg="fields")
         if not isinstance(kind, (type, str)) or kind not in KINDS:
-            raise ValueError(f"the kind of {key!r} must be str or int (or 'string' / 'integer'), got {kind!r}")
+            raise BadValue(f"the kind of {key!r} in fields must be str or int (or 'string' / 'integer'), got {kind!r}",
+                           arg="fields")
         seen.add(key)
         out.append((key, KINDS[kind]))
     return tuple(out)
@@ -220,7 +229,7 @@ class JsonObject(Grammar):
         self.max_string = positive_int("max_string", max_string)
         self.max_digits = positive_int("max_digits", max_digits)
         if self.max_digits > 18:
-            raise ValueError(f"max_digits must be at most 18 (an int64), got {max_digits!r}")
+            raise BadValue(f"max_digits must be at most 18 (an int64), got {max_digits!r}", arg="max_digits")
         # The fixed bytes before each value ('{"name": "' opens a string value too), then the closing brace.
         self.literals = tuple(
             encode(("{" if i == 0 else ", ") + json.dumps(key) + ": " + ('"' if kind == "string" else ""))
@@ -283,9 +292,9 @@ def json_problem(text: str, grammar: JsonObject, *, trailing: bool = False) -> s
     Judged with the ``json`` module: an independent check of what the state machine produces.
     """
     if not isinstance(text, str):
-        raise TypeError(f"text must be a str, got {type(text).__name__}")
+        raise BadType(f"text must be a str, got {type(text).__name__}", arg="text")
     if not isinstance(grammar, JsonObject):
-        raise TypeError(f"grammar must be a JsonObject, got {type(grammar).__name__}")
+        raise BadType(f"grammar must be a JsonObject, got {type(grammar).__name__}", arg="grammar")
     try:  # pairs, not a dict: a key written twice must not pass as one
         obj, end = json.JSONDecoder(object_pairs_hook=_Pairs).raw_decode(text)
     except json.JSONDecodeError:
@@ -310,12 +319,12 @@ class Choice(Grammar):
 
     def __init__(self, options: Sequence[str]) -> None:
         if isinstance(options, str) or not isinstance(options, Sequence) or not options:
-            raise ValueError(f"options must be a non-empty list of strings, got {options!r}")
+            raise BadValue(f"options must be a non-empty list of strings, got {options!r}", arg="options")
         for o in options:
             if not isinstance(o, str) or not o:
-                raise ValueError(f"every option must be a non-empty str, got {o!r}")
+                raise BadValue(f"every option must be a non-empty str, got {o!r} in options", arg="options")
         if len(set(options)) != len(options):
-            raise ValueError(f"options must be distinct, got {list(options)!r}")
+            raise BadValue(f"options must be distinct, got {list(options)!r}", arg="options")
         self.options = tuple(options)
         self._encoded = tuple(bytes(encode(o)) for o in options)
 
@@ -345,7 +354,8 @@ class PrefixFunction(Grammar):
 
     def __init__(self, fn: Callable[[bytes], Iterable[int]], name: str = "PrefixFunction") -> None:
         if not callable(fn):
-            raise TypeError(f"fn must be a function prefix (bytes) -> allowed next ids, got {type(fn).__name__}")
+            raise BadType(f"fn must be a function prefix (bytes) -> allowed next ids, got {type(fn).__name__}",
+                          arg="fn")
         self.fn, self.name = fn, name
 
     def __repr__(self) -> str:
@@ -354,12 +364,14 @@ class PrefixFunction(Grammar):
     def _ids(self, prefix: bytes) -> frozenset[int]:
         ids = self.fn(prefix)
         if isinstance(ids, (str, bytes)) or not isinstance(ids, Iterable):
-            raise TypeError(f"{self.name} returned {type(ids).__name__}: it must return a set of token ids")
+            raise BadType(f"{self.name} (fn) returned {type(ids).__name__}: it must return a set of token ids",
+                          arg="fn")
         out = frozenset(ids)
         bad = [t for t in out if isinstance(t, bool) or not isinstance(t, numbers.Integral) or not 0 <= t < VOCAB_SIZE]
         if bad:
             last = VOCAB_SIZE - 1
-            raise ValueError(f"{self.name} returned {bad[0]!r} after {prefix!r}: token ids are ints 0..{last}")
+            raise BadValue(f"{self.name} (fn) returned {bad[0]!r} after {prefix!r}: token ids are ints 0..{last}",
+                           arg="fn")
         return frozenset(int(t) for t in out)
 
     def start(self) -> tuple[bytes, frozenset[int]]:
@@ -384,9 +396,10 @@ def check_constraint(constraint, vocab_size: int) -> None:
     if constraint is None:
         return
     if not all(callable(getattr(constraint, m, None)) for m in ("start", "allowed", "advance", "complete")):
-        raise TypeError(
+        raise BadType(
             "constraint must be a grammar with start(), allowed(state), advance(state, token) and complete(state), "
-            f"e.g. ar_lab.engine.constrained.JsonObject({{'name': str}}); got {type(constraint).__name__}"
+            f"e.g. ar_lab.engine.constrained.JsonObject({{'name': str}}); got {type(constraint).__name__}",
+            arg="constraint",
         )
     mask = constraint.allowed(constraint.start())
     _check_mask(mask, vocab_size, "at the start")
@@ -395,17 +408,20 @@ def check_constraint(constraint, vocab_size: int) -> None:
 def check_constraint_eos(constraint, eos_id) -> None:
     """A loop that stops at ``eos_id`` can run ``constraint`` only if that is the EOS the grammar allows."""
     if constraint is not None and eos_id != EOS_ID:
-        raise ValueError(f"a constraint ends its text with EOS ({EOS_ID}): pass eos_id={EOS_ID}, got {eos_id!r}")
+        raise BadValue(f"a constraint ends its text with EOS ({EOS_ID}): pass eos_id={EOS_ID}, got {eos_id!r}",
+                       arg="eos_id")
 
 
 def _check_mask(mask, vocab_size: int, where: str) -> None:
     if not isinstance(mask, torch.Tensor) or mask.dtype != torch.bool or mask.shape != (vocab_size,):
         got = f"{mask.dtype} {tuple(mask.shape)}" if isinstance(mask, torch.Tensor) else type(mask).__name__
-        raise ValueError(f"the constraint's allowed(state) must be a bool tensor ({vocab_size},), got {got} {where}")
+        raise BadValue(f"the constraint's allowed(state) must be a bool tensor ({vocab_size},), got {got} {where}",
+                       arg="constraint")
     if not mask.any():
-        raise ValueError(
+        raise BadValue(
             f"the constraint allows no token {where}: a grammar must allow a next token in every state it reaches "
-            "(EOS once its text is complete)"
+            "(EOS once its text is complete)",
+            arg="constraint",
         )
 
 

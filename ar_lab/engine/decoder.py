@@ -31,6 +31,7 @@ from typing import Protocol
 
 import torch
 
+from ar_lab.base.errors import BadType
 from ar_lab.engine.lean import ExtendCopies, LeanGPT, NotLean, extend_copies
 from ar_lab.model.cache import BatchKVCache, KVCache
 
@@ -66,7 +67,7 @@ class ForwardDecoder:
 
     def __init__(self, model) -> None:
         if not isinstance(model, torch.nn.Module):
-            raise TypeError(f"model must be a torch.nn.Module (an ar_lab GPT), got {type(model).__name__}")
+            raise BadType(f"model must be a torch.nn.Module (an ar_lab GPT), got {type(model).__name__}", arg="model")
         self.model = model
         self._checked: object = ForwardDecoder  # the cache last checked against the model (none yet)
 
@@ -75,7 +76,7 @@ class ForwardDecoder:
         if cache is self._checked:
             return
         if not isinstance(cache, (KVCache, BatchKVCache)):
-            raise TypeError(f"cache must be a KVCache or a BatchKVCache, got {type(cache).__name__}")
+            raise BadType(f"cache must be a KVCache or a BatchKVCache, got {type(cache).__name__}", arg="cache")
         cache.check_fits(self.model)
         self._checked = cache
 
@@ -103,7 +104,8 @@ class ForwardDecoder:
             _record(cache, pos, [token])
             return logits
         if not isinstance(token, torch.Tensor) or token.ndim != 1:
-            raise TypeError(f"token must be an int (one sequence) or a 1-D tensor of B token ids, got {token!r}")
+            raise BadType(f"token must be an int (one sequence) or a 1-D tensor of B token ids, got {token!r}",
+                          arg="token")
         return self.prefill(token[:, None], cache, pos)[:, -1]  # (B, vocab): one token for every row
 
     def extend(self, tokens: list[int], cache, pos: int) -> torch.Tensor:
@@ -148,9 +150,9 @@ def decoder_for(model, *, lean: bool = True) -> Decoder:
     """The decoder a loop runs ``model`` with: the lean engine where it reproduces the model (and
     ``lean`` is on), else the model's own forward."""
     if not isinstance(lean, bool):
-        raise TypeError(f"lean must be True or False, got {lean!r}")
+        raise BadType(f"lean must be True or False, got {lean!r}", arg="lean")
     if not isinstance(model, torch.nn.Module):
-        raise TypeError(f"model must be a torch.nn.Module (an ar_lab GPT), got {type(model).__name__}")
+        raise BadType(f"model must be a torch.nn.Module (an ar_lab GPT), got {type(model).__name__}", arg="model")
     if lean:
         try:
             return LeanDecoder(model)  # checks and gathers the weights in one walk over the model

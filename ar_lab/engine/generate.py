@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ar_lab.base.errors import BadType, BadValue, ContextFull
 from ar_lab.engine.constrained import check_constraint, check_constraint_eos, masked_logits
 from ar_lab.engine.decoder import Decoder, ForwardDecoder, decoder_for
 from ar_lab.engine.prompts import (
@@ -83,16 +84,17 @@ class Generation:
 
 def _check_cache(cache, use_cache: bool, ids: list[int], max_new_tokens: int) -> None:
     if not use_cache:
-        raise ValueError("a cache was given with use_cache=False: pass use_cache=True to reuse it")
+        raise BadValue("a cache was given with use_cache=False: pass use_cache=True to reuse it", arg="use_cache")
     if not isinstance(cache, KVCache):
-        raise TypeError(f"cache must be a KVCache, got {type(cache).__name__}")
+        raise BadType(f"cache must be a KVCache, got {type(cache).__name__}", arg="cache")
     if cache.batch_size != 1:
-        raise ValueError(f"generation runs one sequence: the cache must have batch size 1, got {cache.batch_size}")
+        raise BadValue(f"generation runs one sequence: the cache must have batch size 1, got {cache.batch_size}",
+                       arg="cache")
     needed = len(ids) + max_new_tokens - 1
     if cache.max_len < needed:
-        raise ValueError(
+        raise ContextFull(
             f"the cache holds {cache.max_len} positions but this generation needs {needed} "
-            "(prompt + new tokens - 1): build it with KVCache.for_model(model, max_len=...)"
+            "(prompt + new tokens - 1): build it with KVCache.for_model(model, max_len=...)", arg="cache"
         )
     cache.reusable(ids)  # raises if the cache holds positions whose token ids it does not know
 
@@ -101,7 +103,8 @@ def _stats(stats) -> GenerationStats:
     if stats is None:
         return GenerationStats()
     if not isinstance(stats, GenerationStats):
-        raise TypeError(f"stats must be a GenerationStats (or None for a new one), got {type(stats).__name__}")
+        raise BadType(f"stats must be a GenerationStats (or None for a new one), got {type(stats).__name__}",
+                      arg="stats")
     return stats
 
 
@@ -130,9 +133,9 @@ def _plan(
     ids = checked_prompt(model, prompt, max_new_tokens)
     picker = LogitsPipeline(sampling, sampler)  # checks both
     if not isinstance(use_cache, bool):
-        raise TypeError(f"use_cache must be True or False, got {use_cache!r}")
+        raise BadType(f"use_cache must be True or False, got {use_cache!r}", arg="use_cache")
     if not isinstance(lean, bool):
-        raise TypeError(f"lean must be True or False, got {lean!r}")
+        raise BadType(f"lean must be True or False, got {lean!r}", arg="lean")
     if cache is not None:
         _check_cache(cache, use_cache, ids, max_new_tokens)
     check_constraint(constraint, model.config.vocab_size)

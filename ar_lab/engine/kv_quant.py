@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import torch
 
+from ar_lab.base.errors import BadType, ContextFull
 from ar_lab.engine.quant import absmax_quantize
 from ar_lab.model.cache import KVCache, kv_cache_bytes
 
@@ -70,7 +71,8 @@ class Int8KVCache(KVCache):
 
     @classmethod
     def from_buffers(cls, k, v, length: int = 0):
-        raise TypeError("Int8KVCache owns its buffers and scales: build it with Int8KVCache.for_model(model)")
+        # arg=None: no argument of this call is at fault; this constructor is not one Int8KVCache offers.
+        raise BadType("Int8KVCache owns its buffers and scales: build it with Int8KVCache.for_model(model)", arg=None)
 
     def _dequantized(self, layer: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
         k = self.k[layer][:, :, :end].to(self.dtype) * self.k_scale[layer][:, :, :end, None].to(self.dtype)
@@ -82,7 +84,8 @@ class Int8KVCache(KVCache):
         keys/values so far (B, H_kv, start + T, D), in ``dtype`` (what ``GPT.forward``'s attention reads)."""
         end = start + k.shape[2]
         if end > self.max_len:
-            raise ValueError(f"KV cache full: positions up to {end} requested, capacity is {self.max_len}")
+            raise ContextFull(f"KV cache full: positions up to {end} requested, capacity is {self.max_len}",
+                              arg="cache")
         del self._ids[start:]
         for values, scales, x in ((self.k, self.k_scale, k), (self.v, self.v_scale, v)):
             q, s = absmax_quantize(x.float(), 127)  # one scale per (row, head, position)

@@ -50,6 +50,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ar_lab.base.args import positive_int
+from ar_lab.base.errors import BadType, BadValue, ContextFull
 from ar_lab.base.timing import synchronize
 from ar_lab.engine.kv_quant import Int8KVCache
 from ar_lab.engine.packed import ExtendMatrix, extend_mm, product_copy
@@ -136,7 +137,7 @@ class LeanGPT:
         if layers is None:
             raise NotLean(
                 f"LeanGPT runs a GPT with the stock modules and GPT.forward (see lean.supports), got "
-                f"{type(model).__name__}: call the model itself"
+                f"{type(model).__name__}: call the model itself", arg="model"
             )
         cfg = model.config
         self.config = cfg
@@ -158,7 +159,8 @@ class LeanGPT:
             raise NotLean(
                 f"LeanGPT runs a quantized model on a float32 residual stream (what quantize_model makes); this one "
                 f"computes in {dtype} (cast after quantizing), which the step would round differently from "
-                "GPT.forward: call the model itself (generate does), or quantize the float32 model and keep it so"
+                "GPT.forward: call the model itself (generate does), or quantize the float32 model and keep it so",
+                arg="model",
             )
         slow_addmv = dtype == torch.bfloat16 and self.device.type == "cpu"  # (see quant.bf16_addmv)
         self._mv = quantized_addmv if quantized else bf16_addmv if slow_addmv else torch.addmv
@@ -167,24 +169,28 @@ class LeanGPT:
 
     def _check(self, cache: KVCache, T: int) -> int:
         if not isinstance(cache, KVCache):
-            raise TypeError(f"cache must be a KVCache, got {type(cache).__name__}")
+            raise BadType(f"cache must be a KVCache, got {type(cache).__name__}", arg="cache")
         if cache.batch_size != 1:
-            raise ValueError(f"LeanGPT runs one sequence: the cache must have batch size 1, got {cache.batch_size}")
+            raise BadValue(f"LeanGPT runs one sequence: the cache must have batch size 1, got {cache.batch_size}",
+                           arg="cache")
         if len(cache.k) != len(self.layers) or cache.k[0].shape[1:] != (self.Hk, cache.max_len, self.D):
-            raise ValueError(f"{cache!r} is not shaped for this model: build it with KVCache.for_model(model)")
+            raise BadValue(f"cache {cache!r} is not shaped for this model: build it with KVCache.for_model(model)",
+                           arg="cache")
         end = cache.length + T
         if end > self.config.block_size:
-            raise ValueError(
-                f"{end} positions exceed the context window of {self.config.block_size} tokens "
-                f"(config.block_size); shorten the prompt or generate fewer tokens"
+            raise ContextFull(
+                f"{end} positions (the cache's and the new tokens) exceed the context window of "
+                f"{self.config.block_size} tokens (config.block_size); shorten the prompt or generate fewer tokens",
+                arg="cache",
             )
         if end > cache.max_len:
-            raise ValueError(f"KV cache full: positions up to {end} requested, capacity is {cache.max_len}")
+            raise ContextFull(f"KV cache full: positions up to {end} requested, capacity is {cache.max_len}",
+                              arg="cache")
         dtype = cache.dtype  # an Int8KVCache: what it dequantizes to
         if dtype != self.wte.dtype or cache.k[0].device != self.device:
-            raise ValueError(
+            raise BadValue(
                 f"the cache holds {dtype} on {cache.k[0].device}, the model {self.wte.dtype} on "
-                f"{self.device}: build it with KVCache.for_model(model)"
+                f"{self.device}: build it with KVCache.for_model(model)", arg="cache"
             )
         return cache.length
 
@@ -198,7 +204,7 @@ class LeanGPT:
             w.cache, w.kv = cache, [(k[0], v[0]) for k, v in zip(cache.k, cache.v, strict=True)]
         pos = cache.length
         if not 0 <= token < self.config.vocab_size:
-            raise ValueError(f"token id {token} is outside the vocabulary [0, {self.config.vocab_size - 1}]")
+            raise BadValue(f"token id {token} is outside the vocabulary [0, {self.config.vocab_size - 1}]", arg="token")
         if pos >= cache.max_len or pos >= self.config.block_size:
             self._check(cache, 1)  # raises the explanatory error
         if torch.is_grad_enabled():
@@ -237,12 +243,14 @@ class LeanGPT:
         if len(tokens) == 1 and not isinstance(tokens, torch.Tensor):  # one token: the decode step
             return self.step(tokens[0], cache)[None]
         if type(cache) is Int8KVCache:
-            raise TypeError("extend writes float keys and values: give it a KVCache (an Int8KVCache runs step)")
+            raise BadType("extend writes float keys and values: give it a KVCache as cache (an Int8KVCache runs step)",
+                          arg="cache")
         idx = _token_ids(tokens, self.device)
         if idx.ndim != 1 or idx.numel() == 0:
-            raise ValueError(f"tokens must be a non-empty 1-D sequence of ids, got shape {tuple(idx.shape)}")
+            raise BadValue(f"tokens must be a non-empty 1-D sequence of ids, got shape {tuple(idx.shape)}",
+                           arg="tokens")
         if int(idx.min()) < 0 or int(idx.max()) >= self.config.vocab_size:
-            raise ValueError(f"tokens hold ids outside the vocabulary [0, {self.config.vocab_size - 1}]")
+            raise BadValue(f"tokens hold ids outside the vocabulary [0, {self.config.vocab_size - 1}]", arg="tokens")
         T = idx.numel()
         pos = self._check(cache, T)
         if torch.is_grad_enabled():
@@ -274,12 +282,7 @@ class LeanGPT:
     def _views(self) -> ExtendCopies:
         """The parameters' (in, out) views: always current, no copy (slower than copies on CPU for a few rows)."""
         layers = [
-            BlockCopies(
-                qkv=_t(w.qkv_weight),
-                attn_proj=_t(w.attn_proj_weight),
-                fc=_t(w.fc_weight),
-                mlp_proj=_t(w.mlp_proj_weight),
-            )
+            BlockCopies(*map(_t, (w.qkv_weight, w.attn_proj_weight, w.fc_weight, w.mlp_proj_weight)))
             for w in self.layers
         ]
         return ExtendCopies(layers, self.wte.t())
@@ -290,22 +293,24 @@ def _token_id(token) -> int:
     if isinstance(token, torch.Tensor) and token.numel() == 1 and not token.is_floating_point():
         token = token.item()
     if isinstance(token, bool) or not isinstance(token, numbers.Integral):
-        raise TypeError(f"token must be an int token id, got {token!r}")
+        raise BadType(f"token must be an int token id, got {token!r}", arg="token")
     return int(token)
 
 
 def _token_ids(tokens, device: torch.device) -> torch.Tensor:
     """``tokens`` (ids, or an integer tensor) as a long tensor; floats and bools are refused, not truncated."""
     if isinstance(tokens, str):
-        raise TypeError("tokens must be token ids (a list of ints or an integer tensor), not a str: encode it first")
+        raise BadType("tokens must be token ids (a list of ints or an integer tensor), not a str: encode it first",
+                      arg="tokens")
     try:
         t = torch.as_tensor(tokens, device=device)
     except (TypeError, ValueError, RuntimeError):
-        raise TypeError(f"tokens must be token ids (a list of ints or an integer tensor), got {tokens!r}") from None
+        raise BadType(f"tokens must be token ids (a list of ints or an integer tensor), got {tokens!r}",
+                      arg="tokens") from None
     if t.numel() == 0:
-        raise ValueError(f"tokens must be a non-empty 1-D sequence of ids, got shape {tuple(t.shape)}")
+        raise BadValue(f"tokens must be a non-empty 1-D sequence of ids, got shape {tuple(t.shape)}", arg="tokens")
     if t.is_floating_point() or t.dtype == torch.bool or t.is_complex():
-        raise TypeError(f"tokens must be integer token ids, got {t.dtype}")
+        raise BadType(f"tokens must be integer token ids, got {t.dtype}", arg="tokens")
     return t.long()
 
 
@@ -314,7 +319,7 @@ def _t(m: Matrix) -> Matrix:
     return m if type(m) is QuantizedLinear else m.t()
 
 
-class NotLean(TypeError):
+class NotLean(BadType):
     """The model is not one ``LeanGPT`` reproduces (see ``supports``)."""
 
 
@@ -414,7 +419,7 @@ def extend_copies(model: GPT, *, pack: bool = True) -> ExtendCopies:
     registry to consult, and a later change of the weights is never hidden behind a stale copy.
     """
     if not supports(model):
-        raise TypeError(f"extend_copies takes a GPT that LeanGPT runs, got {type(model).__name__}")
+        raise NotLean(f"extend_copies takes a GPT that LeanGPT runs as model, got {type(model).__name__}", arg="model")
     with torch.no_grad():
         t = [product_copy(m, pack=pack) for m in _matrices(model)]
     layers = [BlockCopies(*t[i : i + 4]) for i in range(0, len(t) - 1, 4)]
@@ -430,7 +435,7 @@ def weights_only_pass(model, steps: int) -> None:
     """
     positive_int("steps", steps)
     if not isinstance(model, nn.Module):
-        raise TypeError(f"model must be a torch.nn.Module (an ar_lab GPT), got {type(model).__name__}")
+        raise BadType(f"model must be a torch.nn.Module (an ar_lab GPT), got {type(model).__name__}", arg="model")
     calls = []  # (product, its input)
     for m in model.modules():
         if type(m) is QuantizedLinear:

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 import torch
 
 from ar_lab.base.args import positive_int
+from ar_lab.base.errors import BadType, BadValue
 
 Proposer = Callable[[list[int], int], Sequence[int]]
 
@@ -44,7 +45,8 @@ class PromptLookup:
         positive_int("max_ngram", self.max_ngram)
         positive_int("min_ngram", self.min_ngram)
         if self.min_ngram > self.max_ngram:
-            raise ValueError(f"min_ngram ({self.min_ngram}) must be at most max_ngram ({self.max_ngram})")
+            raise BadValue(f"min_ngram ({self.min_ngram}) must be at most max_ngram ({self.max_ngram})",
+                           arg="min_ngram")
 
     @property
     def name(self) -> str:
@@ -77,11 +79,11 @@ def is_proposer(draft) -> bool:
 def checked_proposal(proposal, k: int, vocab_size: int) -> list[int]:
     """A proposer's answer as a list of token ids, or a TypeError/ValueError saying what is wrong with it."""
     if isinstance(proposal, (str, bytes)) or not isinstance(proposal, Sequence):
-        raise TypeError(f"a proposer must return a list of token ids, got {type(proposal).__name__}")
+        raise BadType(f"a proposer (draft) must return a list of token ids, got {type(proposal).__name__}", arg="draft")
     ids = list(proposal)
     if len(ids) > k:
-        raise ValueError(f"a proposer asked for at most {k} tokens returned {len(ids)}")
+        raise BadValue(f"a proposer (draft) asked for at most {k} tokens returned {len(ids)}", arg="draft")
     for x in ids:
         if not isinstance(x, int) or isinstance(x, bool) or not 0 <= x < vocab_size:
-            raise ValueError(f"a proposer returned {x!r}: token ids are ints in [0, {vocab_size})")
+            raise BadValue(f"a proposer (draft) returned {x!r}: token ids are ints in [0, {vocab_size})", arg="draft")
     return ids

@@ -34,21 +34,22 @@ from collections.abc import Hashable
 import torch
 
 from ar_lab.base.args import positive_int
+from ar_lab.base.errors import ArLabError, BadType, BadValue, ContextFull
 from ar_lab.model.cache import BatchKVCache, KVCache, check_dtype
 
 ALLOCATOR_METHODS = ("allocate", "grow", "fork", "free", "table")  # what PagedKVCache calls (results: table's only)
 ALLOCATOR_FIELDS = ("block_size", "num_blocks", "num_free")  # what it reads
 
 
-class OutOfBlocks(RuntimeError):
+class OutOfBlocks(ArLabError, RuntimeError):
     """The pool has fewer free blocks than a request asked for; nothing was changed. A server
     catches it and lets the request wait until another one finishes."""
 
     def __init__(self, asked: int, free: int, request: Hashable) -> None:
         self.asked, self.free, self.request = asked, free, request
         super().__init__(
-            f"out of KV blocks: request {request!r} needs {asked} more block(s), {free} are free; "
-            "wait for a request to finish (or give the pool more blocks)"
+            f"out of KV blocks: request {request!r} needs {asked} more block(s), {free} are free in the allocator; "
+            "wait for a request to finish (or give the pool more blocks)", arg="allocator"  # the pool is full
         )
 
 
@@ -87,7 +88,7 @@ class BlockAllocator:
     def refcount(self, block: int) -> int:
         """How many requests' tables hold physical ``block`` (0: it is free)."""
         if not isinstance(block, int) or isinstance(block, bool) or not 0 <= block < self.num_blocks:
-            raise ValueError(f"block must be an int in 0..{self.num_blocks - 1}, got {block!r}")
+            raise BadValue(f"block must be an int in 0..{self.num_blocks - 1}, got {block!r}", arg="block")
         return self._refs[block]
 
     @property
@@ -133,10 +134,11 @@ class BlockAllocator:
         partly filled last block gets a fresh block of the child's own, into which the caller copies
         the filled positions. The child's table."""
         have = self._lengths[self._known(parent)]
-        self._new(child)
+        self._new(child, "child")
         n_tokens = have if n_tokens is None else n_tokens
         if not isinstance(n_tokens, int) or isinstance(n_tokens, bool) or not 0 <= n_tokens <= have:
-            raise ValueError(f"n_tokens must be an int in 0..{have} (the parent's length), got {n_tokens!r}")
+            raise BadValue(f"n_tokens must be an int in 0..{have} (the parent's length), got {n_tokens!r}",
+                           arg="n_tokens")
         full = n_tokens // self.block_size
         self._take(child, blocks_for(n_tokens, self.block_size) - full)
         shared = self._tables[parent][:full]
@@ -164,11 +166,11 @@ class BlockAllocator:
             raise KeyError(f"request {request!r} was already freed (a second free, or a use after free)")
         raise KeyError(f"unknown request {request!r}: allocate it first (requests now: {list(self._tables)})")
 
-    def _new(self, request: Hashable) -> None:
+    def _new(self, request: Hashable, name: str = "request") -> None:
         if not isinstance(request, Hashable):
-            raise TypeError(f"a request id must be hashable (an int or a str), got {type(request).__name__}")
+            raise BadType(f"a {name} id must be hashable (an int or a str), got {type(request).__name__}", arg=name)
         if request in self._tables:
-            raise ValueError(f"request {request!r} already holds blocks: free it first or pick another id")
+            raise BadValue(f"{name} {request!r} already holds blocks: free it first or pick another id", arg=name)
 
     def _take(self, request: Hashable, n_blocks: int) -> None:
         """Check that ``n_blocks`` are free (the caller then takes them in ``_extend``)."""
@@ -197,15 +199,17 @@ def check_allocator(allocator) -> None:
     missing = [m for m in ALLOCATOR_METHODS if not callable(getattr(allocator, m, None))]
     missing += [f for f in ALLOCATOR_FIELDS if not hasattr(allocator, f)]
     if missing:
-        raise TypeError(
+        raise BadType(
             f"allocator must have BlockAllocator's interface; {type(allocator).__name__} lacks {missing[0]!r} "
-            f"(it needs the methods {', '.join(ALLOCATOR_METHODS)} and the attributes {', '.join(ALLOCATOR_FIELDS)})"
+            f"(it needs the methods {', '.join(ALLOCATOR_METHODS)} and the attributes {', '.join(ALLOCATOR_FIELDS)})",
+            arg="allocator",
         )
     for f in ("block_size", "num_blocks"):
         positive_int(f"allocator.{f}", getattr(allocator, f))
     if allocator.num_free != allocator.num_blocks:
-        raise ValueError(
-            f"allocator must be empty (a fresh one): {allocator.num_free} of its {allocator.num_blocks} blocks are free"
+        raise BadValue(
+            f"allocator must be empty (a fresh one): {allocator.num_free} of its {allocator.num_blocks} "
+            "blocks are free", arg="allocator"
         )
 
 
@@ -224,7 +228,8 @@ class PagedSlot(KVCache):
         """Write k, v (1, H_kv, T, D) at positions start..start+T of the request; all its keys/values so far."""
         end = start + k.shape[2]
         if end > self.max_len:
-            raise ValueError(f"KV cache full: positions up to {end} requested, capacity is {self.max_len}")
+            raise ContextFull(f"KV cache full: positions up to {end} requested, capacity is {self.max_len}",
+                              arg="cache")
         del self._ids[start:]
         paged, alloc = self.paged, self.paged.allocator
         if end > self._held:
@@ -284,8 +289,8 @@ class PagedKVCache(BatchKVCache):
             check_allocator(allocator)
             for name, value in [("block_size", block_size), ("num_blocks", num_blocks)]:
                 if value is not None and value != getattr(allocator, name):
-                    raise ValueError(f"{name}={value} but the allocator has {getattr(allocator, name)}: "
-                                     f"leave {name} out when you pass an allocator")
+                    raise BadValue(f"{name}={value} but the allocator has {getattr(allocator, name)}: "
+                                   f"leave {name} out when you pass an allocator", arg=name)
         self.allocator, self.block_size, self.num_blocks = allocator, allocator.block_size, allocator.num_blocks
         device = torch.device(device)
         shape = (n_layer, self.num_blocks, n_kv_heads, self.block_size, head_dim)
@@ -330,8 +335,8 @@ class PagedKVCache(BatchKVCache):
         if i < self.rows:
             return PagedSlot(self, self.ids[i], self.lengths[i])
         if i != self.rows or i >= self.max_batch:
-            raise ValueError(f"slot must be a row in use (0..{self.rows - 1}) or the next free one ({self.rows}), "
-                             f"and there are {self.max_batch} rows; got {i}")
+            raise BadValue(f"slot must be a row in use (0..{self.rows - 1}) or the next free one ({self.rows}), "
+                           f"and there are {self.max_batch} rows; got {i}", arg="slot")  # (as positive_int names i)
         self.drop_pending()
         rid, self._next = self._next, self._next + 1
         if shared:
@@ -351,10 +356,10 @@ class PagedKVCache(BatchKVCache):
         """Write a shared prefix's keys/values (per layer (1, H_kv, n, D), e.g. a ``PrefixCache``'s) into
         blocks of its own, held until ``close``; requests then share them (``slot(rows, shared=...)``)."""
         if self._prefix is not None:
-            raise ValueError("this cache already holds a prefix")
+            raise BadValue("this cache already holds a prefix", arg="cache")
         if k[0].dtype != self.k.dtype or k[0].device != self.k.device:
-            raise ValueError(f"the prefix holds {k[0].dtype} on {k[0].device}, the cache {self.k.dtype} on "
-                             f"{self.k.device}: build the prefix from the model that uses the cache")
+            raise BadValue(f"the prefix (k, v) holds {k[0].dtype} on {k[0].device}, the cache {self.k.dtype} on "
+                           f"{self.k.device}: build the prefix from the model that uses the cache", arg="k")
         rid, self._next = self._next, self._next + 1
         self.allocator.allocate(rid, 0)
         self._prefix, holder = rid, PagedSlot(self, rid, 0)
@@ -364,7 +369,7 @@ class PagedKVCache(BatchKVCache):
 
     def _share(self, rid: Hashable, n: int) -> None:
         if self._prefix is None:
-            raise ValueError("no prefix is held: call hold_prefix first")
+            raise BadValue("no prefix is held: call hold_prefix first, or pass shared=0", arg="shared")
         self.allocator.fork(self._prefix, rid, n)
         table = self.allocator.table(rid)
         j = n // self.block_size
@@ -385,9 +390,10 @@ class PagedKVCache(BatchKVCache):
     def add(self, length: int) -> int:
         """Make the request started by ``slot(rows)`` (prefilled with ``length`` positions) a row; its index."""
         if self._pending is None:
-            raise ValueError("no request was started: call slot(rows) and prefill it first")
+            raise BadValue("no request was started in this cache: call slot(rows) and prefill it first", arg="cache")
         if self.rows == self.max_batch:
-            raise ValueError(f"all {self.max_batch} rows are in use: remove a finished row first")
+            raise BadValue(f"all {self.max_batch} rows are in use: remove a finished row from the cache first",
+                           arg="cache")
         positive_int("length", length, 0)
         i, self.rows = self.rows, self.rows + 1
         self.lengths[i], self.ids[i], self._pending = length, self._pending, None
@@ -396,7 +402,7 @@ class PagedKVCache(BatchKVCache):
     def remove(self, i: int) -> int | None:
         """Free row ``i``'s blocks; the last row's table moves into it. Returns the index that moved (or None)."""
         if not isinstance(i, int) or isinstance(i, bool) or not 0 <= i < self.rows:
-            raise ValueError(f"row must be in use: an int in 0..{self.rows - 1}, got {i!r}")
+            raise BadValue(f"row i must be in use: an int in 0..{self.rows - 1}, got {i!r}", arg="i")
         self.allocator.free(self.ids[i])
         last = self.rows = self.rows - 1
         self.lengths[i], self.ids[i] = self.lengths[last], self.ids[last]

@@ -15,6 +15,7 @@ from types import SimpleNamespace
 
 import torch
 
+from ar_lab.base.errors import BadType, BadValue, ContextFull
 from ar_lab.base.timing import synchronize
 from ar_lab.engine.decoder import decoder_for
 from ar_lab.engine.prompts import check_prompt, prompt_ids
@@ -34,16 +35,22 @@ class PrefixCache:
     def __init__(self, model, prefix: str | Sequence[int]) -> None:
         check_inference_ready(model)  # a torch module (in eval mode where that matters)
         if not isinstance(getattr(model, "config", None), GPTConfig):
-            raise TypeError(f"model must be an ar_lab GPT (a module with a GPTConfig), got {type(model).__name__}")
-        self.tokens = prompt_ids(prefix)
+            raise BadType(f"model must be an ar_lab GPT (a module with a GPTConfig), got {type(model).__name__}",
+                          arg="model")
+        try:
+            self.tokens = prompt_ids(prefix)
+        except (BadType, BadValue) as e:  # the prompt checks, about the prefix
+            raise type(e)(f"prefix: {e}", arg="prefix") from None
         if len(self.tokens) > model.config.block_size:
-            raise ValueError(
-                f"the prefix has {len(self.tokens)} tokens but the context window holds {model.config.block_size}"
+            raise ContextFull(
+                f"the prefix has {len(self.tokens)} tokens but the context window holds {model.config.block_size}",
+                arg="prefix",
             )
         bad = [t for t in self.tokens if not 0 <= t < model.config.vocab_size]
         if bad:
-            raise ValueError(
-                f"prefix holds token id {bad[0]}, outside the vocabulary [0, {model.config.vocab_size - 1}]"
+            raise BadValue(
+                f"prefix holds token id {bad[0]}, outside the vocabulary [0, {model.config.vocab_size - 1}]",
+                arg="prefix",
             )
         self.config = model.config
         self.cache = KVCache.for_model(model, max_len=len(self.tokens))
@@ -66,21 +73,22 @@ class PrefixCache:
         (with their scales). The cache must compute in the prefix's dtype: keys of a float32 model are
         not those of its bfloat16 copy."""
         if not isinstance(cache, KVCache):
-            raise TypeError(f"cache must be a KVCache (batch 1), got {type(cache).__name__}")
+            raise BadType(f"cache must be a KVCache (batch 1), got {type(cache).__name__}", arg="cache")
         n = self.reusable(prompt)
         src = self.cache.k[0]
         if cache.dtype != src.dtype or cache.k[0].device != src.device:
-            raise ValueError(
+            raise BadValue(
                 f"the cache computes in {cache.dtype} on {cache.k[0].device}, the prefix was computed in {src.dtype} "
-                f"on {src.device}: build the PrefixCache from the model that uses the cache"
+                f"on {src.device}: build the PrefixCache from the model that uses the cache", arg="cache"
             )
         if cache.batch_size != 1 or len(cache.k) != len(self.cache.k) or cache.k[0].shape[1::2] != src.shape[1::2]:
-            raise ValueError(
+            raise BadValue(
                 f"cannot copy a prefix cache of shape {tuple(src.shape)} per layer into one of "
-                f"{tuple(cache.k[0].shape)}: it must be batch 1, with the same layers, KV heads and head size"
+                f"{tuple(cache.k[0].shape)}: it must be batch 1, with the same layers, KV heads and head size",
+                arg="cache",
             )
         if cache.max_len < n:
-            raise ValueError(f"the cache holds {cache.max_len} positions, the reusable prefix {n}")
+            raise ContextFull(f"the cache holds {cache.max_len} positions, the reusable prefix {n}", arg="cache")
         for layer, (k, v) in enumerate(zip(self.cache.k, self.cache.v, strict=True)):
             cache.update(layer, 0, k[:, :, :n], v[:, :, :n])  # (an Int8KVCache quantizes them)
         cache.length = n

@@ -14,6 +14,7 @@ from collections.abc import Sequence
 import torch
 
 from ar_lab.base.args import positive_int
+from ar_lab.base.errors import BadType, BadValue, ContextFull
 from ar_lab.model.tokenizer import encode
 
 
@@ -23,20 +24,22 @@ def prompt_ids(prompt: str | Sequence[int]) -> list[int]:
         ids = encode(prompt)
     elif isinstance(prompt, torch.Tensor):
         if prompt.dim() != 1 or prompt.dtype.is_floating_point or prompt.dtype.is_complex or prompt.dtype == torch.bool:
-            raise TypeError(
-                f"a prompt tensor must be 1-D integer token ids, got {prompt.dtype} of shape {tuple(prompt.shape)}"
+            raise BadType(
+                f"a prompt tensor must be 1-D integer token ids, got {prompt.dtype} of shape {tuple(prompt.shape)}",
+                arg="prompt",
             )
         ids = prompt.tolist()
     elif isinstance(prompt, (bytes, bytearray)) or not isinstance(prompt, Sequence):
-        raise TypeError(f"the prompt must be text or a list of token ids, got {type(prompt).__name__}")
+        raise BadType(f"the prompt must be text or a list of token ids, got {type(prompt).__name__}", arg="prompt")
     else:
         ids = list(prompt)
         for t in ids:
             if isinstance(t, bool) or not isinstance(t, numbers.Integral):
-                raise TypeError(f"token ids must be integers, got {t!r} ({type(t).__name__}) in the prompt")
+                raise BadType(f"token ids must be integers, got {t!r} ({type(t).__name__}) in the prompt",
+                              arg="prompt")
         ids = [int(t) for t in ids]
     if not ids:
-        raise ValueError("the prompt is empty: give at least one token (e.g. a character of text)")
+        raise BadValue("the prompt is empty: give at least one token (e.g. a character of text)", arg="prompt")
     return ids
 
 
@@ -45,10 +48,10 @@ def stop_list(stop_strings) -> tuple[str, ...]:
     if stop_strings is None:
         return ()
     if isinstance(stop_strings, str) or not isinstance(stop_strings, (Sequence, set, frozenset)):
-        raise ValueError("stop_strings must be a list of non-empty strings, e.g. ['\\n\\n']")
+        raise BadValue("stop_strings must be a list of non-empty strings, e.g. ['\\n\\n']", arg="stop_strings")
     stops = tuple(stop_strings)
     if not all(isinstance(s, str) and s for s in stops):
-        raise ValueError("stop_strings must be a list of non-empty strings, e.g. ['\\n\\n']")
+        raise BadValue("stop_strings must be a list of non-empty strings, e.g. ['\\n\\n']", arg="stop_strings")
     return stops
 
 
@@ -58,7 +61,8 @@ def check_eos(model, eos_id) -> int | None:
     vocab = model.config.vocab_size
     if eos_id is not None and (not isinstance(eos_id, numbers.Integral) or isinstance(eos_id, bool)
                                or not 0 <= eos_id < vocab):
-        raise ValueError(f"eos_id must be a token id in [0, {vocab - 1}] or None (never stop early), got {eos_id!r}")
+        raise BadValue(f"eos_id must be a token id in [0, {vocab - 1}] or None (never stop early), got {eos_id!r}",
+                       arg="eos_id")
     return eos_id
 
 
@@ -73,21 +77,22 @@ def check_prompt(model, ids: list[int], max_new_tokens: int) -> None:
     """
     check_budget(max_new_tokens)
     if not hasattr(getattr(model, "config", None), "block_size"):
-        raise TypeError(f"model must be an ar_lab model (a GPT, or anything with a GPTConfig .config), got {model!r}")
+        raise BadType(f"model must be an ar_lab model (a GPT, or anything with a GPTConfig .config), got {model!r}",
+                      arg="model")
     vocab, window = model.config.vocab_size, model.config.block_size
     bad = [t for t in ids if not 0 <= t < vocab]
     if bad:
-        raise ValueError(f"prompt holds token id {bad[0]}, outside the vocabulary [0, {vocab - 1}]")
+        raise BadValue(f"prompt holds token id {bad[0]}, outside the vocabulary [0, {vocab - 1}]", arg="prompt")
     if len(ids) > window:
-        raise ValueError(
+        raise ContextFull(
             f"the prompt has {len(ids)} tokens but the context window holds {window}; "
-            f"shorten it to at most {window} tokens"
+            f"shorten it to at most {window} tokens", arg="prompt"
         )
     if len(ids) + max_new_tokens - 1 > window:
-        raise ValueError(
+        raise ContextFull(
             f"a {len(ids)}-token prompt plus {max_new_tokens} new tokens needs "
             f"{len(ids) + max_new_tokens - 1} positions, more than the context window of {window}; "
-            f"ask for at most {window - len(ids) + 1} new tokens"
+            f"ask for at most {window - len(ids) + 1} new tokens (max_new_tokens)", arg="max_new_tokens"
         )
 
 
@@ -101,11 +106,19 @@ def checked_prompt(model, prompt: str | Sequence[int], max_new_tokens: int) -> l
 def prompt_batch(model, prompts, max_new_tokens: int) -> torch.Tensor:
     """Token ids (B, P) for a list of equal-length prompts (text or ids), each checked."""
     if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Sequence) or not prompts:
-        raise ValueError("prompts must be a non-empty list of prompts (texts or lists of token ids)")
-    ids = [checked_prompt(model, p, max_new_tokens) for p in prompts]
+        raise BadValue("prompts must be a non-empty list of prompts (texts or lists of token ids)", arg="prompts")
+    ids = []
+    for i, p in enumerate(prompts):
+        try:
+            ids.append(checked_prompt(model, p, max_new_tokens))
+        except (BadType, BadValue) as e:  # one prompt at fault: name it (max_new_tokens and model stay theirs)
+            if e.arg != "prompt":
+                raise
+            raise type(e)(f"prompts[{i}]: {e}", arg="prompts") from None
     lengths = sorted({len(p) for p in ids})
     if len(lengths) > 1:
-        raise ValueError(
-            f"the prompts must all have the same number of tokens (the model has no padding), got lengths {lengths}"
+        raise BadValue(
+            f"the prompts must all have the same number of tokens (the model has no padding), got lengths {lengths}",
+            arg="prompts",
         )
     return torch.tensor(ids, dtype=torch.long, device=model.device)

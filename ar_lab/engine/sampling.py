@@ -48,6 +48,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from ar_lab.base.errors import BadType, BadValue
+
 GREEDY_EPS = 1e-5  # temperatures below this are treated as 0, i.e. greedy (no division by ~0)
 
 
@@ -72,17 +74,18 @@ class SamplingParams:
     def __post_init__(self) -> None:
         t = self.temperature
         if not _is_real(t) or not math.isfinite(t) or t < 0:
-            raise ValueError(f"temperature must be a finite number >= 0 (0 means greedy), got {t!r}")
+            raise BadValue(f"temperature must be a finite number >= 0 (0 means greedy), got {t!r}", arg="temperature")
         k = self.top_k
         if k is not None and (not isinstance(k, numbers.Integral) or isinstance(k, bool) or k < 1):
-            raise ValueError(f"top_k must be an int >= 1 or None (no top-k), got {k!r}")
+            raise BadValue(f"top_k must be an int >= 1 or None (no top-k), got {k!r}", arg="top_k")
         if not _is_real(self.top_p) or not 0.0 < self.top_p <= 1.0:
-            raise ValueError(f"top_p must be in (0, 1] (1 keeps everything), got {self.top_p!r}")
+            raise BadValue(f"top_p must be in (0, 1] (1 keeps everything), got {self.top_p!r}", arg="top_p")
         if not _is_real(self.min_p) or not 0.0 <= self.min_p <= 1.0:
-            raise ValueError(f"min_p must be in [0, 1] (0 keeps everything), got {self.min_p!r}")
+            raise BadValue(f"min_p must be in [0, 1] (0 keeps everything), got {self.min_p!r}", arg="min_p")
         r = self.repetition_penalty
         if not _is_real(r) or not math.isfinite(r) or r <= 0:
-            raise ValueError(f"repetition_penalty must be a finite number > 0 (1 means none), got {r!r}")
+            raise BadValue(f"repetition_penalty must be a finite number > 0 (1 means none), got {r!r}",
+                           arg="repetition_penalty")
         # Plain Python numbers from here on (numpy scalars and the like are accepted above).
         object.__setattr__(self, "temperature", float(t))
         object.__setattr__(self, "top_k", None if k is None else int(k))
@@ -129,23 +132,23 @@ def apply_repetition_penalty(
     if penalty == 1.0:
         return logits
     if not _is_real(penalty) or not math.isfinite(penalty) or penalty <= 0:
-        raise ValueError(f"repetition_penalty must be a finite number > 0 (1 means none), got {penalty!r}")
+        raise BadValue(f"repetition_penalty must be a finite number > 0 (1 means none), got {penalty!r}", arg="penalty")
     V = logits.shape[-1]
     if isinstance(history, torch.Tensor) and history.dtype == torch.bool:
         if history.shape[-1] != V:
-            raise ValueError(f"history mask has {history.shape[-1]} entries, the logits {V}")
+            raise BadValue(f"history mask has {history.shape[-1]} entries, the logits {V}", arg="history")
         penalised = torch.where(logits > 0, logits / penalty, logits * penalty)
         return torch.where(history, penalised, logits)
     if isinstance(history, torch.Tensor):
         if history.dtype.is_floating_point or history.dtype.is_complex:
-            raise TypeError(f"history must hold integer token ids, got a {history.dtype} tensor")
+            raise BadType(f"history must hold integer token ids, got a {history.dtype} tensor", arg="history")
         idx = history.flatten().long().unique()  # each distinct id once
         lo, hi = (int(idx[0]), int(idx[-1])) if idx.numel() else (0, 0)
     else:
         ids = set(history)  # each distinct id once
         if not all(_is_id(i) for i in ids):
             bad = next(i for i in ids if not _is_id(i))
-            raise TypeError(f"history must hold integers (token ids), got {bad!r} ({type(bad).__name__})")
+            raise BadType(f"history must hold integers (token ids), got {bad!r} ({type(bad).__name__})", arg="history")
         ids = {int(i) for i in ids}
         if not ids:
             return logits
@@ -154,7 +157,8 @@ def apply_repetition_penalty(
     if idx.numel() == 0:
         return logits
     if lo < 0 or hi >= V:
-        raise ValueError(f"history holds token id {lo if lo < 0 else hi}, outside the vocabulary [0, {V - 1}]")
+        raise BadValue(f"history holds token id {lo if lo < 0 else hi}, outside the vocabulary [0, {V - 1}]",
+                       arg="history")
     idx = idx.to(logits.device)
     dim = logits.ndim - 1
     seen = logits.index_select(dim, idx)
@@ -168,7 +172,7 @@ def apply_temperature(logits: torch.Tensor, temperature: float) -> torch.Tensor:
     other token -inf. Shifting by a constant does not change the softmax.
     """
     if not _is_real(temperature) or not math.isfinite(temperature) or temperature < 0:
-        raise ValueError(f"temperature must be a finite number >= 0, got {temperature!r}")
+        raise BadValue(f"temperature must be a finite number >= 0, got {temperature!r}", arg="temperature")
     return _temperature(logits, temperature)
 
 
@@ -187,7 +191,7 @@ def filter_top_k(logits: torch.Tensor, k: int) -> torch.Tensor:
     (the result does not depend on the order of the vocabulary).
     """
     if not isinstance(k, numbers.Integral) or isinstance(k, bool) or k < 1:
-        raise ValueError(f"top_k must be an int >= 1, got {k!r}")
+        raise BadValue(f"top_k must be an int >= 1, got {k!r}", arg="k")
     return _top_k(logits, k)
 
 
@@ -206,7 +210,7 @@ def filter_top_p(logits: torch.Tensor, p: float) -> torch.Tensor:
     are ranked by id (lowest first), so a tie at the boundary is broken deterministically.
     """
     if not _is_real(p) or not 0.0 < p <= 1.0:
-        raise ValueError(f"top_p must be in (0, 1], got {p!r}")
+        raise BadValue(f"top_p must be in (0, 1], got {p!r}", arg="p")
     return _top_p(logits, p)
 
 
@@ -230,7 +234,7 @@ def filter_min_p(logits: torch.Tensor, min_p: float) -> torch.Tensor:
     min_p = 1 keeps only the most likely token(s).
     """
     if not _is_real(min_p) or not 0.0 <= min_p <= 1.0:
-        raise ValueError(f"min_p must be in [0, 1], got {min_p!r}")
+        raise BadValue(f"min_p must be in [0, 1], got {min_p!r}", arg="min_p")
     return _min_p(logits, min_p)
 
 
@@ -241,14 +245,15 @@ def _min_p(logits: torch.Tensor, min_p: float) -> torch.Tensor:
     return logits.masked_fill(logits < threshold, float("-inf"))
 
 
-def _bad_logits(logits: torch.Tensor, after_penalty: torch.Tensor) -> ValueError:
+def _bad_logits(logits: torch.Tensor, after_penalty: torch.Tensor) -> BadValue:
     if torch.isnan(logits).any():
-        return ValueError("logits contain NaN; the model output is broken (check its inputs and weights)")
+        return BadValue("logits contain NaN; the model output is broken (check its inputs and weights)", arg="logits")
     if torch.isposinf(logits).any():
-        return ValueError("logits contain +inf; the model output overflowed (check its dtype and weights)")
+        return BadValue("logits contain +inf; the model output overflowed (check its dtype and weights)", arg="logits")
     if torch.isneginf(logits).all(dim=-1).any():
-        return ValueError("every logit is -inf: no token can be picked")
-    return ValueError("the repetition penalty made a logit overflow to +inf; use a penalty closer to 1")
+        return BadValue("every logit is -inf: no token can be picked from these logits", arg="logits")
+    return BadValue("the repetition penalty (params.repetition_penalty) made a logit overflow to +inf; "
+                    "use a penalty closer to 1", arg="params")
 
 
 def processed_logits(
@@ -259,11 +264,11 @@ def processed_logits(
     ``softmax`` of the result is ``probabilities``; ``result > -inf`` is the kept set.
     """
     if not isinstance(logits, torch.Tensor) or not logits.is_floating_point():
-        raise TypeError(f"logits must be a floating-point tensor, got {type(logits).__name__}")
+        raise BadType(f"logits must be a floating-point tensor, got {type(logits).__name__}", arg="logits")
     if logits.ndim not in (1, 2):
-        raise ValueError(f"logits must have shape (vocab,) or (batch, vocab), got {tuple(logits.shape)}")
+        raise BadValue(f"logits must have shape (vocab,) or (batch, vocab), got {tuple(logits.shape)}", arg="logits")
     if not isinstance(params, SamplingParams):
-        raise TypeError(f"params must be a SamplingParams, got {type(params).__name__}")
+        raise BadType(f"params must be a SamplingParams, got {type(params).__name__}", arg="params")
     x = apply_repetition_penalty(logits.float(), history, params.repetition_penalty)
     # One check covers NaN (max propagates it), +inf and all -inf; diagnose only on failure.
     if not torch.isfinite(x.amax(dim=-1)).all():
@@ -297,8 +302,9 @@ def sample(
     ``generator`` (pass a seeded ``torch.Generator`` for reproducible results).
     """
     if generator is not None and not isinstance(generator, torch.Generator):
-        raise TypeError(
-            f"generator must be a torch.Generator (e.g. torch.Generator().manual_seed(0)) or None, got {generator!r}"
+        raise BadType(
+            f"generator must be a torch.Generator (e.g. torch.Generator().manual_seed(0)) or None, got {generator!r}",
+            arg="generator",
         )
     x = processed_logits(logits, params, history)
     if params.greedy:
@@ -317,15 +323,16 @@ Sampler = Callable[[torch.Tensor, "SamplingParams", "torch.Generator | None"], i
 def check_sampling(sampling, name: str = "sampling") -> None:
     """A ``sampling=`` argument: a ``SamplingParams``."""
     if not isinstance(sampling, SamplingParams):
-        raise TypeError(f"{name} must be a SamplingParams, got {type(sampling).__name__}")
+        raise BadType(f"{name} must be a SamplingParams, got {type(sampling).__name__}", arg=name)
 
 
 def check_sampler(sampler) -> None:
     """A ``sampler=`` argument: None (the package's ``sample``) or a function as ``Sampler`` describes."""
     if sampler is not None and not callable(sampler):
-        raise TypeError(
+        raise BadType(
             "sampler must be a function (logits (vocab,), params, generator) -> token id, e.g. "
-            f"ar_lab.engine.sampling.sample, or None; got {type(sampler).__name__}"
+            f"ar_lab.engine.sampling.sample, or None; got {type(sampler).__name__}",
+            arg="sampler",
         )
 
 
@@ -389,8 +396,8 @@ class LogitsPipeline:
         """The distribution a token is drawn from (``probabilities``): what speculative decoding compares. A
         ``sampler`` of one's own picks a token and has no distribution to give."""
         if self.sampler is not None:
-            raise ValueError("a sampler of one's own picks tokens; speculative decoding needs the distribution "
-                             "(give sampling=SamplingParams(...) instead)")
+            raise BadValue("a sampler of one's own picks tokens; speculative decoding needs the distribution "
+                           "(give sampling=SamplingParams(...) instead)", arg="sampler")
         return probabilities(logits, self.params, history)
 
 
@@ -398,14 +405,15 @@ def _token_id(picked, V: int) -> int:
     if isinstance(picked, torch.Tensor) and picked.numel() == 1 and not picked.is_floating_point():
         picked = picked.item()
     if isinstance(picked, bool) or not isinstance(picked, numbers.Integral) or not 0 <= picked < V:
-        raise ValueError(f"the sampler returned {picked!r}: it must return one token id, an int in [0, {V - 1}]")
+        raise BadValue(f"the sampler returned {picked!r}: it must return one token id, an int in [0, {V - 1}]",
+                       arg="sampler")
     return int(picked)
 
 
 def entropy_bits(probs: torch.Tensor) -> torch.Tensor:
     """Shannon entropy in bits along the last axis (0 log 0 counts as 0)."""
     if not isinstance(probs, torch.Tensor):
-        raise TypeError(f"probs must be a tensor of probabilities, got {type(probs).__name__}")
+        raise BadType(f"probs must be a tensor of probabilities, got {type(probs).__name__}", arg="probs")
     return torch.special.entr(probs.double()).sum(dim=-1) / math.log(2)
 
 
@@ -419,10 +427,11 @@ def repeated_ngram_fraction(tokens: Sequence[int], n: int = 4) -> float:
     than n has no n-grams and scores 0.
     """
     if not isinstance(n, int) or isinstance(n, bool) or n < 1:
-        raise ValueError(f"n must be an int >= 1, got {n!r}")
+        raise BadValue(f"n must be an int >= 1, got {n!r}", arg="n")
     tokens = tokens.tolist() if isinstance(tokens, torch.Tensor) else tokens
     if isinstance(tokens, (str, bytes)) or not all(_is_id(t) for t in tokens):
-        raise TypeError("tokens must be a list of token ids (ints), e.g. generate(...).tokens; text: encode(text)")
+        raise BadType("tokens must be a list of token ids (ints), e.g. generate(...).tokens; text: encode(text)",
+                      arg="tokens")
     tokens = [int(t) for t in tokens]
     total = len(tokens) - n + 1
     if total <= 0:

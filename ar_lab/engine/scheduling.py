@@ -12,6 +12,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from ar_lab.base.errors import BadValue
+
 # (requests waiting, requests running, slots) -> how many more requests join the batch before the next step
 # (the server admits waiting requests in order until that many have joined: one that its prefill alone
 # finishes takes no slot, and the next one is admitted in its place)
@@ -37,8 +39,8 @@ def policy_function(policy) -> AdmissionPolicy:
     if callable(policy):
         return policy
     if policy not in ADMISSION:
-        raise ValueError(f"policy must be one of {POLICIES} or a function (waiting, running, max_batch) -> int, "
-                         f"got {policy!r}")
+        raise BadValue(f"policy must be one of {POLICIES} or a function (waiting, running, max_batch) -> int, "
+                       f"got {policy!r}", arg="policy")
     return ADMISSION[policy]
 
 
@@ -53,13 +55,15 @@ def admitted(policy: AdmissionPolicy, waiting: int, running: int, max_batch: int
     n = policy(waiting, running, max_batch)
     most = min(waiting, max_batch - running)
     if isinstance(n, bool) or not isinstance(n, int) or not 0 <= n <= most:
-        raise ValueError(
+        raise BadValue(
             f"the admission policy answered {n!r} for {waiting} waiting, {running} running, {max_batch} slots: "
-            f"it must be an int from 0 to {most} (the waiting requests that fit the free slots)"
+            f"it must be an int from 0 to {most} (the waiting requests that fit the free slots)",
+            arg="policy",
         )
     if n == 0 and running == 0 and waiting:
-        raise ValueError(
+        raise BadValue(
             f"the admission policy admitted nothing while nothing runs and {waiting} requests wait: "
-            "the server would wait forever"
+            "the server would wait forever",
+            arg="policy",
         )
     return n

@@ -14,6 +14,7 @@ from collections.abc import Sequence
 
 import torch
 
+from ar_lab.base.errors import BadType, BadValue
 from ar_lab.base.timing import synchronize
 from ar_lab.engine.lookup import checked_proposal
 from ar_lab.engine.sampling import LogitsPipeline, SamplingParams
@@ -50,8 +51,9 @@ class Side:
         """Logits (T, vocab) of ``tokens`` fed at positions length .. length + T - 1; the cache grows by T."""
         tokens = checked_tokens(f"{self.name}.feed(tokens)", tokens, self.vocab_size)
         if not tokens:
-            raise ValueError(f"{self.name}.feed(tokens) got no tokens: its cache holds {self.length} positions; "
-                             "after an iteration it holds at most the text minus its last token (roll back: truncate)")
+            raise BadValue(f"{self.name}.feed(tokens) got no tokens: its cache holds {self.length} positions; "
+                           "after an iteration it holds at most the text minus its last token (roll back: truncate)",
+                           arg="tokens")
         if self.started is None and self.name == "target":
             synchronize(self.model.device)
             self.started = self.clock()
@@ -71,7 +73,7 @@ class Side:
         """Keep the cache's first ``n`` positions (0 <= n <= length): drop what was fed after them."""
         if self.pending:
             if isinstance(n, bool) or not isinstance(n, int) or not 0 <= n <= self.length:
-                raise ValueError(f"n must be an int: can truncate to 0..{self.length} positions, got {n!r}")
+                raise BadValue(f"n must be an int: can truncate to 0..{self.length} positions, got {n!r}", arg="n")
             del self.pending[n:]
             return
         self.cache.truncate(n)
@@ -98,21 +100,23 @@ class ProposerSide:
         return drafts
 
     def feed(self, tokens) -> torch.Tensor:
-        raise TypeError("this draft is a proposer function (tokens, k) -> token ids, not a model: call propose(seq, k)")
+        raise BadType("this draft is a proposer function (tokens, k) -> token ids, not a model: call propose(seq, k)",
+                      arg="draft")
 
     def truncate(self, n: int) -> None:
         pass
 
 
-def checked_tokens(what: str, tokens, vocab_size: int) -> list[int]:
-    """``tokens`` as a list of ints, or a TypeError/ValueError naming ``what`` (a token id is an int in [0, V))."""
+def checked_tokens(what: str, tokens, vocab_size: int, arg: str = "tokens") -> list[int]:
+    """``tokens`` as a list of ints, or a BadType/BadValue naming ``what`` (a token id is an int in [0, V));
+    ``arg``: the argument at fault (``what`` must name it)."""
     if isinstance(tokens, (str, bytes, torch.Tensor)) or not isinstance(tokens, Sequence):
-        raise TypeError(f"{what}: tokens must be a list of token ids (ints), got {type(tokens).__name__}")
+        raise BadType(f"{what}: tokens must be a list of token ids (ints), got {type(tokens).__name__}", arg=arg)
     for x in tokens:
         if isinstance(x, bool) or not isinstance(x, numbers.Integral):
-            raise TypeError(f"{what}: a token id must be an int, got {x!r} ({type(x).__name__})")
+            raise BadType(f"{what}: a token id must be an int, got {x!r} ({type(x).__name__})", arg=arg)
         if not 0 <= x < vocab_size:
-            raise ValueError(f"{what}: token id {x} is outside the vocabulary [0, {vocab_size})")
+            raise BadValue(f"{what}: token id {x} is outside the vocabulary [0, {vocab_size})", arg=arg)
     return [int(x) for x in tokens]
 
 
@@ -132,8 +136,8 @@ class Distributions:
 
     def __call__(self, logits: torch.Tensor, tokens: Sequence[int] = ()) -> torch.Tensor:
         if not isinstance(logits, torch.Tensor) or logits.ndim not in (1, 2) or logits.shape[-1] != self.vocab_size:
-            raise TypeError(f"probs(logits, tokens): logits must be a tensor (vocab,) or (T, vocab) with vocab = "
-                            f"{self.vocab_size}, got {logits!r:.120}")
+            raise BadType(f"probs(logits, tokens): logits must be a tensor (vocab,) or (T, vocab) with vocab = "
+                          f"{self.vocab_size}, got {logits!r:.120}", arg="logits")
         if not self.penalised:
             return self.pipeline.probabilities(logits)
         tokens = checked_tokens("probs(logits, tokens)", tokens, self.vocab_size)
@@ -141,8 +145,8 @@ class Distributions:
             return self.pipeline.probabilities(logits, tokens)
         T, base = logits.shape[0], len(tokens) - logits.shape[0] + 1
         if base < 0:
-            raise ValueError(f"probs(logits, tokens): {T} rows of logits need the {T - 1}+ tokens they follow, "
-                             f"got {len(tokens)}")
+            raise BadValue(f"probs(logits, tokens): {T} rows of logits need the {T - 1}+ tokens they follow, "
+                           f"got {len(tokens)}", arg="tokens")
         history = torch.zeros(T, self.vocab_size, dtype=torch.bool, device=logits.device)
         history[:, tokens[:base]] = True
         for i, x in enumerate(tokens[base:]):  # row i + 1 on has also seen tokens[base + i]
@@ -157,14 +161,16 @@ class Distributions:
 def checked_emitted(emitted, g: int, vocab_size: int) -> list[int]:
     """What an iteration returned, checked: a list of 1 to g + 1 token ids."""
     if isinstance(emitted, (str, bytes, torch.Tensor)) or not isinstance(emitted, Sequence):
-        raise TypeError(f"an iteration must return the list of token ids it emits, got {type(emitted).__name__}")
+        raise BadType(f"an iteration must return the list of token ids it emits, got {type(emitted).__name__}",
+                      arg="iteration")
     if not 1 <= len(emitted) <= g + 1:
-        raise ValueError(f"an iteration with gamma = {g} emits 1 to {g + 1} tokens (the accepted drafts and one "
-                         f"of the target's: a correction, or the bonus after a full accept), got {len(emitted)}")
-    return checked_tokens("the iteration's tokens", emitted, vocab_size)
+        raise BadValue(f"an iteration with gamma = {g} emits 1 to {g + 1} tokens (the accepted drafts and one "
+                       f"of the target's: a correction, or the bonus after a full accept), got {len(emitted)}",
+                       arg="iteration")
+    return checked_tokens("the iteration's tokens", emitted, vocab_size, arg="iteration")
 
 
-class CacheMismatch(ValueError):
+class CacheMismatch(BadValue):
     """An iteration left a side's cache holding what the text does not: positions past the text minus its
     last token (a rollback forgotten, a bonus token fed but not emitted), or another token than the text's
     at some position (a token fed twice, or fed where another belongs). The next pass would attend to those
@@ -179,13 +185,14 @@ def check_rolled_back(side, text: list[int]) -> None:
     if n > most:
         raise CacheMismatch(
             f"after the iteration the {side.name}'s cache holds {n} positions, but the text minus its last token is "
-            f"{most} long: roll it back ({side.name}.truncate) so it drops what the text does not hold"
+            f"{most} long: roll it back ({side.name}.truncate) so it drops what the text does not hold",
+            arg="iteration",  # the iteration function left the cache so
         )
     held = side.token_ids
     if held is not None and held != text[:n]:
         i = next(i for i, (a, b) in enumerate(zip(held, text, strict=False)) if a != b)
         raise CacheMismatch(
             f"after the iteration the {side.name}'s cache holds token {held[i]} at position {i}, where the text has "
-            f"{text[i]}: feed each side what its cache lacks, text[{side.name}.length:]"
+            f"{text[i]}: feed each side what its cache lacks, text[{side.name}.length:]", arg="iteration"
         )
 

@@ -45,6 +45,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ar_lab.base.args import finite_number, positive_int
+from ar_lab.base.errors import BadType, BadValue
 from ar_lab.base.timing import synchronize
 from ar_lab.engine.accept import Accept, AcceptRule, draw
 from ar_lab.engine.decoder import decoder_for
@@ -63,13 +64,13 @@ MAX_GAMMA = 10_000  # the most draft tokens per iteration any function here take
 
 def _check_alpha(alpha: float) -> float:
     if not isinstance(alpha, int | float) or isinstance(alpha, bool) or not 0.0 <= alpha <= 1.0:
-        raise ValueError(f"alpha (the acceptance rate) must be a number in [0, 1], got {alpha!r}")
+        raise BadValue(f"alpha (the acceptance rate) must be a number in [0, 1], got {alpha!r}", arg="alpha")
     return float(alpha)
 
 
 def _check_gamma(gamma: int, name: str = "gamma (draft tokens per iteration)") -> int:
     if positive_int(name, gamma, minimum=0) > MAX_GAMMA:
-        raise ValueError(f"{name} must be at most {MAX_GAMMA:,} (this module's limit), got {gamma:,}")
+        raise BadValue(f"{name} must be at most {MAX_GAMMA:,} (this module's limit), got {gamma:,}", arg=name)
     return gamma
 
 
@@ -88,9 +89,10 @@ def acceptance_rate(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
 
 def _check_pq(p, q) -> None:
     if not isinstance(p, torch.Tensor) or not isinstance(q, torch.Tensor):
-        raise TypeError(f"p and q must be probability tensors, got {type(p).__name__} and {type(q).__name__}")
+        raise BadType(f"p and q must be probability tensors, got {type(p).__name__} and {type(q).__name__}",
+                      arg="p" if not isinstance(p, torch.Tensor) else "q")
     if p.shape != q.shape:
-        raise ValueError(f"p and q must have the same shape, got {tuple(p.shape)} and {tuple(q.shape)}")
+        raise BadValue(f"p and q must have the same shape, got {tuple(p.shape)} and {tuple(q.shape)}", arg="q")
 
 
 def total_variation(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
@@ -339,22 +341,24 @@ def _check_pair(target, draft, prompt, max_new_tokens: int, gamma: int, sampling
     ids = prompt_ids(prompt)
     _check_gamma(gamma)
     if not isinstance(sampling, SamplingParams):
-        raise TypeError(f"sampling must be a SamplingParams, got {type(sampling).__name__}")
-    if generator is not None and not isinstance(generator, torch.Generator) or not callable(clock):
-        raise TypeError(f"generator must be None or a torch.Generator, clock a function: got {generator!r}, {clock!r}")
+        raise BadType(f"sampling must be a SamplingParams, got {type(sampling).__name__}", arg="sampling")
+    if (bad_generator := generator is not None and not isinstance(generator, torch.Generator)) or not callable(clock):
+        raise BadType(f"generator must be None or a torch.Generator, clock a function: got {generator!r}, {clock!r}",
+                      arg="generator" if bad_generator else "clock")
     if is_proposer(draft):  # a proposer function: only the target is a model
         check_prompt(target, ids, max_new_tokens)
         return ids
     for role, model in (("target", target), ("draft", draft)):  # each a model, the text within its window
         try:
             check_prompt(model, ids, max_new_tokens)
-        except (TypeError, ValueError) as e:  # a draft of another vocabulary: said as such, just below
+        except (BadType, BadValue) as e:  # a draft of another vocabulary: said as such, just below
             if isinstance(e, TypeError) or model.config.vocab_size == target.config.vocab_size:
-                raise type(e)(f"{role} model: {e}") from None
+                raise type(e)(f"{role} model: {e}", arg=role if e.arg == "model" else e.arg) from None
     if (vocab := draft.config.vocab_size) != target.config.vocab_size:
-        raise ValueError(f"draft and target must share the vocabulary: {vocab} vs {target.config.vocab_size} tokens")
+        raise BadValue(f"draft and target must share the vocabulary: {vocab} vs {target.config.vocab_size} tokens",
+                       arg="draft")
     if draft.device != target.device:
-        raise ValueError(f"draft is on {draft.device}, target on {target.device}: put both on one device")
+        raise BadValue(f"draft is on {draft.device}, target on {target.device}: put both on one device", arg="draft")
     return ids
 
 
@@ -395,10 +399,11 @@ def speculative_generate(
     """
     ids = _check_pair(target, draft, prompt, max_new_tokens, gamma, sampling, generator, clock)
     if accept is not None and not callable(accept):
-        raise TypeError(f"accept must be a function (p, q, drafts, u) -> (n, dist) or None: {type(accept).__name__}")
+        raise BadType(f"accept must be a function (p, q, drafts, u) -> (n, dist) or None: {type(accept).__name__}",
+                      arg="accept")
     if iteration is not None and not callable(iteration):
-        raise TypeError("iteration must be a function (target, draft, seq, gamma, accept, probs, generator) -> "
-                        f"tokens, or None: got {type(iteration).__name__}")
+        raise BadType("iteration must be a function (target, draft, seq, gamma, accept, probs, generator) -> "
+                      f"tokens, or None: got {type(iteration).__name__}", arg="iteration")
     check_eos(target, eos_id)
     run = Speculation(
         target, draft, ids, max_new_tokens, gamma, sampling=sampling, generator=generator, clock=clock, lean=lean,
@@ -429,7 +434,7 @@ def token_sources(stats: SpeculativeStats) -> list[str]:
     (the residual draw or the bonus), unless EOS cut it short.
     """
     if not isinstance(stats, SpeculativeStats):
-        raise TypeError(f"stats must be a SpeculativeStats (speculative_generate(...).stats), got {stats!r}")
+        raise BadType(f"stats must be a SpeculativeStats (speculative_generate(...).stats), got {stats!r}", arg="stats")
     sources: list[str] = []
     for n, emitted in zip(stats.accepted_per_iteration, stats.emitted_per_iteration, strict=True):
         sources += (["draft"] * n + ["target"])[:emitted]

@@ -13,6 +13,7 @@ import math
 import torch
 import torch.nn as nn
 
+from ar_lab.base.errors import BadType, BadValue, ContextFull
 from ar_lab.model.cache import KVCache
 from ar_lab.model.gpt import GPTConfig
 from ar_lab.model.tokenizer import VOCAB_SIZE
@@ -21,12 +22,14 @@ from ar_lab.model.tokenizer import VOCAB_SIZE
 def bigram_counts(tokens: torch.Tensor, vocab_size: int = VOCAB_SIZE) -> torch.Tensor:
     """counts[a, b] = how many times token b directly follows token a. Shape (V, V)."""
     if not isinstance(tokens, torch.Tensor) or tokens.dtype.is_floating_point or tokens.dtype == torch.bool:
-        raise TypeError("tokens must be an integer tensor of token ids (e.g. ar_lab.model.data.corpus_tokens())")
+        raise BadType(
+            "tokens must be an integer tensor of token ids (e.g. ar_lab.model.data.corpus_tokens())", arg="tokens"
+        )
     if tokens.ndim != 1 or len(tokens) < 2:
-        raise ValueError("need a 1-D tensor of at least 2 tokens to count bigrams")
+        raise BadValue("need a 1-D tensor of at least 2 tokens to count bigrams", arg="tokens")
     if int(tokens.min()) < 0 or int(tokens.max()) >= vocab_size:
         bad = int(tokens.min()) if int(tokens.min()) < 0 else int(tokens.max())
-        raise ValueError(f"token id {bad} is outside the vocabulary [0, {vocab_size - 1}]")
+        raise BadValue(f"tokens: token id {bad} is outside the vocabulary [0, {vocab_size - 1}]", arg="tokens")
     pairs = tokens[:-1] * vocab_size + tokens[1:]
     return torch.bincount(pairs, minlength=vocab_size * vocab_size).reshape(vocab_size, vocab_size)
 
@@ -35,12 +38,14 @@ class BigramModel(nn.Module):
     def __init__(self, counts: torch.Tensor, smoothing: float = 0.1, block_size: int = 1024) -> None:
         super().__init__()
         if isinstance(smoothing, bool) or not isinstance(smoothing, (int, float)) or not 0 <= smoothing < math.inf:
-            raise ValueError(f"smoothing must be a finite number >= 0 (add-alpha counts), got {smoothing!r}")
+            raise BadValue(
+                f"smoothing must be a finite number >= 0 (add-alpha counts), got {smoothing!r}", arg="smoothing"
+            )
         if not isinstance(counts, torch.Tensor) or counts.ndim != 2:
-            raise TypeError("counts must be a (V, V) tensor of bigram counts (see bigram_counts)")
+            raise BadType("counts must be a (V, V) tensor of bigram counts (see bigram_counts)", arg="counts")
         V = counts.shape[0]
         if counts.shape != (V, V):
-            raise ValueError(f"counts must be square (V, V), got {tuple(counts.shape)}")
+            raise BadValue(f"counts must be square (V, V), got {tuple(counts.shape)}", arg="counts")
         probs = (counts.double() + smoothing) / (counts.double() + smoothing).sum(-1, keepdim=True)
         # Rows with no counts and no smoothing would be 0/0: make them uniform.
         probs = torch.nan_to_num(probs, nan=1.0 / V)
@@ -59,7 +64,11 @@ class BigramModel(nn.Module):
         """Log-probabilities (B, T, V): row t depends only on token t (the previous byte)."""
         start = 0 if cache is None else cache.length
         if start + idx.shape[1] > self.config.block_size:
-            raise ValueError(f"{start + idx.shape[1]} positions exceed the context window of {self.config.block_size}")
+            raise ContextFull(
+                f"{start + idx.shape[1]} positions exceed the context window of {self.config.block_size}; "
+                "shorten the prompt (idx)",
+                arg="idx",
+            )
         if cache is not None:
             cache.length = start + idx.shape[1]  # nothing to cache: only the last token matters
         return self.log_probs[idx]

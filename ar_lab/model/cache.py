@@ -24,32 +24,37 @@ from collections.abc import Sequence
 
 import torch
 
+from ar_lab.base.errors import BadType, BadValue, ContextFull
 from ar_lab.base.timing import checked_device
 
 
 def _index(name: str, value, low: int, high: int) -> int:
-    """``value`` if it is an int (not a bool) in low..high; else a ValueError naming ``name``."""
+    """``value`` if it is an int (not a bool) in low..high; else a BadValue (a ValueError) naming ``name``."""
     if not isinstance(value, int) or isinstance(value, bool) or not low <= value <= high:
-        raise ValueError(f"{name} must be an int in {low}..{high}, got {value!r}")
+        raise BadValue(f"{name} must be an int in {low}..{high}, got {value!r}", arg=name)
     return value
 
 
 def check_dtype(dtype, name: str = "dtype") -> torch.dtype:
     """``dtype`` if it is a floating-point ``torch.dtype`` (what a model computes keys and values in)."""
     if not isinstance(dtype, torch.dtype):
-        raise TypeError(f"{name} must be a floating-point torch.dtype such as torch.float32, got {dtype!r}")
+        raise BadType(f"{name} must be a floating-point torch.dtype such as torch.float32, got {dtype!r}", arg=name)
     if not dtype.is_floating_point:
-        raise ValueError(f"{name} must be a floating-point torch.dtype (the model's compute dtype), got {dtype}")
+        raise BadValue(
+            f"{name} must be a floating-point torch.dtype (the model's compute dtype), got {dtype}", arg=name
+        )
     return dtype
 
 
 def _config(model):
-    """The ``GPTConfig`` of ``model`` (what a cache is shaped from), or a TypeError saying what to pass."""
+    """The ``GPTConfig`` of ``model`` (what a cache is shaped from), or a BadType (a TypeError) saying what to pass."""
     cfg = getattr(model, "config", None)
     if not isinstance(model, torch.nn.Module) or not all(
         isinstance(getattr(cfg, a, None), int) for a in ("n_layer", "kv_heads", "head_dim", "block_size")
     ):
-        raise TypeError(f"model must be an ar_lab GPT (a module with a GPTConfig), got {type(model).__name__}")
+        raise BadType(
+            f"model must be an ar_lab GPT (a module with a GPTConfig), got {type(model).__name__}", arg="model"
+        )
     return cfg
 
 
@@ -58,19 +63,21 @@ def check_fits(cache, model) -> None:
     head size, the dtype its attention reads and the device. Checked at the public boundary, so a
     cache built for another model fails here with what to do, not inside torch's attention kernel."""
     if not isinstance(model, torch.nn.Module):
-        raise TypeError(f"model must be a torch.nn.Module (an ar_lab GPT), got {type(model).__name__}")
+        raise BadType(f"model must be a torch.nn.Module (an ar_lab GPT), got {type(model).__name__}", arg="model")
     cfg, k0 = getattr(model, "config", None), cache.k[0]
     sizes = [getattr(cfg, a, None) for a in ("n_layer", "kv_heads", "head_dim")]  # (a model without them: not checked)
     if all(isinstance(n, int) for n in sizes) and (len(cache.k), k0.shape[1], k0.shape[3]) != tuple(sizes):
-        raise ValueError(
-            f"{cache!r} is not shaped for this model ({sizes[0]} layers, {sizes[1]} KV heads of size "
-            f"{sizes[2]}): build it with KVCache.for_model(model)"
+        raise BadValue(
+            f"the cache {cache!r} is not shaped for this model ({sizes[0]} layers, {sizes[1]} KV heads of size "
+            f"{sizes[2]}): build it with KVCache.for_model(model)",
+            arg="cache",
         )
     p = next(model.parameters(), None)
     if p is not None and (cache.dtype != p.dtype or k0.device != p.device):
-        raise ValueError(
+        raise BadValue(
             f"the cache holds {cache.dtype} on {k0.device}, the model {p.dtype} on {p.device}: "
-            "build it with KVCache.for_model(model)"
+            "build it with KVCache.for_model(model)",
+            arg="cache",
         )
 
 
@@ -79,7 +86,7 @@ def _buffers(n_layer, batch, n_kv_heads, max_len, head_dim, dtype, device, batch
     sizes = [("n_layer", n_layer), (batch_name, batch), ("n_kv_heads", n_kv_heads), ("max_len", max_len)]
     for name, value in [*sizes, ("head_dim", head_dim)]:
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-            raise ValueError(f"{name} must be a positive int, got {value!r}")
+            raise BadValue(f"{name} must be a positive int, got {value!r}", arg=name)
     device = checked_device(device)
     shape = (batch, n_kv_heads, max_len, head_dim)
     k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_layer)]
@@ -115,7 +122,7 @@ class KVCache:
         cfg = _config(model)
         max_len = cfg.block_size if max_len is None else max_len
         if isinstance(max_len, int) and not isinstance(max_len, bool) and max_len > cfg.block_size:
-            raise ValueError(f"max_len={max_len} exceeds the model's context window ({cfg.block_size})")
+            raise ContextFull(f"max_len={max_len} exceeds the model's context window ({cfg.block_size})", arg="max_len")
         _index("max_len", max_len, 1, cfg.block_size)
         p = next(model.parameters())
         dtype = p.dtype if dtype is None else check_dtype(dtype)
@@ -127,13 +134,22 @@ class KVCache:
         ``BatchKVCache``: writes go straight into them, nothing is copied. The token ids of its first
         ``length`` positions are unknown (``token_ids`` is None) until ``record`` names them."""
         if not isinstance(k, (list, tuple)) or not isinstance(v, (list, tuple)):
-            raise TypeError(f"k and v must be lists of per-layer tensors, got {type(k).__name__}, {type(v).__name__}")
+            raise BadType(
+                f"k and v must be lists of per-layer tensors, got {type(k).__name__}, {type(v).__name__}",
+                arg="k" if not isinstance(k, (list, tuple)) else "v",
+            )
         if not all(isinstance(a, torch.Tensor) for a in [*k, *v]):
-            raise TypeError("k and v must hold torch.Tensors (one per layer)")
+            raise BadType(
+                "k and v must hold torch.Tensors (one per layer)",
+                arg="k" if not all(isinstance(a, torch.Tensor) for a in k) else "v",
+            )
         if not k or len(k) != len(v) or any(a.ndim != 4 or a.shape != b.shape for a, b in zip(k, v, strict=True)):
-            raise ValueError("k and v must be equal-length lists of (B, H_kv, T_max, D) buffers of the same shape")
+            raise BadValue(
+                "k and v must be equal-length lists of (B, H_kv, T_max, D) buffers of the same shape",
+                arg="k" if not k or any(a.ndim != 4 for a in k) else "v",
+            )
         if not k[0].is_floating_point():
-            raise ValueError(f"k and v must be floating-point buffers, got {k[0].dtype}")
+            raise BadValue(f"k and v must be floating-point buffers, got {k[0].dtype}", arg="k")
         self = cls.__new__(cls)
         self.k, self.v = list(k), list(v)
         self.batch_size, _, self.max_len, _ = k[0].shape
@@ -147,7 +163,9 @@ class KVCache:
         Token ids recorded from ``start`` on are dropped: the caller records the new ones."""
         end = start + k.shape[2]
         if end > self.max_len:
-            raise ValueError(f"KV cache full: positions up to {end} requested, capacity is {self.max_len}")
+            raise ContextFull(
+                f"KV cache full: positions up to {end} requested, capacity is {self.max_len}", arg="cache"
+            )
         del self._ids[start:]
         self.k[layer][:, :, start:end] = k
         self.v[layer][:, :, start:end] = v
@@ -179,21 +197,22 @@ class KVCache:
     def reusable(self, prompt: list[int]) -> int:
         """``reusable_length`` of the recorded ids and ``prompt``; raises if some position's id is unknown."""
         if isinstance(prompt, str) or not all(isinstance(t, int) for t in prompt):
-            raise TypeError(f"prompt must be a list of token ids (ints), got {type(prompt).__name__}")
+            raise BadType(f"prompt must be a list of token ids (ints), got {type(prompt).__name__}", arg="prompt")
         cached = self.token_ids
         if cached is None:
-            raise ValueError(
+            raise BadValue(
                 f"the cache holds {self.length} positions but knows the token ids of only {len(self._ids)} of them "
                 "(filled by model(idx, cache), KVCache.update or by setting cache.length, which do not record ids), "
                 "so it cannot tell which positions belong to this prompt: fill it through ar_lab.generate or a "
-                "PrefixCache, or call cache.truncate(0) to reuse only its memory"
+                "PrefixCache, or call cache.truncate(0) to reuse only its memory",
+                arg="cache",
             )
         return reusable_length(cached, prompt)
 
     def truncate(self, n: int) -> None:
         """Keep only the first ``n`` positions (roll back). ``n`` is checked before anything changes."""
         if not isinstance(n, int) or isinstance(n, bool) or not 0 <= n <= self.length:
-            raise ValueError(f"n must be an int: can truncate to 0..{self.length} positions, got {n!r}")
+            raise BadValue(f"n must be an int: can truncate to 0..{self.length} positions, got {n!r}", arg="n")
         self.length = n
         del self._ids[n:]
 
@@ -259,7 +278,10 @@ class BatchKVCache:
         cfg = _config(model)
         max_len = cfg.block_size if max_len is None else max_len
         if not isinstance(max_len, int) or isinstance(max_len, bool) or not 1 <= max_len <= cfg.block_size:
-            raise ValueError(f"max_len must be an int in 1..{cfg.block_size} (the context window), got {max_len!r}")
+            kind = ContextFull if isinstance(max_len, int) and max_len > cfg.block_size else BadValue
+            raise kind(
+                f"max_len must be an int in 1..{cfg.block_size} (the context window), got {max_len!r}", arg="max_len"
+            )
         p = next(model.parameters())
         dtype = p.dtype if dtype is None else check_dtype(dtype)
         return cls(cfg.n_layer, max_batch, cfg.kv_heads, max_len, cfg.head_dim, dtype, p.device)
@@ -281,10 +303,11 @@ class BatchKVCache:
     @property
     def length(self) -> int:
         """Not one number: each row has its own (``lengths``). Here so that ``model(idx, cache)`` explains."""
-        raise ValueError(
+        raise BadValue(
             "a BatchKVCache's rows sit at lengths of their own: feed it with "
             "ar_lab.engine.decoder.ForwardDecoder(model).prefill(idx, cache, None) or .step(tokens, cache, None), "
-            "or call model(idx, cache, positions=..., mask=...) with cache.begin(T), then cache.advance(T)"
+            "or call model(idx, cache, positions=..., mask=...) with cache.begin(T), then cache.advance(T)",
+            arg="cache",
         )
 
     def slot(self, i: int) -> KVCache:
@@ -297,9 +320,11 @@ class BatchKVCache:
     def add(self, length: int) -> int:
         """Put slot ``rows`` (prefilled with ``length`` positions, e.g. through ``slot``) in use; its index."""
         if self.rows == self.max_batch:
-            raise ValueError(f"all {self.max_batch} slots are in use: remove a finished row first")
+            raise BadValue(
+                f"all {self.max_batch} slots are in use (the cache is full): remove a finished row first", arg="cache"
+            )
         if not isinstance(length, int) or isinstance(length, bool) or not 0 <= length <= self.max_len:
-            raise ValueError(f"length must be an int in 0..{self.max_len}, got {length!r}")
+            raise BadValue(f"length must be an int in 0..{self.max_len}, got {length!r}", arg="length")
         i = self.rows
         self.lengths[i] = length
         self.rows += 1
@@ -308,7 +333,7 @@ class BatchKVCache:
     def remove(self, i: int) -> int | None:
         """Free row ``i``; the last row in use moves into it. Returns the index that moved (or None)."""
         if not isinstance(i, int) or isinstance(i, bool) or not 0 <= i < self.rows:
-            raise ValueError(f"row must be in use: an int in 0..{self.rows - 1}, got {i!r}")
+            raise BadValue(f"row i must be in use: an int in 0..{self.rows - 1}, got {i!r}", arg="i")
         last = self.rows - 1
         self.rows = last
         self.lengths[i], moved = self.lengths[last], None
@@ -323,12 +348,14 @@ class BatchKVCache:
     def begin(self, T: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Positions (rows, T) of the next T tokens of each row, and the attention mask (rows, 1, T, keys)."""
         if self.rows == 0:
-            raise ValueError("no row is in use: add a prefilled slot first")
+            raise BadValue("no row is in use (the cache is empty): add a prefilled slot first", arg="cache")
         _index("T", T, 1, self.max_len)
         lengths = self.lengths[: self.rows]
         self._end = max(lengths) + T
         if self._end > self.max_len:
-            raise ValueError(f"KV cache full: positions up to {self._end} requested, capacity is {self.max_len}")
+            raise ContextFull(
+                f"KV cache full: positions up to {self._end} requested, capacity is {self.max_len}", arg="cache"
+            )
         positions = torch.tensor(lengths, device=self.device)[:, None] + self._steps[:T]  # (rows, T)
         return positions, row_mask(lengths, T, self._steps[: self._end])
 
@@ -388,7 +415,7 @@ def reusable_length(cached: Sequence[int], prompt: Sequence[int]) -> int:
     """Prompt positions whose keys/values a cache of ``cached`` tokens can serve: those the two
     share from the start, never the prompt's last token (its logits give the first new token)."""
     if len(prompt) == 0:
-        raise ValueError("the prompt is empty")
+        raise BadValue("the prompt is empty", arg="prompt")
     return min(common_prefix_length(cached, prompt), len(prompt) - 1)
 
 
@@ -396,7 +423,7 @@ def check_sizes(**sizes) -> None:
     for name, value in sizes.items():
         low = 0 if name == "seq_len" else 1
         if not isinstance(value, int) or isinstance(value, bool) or value < low:
-            raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
+            raise BadValue(f"{name} must be an int >= {low}, got {value!r}", arg=name)
 
 
 def kv_cache_bytes(

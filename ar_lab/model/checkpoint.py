@@ -16,6 +16,7 @@ from pathlib import Path
 
 import torch
 
+from ar_lab.base.errors import BadType, BadValue
 from ar_lab.base.timing import checked_device, default_device
 from ar_lab.model.gpt import GPT, GPTConfig
 
@@ -26,13 +27,14 @@ _REMEDY = (
 )
 
 
-class CheckpointError(ValueError):
-    """A checkpoint file that cannot be loaded: corrupted, truncated, edited or mismatched."""
+class CheckpointError(BadValue):
+    """A checkpoint file that cannot be loaded: corrupted, truncated, edited or mismatched (a ValueError;
+    ``arg`` is "path", the file to replace)."""
 
 
 def _path(path, name: str = "path") -> Path:
     if not isinstance(path, (str, Path)):
-        raise TypeError(f"{name} must be a file path (str or pathlib.Path), got {type(path).__name__}")
+        raise BadType(f"{name} must be a file path (str or pathlib.Path), got {type(path).__name__}", arg=name)
     return Path(path)
 
 
@@ -88,24 +90,27 @@ def save_checkpoint(path: str | Path, model: GPT, record: dict | None = None, dt
     from safetensors.torch import save_file
 
     if not isinstance(model, GPT):
-        raise TypeError(f"model must be an ar_lab GPT (ar_lab.model.gpt.GPT), got {type(model).__name__}")
+        raise BadType(f"model must be an ar_lab GPT (ar_lab.model.gpt.GPT), got {type(model).__name__}", arg="model")
     if dtype is not None and (not isinstance(dtype, torch.dtype) or not dtype.is_floating_point):
-        raise TypeError(f"dtype must be a floating-point torch.dtype such as torch.float16, got {dtype!r}")
+        raise BadType(f"dtype must be a floating-point torch.dtype such as torch.float16, got {dtype!r}", arg="dtype")
     if record is not None and not isinstance(record, dict):
-        raise TypeError(f"record must be a dict (stored as JSON), got {type(record).__name__}")
+        raise BadType(f"record must be a dict (stored as JSON), got {type(record).__name__}", arg="record")
     path = _path(path)
     if path.is_dir():
-        raise ValueError(f"{path} is a folder: give a file name, e.g. {path / 'model.safetensors'}")
+        raise BadValue(f"path {path} is a folder: give a file name, e.g. {path / 'model.safetensors'}", arg="path")
     try:
         record_text = None if record is None else json.dumps(record)
     except (TypeError, ValueError) as e:
-        raise ValueError(f"record must be JSON-serialisable (numbers, strings, lists, dicts): {e}") from None
+        raise BadValue(
+            f"record must be JSON-serialisable (numbers, strings, lists, dicts): {e}", arg="record"
+        ) from None
     state = {k: v for k, v in model.state_dict().items() if k != "lm_head.weight"}
     wrong = _mismatch(state, expected_shapes(model.config))
     if wrong:  # e.g. QuantizedLinear layers (ar_lab.engine.quant): a file load_checkpoint would refuse
-        raise ValueError(
+        raise BadValue(
             f"model holds tensors a GPT of its config does not ({wrong}): a quantized or modified model cannot be "
-            "saved as a checkpoint; save the full-precision model and quantize it again after loading"
+            "saved as a checkpoint; save the full-precision model and quantize it again after loading",
+            arg="model",
         )
     state = {k: v.detach().cpu().to(dtype or v.dtype).contiguous() for k, v in state.items()}
     config = json.dumps(model.config.to_dict())
@@ -127,18 +132,24 @@ def _read(path: Path) -> tuple[dict[str, str], dict, dict, dict[str, torch.Tenso
         state = load(raw)  # checks the header and that every tensor's bytes are there
         meta = json.loads(raw[8 : 8 + int.from_bytes(raw[:8], "little")]).get("__metadata__") or {}
     except Exception as e:  # safetensors raises several types for a damaged file
-        raise CheckpointError(f"{path} is corrupted or truncated, or not a safetensors file ({e}); {_REMEDY}") from None
+        raise CheckpointError(
+            f"path {path} is corrupted or truncated, or not a safetensors file ({e}); {_REMEDY}", arg="path"
+        ) from None
     if meta.get("format") != FORMAT or "config" not in meta:
-        raise CheckpointError(f"{path} is not an ar_lab checkpoint (no ar_lab config in its header)")
+        raise CheckpointError(f"path {path} is not an ar_lab checkpoint (no ar_lab config in its header)", arg="path")
     parsed = {}
     for key in ("config", "record"):
         try:
             parsed[key] = json.loads(meta[key]) if key in meta else {}
         except json.JSONDecodeError as e:
-            raise CheckpointError(f"{path}: the {key} in its header is not valid JSON ({e}); {_REMEDY}") from None
+            raise CheckpointError(
+                f"path {path}: the {key} in its header is not valid JSON ({e}); {_REMEDY}", arg="path"
+            ) from None
         if not isinstance(parsed[key], dict):
             what = "an invalid model config" if key == "config" else "an invalid training record"
-            raise CheckpointError(f"{path} holds {what}: {meta[key][:80]!r} is not a JSON object; {_REMEDY}")
+            raise CheckpointError(
+                f"path {path} holds {what}: {meta[key][:80]!r} is not a JSON object; {_REMEDY}", arg="path"
+            )
     return meta, parsed["config"], parsed["record"], state
 
 
@@ -150,7 +161,9 @@ def _verify(path: Path, meta: dict[str, str], state: dict[str, torch.Tensor]) ->
     else:
         what = "was changed since it was saved: its config, record or weights no longer match their stored digest"
     raise CheckpointError(
-        f"{path} {what}. A config edited by hand can describe a different model with the same tensor shapes; " + _REMEDY
+        f"path {path} {what}. A config edited by hand can describe a different model with the same tensor shapes; "
+        + _REMEDY,
+        arg="path",
     )
 
 
@@ -171,20 +184,21 @@ def load_checkpoint(path: str | Path, device: str | torch.device | None = None, 
     """
     device = default_device() if device is None else checked_device(device)
     if preset is not None and not isinstance(preset, str):
-        raise TypeError(f"preset must be a preset name (str) or None, got {type(preset).__name__}")
+        raise BadType(f"preset must be a preset name (str) or None, got {type(preset).__name__}", arg="preset")
     path = _path(path)
     meta, config_dict, record, state = _read(path)
     try:
         config = GPTConfig(**config_dict)
     except (TypeError, ValueError) as e:
-        raise CheckpointError(f"{path} holds an invalid model config: {e}") from None
+        raise CheckpointError(f"path {path} holds an invalid model config: {e}", arg="path") from None
     wrong = _mismatch(state, expected_shapes(config))
     if wrong:
-        raise CheckpointError(f"{path} does not match its config: {wrong}")
+        raise CheckpointError(f"path {path} does not match its config: {wrong}", arg="path")
     if preset is not None and record.get("preset") != preset:
         raise CheckpointError(
-            f"{path} should hold the {preset!r} checkpoint, but its record says preset {record.get('preset')!r}: "
-            f"it was replaced by another file; {_REMEDY}"
+            f"path {path} should hold the {preset!r} checkpoint, but its record says preset {record.get('preset')!r}: "
+            f"it was replaced by another file; {_REMEDY}",
+            arg="path",
         )
     _verify(path, meta, state)
     model = GPT(config)

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import torch
 
+from ar_lab.base.errors import BadType, BadValue
 from ar_lab.model.tokenizer import EOS_ID, encode
 
 
@@ -33,12 +34,12 @@ def check_writable(path: Path, what: str) -> None:
     path = Path(path)
     try:
         if path.is_dir():
-            raise ValueError(f"{what} {path} is a folder: give a file name, e.g. {path / 'out.json'}")
+            raise BadValue(f"{what} {path} is a folder: give a file name, e.g. {path / 'out.json'}", arg=what)
         folder = path.parent
         while not folder.exists() and folder != folder.parent:
             folder = folder.parent
         if not folder.is_dir():
-            raise ValueError(f"{what} {path} cannot be written: {folder} is a file, not a folder")
+            raise BadValue(f"{what} {path} cannot be written: {folder} is a file, not a folder", arg=what)
         test = path if folder == path.parent else folder / f".ar_lab_write_test_{os.getpid()}"
         existed = test.exists()
         with open(test, "ab"):
@@ -46,7 +47,7 @@ def check_writable(path: Path, what: str) -> None:
         if not existed:
             test.unlink()
     except OSError as e:  # a name too long, no permission, a read-only or virtual file system
-        raise ValueError(f"{what} {path} cannot be written ({e.strerror}): choose another path") from None
+        raise BadValue(f"{what} {path} cannot be written ({e.strerror}): choose another path", arg=what) from None
 
 
 def builtin_documents() -> list[str]:
@@ -64,7 +65,7 @@ def builtin_corpus() -> str:
 def load_text(path: str | Path) -> str:
     """Read a UTF-8 text file, with errors a learner can act on."""
     if not isinstance(path, (str, Path)):
-        raise TypeError(f"give the path of a UTF-8 text file (a str or Path), got {type(path).__name__}")
+        raise BadType(f"give the path of a UTF-8 text file (a str or Path), got {type(path).__name__}", arg="path")
     p = Path(path)
     if not p.exists():
         raise FileNotFoundError(f"no such text file: {p} (give the path of a UTF-8 text file)")
@@ -73,22 +74,28 @@ def load_text(path: str | Path) -> str:
     try:
         text = p.read_text(encoding="utf-8")
     except UnicodeDecodeError as e:
-        raise ValueError(f"{p} is not UTF-8 text ({e.reason} at byte {e.start})") from None
+        raise BadValue(f"path {p} is not UTF-8 text ({e.reason} at byte {e.start})", arg="path") from None
     if not text.strip():
-        raise ValueError(f"{p} is empty; a corpus needs some text to learn from")
+        raise BadValue(f"path {p} is empty; a corpus needs some text to learn from", arg="path")
     return text
 
 
 def tokenize_documents(documents: list[str]) -> torch.Tensor:
     """Encode documents, each followed by EOS, into one 1-D tensor of token ids."""
     if isinstance(documents, str) or not isinstance(documents, (list, tuple)):
-        raise TypeError(f"documents must be a list of str (one text per document), got {type(documents).__name__}")
+        raise BadType(
+            f"documents must be a list of str (one text per document), got {type(documents).__name__}", arg="documents"
+        )
     ids: list[int] = []
     for doc in documents:
+        if not isinstance(doc, str):  # (encode would name its own argument, text)
+            raise BadType(
+                f"documents must hold str (one text per document), got a {type(doc).__name__}", arg="documents"
+            )
         ids.extend(encode(doc))
         ids.append(EOS_ID)
     if not ids:
-        raise ValueError("no documents to tokenize")
+        raise BadValue("no documents to tokenize", arg="documents")
     return torch.tensor(ids, dtype=torch.long)
 
 
@@ -107,10 +114,10 @@ def train_val_split(tokens: torch.Tensor, val_fraction: float = 0.1) -> tuple[to
     """
     _check_tokens(tokens)
     if not isinstance(val_fraction, (int, float)) or not 0.0 < val_fraction < 1.0:
-        raise ValueError(f"val_fraction must be in (0, 1), got {val_fraction}")
+        raise BadValue(f"val_fraction must be in (0, 1), got {val_fraction}", arg="val_fraction")
     n_val = max(1, int(len(tokens) * val_fraction))
     if len(tokens) - n_val < 2:
-        raise ValueError(f"only {len(tokens)} tokens: too few to split into train and validation")
+        raise BadValue(f"only {len(tokens)} tokens: too few to split into train and validation", arg="tokens")
     return tokens[:-n_val], tokens[-n_val:]
 
 
@@ -125,11 +132,12 @@ def get_batch(
     _check_tokens(tokens)
     for name, value in (("batch_size", batch_size), ("block_size", block_size)):
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-            raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+            raise BadValue(f"{name} must be an int >= 1, got {value!r}", arg=name)
     if len(tokens) < block_size + 1:
-        raise ValueError(
+        raise BadValue(
             f"a window of {block_size} tokens needs at least {block_size + 1} tokens of text, "
-            f"got {len(tokens)}; use a smaller block_size or more text"
+            f"got {len(tokens)}; use a smaller block_size or more text",
+            arg="block_size",
         )
     starts = torch.randint(0, len(tokens) - block_size, (batch_size,), generator=generator)
     offsets = torch.arange(block_size + 1)
@@ -140,9 +148,11 @@ def get_batch(
 def _check_tokens(tokens) -> None:
     if not isinstance(tokens, torch.Tensor) or tokens.dtype.is_floating_point or tokens.dtype == torch.bool:
         got = f"a {tokens.dtype} tensor" if isinstance(tokens, torch.Tensor) else type(tokens).__name__
-        raise TypeError(f"tokens must be a 1-D integer tensor of token ids (e.g. corpus_tokens()), got {got}")
+        raise BadType(
+            f"tokens must be a 1-D integer tensor of token ids (e.g. corpus_tokens()), got {got}", arg="tokens"
+        )
     if tokens.ndim != 1:
-        raise ValueError(f"tokens must be 1-D, got shape {tuple(tokens.shape)}")
+        raise BadValue(f"tokens must be 1-D, got shape {tuple(tokens.shape)}", arg="tokens")
 
 
 def benchmark_prompts(n: int = 3, length: int = 32) -> list[list[int]]:
@@ -152,7 +162,8 @@ def benchmark_prompts(n: int = 3, length: int = 32) -> list[list[int]]:
     after its EOS. Chapter 07 and ``python -m ar_lab.bench speculative`` time on these.
     """
     if not isinstance(n, int) or n < 1 or not isinstance(length, int) or length < 1:
-        raise ValueError(f"n and length must be ints >= 1, got {n!r} and {length!r}")
+        arg = "n" if not isinstance(n, int) or n < 1 else "length"
+        raise BadValue(f"n and length must be ints >= 1, got {n!r} and {length!r}", arg=arg)
     _, val = train_val_split(corpus_tokens())
     step = (len(val) - length) // n
     prompts = []

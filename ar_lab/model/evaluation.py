@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from ar_lab.base.args import positive_int
+from ar_lab.base.errors import BadType, BadValue, ContextFull
 from ar_lab.model.data import corpus_tokens, train_val_split
 from ar_lab.model.gpt import checked_model
 
@@ -82,7 +83,8 @@ class EvalResult:
     def span(self, start: int, stop: int) -> float:
         """Mean nats at positions ``start`` .. ``stop`` - 1 of the window."""
         if not 0 <= start < stop <= self.protocol.window:
-            raise ValueError(f"need 0 <= start < stop <= {self.protocol.window}, got {start}, {stop}")
+            arg = "start" if not 0 <= start < self.protocol.window else "stop"
+            raise BadValue(f"need 0 <= start < stop <= {self.protocol.window}, got {start}, {stop}", arg=arg)
         return sum(self.by_position[start:stop]) / (stop - start)
 
 
@@ -103,17 +105,22 @@ def evaluate_protocol(
     """``model``'s loss under ``protocol`` on ``tokens`` (default: the built-in validation split)."""
     checked_model(model)
     if not isinstance(protocol, EvalProtocol):
-        raise TypeError(f"protocol must be an EvalProtocol (e.g. COURSE_EVAL), got {type(protocol).__name__}")
+        raise BadType(
+            f"protocol must be an EvalProtocol (e.g. COURSE_EVAL), got {type(protocol).__name__}", arg="protocol"
+        )
     positive_int("batch_size", batch_size)
     if protocol.window > model.config.block_size:
-        raise ValueError(
+        raise ContextFull(
             f"the protocol's window ({protocol.window:,}) exceeds the model's context window "
-            f"({model.config.block_size:,}): choose an EvalProtocol with a window of at most that"
+            f"({model.config.block_size:,}): choose an EvalProtocol with a window of at most that",
+            arg="protocol",
         )
     tokens = validation_tokens() if tokens is None else tokens
     n = whole_windows(protocol, tokens)
     if n < 1:
-        raise ValueError(f"{len(tokens):,} tokens hold no whole {protocol.window:,}-token window (need window + 1)")
+        raise BadValue(
+            f"{len(tokens):,} tokens hold no whole {protocol.window:,}-token window (need window + 1)", arg="tokens"
+        )
     w = protocol.window
     x, y = tokens[: n * w].view(n, w), tokens[1 : n * w + 1].view(n, w)
     total = torch.zeros(w, dtype=torch.float64)

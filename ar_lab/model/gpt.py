@@ -22,6 +22,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from ar_lab.base.errors import BadType, BadValue, ContextFull
 from ar_lab.model.cache import KVCache
 from ar_lab.model.tokenizer import VOCAB_SIZE
 
@@ -41,21 +42,24 @@ class GPTConfig:
         for name in ("vocab_size", "block_size", "n_layer", "n_head", "n_embd"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"GPTConfig.{name} must be a positive int, got {value!r}")
+                raise BadValue(f"GPTConfig.{name} must be a positive int, got {value!r}", arg=name)
         if self.n_embd % self.n_head:
-            raise ValueError(f"n_embd ({self.n_embd}) must be divisible by n_head ({self.n_head})")
+            raise BadValue(f"n_embd ({self.n_embd}) must be divisible by n_head ({self.n_head})", arg="n_head")
         if self.n_kv_heads is not None:
             kv = self.n_kv_heads
             if not isinstance(kv, int) or isinstance(kv, bool) or kv < 1:
-                raise ValueError(f"GPTConfig.n_kv_heads must be a positive int or None (= n_head), got {kv!r}")
+                raise BadValue(
+                    f"GPTConfig.n_kv_heads must be a positive int or None (= n_head), got {kv!r}", arg="n_kv_heads"
+                )
             if self.n_head % kv:
-                raise ValueError(
+                raise BadValue(
                     f"n_head ({self.n_head}) must be a multiple of n_kv_heads ({kv}): "
-                    "each KV head serves an equal group of query heads"
+                    "each KV head serves an equal group of query heads",
+                    arg="n_kv_heads",
                 )
         d = self.dropout
         if isinstance(d, bool) or not isinstance(d, (int, float)) or not 0.0 <= d < 1.0:
-            raise ValueError(f"GPTConfig.dropout must be a number in [0, 1), got {d!r}")
+            raise BadValue(f"GPTConfig.dropout must be a number in [0, 1), got {d!r}", arg="dropout")
 
     @property
     def head_dim(self) -> int:
@@ -147,7 +151,7 @@ class GPT(nn.Module):
     def __init__(self, config: GPTConfig) -> None:
         super().__init__()
         if not isinstance(config, GPTConfig):
-            raise TypeError(f"GPT needs a GPTConfig, got {type(config).__name__}")
+            raise BadType(f"GPT(config) needs a GPTConfig, got {type(config).__name__}", arg="config")
         self.config = config
         self.wte = nn.Embedding(config.vocab_size, config.n_embd)
         self.wpe = nn.Embedding(config.block_size, config.n_embd)
@@ -197,35 +201,37 @@ class GPT(nn.Module):
         of rows at different lengths, chapter 08): the caller then moves the cache on.
         """
         if idx.ndim != 2:
-            raise ValueError(f"idx must have shape (batch, time), got {tuple(idx.shape)}")
+            raise BadValue(f"idx must have shape (batch, time), got {tuple(idx.shape)}", arg="idx")
         if idx.dtype not in (torch.long, torch.int, torch.int32):
-            raise TypeError(f"idx must hold integer token ids, got dtype {idx.dtype}")
+            raise BadType(f"idx must hold integer token ids, got dtype {idx.dtype}", arg="idx")
         B, T = idx.shape
         if T == 0:
-            raise ValueError("idx is empty: give at least one token")
+            raise BadValue("idx is empty: give at least one token", arg="idx")
         if positions is None:
             start = 0 if cache is None else cache.length
             end = start + T
             if end > self.config.block_size:
-                raise ValueError(
+                raise ContextFull(
                     f"{end} positions exceed the context window of {self.config.block_size} tokens "
-                    f"(config.block_size); shorten the prompt or generate fewer tokens"
+                    f"(config.block_size); shorten the prompt (idx) or generate fewer tokens",
+                    arg="idx",
                 )
             if cache is not None and cache.batch_size != B:
-                raise ValueError(f"cache was built for batch size {cache.batch_size}, got a batch of {B}")
+                raise BadValue(f"cache was built for batch size {cache.batch_size}, got a batch of {B}", arg="cache")
             where, pos_emb = start, self.wpe.weight[start:end]  # positions are a slice of wpe
         else:
             where, pos_emb = positions, self.wpe(positions)  # (B, T, C): each row at its own positions
         try:
             x = self.wte(idx) + pos_emb  # (B, T, C)
         except IndexError:  # the embedding checks the ids as it gathers: nothing to pay when they are fine
-            raise ValueError(
-                f"idx holds token ids outside the vocabulary [0, {self.config.vocab_size - 1}]"
+            raise BadValue(
+                f"idx holds token ids outside the vocabulary [0, {self.config.vocab_size - 1}]", arg="idx"
             ) from None
         if cache is not None and getattr(cache, "dtype", x.dtype) != x.dtype:  # a cache of one's own may have none
-            raise TypeError(
+            raise BadType(
                 f"the cache holds {cache.dtype} keys and values but the model computes in {x.dtype}: "
-                f"build the cache with dtype={x.dtype} (or convert the model)"
+                f"build the cache with dtype={x.dtype} (or convert the model)",
+                arg="cache",
             )
         if self.training:
             x = self.drop(x)  # (dropout is the identity in eval: skip the call)
@@ -238,9 +244,10 @@ class GPT(nn.Module):
 
 def checked_model(model, name: str = "model"):
     """``model`` if it is an ar_lab model (a ``torch.nn.Module`` with a ``GPTConfig`` as ``.config``: a GPT,
-    a quantized copy of one, a ``BigramModel``); else a TypeError naming ``name`` and saying what to pass."""
+    a quantized copy of one, a ``BigramModel``); else a BadType (a TypeError) naming ``name``, saying what to pass."""
     if not isinstance(model, torch.nn.Module) or not isinstance(getattr(model, "config", None), GPTConfig):
-        raise TypeError(
-            f"{name} must be an ar_lab model (a GPT, e.g. load_pretrained('course')), got {type(model).__name__}"
+        raise BadType(
+            f"{name} must be an ar_lab model (a GPT, e.g. load_pretrained('course')), got {type(model).__name__}",
+            arg=name,
         )
     return model

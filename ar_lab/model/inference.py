@@ -19,6 +19,8 @@ from collections.abc import Iterator
 import torch
 from torch import nn
 
+from ar_lab.base.errors import BadType, BadValue
+
 _TRAINING_DIFFERS = (nn.modules.batchnorm._BatchNorm,)  # modules whose training-mode output differs
 
 
@@ -41,13 +43,14 @@ def check_inference_ready(*models: nn.Module) -> None:
     """Raise if a model in training mode would compute differently from eval mode (active dropout)."""
     for m in models:
         if not isinstance(m, nn.Module):
-            raise TypeError(f"model must be a torch.nn.Module, got {type(m).__name__}")
+            raise BadType(f"model must be a torch.nn.Module, got {type(m).__name__}", arg="model")
         if m.training:
             what = _random_in_training(m)
             if what is not None:
-                raise ValueError(
+                raise BadValue(
                     f"the model is in training mode and {what} would make its outputs random: call "
-                    "model.eval() before generating or measuring (ar_lab never switches your model's mode)"
+                    "model.eval() before generating or measuring (ar_lab never switches your model's mode)",
+                    arg="model",
                 )
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 
+from ar_lab.base.errors import BadValue
 from ar_lab.model.gpt import GPT
 from ar_lab.model.tokenizer import EOS_ID
 
@@ -33,9 +34,10 @@ def to_hf_gpt2(model: GPT):
         ) from None
     cfg = model.config
     if cfg.kv_heads != cfg.n_head:
-        raise ValueError(
+        raise BadValue(
             f"GPT-2 has no grouped-query attention: n_kv_heads={cfg.kv_heads} != n_head={cfg.n_head}; "
-            "only the MHA configuration converts"
+            "only a model of the MHA configuration converts",
+            arg="model",
         )
     hf_config = GPT2Config(
         vocab_size=cfg.vocab_size,

@@ -13,6 +13,8 @@ import codecs
 import numbers
 from collections.abc import Iterable
 
+from ar_lab.base.errors import BadType, BadValue
+
 N_BYTES = 256
 EOS_ID = 256
 VOCAB_SIZE = 257
@@ -21,35 +23,41 @@ VOCAB_SIZE = 257
 def encode(text: str, add_eos: bool = False) -> list[int]:
     """Turn text into token ids (its UTF-8 bytes), optionally followed by EOS."""
     if not isinstance(text, str):
-        raise TypeError(f"encode expects a str, got {type(text).__name__}")
+        raise BadType(f"encode expects a str (the text), got {type(text).__name__}", arg="text")
     ids = list(text.encode("utf-8"))
     if add_eos:
         ids.append(EOS_ID)
     return ids
 
 
-def _check_ids(ids: Iterable[int]) -> list[int]:
-    """``ids`` as a list of ints in the vocabulary, or an error that says what to pass."""
+def _check_ids(ids: Iterable[int], name: str = "ids") -> list[int]:
+    """``ids`` as a list of ints in the vocabulary, or an error that says what to pass (``name``: the argument)."""
     if isinstance(ids, str):
-        raise TypeError(f"decode expects a list of token ids (ints 0..{VOCAB_SIZE - 1}), got a str: use encode(text)")
+        raise BadType(
+            f"decode expects a list of token ids (ints 0..{VOCAB_SIZE - 1}), got a str: use encode(text)", arg=name
+        )
     if hasattr(ids, "tolist") and hasattr(ids, "dtype"):  # a tensor or an array: integer ids, 1-D
         if getattr(ids, "ndim", 1) > 1:
-            raise ValueError(f"token ids must be 1-D, got shape {tuple(ids.shape)}: decode one row at a time")
+            raise BadValue(f"token ids must be 1-D, got shape {tuple(ids.shape)}: decode one row at a time", arg=name)
         if not _integer_dtype(ids.dtype):
-            raise TypeError(f"token ids must be integers, got a {ids.dtype} array")
+            raise BadType(f"token ids must be integers, got a {ids.dtype} array", arg=name)
         ids = ids.tolist()
         ids = [ids] if isinstance(ids, int) else ids
     elif not isinstance(ids, Iterable):
-        raise TypeError(f"decode expects a list of token ids (ints 0..{VOCAB_SIZE - 1}), got {type(ids).__name__}")
+        raise BadType(
+            f"decode expects a list of token ids (ints 0..{VOCAB_SIZE - 1}), got {type(ids).__name__}", arg=name
+        )
     out = []
     for i in ids:
         if getattr(i, "ndim", None) == 0 and _integer_dtype(i.dtype):  # one element of a tensor
             i = int(i)
         if isinstance(i, bool) or not isinstance(i, numbers.Integral):
-            raise TypeError(f"token ids must be integers (0..{VOCAB_SIZE - 1}), got {i!r} ({type(i).__name__})")
+            raise BadType(
+                f"{name}: token ids must be integers (0..{VOCAB_SIZE - 1}), got {i!r} ({type(i).__name__})", arg=name
+            )
         i = int(i)
         if not 0 <= i < VOCAB_SIZE:
-            raise ValueError(f"token id {i} is outside the vocabulary [0, {VOCAB_SIZE - 1}]")
+            raise BadValue(f"{name}: token id {i} is outside the vocabulary [0, {VOCAB_SIZE - 1}]", arg=name)
         out.append(i)
     return out
 
@@ -67,7 +75,7 @@ def decode(ids: Iterable[int], stop_at_eos: bool = True) -> str:
     Byte sequences that are not valid UTF-8 (a model can emit those) become U+FFFD.
     """
     if not isinstance(stop_at_eos, bool):
-        raise TypeError(f"stop_at_eos must be True or False, got {stop_at_eos!r}")
+        raise BadType(f"stop_at_eos must be True or False, got {stop_at_eos!r}", arg="stop_at_eos")
     ids = _check_ids(ids)
     if EOS_ID in ids:
         ids = ids[: ids.index(EOS_ID)] if stop_at_eos else [i for i in ids if i != EOS_ID]
@@ -88,7 +96,7 @@ class StreamDecoder:
 
     def feed(self, token_id: int) -> str:
         if type(token_id) is not int or not 0 <= token_id < VOCAB_SIZE:  # the common case needs no more checks
-            (token_id,) = _check_ids([token_id])
+            (token_id,) = _check_ids([token_id], "token_id")
         if self.finished:
             return ""
         if token_id == EOS_ID:

@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 from tqdm.auto import tqdm
 
+from ar_lab.base.errors import BadType, BadValue, ContextFull
 from ar_lab.base.timing import default_device
 from ar_lab.model.checkpoint import CheckpointError, load_checkpoint, read_checkpoint_metadata, save_checkpoint
 from ar_lab.model.data import check_writable, corpus_tokens, data_dir, get_batch, train_val_split
@@ -69,7 +70,7 @@ class TrainConfig:
         for name in ("steps", "batch_size", "block_size", "eval_every", "eval_batches", "warmup_steps", "seed"):
             value, low = getattr(self, name), 0 if name in ("warmup_steps", "seed") else 1
             if not isinstance(value, int) or isinstance(value, bool) or value < low:
-                raise ValueError(f"TrainConfig.{name} must be an int >= {low}, got {value!r}")
+                raise BadValue(f"TrainConfig.{name} must be an int >= {low}, got {value!r}", arg=name)
         for name, ok, rule in [
             ("lr", lambda v: v > 0, "> 0"),
             ("min_lr_ratio", lambda v: 0 <= v <= 1, "in [0, 1]"),
@@ -81,9 +82,9 @@ class TrainConfig:
                 continue
             number = isinstance(value, (int, float)) and not isinstance(value, bool)
             if not number or not math.isfinite(value) or not ok(value):
-                raise ValueError(f"TrainConfig.{name} must be a finite number {rule}, got {value!r}")
+                raise BadValue(f"TrainConfig.{name} must be a finite number {rule}, got {value!r}", arg=name)
         if self.teacher is not None and not isinstance(self.teacher, str):
-            raise ValueError(f"teacher must be a checkpoint name such as 'course', got {self.teacher!r}")
+            raise BadValue(f"teacher must be a checkpoint name such as 'course', got {self.teacher!r}", arg="teacher")
 
 
 @dataclass
@@ -109,9 +110,11 @@ def evaluate(
     """Mean next-token cross-entropy (nats) on random windows of ``tokens``, seeded."""
     checked_model(model)
     if not isinstance(batches, int) or isinstance(batches, bool) or batches < 1:
-        raise ValueError(f"batches must be an int >= 1, got {batches!r}")
+        raise BadValue(f"batches must be an int >= 1, got {batches!r}", arg="batches")
     if isinstance(block_size, int) and block_size > model.config.block_size:
-        raise ValueError(f"block_size {block_size} exceeds the model's context window {model.config.block_size}")
+        raise ContextFull(
+            f"block_size {block_size} exceeds the model's context window {model.config.block_size}", arg="block_size"
+        )
     g = torch.Generator().manual_seed(seed)
     losses = []
     flags = [(m, m.training) for m in model.modules()]  # evaluated in eval mode, then put back as it was
@@ -185,23 +188,29 @@ def train(
     evaluation stays next-token cross-entropy on the text.
     """
     if not isinstance(tc, TrainConfig):
-        raise TypeError(f"tc must be a TrainConfig (e.g. TrainConfig(steps=100)), got {type(tc).__name__}")
+        raise BadType(f"tc must be a TrainConfig (e.g. TrainConfig(steps=100)), got {type(tc).__name__}", arg="tc")
     checked_model(model)
     for name, tokens in (("train_tokens", train_tokens), ("val_tokens", val_tokens)):
         if not isinstance(tokens, torch.Tensor) or tokens.ndim != 1 or tokens.dtype.is_floating_point:
-            raise TypeError(f"{name} must be a 1-D tensor of token ids (see ar_lab.model.data.train_val_split)")
+            raise BadType(f"{name} must be a 1-D tensor of token ids (see ar_lab.model.data.train_val_split)", arg=name)
     if teacher is not None:
         checked_model(teacher, "teacher")  # a model, not a name: load_pretrained(name) loads a shipped one
         if teacher.config.vocab_size != model.config.vocab_size:
-            raise ValueError(
-                f"teacher and model must share the vocabulary: {teacher.config.vocab_size} vs {model.config.vocab_size}"
+            raise BadValue(
+                f"teacher and model must share the vocabulary: {teacher.config.vocab_size} vs "
+                f"{model.config.vocab_size}",
+                arg="teacher",
             )
         if tc.block_size > teacher.config.block_size:
-            raise ValueError(f"training window {tc.block_size} exceeds the teacher's context window")
+            raise ContextFull(
+                f"training window {tc.block_size} (tc.block_size) exceeds the teacher's context window", arg="tc"
+            )
         teacher.eval()
     if tc.block_size > model.config.block_size:
-        raise ValueError(
-            f"training window {tc.block_size} exceeds the model's context window {model.config.block_size}"
+        raise ContextFull(
+            f"training window {tc.block_size} (tc.block_size) exceeds the model's context window "
+            f"{model.config.block_size}",
+            arg="tc",
         )
     torch.manual_seed(tc.seed)
     g = torch.Generator().manual_seed(tc.seed)
@@ -285,7 +294,7 @@ PRESETS: dict[str, tuple[GPTConfig, list[TrainConfig]]] = {
 
 def checkpoint_path(name: str) -> Path:
     if name not in PRESETS:
-        raise ValueError(f"unknown checkpoint {name!r}; choose one of {sorted(PRESETS)}")
+        raise BadValue(f"unknown checkpoint name {name!r}; choose one of {sorted(PRESETS)}", arg="name")
     return data_dir() / f"{name}.safetensors"
 
 
@@ -305,16 +314,19 @@ def _starting_point(name: str, resume: Path | None) -> tuple[GPT, list[dict]]:
     every remaining distillation phase.
     """
     if name not in PRESETS:
-        raise ValueError(f"unknown preset {name!r}; choose one of {sorted(PRESETS)}")
+        raise BadValue(f"unknown preset name {name!r}; choose one of {sorted(PRESETS)}", arg="name")
     config, phases = PRESETS[name]
     done: list[dict] = []
     if resume is not None:
         model = load_checkpoint(resume, "cpu")
         done = model.checkpoint_record.get("phases", [])
         if model.config != config or model.checkpoint_record.get("preset") != name or not done:
-            raise ValueError(f"{resume} is not a partial {name!r} checkpoint of this preset")
+            raise BadValue(f"resume file {resume} is not a partial {name!r} checkpoint of this preset", arg="resume")
         if len(done) >= len(phases):
-            raise ValueError(f"{resume} has already run all {len(phases)} phases of {name!r}: nothing to resume")
+            raise BadValue(
+                f"resume file {resume} has already run all {len(phases)} phases of {name!r}: nothing to resume",
+                arg="resume",
+            )
     else:
         torch.manual_seed(phases[0].seed)
         model = GPT(config)
@@ -416,7 +428,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     try:
         if args.threads < 1:
-            raise ValueError(f"--threads must be >= 1, got {args.threads}")
+            raise BadValue(f"--threads must be >= 1, got {args.threads}", arg="--threads")
         if args.out is not None:  # a path that cannot be written: said before hours of training, not after
             check_writable(args.out, "--out")
         torch.set_num_threads(args.threads)

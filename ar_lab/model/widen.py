@@ -30,6 +30,7 @@ import math
 import torch
 
 from ar_lab.base.args import positive_int
+from ar_lab.base.errors import BadType, BadValue
 from ar_lab.model.gpt import GPT, GPTConfig
 
 
@@ -43,13 +44,21 @@ def widen(model: GPT, k: int) -> GPT:
     """A ``GPT`` with ``k`` times the width (``n_embd``; the heads k times wider, their number kept) that
     computes the same logits as ``model`` (see the module docstring). ``model`` is not changed."""
     if type(model) is not GPT:  # a subclass may compute something else: its forward is not widened here
-        raise TypeError(f"widen takes an ar_lab GPT (not a subclass), got {type(model).__name__}")
+        raise BadType(f"widen takes an ar_lab GPT as model (not a subclass), got {type(model).__name__}", arg="model")
     if model.lm_head.weight is not model.wte.weight:
-        raise TypeError("widen takes a GPT whose output projection is tied to its token embedding, as GPT ties them")
+        raise BadType(
+            "widen takes a GPT model whose output projection is tied to its token embedding, as GPT ties them",
+            arg="model",
+        )
     layers = [m for b in model.blocks for m in (b.attn.qkv, b.attn.proj, b.mlp.fc, b.mlp.proj)]
     if any(type(m) is not torch.nn.Linear for m in layers):  # a quantized layer's weights are not a matrix
-        raise TypeError("widen takes a GPT of nn.Linear layers: widen first, then quantize (quantize_model)")
-    k = positive_int("k (the widening factor)", k)
+        raise BadType(
+            "widen takes a GPT model of nn.Linear layers: widen first, then quantize (quantize_model)", arg="model"
+        )
+    try:
+        k = positive_int("k (the widening factor)", k)
+    except BadValue as e:  # the same message, naming the parameter as widen spells it
+        raise BadValue(str(e), arg="k") from None
     cfg = model.config
     with torch.device("meta"):  # no random initialisation: every weight is set below
         wide = GPT(GPTConfig(vocab_size=cfg.vocab_size, block_size=cfg.block_size, n_layer=cfg.n_layer,

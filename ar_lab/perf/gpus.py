@@ -25,6 +25,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
+from ar_lab.base.errors import BadType, BadValue
 from ar_lab.perf.roofline import ridge_point
 
 GB = 1e9
@@ -49,9 +50,10 @@ def weight_format(weight_dtype) -> str:
         text = SPELLINGS.get(text, text)
         if text in WEIGHT_FORMATS:
             return text
-    raise ValueError(
+    raise BadValue(
         f"weight_dtype must be one of {list(WEIGHT_FORMATS)} (or 'float32', 'bfloat16', a torch dtype such as "
-        f"torch.bfloat16), got {weight_dtype!r}"
+        f"torch.bfloat16), got {weight_dtype!r}",
+        arg="weight_dtype",
     )
 
 
@@ -177,7 +179,10 @@ def match_gpu(device_name: str) -> GPUSpec | None:
     roofs and gets None, not a neighbour's figures.
     """
     if not isinstance(device_name, str):
-        raise TypeError(f"device_name must be a str (what torch.cuda.get_device_name() returns), got {device_name!r}")
+        raise BadType(
+            f"device_name must be a str (what torch.cuda.get_device_name() returns), got {device_name!r}",
+            arg="device_name",
+        )
     for spec in GPUS.values():
         if re.search(spec.device_names, device_name.strip()):
             return spec
@@ -186,19 +191,26 @@ def match_gpu(device_name: str) -> GPUSpec | None:
 
 def gpu(name: str) -> GPUSpec:
     """The row named ``name`` (a key of ``GPUS``), with a clear error for anything else."""
+    return _row(name, "name")
+
+
+def _row(name, arg: str) -> GPUSpec:
+    """The row named ``name``; else a BadValue for the argument ``arg`` listing the names."""
     if not isinstance(name, str) or name not in GPUS:
-        raise ValueError(f"unknown GPU {name!r}; choose one of {list(GPUS)}")
+        raise BadValue(f"unknown GPU {name!r}; choose one of {list(GPUS)} (argument {arg})", arg=arg)
     return GPUS[name]
 
 
-def as_gpu(value, name: str = "gpu") -> GPUSpec:
+def as_gpu(value, name: str = "gpu", *, arg: str | None = None) -> GPUSpec:
     """``value`` if it is a ``GPUSpec``, the row it names if it is a name from ``GPUS``; else an error
-    naming the argument ``name`` and what to pass (functions that take a GPU take either)."""
+    naming the argument ``name`` and what to pass (functions that take a GPU take either). ``arg``: the
+    argument the error names as ``.arg`` when ``name`` describes a part of it (default: ``name``)."""
+    arg = name if arg is None else arg
     if isinstance(value, GPUSpec):
         return value
     if isinstance(value, str):
-        return gpu(value)
-    raise TypeError(f"{name} must be a GPUSpec or a name from GPUS such as 'H100 SXM', got {value!r}")
+        return _row(value, arg)
+    raise BadType(f"{name} must be a GPUSpec or a name from GPUS such as 'H100 SXM', got {value!r}", arg=arg)
 
 
 SPEC_HEADERS = ["GPU", "16-bit tensor TFLOP/s", "fp32 TFLOP/s", "bandwidth TB/s", "memory GB", "ridge FLOP/B", "source"]
@@ -208,9 +220,9 @@ def spec_rows(specs=None) -> list[list]:
     """Rows under ``SPEC_HEADERS``: the table as a learner reads it, ridge computed. ``specs``: a list of
     ``GPUSpec`` rows or their names (default: the whole table)."""
     if isinstance(specs, (str, GPUSpec)) or not (specs is None or hasattr(specs, "__iter__")):
-        raise TypeError(f"specs must be a list of GPUSpec rows or names (e.g. ['H100 SXM']), got {specs!r}")
+        raise BadType(f"specs must be a list of GPUSpec rows or names (e.g. ['H100 SXM']), got {specs!r}", arg="specs")
     rows = []
-    for s in GPUS.values() if specs is None else [as_gpu(x, "each of specs") for x in specs]:
+    for s in GPUS.values() if specs is None else [as_gpu(x, "each of specs", arg="specs") for x in specs]:
         rows.append(
             [
                 s.name,

@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from ar_lab.base.errors import BadValue
 from ar_lab.model.cache import check_sizes, kv_cache_bytes
 
 # --- sizing the cache of any model: MHA, GQA, MQA and MLA --------------------------
@@ -31,7 +32,7 @@ def mla_cache_bytes(
     check_sizes(n_layer=n_layer, latent_dim=latent_dim, seq_len=seq_len, batch_size=batch_size)
     check_sizes(bytes_per_value=bytes_per_value)
     if not isinstance(rope_dim, int) or isinstance(rope_dim, bool) or rope_dim < 0:
-        raise ValueError(f"rope_dim must be an int >= 0, got {rope_dim!r}")
+        raise BadValue(f"rope_dim must be an int >= 0, got {rope_dim!r}", arg="rope_dim")
     return n_layer * (latent_dim + rope_dim) * seq_len * batch_size * bytes_per_value
 
 
@@ -65,14 +66,15 @@ class AttentionShape:
             context=self.context,
         )
         if not isinstance(self.rope_dim, int) or isinstance(self.rope_dim, bool) or self.rope_dim < 0:
-            raise ValueError(f"rope_dim must be an int >= 0, got {self.rope_dim!r}")
+            raise BadValue(f"rope_dim must be an int >= 0, got {self.rope_dim!r}", arg="rope_dim")
         if self.n_kv_heads > self.n_head or self.n_head % self.n_kv_heads:
-            raise ValueError(
+            raise BadValue(
                 f"n_kv_heads ({self.n_kv_heads}) must divide n_head ({self.n_head}): "
-                "each KV head serves an equal group of query heads"
+                "each KV head serves an equal group of query heads",
+                arg="n_kv_heads",
             )
         if self.scheme not in SCHEMES:
-            raise ValueError(f"scheme must be one of {SCHEMES}, got {self.scheme!r}")
+            raise BadValue(f"scheme must be one of {SCHEMES}, got {self.scheme!r}", arg="scheme")
 
 
 def cache_sizes(shape: AttentionShape, seq_len: int, batch_size: int = 1, bytes_per_value: int = 2) -> dict[str, int]:
@@ -94,7 +96,7 @@ def cache_sizes(shape: AttentionShape, seq_len: int, batch_size: int = 1, bytes_
 def format_bytes(n: float) -> str:
     """Bytes in binary units, about three significant figures: 1536 -> '1.5 KiB'."""
     if isinstance(n, bool) or not isinstance(n, (int, float)) or not math.isfinite(n) or n < 0:
-        raise ValueError(f"a byte count must be a finite number >= 0, got {n!r}")
+        raise BadValue(f"a byte count (n) must be a finite number >= 0, got {n!r}", arg="n")
     if n < 1024:
         return f"{int(n)} B"
     for unit in ("KiB", "MiB", "GiB", "TiB", "PiB"):

@@ -26,6 +26,7 @@ import numbers
 from dataclasses import dataclass
 
 from ar_lab.base.args import finite_number, positive_int
+from ar_lab.base.errors import BadType, BadValue, ContextFull
 from ar_lab.model.gpt import GPTConfig
 from ar_lab.perf.gpus import GPUSpec, as_gpu, weight_format
 from ar_lab.perf.roofline import ModelShape, PhaseCost, from_gpt_config, shape_cost
@@ -62,16 +63,19 @@ def as_model(shape, name: str = "shape") -> ModelShape:
     if isinstance(shape, ModelShape):
         return shape
     if isinstance(shape, str):
-        return model(shape)
-    raise TypeError(f"{name} must be a ModelShape or a name from MODELS such as 'Llama-3-8B', got {shape!r}")
+        return _preset(shape, name)
+    raise BadType(f"{name} must be a ModelShape or a name from MODELS such as 'Llama-3-8B', got {shape!r}", arg=name)
 
 
-def check_positions(shape: ModelShape, context) -> int:
+def check_positions(shape: ModelShape, context, name: str = "context") -> int:
     """``context`` if it is a whole number of positions from 1 to ``shape``'s window: the messages of
-    ``decode_cost``, so that memory and cost refuse the same contexts."""
-    context = count("context", context)
+    ``decode_cost``, so that memory and cost refuse the same contexts. ``name``: the argument's name."""
+    context = count(name, context)
     if context > shape.max_context:
-        raise ValueError(f"{context:,} positions exceed {shape.name}'s context window of {shape.max_context:,}")
+        raise ContextFull(
+            f"{context:,} positions exceed {shape.name}'s context window of {shape.max_context:,}; lower {name}",
+            arg=name,
+        )
     return context
 
 
@@ -99,8 +103,13 @@ MODELS: dict[str, ModelShape] = {
 
 def model(name: str) -> ModelShape:
     """The preset named ``name`` (a key of ``MODELS``), with a clear error for anything else."""
+    return _preset(name, "name")
+
+
+def _preset(name, arg: str) -> ModelShape:
+    """The preset named ``name``; else a BadValue for the argument ``arg`` listing the names."""
     if not isinstance(name, str) or name not in MODELS:
-        raise ValueError(f"unknown model {name!r}; choose one of {list(MODELS)}")
+        raise BadValue(f"unknown model {name!r}; choose one of {list(MODELS)} (argument {arg})", arg=arg)
     return MODELS[name]
 
 
@@ -118,12 +127,15 @@ def forward_cost(
 
 def prefill_cost(shape: ModelShape, prompt_len: int, batch: int = 1, weight_dtype: str = "bf16") -> PhaseCost:
     """One pass over ``batch`` prompts of ``prompt_len`` tokens, cache empty before."""
-    return forward_cost(shape, batch, count("prompt_len", prompt_len), 0, weight_dtype, phase="prefill")
+    prompt_len = count("prompt_len", prompt_len)
+    check_positions(as_model(shape), prompt_len, "prompt_len")
+    return forward_cost(shape, batch, prompt_len, 0, weight_dtype, phase="prefill")
 
 
 def decode_cost(shape: ModelShape, context: int, batch: int = 1, weight_dtype: str = "bf16") -> PhaseCost:
     """One decode step: one new token per sequence, attending to ``context`` positions (itself included)."""
     context = count("context", context)
+    check_positions(as_model(shape), context)
     return forward_cost(shape, batch, 1, context - 1, weight_dtype, phase="decode")
 
 
@@ -153,9 +165,15 @@ def max_batch(shape: ModelShape, memory: float, context: int, weight_dtype: str 
     """The most sequences of ``context`` positions whose KV cache fits beside the weights (0: none) in
     ``memory`` bytes (a GPU's is ``spec.memory``)."""
     if isinstance(memory, (GPUSpec, str)):
-        raise TypeError(f"memory must be a number of bytes (a GPU's: gpus.gpu('H100 SXM').memory), got {memory!r}")
+        raise BadType(
+            f"memory must be a number of bytes (a GPU's: gpus.gpu('H100 SXM').memory), got {memory!r}", arg="memory"
+        )
     per_sequence = kv_memory(shape, context, 1, weight_dtype)  # checks shape, context and weight_dtype
-    free = finite_number("memory (bytes)", memory, above=True) - weight_memory(shape, weight_dtype)
+    try:
+        free = finite_number("memory (bytes)", memory, above=True) - weight_memory(shape, weight_dtype)
+    except BadValue as error:
+        error.arg = "memory"  # the message adds the unit to the argument's name
+        raise
     return max(0, math.floor(free / per_sequence))
 
 
@@ -238,6 +256,6 @@ def predicted_time(cost: PhaseCost, gpu, weight_dtype: str = "bf16") -> float:
     """The roofline's time for a pass on ``gpu``: the slower of its FLOPs at the compute roof and its bytes
     at the bandwidth (a floor: real kernels reach a fraction of both roofs). ``gpu``: a ``GPUSpec`` or its name."""
     if not isinstance(cost, PhaseCost):
-        raise TypeError(f"cost must be a PhaseCost (from prefill_cost or decode_cost), got {cost!r}")
+        raise BadType(f"cost must be a PhaseCost (from prefill_cost or decode_cost), got {cost!r}", arg="cost")
     gpu = as_gpu(gpu)
     return cost.time_at(gpu.peak_flops(weight_dtype), gpu.bandwidth)

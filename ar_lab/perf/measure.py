@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 
 from ar_lab.base.args import positive_int
+from ar_lab.base.errors import BadType, BadValue
 from ar_lab.base.timing import checked_device, default_device, interleaved, machine, time_call
 from ar_lab.model import data
 from ar_lab.model.cache import KVCache
@@ -145,13 +146,29 @@ def prepare_forward(
 def measure_prefill(model, prompt_len: int, batch: int = 1, *, repeats: int = 3, cuda_graph: bool = False) -> Point:
     """Time one prefill pass: ``batch`` prompts of ``prompt_len`` tokens into an empty KV cache."""
     positive_int("prompt_len", prompt_len)
+    _fits(model, lambda cfg: prefill_cost(cfg, prompt_len))  # a too-long prompt_len is named as such
     return measure_forward(model, prompt_len, 0, batch, repeats=repeats, phase="prefill", cuda_graph=cuda_graph)
 
 
 def measure_decode(model, context: int, batch: int = 1, *, repeats: int = 5, cuda_graph: bool = False) -> Point:
     """Time one decode step at ``context``: ``batch`` new tokens, each attending to ``context`` positions."""
     positive_int("context", context)
+    _fits(model, lambda cfg: decode_cost(cfg, context))  # a too-long context is named as such
     return measure_forward(model, 1, context - 1, batch, repeats=repeats, phase="decode", cuda_graph=cuda_graph)
+
+
+def _fits(model, cost: Callable[[GPTConfig], PhaseCost]) -> None:
+    """Run ``cost`` on the model's config, if it has one, for its errors (prepare_forward's own name past/tokens)."""
+    if isinstance(getattr(model, "config", None), GPTConfig):
+        cost(model.config)
+
+
+def _named(arg: str, check: Callable[[], object]) -> None:
+    """Run ``check``; a BadValue it raises comes back naming ``arg``, the list the checked value came from."""
+    try:
+        check()
+    except BadValue as error:
+        raise type(error)(f"{arg}: {error}", arg=arg) from None
 
 
 def fastest_threads(model, context: int = 64, candidates: Sequence[int] | None = None, *, repeats: int = 3) -> dict:
@@ -168,7 +185,8 @@ def fastest_threads(model, context: int = 64, candidates: Sequence[int] | None =
     seconds = {}
     try:
         for t in candidates:
-            torch.set_num_threads(positive_int("threads", t))
+            _named("candidates", lambda t=t: positive_int("threads", t))
+            torch.set_num_threads(int(t))
             seconds[t] = measure_decode(model, context, 1, repeats=repeats).seconds
     finally:
         torch.set_num_threads(original)
@@ -197,7 +215,7 @@ def build_model(
     13 GB on the GPU, not 26 GB of fp32 on the way there.
     """
     if not isinstance(cfg, GPTConfig):
-        raise TypeError(f"cfg must be a GPTConfig (e.g. ar_lab.perf.measure.CONFIGS['small']), got {cfg!r}")
+        raise BadType(f"cfg must be a GPTConfig (e.g. ar_lab.perf.measure.CONFIGS['small']), got {cfg!r}", arg="cfg")
     device = default_device() if device is None else checked_device(device)
     dtype = default_dtype(device) if dtype is None else dtype
     torch.manual_seed(seed)
@@ -234,9 +252,12 @@ def run_roofline(
     say = progress or (lambda _msg: None)
     decodes = [(decode_context, b) for b in decode_batches] + [(c, 1) for c in decode_contexts]
     for t in prompt_lens:  # every size is checked before anything is measured
-        prefill_cost(model.config, t)
-    for context, b in decodes:
-        decode_cost(model.config, context, b)
+        _named("prompt_lens", lambda t=t: prefill_cost(model.config, t))
+    for b in decode_batches:
+        _named("decode_context", lambda: decode_cost(model.config, decode_context))
+        _named("decode_batches", lambda b=b: decode_cost(model.config, decode_context, b))
+    for c in decode_contexts:
+        _named("decode_contexts", lambda c=c: decode_cost(model.config, c))
     if peaks is None:
         say("measuring the peaks")
         peaks = measure_peaks(device, dtype, matmul_size=matmul_size, buffer_bytes=buffer_bytes)
@@ -303,18 +324,20 @@ def load_result(path: str | Path) -> dict:
     try:
         result = json.loads(path.read_text(encoding="utf-8"))
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ValueError(f"{path} is not valid JSON: {e}") from None
+        raise BadValue(f"path {path} is not valid JSON: {e}", arg="path") from None
     required = ("schema", "device", "dtype", "versions", "date", "peaks", "points")
     missing = [k for k in required if k not in result] if isinstance(result, dict) else list(required)
     if missing:
-        raise ValueError(f"{path} is not a roofline result: missing {missing}")
+        raise BadValue(f"path {path} is not a roofline result: missing {missing}", arg="path")
     if result["schema"] != SCHEMA:
-        raise ValueError(f"{path} has schema {result['schema']!r}; this version of ar_lab reads {SCHEMA!r}")
-    checked_peaks(result["peaks"], f"{path}: peaks")
+        raise BadValue(
+            f"path {path} has schema {result['schema']!r}; this version of ar_lab reads {SCHEMA!r}", arg="path"
+        )
+    checked_peaks(result["peaks"], f"path {path}: peaks", arg="path")
     for i, p in enumerate(result["points"]):
         for k in ("phase", "batch", "tokens", "context", "intensity", "flops_per_s", "seconds"):
             if not isinstance(p, dict) or k not in p:
-                raise ValueError(f"{path}: point {i} has no {k!r}")
+                raise BadValue(f"path {path}: point {i} has no {k!r}", arg="path")
     return result
 
 

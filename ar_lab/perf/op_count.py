@@ -28,6 +28,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_leaves
 
 from ar_lab.base.args import positive_int
+from ar_lab.base.errors import BadType
 from ar_lab.engine.lean import for_model
 from ar_lab.model.cache import KVCache
 
@@ -73,7 +74,7 @@ class _Recorder(TorchFunctionMode):
 def count_ops(fn: Callable[[], object]) -> OpCount:
     """The PyTorch calls ``fn()`` makes, and those of them that compute (see the module's docstring)."""
     if not callable(fn):
-        raise TypeError(f"fn must be a function of no arguments, e.g. lambda: model(idx); got {fn!r}")
+        raise BadType(f"fn must be a function of no arguments, e.g. lambda: model(idx); got {fn!r}", arg="fn")
     with torch.inference_mode(), _Recorder() as recorder:
         fn()
     return OpCount(recorder.calls, recorder.computing)

@@ -19,6 +19,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 from ar_lab.base.args import positive_int
+from ar_lab.base.errors import BadValue, ContextFull
 from ar_lab.base.timing import interleaved, steady_clock
 from ar_lab.engine.paged import PagedKVCache, blocks_for
 from ar_lab.engine.prompts import prompt_ids
@@ -30,8 +31,14 @@ from ar_lab.perf.serving_measure import PROMPTS
 
 def _lengths(lengths) -> list[int]:
     if isinstance(lengths, (str, bytes)) or not isinstance(lengths, Sequence) or not lengths:
-        raise ValueError(f"lengths must be a non-empty list of request lengths (ints >= 1), got {lengths!r}")
-    return [positive_int(f"lengths[{i}]", n) for i, n in enumerate(lengths)]
+        raise BadValue(
+            f"lengths must be a non-empty list of request lengths (ints >= 1), got {lengths!r}", arg="lengths"
+        )
+    try:
+        return [positive_int(f"lengths[{i}]", n) for i, n in enumerate(lengths)]
+    except BadValue as error:
+        error.arg = "lengths"  # the message names the element lengths[i]
+        raise
 
 
 @dataclass(frozen=True)
@@ -57,7 +64,7 @@ def contiguous_footprint(lengths: Sequence[int], max_len: int, bytes_per_positio
     lengths, max_len = _lengths(lengths), positive_int("max_len", max_len)
     bpp = positive_int("bytes_per_position", bytes_per_position)
     if max(lengths) > max_len:
-        raise ValueError(f"a request of {max(lengths)} positions does not fit max_len={max_len}")
+        raise ContextFull(f"a request of {max(lengths)} positions does not fit max_len={max_len}", arg="max_len")
     return Footprint(len(lengths) * max_len * bpp, sum(lengths) * bpp)
 
 
@@ -91,7 +98,7 @@ def mixed_lengths(n: int, max_len: int, *, shortest: int = 64, seed: int = 0) ->
     seeded: many short chats, a few long documents (a stand-in for a real trace)."""
     n, max_len, shortest = positive_int("n", n), positive_int("max_len", max_len), positive_int("shortest", shortest)
     if shortest > max_len:
-        raise ValueError(f"shortest ({shortest}) must be at most max_len ({max_len})")
+        raise BadValue(f"shortest ({shortest}) must be at most max_len ({max_len})", arg="shortest")
     g = torch.Generator().manual_seed(seed)
     u = torch.rand(n, generator=g, dtype=torch.float64)
     return [min(max_len, round(shortest * (max_len / shortest) ** float(x))) for x in u]
@@ -132,6 +139,8 @@ def scale_up(
     H100 SXM): the weights subtracted, how many of ``lengths`` (by default ``mixed_lengths(n_requests, window)``)
     fit at once with contiguous slots of the model's window against paged blocks, and the waste of each."""
     shape, spec = as_model(shape), as_gpu(gpu)
+    if lengths is None:
+        positive_int("n_requests", n_requests)
     window = shape.max_context
     lengths = mixed_lengths(n_requests, window, seed=seed) if lengths is None else _lengths(lengths)
     bpp = int(kv_memory(shape, 1))  # bf16 keys and values of one position, all layers
@@ -139,7 +148,11 @@ def scale_up(
     budget = max(0, int(spec.memory - weights)) // bpp  # positions
     nc, npg = fit_contiguous(lengths, budget, window), fit_paged(lengths, budget, block_size)
     if nc == 0 or npg == 0:
-        raise ValueError(f"{shape.name}'s weights leave no room for one request's KV cache on the {spec.name}")
+        raise BadValue(
+            f"{shape.name}'s weights leave no room for one request's KV cache on the {spec.name}: choose a gpu with "
+            "more memory",
+            arg="gpu",
+        )
     return ScaleUp(
         shape.name, spec.name, spec.memory, weights, bpp, window, block_size, list(lengths), nc, npg,
         contiguous_footprint(lengths[:nc], window, bpp), paged_footprint(lengths[:npg], block_size, bpp),

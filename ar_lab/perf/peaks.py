@@ -20,17 +20,19 @@ from pathlib import Path
 import torch
 
 from ar_lab.base.args import positive_int
+from ar_lab.base.errors import BadValue
 from ar_lab.base.timing import checked_device, default_device, time_call
 
 
-def checked_peaks(peaks, where: str = "peaks") -> dict:
-    """``peaks`` if it holds both roofs as positive finite numbers (the form ``measure_peaks`` returns)."""
+def checked_peaks(peaks, where: str = "peaks", *, arg: str = "peaks") -> dict:
+    """``peaks`` if it holds both roofs as positive finite numbers (the form ``measure_peaks`` returns); else a
+    BadValue for the argument ``arg`` (``where``, which the message names, must contain it)."""
     if not isinstance(peaks, dict):
-        raise ValueError(f"{where} must be a dict like measure_peaks() returns, got {type(peaks).__name__}")
+        raise BadValue(f"{where} must be a dict like measure_peaks() returns, got {type(peaks).__name__}", arg=arg)
     for k in ("matmul_flops_per_s", "bandwidth_bytes_per_s"):
         v = peaks.get(k)
         if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v < math.inf:
-            raise ValueError(f"{where}.{k} must be a positive number, got {v!r}")
+            raise BadValue(f"{where}.{k} must be a positive number, got {v!r}", arg=arg)
     return peaks
 
 
@@ -171,7 +173,7 @@ def streaming_kernels(
     item = torch.empty((), dtype=dtype).element_size()
     n = (nbytes // item) // 6 * 6  # divisible into halves and thirds
     if n < 6:
-        raise ValueError(f"nbytes={nbytes} is too small for a bandwidth measurement")
+        raise BadValue(f"nbytes={nbytes} is too small for a bandwidth measurement", arg="nbytes")
     buf = torch.ones(n, device=device, dtype=dtype)  # written once: the pages are really there
     half, third = buf.view(2, n // 2), buf.view(3, n // 3)
     cols = min(4096, n)

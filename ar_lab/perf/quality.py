@@ -25,6 +25,7 @@ from dataclasses import dataclass
 import torch
 
 from ar_lab.base.args import check_seed, positive_int
+from ar_lab.base.errors import BadType, BadValue
 from ar_lab.engine.generate import generate
 from ar_lab.engine.kv_quant import Int8KVCache
 from ar_lab.engine.prompts import prompt_ids
@@ -48,15 +49,16 @@ def _prompts(prompts) -> list[list[int]]:
     if prompts is None:
         return benchmark_prompts(4)
     if isinstance(prompts, str) or not isinstance(prompts, Sequence) or not prompts:
-        raise ValueError("prompts must be a non-empty list of prompts (text or token ids)")
+        raise BadValue("prompts must be a non-empty list of prompts (text or token ids)", arg="prompts")
     return [prompt_ids(p) for p in prompts]
 
 
 def _same_vocabulary(a, b, name_a: str, name_b: str) -> None:
     if a.config.vocab_size != b.config.vocab_size:
-        raise ValueError(
+        raise BadValue(
             f"{name_a} and {name_b} must share the vocabulary: their token ids would not mean the same "
-            f"text ({a.config.vocab_size} vs {b.config.vocab_size} tokens)"
+            f"text ({a.config.vocab_size} vs {b.config.vocab_size} tokens)",
+            arg=name_b,
         )
 
 
@@ -114,9 +116,10 @@ def kv_cache_agreement(model, prompts=None, n_tokens: int = 32) -> GreedyAgreeme
     """
     positive_int("n_tokens", n_tokens)
     if not isinstance(model, GPT):
-        raise TypeError(
+        raise BadType(
             f"model must be a GPT, whose KV cache is measured (e.g. load_pretrained('course')), got "
-            f"{type(model).__name__}"
+            f"{type(model).__name__}",
+            arg="model",
         )
     agree, diverge = [], []
     for ids in _prompts(prompts):

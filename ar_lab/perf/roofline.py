@@ -36,6 +36,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 from ar_lab.base.args import finite_number, positive_int
+from ar_lab.base.errors import BadType, BadValue, ContextFull
 from ar_lab.engine.quant import WEIGHT_FORMATS, quantize_model
 from ar_lab.model.cache import kv_cache_bytes
 from ar_lab.model.gpt import GPT, GPTConfig
@@ -43,7 +44,7 @@ from ar_lab.model.gpt import GPT, GPTConfig
 
 def _check_cfg(cfg) -> None:
     if not isinstance(cfg, GPTConfig):
-        raise TypeError(f"cfg must be a GPTConfig (e.g. GPTConfig(n_layer=4)), got {cfg!r}")
+        raise BadType(f"cfg must be a GPTConfig (e.g. GPTConfig(n_layer=4)), got {cfg!r}", arg="cfg")
 
 
 @dataclass(frozen=True)
@@ -68,11 +69,17 @@ class ModelShape:
 
     def __post_init__(self) -> None:
         for f in ("n_layer", "d_model", "n_head", "n_kv_heads", "head_dim", "d_ff", "vocab", "max_context"):
-            positive_int(f"ModelShape.{f}", getattr(self, f))
+            try:
+                positive_int(f"ModelShape.{f}", getattr(self, f))
+            except BadValue as error:
+                error.arg = f  # the message says ModelShape.<field>; the argument is the field
+                raise
         if self.n_head % self.n_kv_heads:
-            raise ValueError(f"n_head ({self.n_head}) must be a multiple of n_kv_heads ({self.n_kv_heads})")
+            raise BadValue(
+                f"n_head ({self.n_head}) must be a multiple of n_kv_heads ({self.n_kv_heads})", arg="n_kv_heads"
+            )
         if self.biases not in ("none", "qkv", "all"):
-            raise ValueError(f"biases must be 'none', 'qkv' or 'all', got {self.biases!r}")
+            raise BadValue(f"biases must be 'none', 'qkv' or 'all', got {self.biases!r}", arg="biases")
 
     @property
     def q_width(self) -> int:
@@ -246,14 +253,18 @@ def shape_cost(
     attention scores).
     """
     if not isinstance(shape, ModelShape):
-        raise TypeError(f"shape must be a ModelShape, got {shape!r}")
+        raise BadType(f"shape must be a ModelShape, got {shape!r}", arg="shape")
     positive_int("batch", batch)
     positive_int("tokens", tokens)
     positive_int("past", past, minimum=0)
     finite_number("weight_bytes", weight_bytes, above=True)
     finite_number("value_bytes", value_bytes, above=True)
     if past + tokens > shape.max_context:
-        raise ValueError(f"{past + tokens:,} positions exceed {shape.name}'s context window of {shape.max_context:,}")
+        raise ContextFull(
+            f"{past + tokens:,} positions exceed {shape.name}'s context window of {shape.max_context:,}; "
+            "lower past or tokens",
+            arg=_overflowing(tokens, shape.max_context),
+        )
     d, L = shape.d_model, shape.n_layer
     n = batch * tokens  # tokens through the model
     keys = tokens * past + tokens * (tokens + 1) // 2  # per sequence: positions each new token attends to, summed
@@ -287,21 +298,37 @@ def forward_cost(
     positive_int("tokens", tokens)
     positive_int("past", past, minimum=0)
     positive_int("bytes_per_value", bytes_per_value)
-    if past + tokens > cfg.block_size:
-        raise ValueError(f"{past + tokens} positions exceed the context window of {cfg.block_size} (block_size)")
+    _fit(cfg, past + tokens, "past or tokens", _overflowing(tokens, cfg.block_size))
     return shape_cost(from_gpt_config(cfg), batch, tokens, past, bytes_per_value, bytes_per_value, phase)
 
 
 def prefill_cost(cfg: GPTConfig, prompt_len: int, batch: int = 1, bytes_per_value: int = 4) -> PhaseCost:
     """One forward pass over a ``prompt_len``-token prompt (per sequence), cache empty before."""
     positive_int("prompt_len", prompt_len)
+    _fit(cfg, prompt_len, "prompt_len")
     return forward_cost(cfg, batch, prompt_len, 0, bytes_per_value, phase="prefill")
 
 
 def decode_cost(cfg: GPTConfig, context: int, batch: int = 1, bytes_per_value: int = 4) -> PhaseCost:
     """One decode step: one new token per sequence, which attends to ``context`` positions (itself included)."""
     positive_int("context", context)
+    _fit(cfg, context, "context")
     return forward_cost(cfg, batch, 1, context - 1, bytes_per_value, phase="decode")
+
+
+def _overflowing(tokens: int, window: int) -> str:
+    """The argument to lower when past + tokens overflow ``window``: tokens if they alone do, else past."""
+    return "tokens" if tokens > window else "past"
+
+
+def _fit(cfg: GPTConfig, positions: int, lower: str, arg: str | None = None) -> None:
+    """A ContextFull for ``arg`` (default ``lower``) when ``positions`` exceed ``cfg``'s context window."""
+    _check_cfg(cfg)
+    if positions > cfg.block_size:
+        raise ContextFull(
+            f"{positions} positions exceed the context window of {cfg.block_size} (block_size); lower {lower}",
+            arg=arg or lower,
+        )
 
 
 def ridge_point(peak_flops: float, bandwidth: float) -> float:
@@ -313,9 +340,15 @@ def attainable_flops(intensity, peak_flops: float, bandwidth: float):
     """The roofline: min(peak, intensity x bandwidth); works on floats and tensors/arrays."""
     ridge_point(peak_flops, bandwidth)
     if isinstance(intensity, numbers.Real):
-        return min(peak_flops, finite_number("intensity (FLOP/byte)", intensity) * bandwidth)
+        try:
+            return min(peak_flops, finite_number("intensity (FLOP/byte)", intensity) * bandwidth)
+        except BadValue as error:
+            error.arg = "intensity"  # the message adds the unit to the argument's name
+            raise
     if not hasattr(intensity, "clip"):
-        raise TypeError(f"intensity must be a number, a tensor or an array of FLOP/byte, got {intensity!r}")
+        raise BadType(
+            f"intensity must be a number, a tensor or an array of FLOP/byte, got {intensity!r}", arg="intensity"
+        )
     return (intensity * bandwidth).clip(max=peak_flops)
 
 
@@ -347,7 +380,7 @@ def approx_tpot(n_params: float, bandwidth: float, bytes_per_param: float = 2.0)
 def format_si(value: float, unit: str) -> str:
     """1.3e11, "FLOP/s" -> "130 GFLOP/s"."""
     if not isinstance(value, numbers.Real) or isinstance(value, bool):
-        raise TypeError(f"format_si formats a number, got {value!r}")
+        raise BadType(f"format_si formats a number (value), got {value!r}", arg="value")
     if value == 0 or not math.isfinite(value):
         return f"{value} {unit}"
     prefixes = [(1e15, "P"), (1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "k"), (1, "")]
@@ -365,7 +398,7 @@ def bytes_per_token(model: GPT) -> int:
     this is ``ar_lab.perf.roofline.decode_cost(cfg, ...).weight_bytes``.
     """
     if not isinstance(model, GPT):
-        raise TypeError(f"bytes_per_token takes a GPT, got {type(model).__name__}")
+        raise BadType(f"bytes_per_token takes a GPT as model, got {type(model).__name__}", arg="model")
     total = sum(p.nbytes for p in model.parameters()) + sum(b.nbytes for b in model.buffers())
     wpe = model.wpe.weight
     return total - wpe.nbytes + wpe[0].nbytes
@@ -373,7 +406,7 @@ def bytes_per_token(model: GPT) -> int:
 
 def _check_gpt(model, name: str) -> GPT:
     if not isinstance(model, GPT):
-        raise TypeError(f"{name} must be a GPT (e.g. load_pretrained('course')), got {type(model).__name__}")
+        raise BadType(f"{name} must be a GPT (e.g. load_pretrained('course')), got {type(model).__name__}", arg=name)
     return model
 
 
@@ -383,10 +416,14 @@ def model_or_format(reference: GPT, other, name: str = "other") -> GPT:
     (built here, on the CPU for int8/int4). Anything else: a TypeError naming ``name``."""
     if isinstance(other, str):
         if other not in WEIGHT_FORMATS:
-            raise ValueError(f"{name} must be a model or a weight format, one of {WEIGHT_FORMATS}, got {other!r}")
+            raise BadValue(
+                f"{name} must be a model or a weight format, one of {WEIGHT_FORMATS}, got {other!r}", arg=name
+            )
         return quantize_model(_check_gpt(reference, "reference"), weights=other)
     if not isinstance(other, torch.nn.Module) or not isinstance(getattr(other, "config", None), GPTConfig):
-        raise TypeError(f"{name} must be a model (a GPT) or a weight format such as 'int8', got {type(other).__name__}")
+        raise BadType(
+            f"{name} must be a model (a GPT) or a weight format such as 'int8', got {type(other).__name__}", arg=name
+        )
     return other
 
 

@@ -15,6 +15,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from ar_lab.base.args import positive_int
+from ar_lab.base.errors import BadType, BadValue, ContextFull
 from ar_lab.base.timing import interleaved, synchronize
 from ar_lab.engine.decoder import ForwardDecoder
 from ar_lab.engine.generate import generate
@@ -52,9 +53,12 @@ def mixed_workload(n_requests: int = 12, short: int = 8, long: int = 96, long_ev
     """
     for name, v in [("n_requests", n_requests), ("short", short), ("long", long), ("long_every", long_every)]:
         if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-            raise ValueError(f"{name} must be an int >= 1, got {v!r}")
+            raise BadValue(f"{name} must be an int >= 1, got {v!r}", arg=name)
     if n_requests > MAX_REQUESTS:
-        raise ValueError(f"n_requests must be at most {MAX_REQUESTS:,} (a workload to serve here), got {n_requests:,}")
+        raise BadValue(
+            f"n_requests must be at most {MAX_REQUESTS:,} (a workload to serve here), got {n_requests:,}",
+            arg="n_requests",
+        )
     return [
         Request(PROMPTS[i % len(PROMPTS)], long if i % long_every == long_every - 1 else short, name=f"r{i}")
         for i in range(n_requests)
@@ -107,18 +111,23 @@ def decode_step_runs(
     ``decode_throughput`` times, and what a timing claim (``course.claims.timed_claim``) re-times."""
     checked_model(model)
     if isinstance(batch_sizes, str) or not isinstance(batch_sizes, Sequence):
-        raise TypeError(f"batch_sizes must be a list of ints >= 1, e.g. [1, 2, 4], got {batch_sizes!r}")
+        raise BadType(
+            f"batch_sizes must be a list of ints >= 1, e.g. [1, 2, 4], got {batch_sizes!r}", arg="batch_sizes"
+        )
     if not batch_sizes or any(not isinstance(b, int) or isinstance(b, bool) or b < 1 for b in batch_sizes):
-        raise ValueError(f"batch_sizes must be ints >= 1, got {list(batch_sizes)}")
+        raise BadValue(f"batch_sizes must be ints >= 1, got {list(batch_sizes)}", arg="batch_sizes")
     positive_int("context", context), positive_int("steps", steps)
     if context + steps > model.config.block_size:
-        raise ValueError(f"context + steps must fit in the context window ({model.config.block_size})")
+        raise ContextFull(
+            f"context + steps must fit in the context window ({model.config.block_size})", arg="context"
+        )
     cfg, value = model.config, next(model.parameters()).element_size()
     need = max(batch_sizes) * cfg.n_layer * 2 * cfg.kv_heads * cfg.head_dim * (context + steps) * value
     if need > MAX_CACHE_BYTES:
-        raise ValueError(
+        raise BadValue(
             f"batch_sizes: a batch of {max(batch_sizes):,} needs {need / 2**30:.1f} GiB of KV cache, more than the "
-            f"{MAX_CACHE_BYTES / 2**30:.0f} GiB this measurement allows; ask for smaller batches"
+            f"{MAX_CACHE_BYTES / 2**30:.0f} GiB this measurement allows; ask for smaller batches",
+            arg="batch_sizes",
         )
     caches, inputs = _random_batches(model, batch_sizes, context, steps)
     decoder = ForwardDecoder(model)
@@ -170,9 +179,13 @@ def prefix_ttft(
     """
     checked_model(model)
     if isinstance(suffixes, str) or not isinstance(suffixes, Sequence):
-        raise TypeError(f"suffixes must be a list of suffixes (texts or token ids), got {type(suffixes).__name__}")
+        raise BadType(
+            f"suffixes must be a list of suffixes (texts or token ids), got {type(suffixes).__name__}", arg="suffixes"
+        )
     if not suffixes:
-        raise ValueError("give at least one suffix (the part of each prompt after the shared prefix)")
+        raise BadValue(
+            "suffixes: give at least one suffix (the part of each prompt after the shared prefix)", arg="suffixes"
+        )
     positive_int("repeats", repeats)
     pc = PrefixCache(model, prefix)
     prompts = [pc.tokens + prompt_ids(s) for s in suffixes]

@@ -18,6 +18,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from ar_lab.base.args import positive_int
+from ar_lab.base.errors import BadValue
 from ar_lab.base.timing import interleaved, time_call
 from ar_lab.model.inference import inference
 from ar_lab.perf.measure import prepare_forward
@@ -111,8 +112,11 @@ def decode_step_growth(model, short: int, long: int, *, pairs: int = 60) -> dict
     positive_int("short", short)
     positive_int("pairs", pairs)
     if long <= short:
-        raise ValueError(f"long must be a longer context than short, got short={short}, long={long}")
-    decode_cost(model.config, long)  # checks the context against the window before anything is timed
+        raise BadValue(f"long must be a longer context than short, got short={short}, long={long}", arg="long")
+    try:
+        decode_cost(model.config, long)  # checks the context against the window before anything is timed
+    except BadValue as error:
+        raise type(error)(f"long: {error}", arg="long") from None
     with inference(model):
         step_short = prepare_forward(model, 1, short - 1, phase="decode")[0]
         step_long = prepare_forward(model, 1, long - 1, phase="decode")[0]

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ar_lab.base.args import finite_number
+from ar_lab.base.errors import BadType, BadValue
 from ar_lab.engine.generate import GenerationStats
 from ar_lab.model.tokenizer import decode
 
@@ -32,27 +33,30 @@ class StreamSummary:
     @classmethod
     def from_stats(cls, stats: GenerationStats) -> StreamSummary:
         if not isinstance(stats, GenerationStats):
-            raise TypeError(f"stats must be a GenerationStats (a stream's or generate(...)'s .stats), got {stats!r}")
+            raise BadType(f"stats must be a GenerationStats (a stream's or generate(...)'s .stats), got {stats!r}",
+                          arg="stats")
         if stats.forward_calls == 0:
-            raise ValueError("the stream produced no token yet: nothing to summarise")
+            raise BadValue("the stream produced no token yet (stats.forward_calls is 0): nothing to summarise",
+                           arg="stats")
         tpot = statistics.median(stats.decode_times) if stats.decode_times else float("nan")
         return cls(stats.prefill_time, tpot, stats.forward_calls, stats.total_time)
 
     @property
     def tokens_per_s(self) -> float:
         """Output tokens per second over the whole stream, first token included."""
-        return self.tokens / _elapsed("the stream's total time", self.total)
+        return self.tokens / _elapsed("the stream's total time", self.total, "total")
 
     @property
     def decode_tokens_per_s(self) -> float:
         """The pace after the first token: 1 / TPOT (NaN for a one-token stream: it has no later token)."""
-        return self.tpot if math.isnan(self.tpot) else 1.0 / _elapsed("TPOT", self.tpot)
+        return self.tpot if math.isnan(self.tpot) else 1.0 / _elapsed("TPOT (tpot)", self.tpot, "tpot")
 
 
-def _elapsed(what: str, seconds: float) -> float:
-    """``seconds`` to divide by; a clock that did not advance makes a rate undefined, so say so."""
+def _elapsed(what: str, seconds: float, field: str) -> float:
+    """``seconds`` (the summary's ``field``) to divide by; a clock that did not advance makes a rate undefined."""
     if not seconds > 0:
-        raise ValueError(f"{what} is {seconds} s by its clock, so a rate is undefined: use a clock that advances")
+        raise BadValue(f"{what} is {seconds} s by its clock, so a rate is undefined: use a clock that advances",
+                       arg=field)
     return seconds
 
 
@@ -63,7 +67,7 @@ def latency_budget(ttft: float, tpot: float, n_tokens: int) -> float:
     prompt, each later token one decode step. ``n_tokens`` is at most 2**53, the counts a float holds exactly.
     """
     if not isinstance(n_tokens, int) or isinstance(n_tokens, bool) or not 1 <= n_tokens <= 2**53:
-        raise ValueError(f"n_tokens must be an int from 1 to 2**53, got {n_tokens!r}")
+        raise BadValue(f"n_tokens must be an int from 1 to 2**53, got {n_tokens!r}", arg="n_tokens")
     return finite_number("ttft (seconds)", ttft) + (n_tokens - 1) * finite_number("tpot (seconds)", tpot)
 
 
@@ -74,7 +78,8 @@ def tokens_within(budget: float, ttft: float, tpot: float) -> int:
     if budget < ttft:
         return 0
     if not math.isfinite(later := (budget - ttft) / tpot):
-        raise ValueError(f"budget / tpot is too large to count ({budget!r} s / {tpot!r} s): give a larger tpot")
+        raise BadValue(f"budget / tpot is too large to count ({budget!r} s / {tpot!r} s): give a larger tpot",
+                       arg="tpot")
     return 1 + math.floor(later + 1e-9)
 
 
@@ -147,7 +152,7 @@ class ServeReport:
     @property
     def throughput(self) -> float:
         """Output tokens per second over the whole run."""
-        return self.tokens / _elapsed("the run's total time", self.total_time)
+        return self.tokens / _elapsed("the run's total time (total_time)", self.total_time, "total_time")
 
     @property
     def decode_steps(self) -> int:

@@ -28,6 +28,7 @@ import time
 from collections.abc import Callable, Sequence
 
 from ar_lab.base.args import check_seed, positive_int
+from ar_lab.base.errors import BadType, BadValue, ContextFull
 from ar_lab.engine.generate import Generation, GenerationStats
 from ar_lab.engine.paged import PagedKVCache, blocks_for, check_allocator
 from ar_lab.engine.prefix_cache import PrefixCache
@@ -41,14 +42,27 @@ from ar_lab.model.inference import inference
 from ar_lab.model.tokenizer import EOS_ID
 
 
+def _checked_prompt(model, prompt, max_new_tokens: int, where: str, args: dict[str, str]) -> list[int]:
+    """``checked_prompt``; an error about the prompt or the budget is said of ``where`` (``requests[2]``) and
+    names the caller's argument (``args``: ``"prompt"`` and ``"max_new_tokens"`` to the caller's names)."""
+    try:
+        return checked_prompt(model, prompt, max_new_tokens)
+    except (BadType, BadValue) as e:
+        if e.arg not in args:
+            raise
+        raise type(e)(f"{where}: {e}", arg=args[e.arg]) from None
+
+
 def _check_requests(model, requests) -> list[list[int]]:
     if isinstance(requests, (str, bytes)) or not isinstance(requests, Sequence) or not requests:
-        raise ValueError("requests must be a non-empty list of Request objects")
+        raise BadValue("requests must be a non-empty list of Request objects", arg="requests")
     prompts = []
     for i, r in enumerate(requests):
         if not isinstance(r, Request):
-            raise TypeError(f"requests[{i}] must be a Request(prompt, max_new_tokens), got {type(r).__name__}")
-        prompts.append(checked_prompt(model, r.prompt, r.max_new_tokens))
+            raise BadType(f"requests[{i}] must be a Request(prompt, max_new_tokens), got {type(r).__name__}",
+                          arg="requests")
+        at_fault = {"prompt": "requests", "max_new_tokens": "requests"}
+        prompts.append(_checked_prompt(model, r.prompt, r.max_new_tokens, f"requests[{i}]", at_fault))
         if r.seed is not None:
             check_seed(r.seed, f"requests[{i}].seed")
     return prompts
@@ -56,7 +70,7 @@ def _check_requests(model, requests) -> list[list[int]]:
 
 def _check_schedule(max_batch: int, policy: str) -> None:
     if policy not in POLICIES:
-        raise ValueError(f"policy must be one of {POLICIES}, got {policy!r}")
+        raise BadValue(f"policy must be one of {POLICIES}, got {policy!r}", arg="policy")
     positive_int("max_batch", max_batch)
 
 
@@ -73,17 +87,18 @@ def _check_kv(kv, block_size, num_blocks, allocator, prefix, prompts, requests) 
     """Refuse a paged set-up that cannot run: bad sizes, an allocator without the interface, or a request that
     the whole pool cannot hold (it would wait forever)."""
     if kv not in KV_LAYOUTS:
-        raise ValueError(f"kv must be one of {KV_LAYOUTS}, got {kv!r}")
+        raise BadValue(f"kv must be one of {KV_LAYOUTS}, got {kv!r}", arg="kv")
     options = [("block_size", block_size), ("num_blocks", num_blocks), ("allocator", allocator)]
     given = [n for n, v in options if v is not None]
     if kv == "contiguous":
         if given:
-            raise ValueError(f"{given[0]} is an option of the paged cache: pass kv='paged' with it")
+            raise BadValue(f"{given[0]} is an option of the paged cache: pass kv='paged' with it", arg=given[0])
         return
     if allocator is not None:
         check_allocator(allocator)
         if block_size is not None or num_blocks is not None:
-            raise ValueError("give either an allocator or block_size / num_blocks: the allocator has its own")
+            raise BadValue("give either an allocator or block_size / num_blocks: the allocator has its own",
+                           arg="block_size" if block_size is not None else "num_blocks")
         block_size, num_blocks = allocator.block_size, allocator.num_blocks
     block_size = positive_int("block_size", 16 if block_size is None else block_size)
     if num_blocks is None:
@@ -93,9 +108,9 @@ def _check_kv(kv, block_size, num_blocks, allocator, prefix, prompts, requests) 
     for i, (p, r) in enumerate(zip(prompts, requests, strict=True)):
         need = _blocks_needed(p, r.max_new_tokens, prefix, block_size)
         if held + need > num_blocks:
-            raise ValueError(
+            raise ContextFull(
                 f"requests[{i}] needs {need} blocks of {block_size} positions{' beside the prefix' * bool(held)}, "
-                f"but the pool has {num_blocks - held}: give more num_blocks (or a larger block_size)"
+                f"but the pool has {num_blocks - held}: give more num_blocks (or a larger block_size)", arg="num_blocks"
             )
 
 
@@ -233,13 +248,15 @@ def serve(
     max_batch = positive_int("max_batch", max_batch)
     picker = LogitsPipeline(sampling, sampler)  # checks both
     if prefix is not None and not isinstance(prefix, PrefixCache):
-        raise TypeError(f"prefix must be a PrefixCache(model, prefix_text) or None, got {type(prefix).__name__}")
+        raise BadType(f"prefix must be a PrefixCache(model, prefix_text) or None, got {type(prefix).__name__}",
+                      arg="prefix")
     eos_id = check_eos(model, eos_id)  # (an id the model cannot emit would never stop a request)
     if not callable(clock):
-        raise TypeError(f"clock must be a function returning seconds (e.g. time.perf_counter), got {clock!r}")
+        raise BadType(f"clock must be a function returning seconds (e.g. time.perf_counter), got {clock!r}",
+                      arg="clock")
     step = serve_step if step is None else step
     if not callable(step):
-        raise TypeError(f"step must be a function of the server's state (e.g. serve_step), got {step!r}")
+        raise BadType(f"step must be a function of the server's state (e.g. serve_step), got {step!r}", arg="step")
     prompts = _check_requests(model, requests)
     _check_kv(kv, block_size, num_blocks, allocator, prefix, prompts, requests)
     paged = {"block_size": block_size, "num_blocks": num_blocks, "allocator": allocator} if kv == "paged" else None
@@ -281,13 +298,20 @@ def generate_batch(
     alone; sampled output too when each prompt's seed seeds its own generator.
     """
     if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Sequence) or not prompts:
-        raise ValueError("prompts must be a non-empty list of prompts (texts or lists of token ids)")
-    if not isinstance(max_new_tokens, (int, Sequence)) or not isinstance(seeds, (Sequence, type(None))):
-        raise ValueError("give max_new_tokens as an int (or one per prompt) and seeds as None or one int per prompt")
+        raise BadValue("prompts must be a non-empty list of prompts (texts or lists of token ids)", arg="prompts")
+    if (bad_counts := not isinstance(max_new_tokens, (int, Sequence))) or not isinstance(seeds, (Sequence, type(None))):
+        raise BadValue("give max_new_tokens as an int (or one per prompt) and seeds as None or one int per prompt",
+                       arg="max_new_tokens" if bad_counts else "seeds")
     counts = [max_new_tokens] * len(prompts) if isinstance(max_new_tokens, int) else list(max_new_tokens)
     seeds = [None] * len(prompts) if seeds is None else list(seeds)
     if len(counts) != len(prompts) or len(seeds) != len(prompts):
-        raise ValueError(f"give one max_new_tokens and one seed per prompt ({len(prompts)} prompts)")
+        raise BadValue(f"give one max_new_tokens and one seed per prompt ({len(prompts)} prompts): got "
+                       f"{len(counts)} max_new_tokens and {len(seeds)} seeds",
+                       arg="max_new_tokens" if len(counts) != len(prompts) else "seeds")
+    for i, (p, n, s) in enumerate(zip(prompts, counts, seeds, strict=True)):  # said of this call's arguments
+        _checked_prompt(model, p, n, f"prompts[{i}]", {"prompt": "prompts", "max_new_tokens": "max_new_tokens"})
+        if s is not None:
+            check_seed(s, f"seeds[{i}]")
     requests = [Request(p, n, seed=s) for p, n, s in zip(prompts, counts, seeds, strict=True)]
     report = serve(model, requests, max_batch=len(requests), policy="static", sampling=sampling, eos_id=eos_id)
     out = []
@@ -319,9 +343,10 @@ def simulate(steps_needed: Sequence[int], max_batch: int, policy: str = "continu
     """
     _check_schedule(max_batch, policy)
     if not isinstance(steps_needed, Sequence) or isinstance(steps_needed, str):
-        raise ValueError(f"steps_needed must be a list of ints >= 0 (one per request), got {steps_needed!r}")
+        raise BadValue(f"steps_needed must be a list of ints >= 0 (one per request), got {steps_needed!r}",
+                       arg="steps_needed")
     if any(not isinstance(s, int) or isinstance(s, bool) or s < 0 for s in steps_needed):
-        raise ValueError(f"steps_needed must hold ints >= 0, got {list(steps_needed)}")
+        raise BadValue(f"steps_needed must hold ints >= 0, got {list(steps_needed)}", arg="steps_needed")
     finish, running, step = [], [], 0  # running: the steps at which the requests in slots finish
     for s in steps_needed:  # each request, in order, admitted at the first step with a free slot
         if len(running) == max_batch:  # no free slot: static waits for the whole batch, continuous for one

@@ -25,34 +25,35 @@ from functools import partial
 
 import torch
 
+from ar_lab.base.errors import ArLabError, BadType, BadValue
 from ar_lab.engine.decoder import ForwardDecoder
 from ar_lab.engine.scheduling import admitted
 from ar_lab.engine.serving.requests import RequestResult
 from ar_lab.model.cache import row_mask
 
 
-class StepError(RuntimeError):
+class StepError(ArLabError, RuntimeError):
     """A server step left the server in a state the loop cannot go on from (see ``run_step``)."""
 
 
 def _int(name: str, value) -> int:
-    """``value`` as an int (numpy and 0-d torch integers too); else a TypeError naming ``name``."""
+    """``value`` as an int (numpy and 0-d torch integers too); else a BadType naming ``name``."""
     try:
         return operator.index(value)
     except TypeError:
-        raise TypeError(f"{name} must be an int, got {value!r}") from None
+        raise BadType(f"{name} must be an int, got {value!r}", arg=name) from None
 
 
 def _row_list(name: str, value, rows: int) -> list[int]:
-    """``value`` as distinct row indices in 0..rows-1; else a TypeError or ValueError naming ``name``."""
+    """``value`` as distinct row indices in 0..rows-1; else a BadType or BadValue naming ``name``."""
     if isinstance(value, (str, bytes)) or not hasattr(value, "__iter__"):
-        raise TypeError(f"{name} must be a list of row indices (ints), got {value!r}")
+        raise BadType(f"{name} must be a list of row indices (ints), got {value!r}", arg=name)
     try:
         out = [operator.index(i) for i in value]
     except TypeError:
-        raise TypeError(f"{name} must be a list of row indices (ints), got {value!r}") from None
+        raise BadType(f"{name} must be a list of row indices (ints), got {value!r}", arg=name) from None
     if len(set(out)) != len(out) or any(not 0 <= i < rows for i in out):
-        raise ValueError(f"{name} must hold distinct rows in 0..{rows - 1} ({rows} rows in use), got {out}")
+        raise BadValue(f"{name} must hold distinct rows in 0..{rows - 1} ({rows} rows in use), got {out}", arg=name)
     return out
 
 
@@ -108,11 +109,13 @@ class ServerState:
         It joins ``rows`` unless that token finished it."""
         j = _int("j", j)
         if not 0 <= j < len(self.results) or self.results[j].token_times:
-            raise ValueError(f"j must be a request not admitted yet (an index from waiting), got {j!r}")
-        if len(self.rows) == self.max_batch:
-            raise ValueError(f"all {self.max_batch} rows are in use: retire finished requests before admitting more")
+            raise BadValue(f"j must be a request not admitted yet (an index from waiting), got {j!r}", arg="j")
+        if len(self.rows) == self.max_batch:  # (the server is full: no argument of prefill's is at fault)
+            raise BadValue(f"all {self.max_batch} rows are in use: retire finished requests (server.retire) before "
+                           "admitting more", arg="server")
         if not self._memory.room(j):
-            raise ValueError(f"the KV memory cannot hold request {j} now: admit only while has_room() is True")
+            raise BadValue(f"the KV memory cannot hold request {j} now: admit only while server.has_room() is True",
+                           arg="server")
         res = self.results[j]
         ids = res.prompt
         slot, res.reused = self._memory.open(j, ids)
@@ -137,15 +140,17 @@ class ServerState:
         used as given). Returns the logits (rows, vocab); then ``pick`` and ``record`` a token for every row."""
         n = len(self.rows)
         if n == 0:
-            raise ValueError("no row is running: prefill a request before a decode step")
+            raise BadValue("no row is running: prefill a request (server.prefill) before a decode step", arg="server")
         if self._pending:
-            raise ValueError(f"rows {sorted(self._pending)} have no token from the last decode step: record them first")
+            raise BadValue(f"rows {sorted(self._pending)} have no token from the last decode step: record them first "
+                           "(server.record)", arg="server")
         if not isinstance(mask, torch.Tensor) or mask.dtype != torch.bool:
-            raise TypeError(f"mask must be a bool tensor (rows, 1, 1, keys): True where a row may attend, got "
-                            f"{mask.dtype if isinstance(mask, torch.Tensor) else type(mask).__name__}")
+            raise BadType(f"mask must be a bool tensor (rows, 1, 1, keys): True where a row may attend, got "
+                          f"{mask.dtype if isinstance(mask, torch.Tensor) else type(mask).__name__}", arg="mask")
         want = (n, 1, 1, max(self.lengths) + 1)
         if tuple(mask.shape) != want:
-            raise ValueError(f"mask must have shape (rows, 1, 1, max(lengths) + 1) = {want}, got {tuple(mask.shape)}")
+            raise BadValue(f"mask must have shape (rows, 1, 1, max(lengths) + 1) = {want}, got {tuple(mask.shape)}",
+                           arg="mask")
         reserved, used = self._memory.usage(self.rows)
         self.kv_reserved.append(reserved)
         self.kv_used.append(used)
@@ -161,8 +166,9 @@ class ServerState:
         """One token per row from the decode step's logits (rows, vocab), by the run's sampling settings (each
         request's own generator); all rows' argmax at once when greedy."""
         if not isinstance(logits, torch.Tensor) or logits.ndim != 2 or logits.shape[0] != len(self.rows):
-            raise ValueError(f"logits must be the decode step's (rows, vocab) = ({len(self.rows)}, vocab), got "
-                             f"{tuple(logits.shape) if isinstance(logits, torch.Tensor) else type(logits).__name__}")
+            raise BadValue(f"logits must be the decode step's (rows, vocab) = ({len(self.rows)}, vocab), got "
+                           f"{tuple(logits.shape) if isinstance(logits, torch.Tensor) else type(logits).__name__}",
+                           arg="logits")
         if self._picker.argmax_only:
             return self._picker(logits).tolist()
         return [self._pick(logits[i], j) for i, j in enumerate(self.rows)]
@@ -172,8 +178,8 @@ class ServerState:
         finished the request (the end-of-sequence token, or its ``max_new_tokens``): then ``retire`` its row."""
         i, token = _int("i", i), _int("token", token)
         if i not in self._pending:
-            raise ValueError(f"i must be a row waiting for its token from this decode step "
-                             f"({sorted(self._pending)}), got {i}")
+            raise BadValue(f"i must be a row waiting for its token from this decode step "
+                           f"({sorted(self._pending)}), got {i}", arg="i")
         if len(self._pending) == len(self.rows):  # the step's first token: its tokens appear now
             self._now = self._clock()
         self._pending.discard(i)
@@ -189,8 +195,8 @@ class ServerState:
         done = _row_list("done", done, len(self.rows))
         early = [i for i in done if self.rows[i] not in self.finished]
         if early:
-            raise ValueError(f"done: row {early[0]}'s request (requests[{self.rows[early[0]]}]) is not finished: "
-                             "retire only the rows whose record(...) returned True")
+            raise BadValue(f"done: row {early[0]}'s request (requests[{self.rows[early[0]]}]) is not finished: "
+                           "retire only the rows whose record(...) returned True", arg="done")
         for i in sorted(done, reverse=True):  # highest first: the row moved into i is never a retired one
             moved = self._memory.remove(i, self.rows[i])
             if moved is not None:
@@ -243,16 +249,18 @@ def run_step(server: ServerState, step: Callable[[ServerState], object]) -> None
     step(server)
     if server._pending:
         raise StepError(f"rows {sorted(server._pending)} got no token from the step's decode step: "
-                        "call server.record(i, token) for every row")
+                        "call server.record(i, token) for every row", arg="step")
     left = [i for i, j in enumerate(server.rows) if j in server.finished]
     if left:
         j = server.rows[left[0]]
-        raise StepError(f"a finished row left in the batch: row {left[0]} holds requests[{j}], finished "
+        raise StepError(f"a finished row left in the batch by the step: row {left[0]} holds requests[{j}], finished "
                         f"({server.results[j].stop_reason}), which would decode on: server.retire([...]) the rows "
-                        "whose record(...) returned True")
+                        "whose record(...) returned True", arg="step")
     if server._tokens_given == before:
         raise StepError(f"the step gave no request a token ({len(server.waiting)} waiting, {len(server.rows)} "
-                        "running): each step must admit a request or run a decode step, or the server never ends")
+                        "running): each step must admit a request or run a decode step, or the server never ends",
+                        arg="step")
     if server._admitted + len(server.waiting) != len(server.results):
-        raise StepError(f"{server._admitted} requests were prefilled and {len(server.waiting)} wait, of "
-                        f"{len(server.results)}: pass every request taken from server.waiting to server.prefill, once")
+        raise StepError(f"after the step, {server._admitted} requests were prefilled and {len(server.waiting)} wait, "
+                        f"of {len(server.results)}: pass every request taken from server.waiting to server.prefill, "
+                        "once", arg="step")

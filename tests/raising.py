@@ -1,0 +1,33 @@
+"""Assert an ar_lab error by what it means, not by how it is worded (ARCHITECTURE.md, "the error style").
+
+``raises(BadValue, "top_k")`` passes when the block raises that type (or a subclass) carrying
+``arg == "top_k"``, and the message names the argument. A message's words may then improve without
+touching a test, and an error that names another argument fails. Match the wording (``pytest.raises(...,
+match=...)``) only where the wording is the point: a message that must tell the learner what to do.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import pytest
+
+from ar_lab.base.errors import ArLabError
+
+
+def check_error(error: BaseException, kind: type[BaseException], arg: str | None) -> None:
+    """Fail unless ``error`` is a ``kind`` from ar_lab naming ``arg`` (in ``.arg`` and in its message)."""
+    assert isinstance(error, kind), f"expected {kind.__name__}, got {type(error).__name__}: {error}"
+    assert isinstance(error, ArLabError), f"{type(error).__name__} is not an ar_lab error (ArLabError): {error}"
+    assert error.arg == arg, f"the error names the argument {error.arg!r}, expected {arg!r}: {error}"
+    if arg is not None:
+        assert arg in str(error), f"the message does not name the argument {arg!r}: {error}"
+
+
+@contextlib.contextmanager
+def raises(kind: type[BaseException], arg: str | None) -> Iterator[pytest.ExceptionInfo]:
+    """``pytest.raises(kind)`` that also checks the argument the error names (``check_error``)."""
+    with pytest.raises(kind) as info:
+        yield info
+    check_error(info.value, kind, arg)
