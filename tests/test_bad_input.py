@@ -4,11 +4,14 @@ Three tables, one test each:
 
 - ``CALLS``: a public function called wrongly (wrong types, empty inputs, negative, zero, NaN or
   infinite numbers, out-of-range token ids, prompts longer than the window, unknown devices,
-  missing or corrupted files) raises the named error type with a message holding the fragment.
-- ``WIDGETS``: an explorer control set to an out-of-range value shows a message in the widget
-  (its ``error``, also in the status it displays) instead of clamping the value or raising.
-- ``COMMANDS``: a command line given a bad option prints one error line (argparse's usage lines
-  may come before it) and exits with status 2, without a traceback.
+  missing or corrupted files) raises the named error type carrying the argument at fault (``.arg``,
+  also named in its message; ``tests/raising.py``), whatever the message's wording.
+- ``WIDGETS``: an explorer control set to an out-of-range value shows the error in the widget
+  (its ``error``, also in the status it displays) instead of clamping the value or raising; the
+  error names the control.
+- ``COMMANDS``: a command line given a bad option prints one error line naming the option, argument
+  or file at fault (argparse's usage lines may come before it) and exits with status 2, without a
+  traceback.
 
 A case's name is the call as a learner would type it.
 """
@@ -32,15 +35,18 @@ import pytest
 import torch
 
 from ar_lab.base import timing
+from ar_lab.base.errors import ArLabError, BadType, BadValue, ContextFull
 from ar_lab.course import kv_calculator, quiz, speculative_view, widgets
 from ar_lab.course.sampler_view import sampler_view
 from ar_lab.engine import beam, lean, prefix_cache, prompts, sampling, serving, speculative
 from ar_lab.engine.generate import generate, sample_batch, stream, token_steps
+from ar_lab.engine.lean import NotLean
 from ar_lab.engine.sampling import SamplingParams
 from ar_lab.model import bigram, cache, data, tokenizer, train
+from ar_lab.model.checkpoint import CheckpointError
 from ar_lab.model.gpt import GPT, GPTConfig
-from ar_lab.model.train import CheckpointError
 from ar_lab.perf import kv_sizing, measure, peaks, roofline, serving_measure, side_by_side
+from tests.raising import check_error
 
 # --- what the cases run on -----------------------------------------------------------------
 
@@ -145,457 +151,479 @@ class Call:
     name: str
     run: Callable[[], object]
     error: type[BaseException]
-    fragment: str
+    arg: str | None  # the argument an ar_lab error names (its .arg); for a built-in error, what its message names
+
+
+def check_call(case: Call) -> None:
+    """``case`` raises its error type naming its argument (``tests/raising.check_error``), not a given wording."""
+    with pytest.raises(case.error) as info:
+        case.run()
+    if isinstance(info.value, ArLabError):
+        check_error(info.value, case.error, case.arg)
+    else:  # a missing file: the built-in error, whose message names what was asked for
+        assert case.arg in str(info.value), f"{case.name}: {type(info.value).__name__}: {info.value}"
 
 
 NAN, INF = math.nan, math.inf
 
 CALLS = [
     # tokenizer
-    Call("decode('hello')", lambda: tokenizer.decode("hello"), TypeError, "list of token ids"),
-    Call("decode([104.0, 105.0])", lambda: tokenizer.decode([104.0, 105.0]), TypeError, "integers"),
-    Call("decode([1.5])", lambda: tokenizer.decode([1.5]), TypeError, "integers"),
-    Call("decode([True, False])", lambda: tokenizer.decode([True, False]), TypeError, "integers"),
-    Call("decode([300])", lambda: tokenizer.decode([300]), ValueError, "outside the vocabulary"),
-    Call("decode([-1])", lambda: tokenizer.decode([-1]), ValueError, "outside the vocabulary"),
-    Call("decode(104)", lambda: tokenizer.decode(104), TypeError, "list of token ids"),
-    Call("decode(None)", lambda: tokenizer.decode(None), TypeError, "list of token ids"),
-    Call("decode(float tensor)", lambda: tokenizer.decode(torch.tensor([104.0])), TypeError, "integer"),
-    Call("decode(2-D tensor)", lambda: tokenizer.decode(torch.tensor([[104, 105]])), ValueError, "1-D"),
-    Call("decode([104], stop_at_eos='no')", lambda: tokenizer.decode([104], "no"), TypeError, "True or False"),
-    Call("encode(123)", lambda: tokenizer.encode(123), TypeError, "expects a str"),
-    Call("encode(None)", lambda: tokenizer.encode(None), TypeError, "expects a str"),
-    Call("StreamDecoder().feed('a')", lambda: tokenizer.StreamDecoder().feed("a"), TypeError, "integer"),
-    Call("StreamDecoder().feed(1.5)", lambda: tokenizer.StreamDecoder().feed(1.5), TypeError, "integer"),
-    Call("StreamDecoder().feed(999)", lambda: tokenizer.StreamDecoder().feed(999), ValueError, "outside"),
+    Call("decode('hello')", lambda: tokenizer.decode("hello"), BadType, 'ids'),
+    Call("decode([104.0, 105.0])", lambda: tokenizer.decode([104.0, 105.0]), BadType, 'ids'),
+    Call("decode([1.5])", lambda: tokenizer.decode([1.5]), BadType, 'ids'),
+    Call("decode([True, False])", lambda: tokenizer.decode([True, False]), BadType, 'ids'),
+    Call("decode([300])", lambda: tokenizer.decode([300]), BadValue, 'ids'),
+    Call("decode([-1])", lambda: tokenizer.decode([-1]), BadValue, 'ids'),
+    Call("decode(104)", lambda: tokenizer.decode(104), BadType, 'ids'),
+    Call("decode(None)", lambda: tokenizer.decode(None), BadType, 'ids'),
+    Call("decode(float tensor)", lambda: tokenizer.decode(torch.tensor([104.0])), BadType, 'ids'),
+    Call("decode(2-D tensor)", lambda: tokenizer.decode(torch.tensor([[104, 105]])), BadValue, 'ids'),
+    Call("decode([104], stop_at_eos='no')", lambda: tokenizer.decode([104], "no"), BadType, 'stop_at_eos'),
+    Call("encode(123)", lambda: tokenizer.encode(123), BadType, 'text'),
+    Call("encode(None)", lambda: tokenizer.encode(None), BadType, 'text'),
+    Call("StreamDecoder().feed('a')", lambda: tokenizer.StreamDecoder().feed("a"), BadType, 'token_id'),
+    Call("StreamDecoder().feed(1.5)", lambda: tokenizer.StreamDecoder().feed(1.5), BadType, 'token_id'),
+    Call("StreamDecoder().feed(999)", lambda: tokenizer.StreamDecoder().feed(999), BadValue, 'token_id'),
     # data
-    Call("load_text('missing.txt')", lambda: data.load_text(f("missing.txt")), FileNotFoundError, "no such"),
+    Call("load_text('missing.txt')", lambda: data.load_text(f("missing.txt")), FileNotFoundError, "missing.txt"),
     Call("load_text(folder)", lambda: data.load_text(files()), IsADirectoryError, "folder"),
-    Call("load_text(binary file)", lambda: data.load_text(f("binary.txt")), ValueError, "not UTF-8"),
-    Call("load_text(blank file)", lambda: data.load_text(f("blank.txt")), ValueError, "empty"),
-    Call("load_text(123)", lambda: data.load_text(123), TypeError, "path"),
-    Call("corpus_tokens('missing.txt')", lambda: data.corpus_tokens(f("missing.txt")), FileNotFoundError, "no such"),
-    Call("tokenize_documents('one text')", lambda: data.tokenize_documents("a text"), TypeError, "list of str"),
-    Call("tokenize_documents([])", lambda: data.tokenize_documents([]), ValueError, "no documents"),
-    Call("tokenize_documents([1, 2])", lambda: data.tokenize_documents([1, 2]), TypeError, "str"),
-    Call("train_val_split([1, 2, 3])", lambda: data.train_val_split([1, 2, 3]), TypeError, "tensor"),
-    Call("train_val_split(t, 1.5)", lambda: data.train_val_split(tokens(), 1.5), ValueError, "(0, 1)"),
-    Call("train_val_split(t, nan)", lambda: data.train_val_split(tokens(), NAN), ValueError, "(0, 1)"),
-    Call("train_val_split(t, '0.1')", lambda: data.train_val_split(tokens(), "0.1"), ValueError, "(0, 1)"),
-    Call("train_val_split(2-D)", lambda: data.train_val_split(tokens().view(10, 20)), ValueError, "1-D"),
-    Call("get_batch(t, 2.5, 8)", lambda: data.get_batch(tokens(), 2.5, 8), ValueError, "batch_size"),
-    Call("get_batch(t, 0, 8)", lambda: data.get_batch(tokens(), 0, 8), ValueError, "batch_size"),
-    Call("get_batch(t, 2, 1000)", lambda: data.get_batch(tokens(), 2, 1000), ValueError, "smaller block_size"),
-    Call("get_batch([1, 2], 1, 1)", lambda: data.get_batch([1, 2, 3], 1, 1), TypeError, "tensor"),
+    Call("load_text(binary file)", lambda: data.load_text(f("binary.txt")), BadValue, 'path'),
+    Call("load_text(blank file)", lambda: data.load_text(f("blank.txt")), BadValue, 'path'),
+    Call("load_text(123)", lambda: data.load_text(123), BadType, 'path'),
+    Call(
+        "corpus_tokens('missing.txt')", lambda: data.corpus_tokens(f("missing.txt")), FileNotFoundError, "missing.txt",
+    ),
+    Call("tokenize_documents('one text')", lambda: data.tokenize_documents("a text"), BadType, 'documents'),
+    Call("tokenize_documents([])", lambda: data.tokenize_documents([]), BadValue, 'documents'),
+    Call("tokenize_documents([1, 2])", lambda: data.tokenize_documents([1, 2]), BadType, 'documents'),
+    Call("train_val_split([1, 2, 3])", lambda: data.train_val_split([1, 2, 3]), BadType, 'tokens'),
+    Call("train_val_split(t, 1.5)", lambda: data.train_val_split(tokens(), 1.5), BadValue, 'val_fraction'),
+    Call("train_val_split(t, nan)", lambda: data.train_val_split(tokens(), NAN), BadValue, 'val_fraction'),
+    Call("train_val_split(t, '0.1')", lambda: data.train_val_split(tokens(), "0.1"), BadValue, 'val_fraction'),
+    Call("train_val_split(2-D)", lambda: data.train_val_split(tokens().view(10, 20)), BadValue, 'tokens'),
+    Call("get_batch(t, 2.5, 8)", lambda: data.get_batch(tokens(), 2.5, 8), BadValue, 'batch_size'),
+    Call("get_batch(t, 0, 8)", lambda: data.get_batch(tokens(), 0, 8), BadValue, 'batch_size'),
+    Call("get_batch(t, 2, 1000)", lambda: data.get_batch(tokens(), 2, 1000), BadValue, 'block_size'),
+    Call("get_batch([1, 2], 1, 1)", lambda: data.get_batch([1, 2, 3], 1, 1), BadType, 'tokens'),
     # model config
-    Call("GPTConfig(n_kv_heads=True)", lambda: GPTConfig(n_kv_heads=True), ValueError, "n_kv_heads"),
-    Call("GPTConfig(n_layer=True)", lambda: GPTConfig(n_layer=True), ValueError, "positive int"),
-    Call("GPTConfig(n_head=2.0)", lambda: GPTConfig(n_head=2.0), ValueError, "positive int"),
-    Call("GPTConfig(n_head=3)", lambda: GPTConfig(n_head=3), ValueError, "divisible"),
-    Call("GPTConfig(n_kv_heads=3)", lambda: GPTConfig(n_kv_heads=3), ValueError, "multiple of n_kv_heads"),
-    Call("GPTConfig(n_kv_heads=0)", lambda: GPTConfig(n_kv_heads=0), ValueError, "n_kv_heads"),
-    Call("GPTConfig(block_size=0)", lambda: GPTConfig(block_size=0), ValueError, "block_size"),
-    Call("GPTConfig(dropout=1.5)", lambda: GPTConfig(dropout=1.5), ValueError, "[0, 1)"),
-    Call("GPTConfig(dropout=nan)", lambda: GPTConfig(dropout=NAN), ValueError, "[0, 1)"),
-    Call("GPTConfig(dropout='0.1')", lambda: GPTConfig(dropout="0.1"), ValueError, "dropout"),
-    Call("GPTConfig(dropout=False)", lambda: GPTConfig(dropout=False), ValueError, "dropout"),
+    Call("GPTConfig(n_kv_heads=True)", lambda: GPTConfig(n_kv_heads=True), BadValue, 'n_kv_heads'),
+    Call("GPTConfig(n_layer=True)", lambda: GPTConfig(n_layer=True), BadValue, 'n_layer'),
+    Call("GPTConfig(n_head=2.0)", lambda: GPTConfig(n_head=2.0), BadValue, 'n_head'),
+    Call("GPTConfig(n_head=3)", lambda: GPTConfig(n_head=3), BadValue, 'n_head'),
+    Call("GPTConfig(n_kv_heads=3)", lambda: GPTConfig(n_kv_heads=3), BadValue, 'n_kv_heads'),
+    Call("GPTConfig(n_kv_heads=0)", lambda: GPTConfig(n_kv_heads=0), BadValue, 'n_kv_heads'),
+    Call("GPTConfig(block_size=0)", lambda: GPTConfig(block_size=0), BadValue, 'block_size'),
+    Call("GPTConfig(dropout=1.5)", lambda: GPTConfig(dropout=1.5), BadValue, 'dropout'),
+    Call("GPTConfig(dropout=nan)", lambda: GPTConfig(dropout=NAN), BadValue, 'dropout'),
+    Call("GPTConfig(dropout='0.1')", lambda: GPTConfig(dropout="0.1"), BadValue, 'dropout'),
+    Call("GPTConfig(dropout=False)", lambda: GPTConfig(dropout=False), BadValue, 'dropout'),
     # prompts (shared by every decode loop)
-    Call("prompt_ids('')", lambda: prompts.prompt_ids(""), ValueError, "empty"),
-    Call("prompt_ids([])", lambda: prompts.prompt_ids([]), ValueError, "empty"),
-    Call("prompt_ids([1.5])", lambda: prompts.prompt_ids([1.5]), TypeError, "integers"),
-    Call("prompt_ids(None)", lambda: prompts.prompt_ids(None), TypeError, "text or a list"),
-    Call("prompt_ids(b'abc')", lambda: prompts.prompt_ids(b"abc"), TypeError, "text or a list"),
-    Call("prompt_ids(float tensor)", lambda: prompts.prompt_ids(torch.tensor([1.0])), TypeError, "1-D integer"),
-    Call("checked_prompt(m, [300], 1)", lambda: prompts.checked_prompt(tiny(), [300], 1), ValueError, "vocabulary"),
-    Call("checked_prompt(m, 'x' * 40, 1)", lambda: prompts.checked_prompt(tiny(), "x" * 40, 1), ValueError, "shorten"),
-    Call("check_budget(0)", lambda: prompts.check_budget(0), ValueError, "max_new_tokens"),
+    Call("prompt_ids('')", lambda: prompts.prompt_ids(""), BadValue, 'prompt'),
+    Call("prompt_ids([])", lambda: prompts.prompt_ids([]), BadValue, 'prompt'),
+    Call("prompt_ids([1.5])", lambda: prompts.prompt_ids([1.5]), BadType, 'prompt'),
+    Call("prompt_ids(None)", lambda: prompts.prompt_ids(None), BadType, 'prompt'),
+    Call("prompt_ids(b'abc')", lambda: prompts.prompt_ids(b"abc"), BadType, 'prompt'),
+    Call("prompt_ids(float tensor)", lambda: prompts.prompt_ids(torch.tensor([1.0])), BadType, 'prompt'),
+    Call("checked_prompt(m, [300], 1)", lambda: prompts.checked_prompt(tiny(), [300], 1), BadValue, 'prompt'),
+    Call("checked_prompt(m, 'x' * 40, 1)", lambda: prompts.checked_prompt(tiny(), "x" * 40, 1), ContextFull, 'prompt'),
+    Call("check_budget(0)", lambda: prompts.check_budget(0), BadValue, 'max_new_tokens'),
     # generate (the loops themselves)
-    Call("generate(m, 'hi', 0)", lambda: generate(tiny(), "hi", 0), ValueError, "max_new_tokens"),
-    Call("generate(m, 'hi', -1)", lambda: generate(tiny(), "hi", -1), ValueError, "max_new_tokens"),
-    Call("generate(m, 'hi', 2.5)", lambda: generate(tiny(), "hi", 2.5), ValueError, "max_new_tokens"),
-    Call("generate(m, 'hi', nan)", lambda: generate(tiny(), "hi", NAN), ValueError, "max_new_tokens"),
-    Call("generate(m, '', 5)", lambda: generate(tiny(), "", 5), ValueError, "empty"),
-    Call("generate(m, [300], 5)", lambda: generate(tiny(), [300], 5), ValueError, "vocabulary"),
-    Call("generate(m, long prompt, 5)", lambda: generate(tiny(), "x" * 40, 5), ValueError, "context window"),
-    Call("generate(m, 'hi', 100)", lambda: generate(tiny(), "hi", 100), ValueError, "at most"),
+    Call("generate(m, 'hi', 0)", lambda: generate(tiny(), "hi", 0), BadValue, 'max_new_tokens'),
+    Call("generate(m, 'hi', -1)", lambda: generate(tiny(), "hi", -1), BadValue, 'max_new_tokens'),
+    Call("generate(m, 'hi', 2.5)", lambda: generate(tiny(), "hi", 2.5), BadValue, 'max_new_tokens'),
+    Call("generate(m, 'hi', nan)", lambda: generate(tiny(), "hi", NAN), BadValue, 'max_new_tokens'),
+    Call("generate(m, '', 5)", lambda: generate(tiny(), "", 5), BadValue, 'prompt'),
+    Call("generate(m, [300], 5)", lambda: generate(tiny(), [300], 5), BadValue, 'prompt'),
+    Call("generate(m, long prompt, 5)", lambda: generate(tiny(), "x" * 40, 5), ContextFull, 'prompt'),
+    Call("generate(m, 'hi', 100)", lambda: generate(tiny(), "hi", 100), ContextFull, 'max_new_tokens'),
     Call(
         "generate(m, 'hi', sampling='greedy')",
         lambda: generate(tiny(), "hi", 2, sampling="greedy"),
-        TypeError,
-        "SamplingParams",
+        BadType,
+        'sampling',
     ),
     Call(
         "generate(m, 'hi', stop_strings='\\n')",
         lambda: generate(tiny(), "hi", 2, stop_strings="\n"),
-        ValueError,
-        "list of non-empty strings",
+        BadValue,
+        'stop_strings',
     ),
     Call(
         "generate(m, 'hi', stop_strings=[''])",
         lambda: generate(tiny(), "hi", 2, stop_strings=[""]),
-        ValueError,
-        "non-empty",
+        BadValue,
+        'stop_strings',
     ),
-    Call("stream(m, 'hi', 0)", lambda: stream(tiny(), "hi", 0), ValueError, "max_new_tokens"),
+    Call("stream(m, 'hi', 0)", lambda: stream(tiny(), "hi", 0), BadValue, 'max_new_tokens'),
     Call(
         "sample_batch(m, ['ab', 'abc'], 2)",
         lambda: sample_batch(tiny(), ["ab", "abc"], 2),
-        ValueError,
-        "same number of tokens",
+        BadValue,
+        'prompts',
     ),
-    Call("sample_batch(m, 'ab', 2)", lambda: sample_batch(tiny(), "ab", 2), ValueError, "list of prompts"),
+    Call("sample_batch(m, 'ab', 2)", lambda: sample_batch(tiny(), "ab", 2), BadValue, 'prompts'),
     Call(
         "sampler_view(m, '', params)",
         lambda: sampler_view(tiny(), "", SamplingParams()),
-        ValueError,
-        "empty",
+        BadValue,
+        'prompt',
     ),
     Call(
         "sampler_view(m, 'hi', 'T=1')",
         lambda: sampler_view(tiny(), "hi", "T=1"),
-        TypeError,
-        "SamplingParams",
+        BadType,
+        'params',
     ),
     # sampling
-    Call("SamplingParams(temperature=-1)", lambda: SamplingParams(temperature=-1), ValueError, ">= 0"),
-    Call("SamplingParams(temperature=nan)", lambda: SamplingParams(temperature=NAN), ValueError, "finite"),
-    Call("SamplingParams(temperature=inf)", lambda: SamplingParams(temperature=INF), ValueError, "finite"),
-    Call("SamplingParams(temperature='1')", lambda: SamplingParams(temperature="1"), ValueError, "number"),
-    Call("SamplingParams(top_k=0)", lambda: SamplingParams(top_k=0), ValueError, "top_k"),
-    Call("SamplingParams(top_k=2.5)", lambda: SamplingParams(top_k=2.5), ValueError, "top_k"),
-    Call("SamplingParams(top_k=True)", lambda: SamplingParams(top_k=True), ValueError, "top_k"),
-    Call("SamplingParams(top_p=0)", lambda: SamplingParams(top_p=0), ValueError, "(0, 1]"),
-    Call("SamplingParams(top_p=1.5)", lambda: SamplingParams(top_p=1.5), ValueError, "(0, 1]"),
-    Call("SamplingParams(top_p=nan)", lambda: SamplingParams(top_p=NAN), ValueError, "(0, 1]"),
-    Call("SamplingParams(min_p=-0.1)", lambda: SamplingParams(min_p=-0.1), ValueError, "[0, 1]"),
-    Call("SamplingParams(min_p=nan)", lambda: SamplingParams(min_p=NAN), ValueError, "[0, 1]"),
-    Call("SamplingParams(repetition_penalty=0)", lambda: SamplingParams(repetition_penalty=0), ValueError, "> 0"),
-    Call("SamplingParams(repetition_penalty=inf)", lambda: SamplingParams(repetition_penalty=INF), ValueError, "> 0"),
-    Call("sample([0.1, 0.9])", lambda: sampling.sample([0.1, 0.9]), TypeError, "tensor"),
-    Call("sample(int tensor)", lambda: sampling.sample(torch.tensor([1, 2])), TypeError, "floating-point"),
-    Call("sample(3-D logits)", lambda: sampling.sample(torch.zeros(1, 1, 5)), ValueError, "shape"),
-    Call("sample(NaN logits)", lambda: sampling.sample(torch.full((5,), NAN)), ValueError, "NaN"),
-    Call("sample(-inf logits)", lambda: sampling.sample(torch.full((5,), -INF)), ValueError, "-inf"),
-    Call("sample(logits, 'greedy')", lambda: sampling.sample(logits(), "greedy"), TypeError, "SamplingParams"),
-    Call("sample(logits, generator=0)", lambda: sampling.sample(logits(), generator=0), TypeError, "Generator"),
-    Call("apply_temperature(logits, -1)", lambda: sampling.apply_temperature(logits(), -1), ValueError, ">= 0"),
-    Call("filter_top_k(logits, 0)", lambda: sampling.filter_top_k(logits(), 0), ValueError, "top_k"),
-    Call("filter_top_p(logits, 2)", lambda: sampling.filter_top_p(logits(), 2), ValueError, "top_p"),
-    Call("filter_min_p(logits, -1)", lambda: sampling.filter_min_p(logits(), -1), ValueError, "min_p"),
+    Call("SamplingParams(temperature=-1)", lambda: SamplingParams(temperature=-1), BadValue, 'temperature'),
+    Call("SamplingParams(temperature=nan)", lambda: SamplingParams(temperature=NAN), BadValue, 'temperature'),
+    Call("SamplingParams(temperature=inf)", lambda: SamplingParams(temperature=INF), BadValue, 'temperature'),
+    Call("SamplingParams(temperature='1')", lambda: SamplingParams(temperature="1"), BadValue, 'temperature'),
+    Call("SamplingParams(top_k=0)", lambda: SamplingParams(top_k=0), BadValue, 'top_k'),
+    Call("SamplingParams(top_k=2.5)", lambda: SamplingParams(top_k=2.5), BadValue, 'top_k'),
+    Call("SamplingParams(top_k=True)", lambda: SamplingParams(top_k=True), BadValue, 'top_k'),
+    Call("SamplingParams(top_p=0)", lambda: SamplingParams(top_p=0), BadValue, 'top_p'),
+    Call("SamplingParams(top_p=1.5)", lambda: SamplingParams(top_p=1.5), BadValue, 'top_p'),
+    Call("SamplingParams(top_p=nan)", lambda: SamplingParams(top_p=NAN), BadValue, 'top_p'),
+    Call("SamplingParams(min_p=-0.1)", lambda: SamplingParams(min_p=-0.1), BadValue, 'min_p'),
+    Call("SamplingParams(min_p=nan)", lambda: SamplingParams(min_p=NAN), BadValue, 'min_p'),
+    Call(
+        "SamplingParams(repetition_penalty=0)",
+        lambda: SamplingParams(repetition_penalty=0),
+        BadValue,
+        'repetition_penalty',
+    ),
+    Call(
+        "SamplingParams(repetition_penalty=inf)",
+        lambda: SamplingParams(repetition_penalty=INF),
+        BadValue,
+        'repetition_penalty',
+    ),
+    Call("sample([0.1, 0.9])", lambda: sampling.sample([0.1, 0.9]), BadType, 'logits'),
+    Call("sample(int tensor)", lambda: sampling.sample(torch.tensor([1, 2])), BadType, 'logits'),
+    Call("sample(3-D logits)", lambda: sampling.sample(torch.zeros(1, 1, 5)), BadValue, 'logits'),
+    Call("sample(NaN logits)", lambda: sampling.sample(torch.full((5,), NAN)), BadValue, 'logits'),
+    Call("sample(-inf logits)", lambda: sampling.sample(torch.full((5,), -INF)), BadValue, 'logits'),
+    Call("sample(logits, 'greedy')", lambda: sampling.sample(logits(), "greedy"), BadType, 'params'),
+    Call("sample(logits, generator=0)", lambda: sampling.sample(logits(), generator=0), BadType, 'generator'),
+    Call("apply_temperature(logits, -1)", lambda: sampling.apply_temperature(logits(), -1), BadValue, 'temperature'),
+    Call("filter_top_k(logits, 0)", lambda: sampling.filter_top_k(logits(), 0), BadValue, 'k'),
+    Call("filter_top_p(logits, 2)", lambda: sampling.filter_top_p(logits(), 2), BadValue, 'p'),
+    Call("filter_min_p(logits, -1)", lambda: sampling.filter_min_p(logits(), -1), BadValue, 'min_p'),
     Call(
         "apply_repetition_penalty(logits, [1], 0)",
         lambda: sampling.apply_repetition_penalty(logits(), [1], 0),
-        ValueError,
-        "penalty",
+        BadValue,
+        'penalty',
     ),
     Call(
         "apply_repetition_penalty(logits, [1], -2)",
         lambda: sampling.apply_repetition_penalty(logits(), [1], -2),
-        ValueError,
-        "penalty",
+        BadValue,
+        'penalty',
     ),
     Call(
         "apply_repetition_penalty(logits, [1], nan)",
         lambda: sampling.apply_repetition_penalty(logits(), [1], NAN),
-        ValueError,
-        "penalty",
+        BadValue,
+        'penalty',
     ),
     Call(
         "apply_repetition_penalty(logits, [300], 1.2)",
         lambda: sampling.apply_repetition_penalty(logits(), [300], 1.2),
-        ValueError,
-        "vocabulary",
+        BadValue,
+        'history',
     ),
     Call(
         "apply_repetition_penalty(logits, [1.5], 1.2)",
         lambda: sampling.apply_repetition_penalty(logits(), [1.5], 1.2),
-        TypeError,
-        "integers",
+        BadType,
+        'history',
     ),
-    Call("entropy_bits([0.5, 0.5])", lambda: sampling.entropy_bits([0.5, 0.5]), TypeError, "tensor"),
-    Call("repeated_ngram_fraction('abc')", lambda: sampling.repeated_ngram_fraction("abcd"), TypeError, "token ids"),
-    Call("repeated_ngram_fraction([1, 2], 0)", lambda: sampling.repeated_ngram_fraction([1, 2], 0), ValueError, "n"),
+    Call("entropy_bits([0.5, 0.5])", lambda: sampling.entropy_bits([0.5, 0.5]), BadType, 'probs'),
+    Call("repeated_ngram_fraction('abc')", lambda: sampling.repeated_ngram_fraction("abcd"), BadType, 'tokens'),
+    Call("repeated_ngram_fraction([1, 2], 0)", lambda: sampling.repeated_ngram_fraction([1, 2], 0), BadValue, 'n'),
     # beam search
     Call(
         "beam_search(m, 'hi', 2, num_beams=0)",
         lambda: beam.beam_search(tiny(), "hi", 2, num_beams=0),
-        ValueError,
-        "num_beams",
+        BadValue,
+        'num_beams',
     ),
     Call(
         "beam_search(m, 'hi', 2, length_penalty=nan)",
         lambda: beam.beam_search(tiny(), "hi", 2, length_penalty=NAN),
-        ValueError,
-        "length_penalty",
+        BadValue,
+        'length_penalty',
     ),
     Call(
         "beam_search(m, 'hi', 2, eos_id=999)",
         lambda: beam.beam_search(tiny(), "hi", 2, eos_id=999),
-        ValueError,
-        "eos_id",
+        BadValue,
+        'eos_id',
     ),
     Call(
         "beam_search(m, 'hi', 2, eos_id='.')",
         lambda: beam.beam_search(tiny(), "hi", 2, eos_id="."),
-        ValueError,
-        "eos_id",
+        BadValue,
+        'eos_id',
     ),
-    Call("beam_search(m, '', 2)", lambda: beam.beam_search(tiny(), "", 2), ValueError, "empty"),
-    Call("beam_search(m, 'hi', 0)", lambda: beam.beam_search(tiny(), "hi", 0), ValueError, "max_new_tokens"),
-    Call("beam_search(m, long prompt, 2)", lambda: beam.beam_search(tiny(), "x" * 40, 2), ValueError, "context window"),
+    Call("beam_search(m, '', 2)", lambda: beam.beam_search(tiny(), "", 2), BadValue, 'prompts'),
+    Call("beam_search(m, 'hi', 0)", lambda: beam.beam_search(tiny(), "hi", 0), BadValue, 'max_new_tokens'),
+    Call("beam_search(m, long prompt, 2)", lambda: beam.beam_search(tiny(), "x" * 40, 2), ContextFull, 'prompts'),
     Call(
-        "beam_search_batch(m, 'hi', 2)", lambda: beam.beam_search_batch(tiny(), "hi", 2), ValueError, "list of prompts"
+        "beam_search_batch(m, 'hi', 2)", lambda: beam.beam_search_batch(tiny(), "hi", 2), BadValue, 'prompts'
     ),
-    Call("length_normalised(-1.0, 0, 1.0)", lambda: beam.length_normalised(-1.0, 0, 1.0), ValueError, "length"),
+    Call("length_normalised(-1.0, 0, 1.0)", lambda: beam.length_normalised(-1.0, 0, 1.0), BadValue, 'length'),
     # bigram
-    Call("bigram_counts([1, 2, 3])", lambda: bigram.bigram_counts([1, 2, 3]), TypeError, "tensor"),
+    Call("bigram_counts([1, 2, 3])", lambda: bigram.bigram_counts([1, 2, 3]), BadType, 'tokens'),
     Call(
         "bigram_counts(tensor([1, 300]))",
         lambda: bigram.bigram_counts(torch.tensor([1, 300])),
-        ValueError,
-        "vocabulary",
+        BadValue,
+        'tokens',
     ),
-    Call("bigram_counts(float tensor)", lambda: bigram.bigram_counts(torch.tensor([1.0, 2.0])), TypeError, "integer"),
-    Call("bigram_counts(tensor([5]))", lambda: bigram.bigram_counts(torch.tensor([5])), ValueError, "at least 2"),
+    Call("bigram_counts(float tensor)", lambda: bigram.bigram_counts(torch.tensor([1.0, 2.0])), BadType, 'tokens'),
+    Call("bigram_counts(tensor([5]))", lambda: bigram.bigram_counts(torch.tensor([5])), BadValue, 'tokens'),
     Call(
         "BigramModel.from_tokens(t, smoothing=-1)",
         lambda: bigram.BigramModel.from_tokens(tokens(), smoothing=-1),
-        ValueError,
-        "smoothing",
+        BadValue,
+        'smoothing',
     ),
     Call(
         "BigramModel.from_tokens(t, smoothing=nan)",
         lambda: bigram.BigramModel.from_tokens(tokens(), smoothing=NAN),
-        ValueError,
-        "smoothing",
+        BadValue,
+        'smoothing',
     ),
-    Call("BigramModel([[1, 2], [3, 4]])", lambda: bigram.BigramModel([[1, 2], [3, 4]]), TypeError, "tensor"),
+    Call("BigramModel([[1, 2], [3, 4]])", lambda: bigram.BigramModel([[1, 2], [3, 4]]), BadType, 'counts'),
     # quiz
-    Call("questions('99')", lambda: quiz.questions("99"), ValueError, "no quiz"),
-    Call("questions(None)", lambda: quiz.questions(None), ValueError, "no quiz"),
-    Call("check_answer(q, 10)", lambda: quiz.check_answer(quiz.questions("01")[0], 10), ValueError, "choice"),
-    Call("check_answer(q, -1)", lambda: quiz.check_answer(quiz.questions("01")[0], -1), ValueError, "choice"),
-    Call("check_answer(q, '1')", lambda: quiz.check_answer(quiz.questions("01")[0], "1"), TypeError, "choice"),
-    Call("check_answer(q, 1.5)", lambda: quiz.check_answer(quiz.questions("01")[0], 1.5), TypeError, "choice"),
-    Call("check_answer(q, True)", lambda: quiz.check_answer(quiz.questions("01")[0], True), TypeError, "choice"),
-    Call("show('01').check(99)", lambda: quiz.show("01").check(99), ValueError, "question"),
+    Call("questions('99')", lambda: quiz.questions("99"), BadValue, 'chapter'),
+    Call("questions(None)", lambda: quiz.questions(None), BadValue, 'chapter'),
+    Call("check_answer(q, 10)", lambda: quiz.check_answer(quiz.questions("01")[0], 10), BadValue, 'choice'),
+    Call("check_answer(q, -1)", lambda: quiz.check_answer(quiz.questions("01")[0], -1), BadValue, 'choice'),
+    Call("check_answer(q, '1')", lambda: quiz.check_answer(quiz.questions("01")[0], "1"), BadType, 'choice'),
+    Call("check_answer(q, 1.5)", lambda: quiz.check_answer(quiz.questions("01")[0], 1.5), BadType, 'choice'),
+    Call("check_answer(q, True)", lambda: quiz.check_answer(quiz.questions("01")[0], True), BadType, 'choice'),
+    Call("show('01').check(99)", lambda: quiz.show("01").check(99), BadValue, 'i'),
     # prefix cache
-    Call("PrefixCache(m, '')", lambda: prefix_cache.PrefixCache(tiny(), ""), ValueError, "empty"),
-    Call("PrefixCache(m, 'x' * 40)", lambda: prefix_cache.PrefixCache(tiny(), "x" * 40), ValueError, "context window"),
+    Call("PrefixCache(m, '')", lambda: prefix_cache.PrefixCache(tiny(), ""), BadValue, 'prefix'),
+    Call("PrefixCache(m, 'x' * 40)", lambda: prefix_cache.PrefixCache(tiny(), "x" * 40), ContextFull, 'prefix'),
     Call(
         "PrefixCache(m, 'ab').cache_for('abc', 0)",
         lambda: prefix_cache.PrefixCache(tiny(), "ab").cache_for("abc", 0),
-        ValueError,
-        "max_new_tokens",
+        BadValue,
+        'max_new_tokens',
     ),
     Call(
         "PrefixCache(m, 'ab').cache_for('abc', -5)",
         lambda: prefix_cache.PrefixCache(tiny(), "ab").cache_for("abc", -5),
-        ValueError,
-        "max_new_tokens",
+        BadValue,
+        'max_new_tokens',
     ),
     Call(
         "PrefixCache(m, 'ab').cache_for('abc', 100)",
         lambda: prefix_cache.PrefixCache(tiny(), "ab").cache_for("abc", 100),
-        ValueError,
-        "context window",
+        ContextFull,
+        'max_new_tokens',
     ),
-    Call("reusable_length([1], [])", lambda: prefix_cache.reusable_length([1], []), ValueError, "empty"),
+    Call("reusable_length([1], [])", lambda: prefix_cache.reusable_length([1], []), BadValue, 'prompt'),
     # serving
-    Call("latency_budget(nan, 0.1, 5)", lambda: serving.latency_budget(NAN, 0.1, 5), ValueError, ">= 0"),
-    Call("latency_budget('1', 0.1, 5)", lambda: serving.latency_budget("1", 0.1, 5), ValueError, "seconds"),
-    Call("latency_budget(0.1, 0.1, 0)", lambda: serving.latency_budget(0.1, 0.1, 0), ValueError, "n_tokens"),
-    Call("tokens_within(nan, 0.1, 0.01)", lambda: serving.tokens_within(NAN, 0.1, 0.01), ValueError, "budget"),
-    Call("tokens_within(inf, 0.1, 0.01)", lambda: serving.tokens_within(INF, 0.1, 0.01), ValueError, "budget"),
-    Call("tokens_within(-1, 0.1, 0.01)", lambda: serving.tokens_within(-1, 0.1, 0.01), ValueError, "budget"),
-    Call("tokens_within(1, 0.1, 0)", lambda: serving.tokens_within(1, 0.1, 0), ValueError, "tpot"),
-    Call("tokens_within('1', 0.1, 0.01)", lambda: serving.tokens_within("1", 0.1, 0.01), ValueError, "budget"),
-    Call("ServeReport(total_time=0).throughput", lambda: report(0.0).throughput, ValueError, "clock"),
+    Call("latency_budget(nan, 0.1, 5)", lambda: serving.latency_budget(NAN, 0.1, 5), BadValue, 'ttft'),
+    Call("latency_budget('1', 0.1, 5)", lambda: serving.latency_budget("1", 0.1, 5), BadValue, 'ttft'),
+    Call("latency_budget(0.1, 0.1, 0)", lambda: serving.latency_budget(0.1, 0.1, 0), BadValue, 'n_tokens'),
+    Call("tokens_within(nan, 0.1, 0.01)", lambda: serving.tokens_within(NAN, 0.1, 0.01), BadValue, 'budget'),
+    Call("tokens_within(inf, 0.1, 0.01)", lambda: serving.tokens_within(INF, 0.1, 0.01), BadValue, 'budget'),
+    Call("tokens_within(-1, 0.1, 0.01)", lambda: serving.tokens_within(-1, 0.1, 0.01), BadValue, 'budget'),
+    Call("tokens_within(1, 0.1, 0)", lambda: serving.tokens_within(1, 0.1, 0), BadValue, 'tpot'),
+    Call("tokens_within('1', 0.1, 0.01)", lambda: serving.tokens_within("1", 0.1, 0.01), BadValue, 'budget'),
+    Call("ServeReport(total_time=0).throughput", lambda: report(0.0).throughput, BadValue, 'total_time'),
     Call(
         "StreamSummary(total=0).tokens_per_s",
         lambda: serving.StreamSummary(0.0, 0.0, 3, 0.0).tokens_per_s,
-        ValueError,
-        "clock",
+        BadValue,
+        'total',
     ),
     Call(
         "StreamSummary(tpot=0).decode_tokens_per_s",
         lambda: serving.StreamSummary(0.1, 0.0, 3, 0.1).decode_tokens_per_s,
-        ValueError,
-        "clock",
+        BadValue,
+        'tpot',
     ),
-    Call("serve(m, [])", lambda: serving.serve(tiny(), []), ValueError, "non-empty list"),
-    Call("serve(m, ['hi'])", lambda: serving.serve(tiny(), ["hi"]), TypeError, "Request"),
+    Call("serve(m, [])", lambda: serving.serve(tiny(), []), BadValue, 'requests'),
+    Call("serve(m, ['hi'])", lambda: serving.serve(tiny(), ["hi"]), BadType, 'requests'),
     Call(
         "serve(m, [Request('hi', 0)])",
         lambda: serving.serve(tiny(), [serving.Request("hi", 0)]),
-        ValueError,
-        "max_new_tokens",
+        BadValue,
+        'requests',
     ),
     Call(
         "serve(m, [Request(long, 2)])",
         lambda: serving.serve(tiny(), [serving.Request("x" * 40, 2)]),
-        ValueError,
-        "context window",
+        ContextFull,
+        'requests',
     ),
     Call(
         "serve(m, reqs, max_batch=0)",
         lambda: serving.serve(tiny(), [serving.Request("hi", 2)], max_batch=0),
-        ValueError,
-        "max_batch",
+        BadValue,
+        'max_batch',
     ),
     Call(
         "serve(m, reqs, policy='fifo')",
         lambda: serving.serve(tiny(), [serving.Request("hi", 2)], policy="fifo"),
-        ValueError,
-        "policy",
+        BadValue,
+        'policy',
     ),
     Call(
         "serve(m, reqs, eos_id='.')",
         lambda: serving.serve(tiny(), [serving.Request("hi", 2)], eos_id="."),
-        ValueError,
-        "eos_id",
+        BadValue,
+        'eos_id',
     ),
     Call(
         "serve(m, reqs, prefix='hi')",
         lambda: serving.serve(tiny(), [serving.Request("hi", 2)], prefix="hi"),
-        TypeError,
-        "PrefixCache",
+        BadType,
+        'prefix',
     ),
     Call(
         "serve(m, [Request('hi', 2, seed='a')])",
         lambda: serving.serve(tiny(), [serving.Request("hi", 2, seed="a")], sampling=SamplingParams()),
-        ValueError,
-        "seed",
+        BadValue,
+        'requests',
     ),
     Call(
         "generate_batch(m, ['a', 'b'], 2.5)",
         lambda: serving.generate_batch(tiny(), ["a", "b"], 2.5),
-        ValueError,
-        "max_new_tokens",
+        BadValue,
+        'max_new_tokens',
     ),
     Call(
         "generate_batch(m, ['a', 'b'], [2])",
         lambda: serving.generate_batch(tiny(), ["a", "b"], [2]),
-        ValueError,
-        "one max_new_tokens",
+        BadValue,
+        'max_new_tokens',
     ),
-    Call("simulate(5, 2)", lambda: serving.simulate(5, 2), ValueError, "steps_needed"),
-    Call("simulate([1, -1], 2)", lambda: serving.simulate([1, -1], 2), ValueError, "steps_needed"),
-    Call("simulate([1], 0)", lambda: serving.simulate([1], 0), ValueError, "max_batch"),
+    Call("simulate(5, 2)", lambda: serving.simulate(5, 2), BadValue, 'steps_needed'),
+    Call("simulate([1, -1], 2)", lambda: serving.simulate([1, -1], 2), BadValue, 'steps_needed'),
+    Call("simulate([1], 0)", lambda: serving.simulate([1], 0), BadValue, 'max_batch'),
     # serving measured
-    Call("mixed_workload(0)", lambda: serving_measure.mixed_workload(0), ValueError, "n_requests"),
+    Call("mixed_workload(0)", lambda: serving_measure.mixed_workload(0), BadValue, 'n_requests'),
     Call(
         "compare_policies(m, reqs, 2, repeats=0)",
         lambda: serving_measure.compare_policies(tiny(), [serving.Request("hi", 2)], 2, repeats=0),
-        ValueError,
-        "repeats",
+        BadValue,
+        'repeats',
     ),
     Call(
-        "decode_throughput(m, [0])", lambda: serving_measure.decode_throughput(tiny(), [0]), ValueError, "batch_sizes"
+        "decode_throughput(m, [0])", lambda: serving_measure.decode_throughput(tiny(), [0]), BadValue, 'batch_sizes'
     ),
     Call(
         "decode_throughput(m, [1], context=8, steps=0)",
         lambda: serving_measure.decode_throughput(tiny(), [1], context=8, steps=0),
-        ValueError,
-        "steps",
+        BadValue,
+        'steps',
     ),
     Call(
         "decode_throughput(m, [1], context=8, repeats=0)",
         lambda: serving_measure.decode_throughput(tiny(), [1], context=8, repeats=0),
-        ValueError,
-        "repeats",
+        BadValue,
+        'repeats',
     ),
     Call(
         "decode_throughput(m, [1], context=100)",
         lambda: serving_measure.decode_throughput(tiny(), [1], context=100),
-        ValueError,
-        "context window",
+        ContextFull,
+        'context',
     ),
     Call(
         "prefix_ttft(m, 'ab', 'cd')",
         lambda: serving_measure.prefix_ttft(tiny(), "ab", "cd"),
-        TypeError,
-        "list of suffixes",
+        BadType,
+        'suffixes',
     ),
-    Call("prefix_ttft(m, 'ab', [])", lambda: serving_measure.prefix_ttft(tiny(), "ab", []), ValueError, "suffix"),
+    Call("prefix_ttft(m, 'ab', [])", lambda: serving_measure.prefix_ttft(tiny(), "ab", []), BadValue, 'suffixes'),
     # roofline arithmetic
-    Call("parameter_count('small')", lambda: roofline.parameter_count("small"), TypeError, "GPTConfig"),
-    Call("forward_cost(cfg, 0, 1, 0)", lambda: roofline.forward_cost(GPTConfig(), 0, 1, 0), ValueError, "batch"),
-    Call("forward_cost(cfg, 1, 1, -1)", lambda: roofline.forward_cost(GPTConfig(), 1, 1, -1), ValueError, "past"),
-    Call("forward_cost(cfg, 1, 1, True)", lambda: roofline.forward_cost(GPTConfig(), 1, 1, True), ValueError, "past"),
-    Call("prefill_cost(cfg, 5000)", lambda: roofline.prefill_cost(GPTConfig(), 5000), ValueError, "context window"),
-    Call("decode_cost(cfg, 0)", lambda: roofline.decode_cost(GPTConfig(), 0), ValueError, "context"),
-    Call("ridge_point(0, 1e9)", lambda: roofline.ridge_point(0, 1e9), ValueError, "> 0"),
-    Call("ridge_point(inf, 1e9)", lambda: roofline.ridge_point(INF, 1e9), ValueError, "finite"),
-    Call("ridge_point('1e12', 1e9)", lambda: roofline.ridge_point("1e12", 1e9), ValueError, "number"),
+    Call("parameter_count('small')", lambda: roofline.parameter_count("small"), BadType, 'cfg'),
+    Call("forward_cost(cfg, 0, 1, 0)", lambda: roofline.forward_cost(GPTConfig(), 0, 1, 0), BadValue, 'batch'),
+    Call("forward_cost(cfg, 1, 1, -1)", lambda: roofline.forward_cost(GPTConfig(), 1, 1, -1), BadValue, 'past'),
+    Call("forward_cost(cfg, 1, 1, True)", lambda: roofline.forward_cost(GPTConfig(), 1, 1, True), BadValue, 'past'),
+    Call("prefill_cost(cfg, 5000)", lambda: roofline.prefill_cost(GPTConfig(), 5000), ContextFull, 'prompt_len'),
+    Call("decode_cost(cfg, 0)", lambda: roofline.decode_cost(GPTConfig(), 0), BadValue, 'context'),
+    Call("ridge_point(0, 1e9)", lambda: roofline.ridge_point(0, 1e9), BadValue, 'peak_flops'),
+    Call("ridge_point(inf, 1e9)", lambda: roofline.ridge_point(INF, 1e9), BadValue, 'peak_flops'),
+    Call("ridge_point('1e12', 1e9)", lambda: roofline.ridge_point("1e12", 1e9), BadValue, 'peak_flops'),
     Call(
-        "attainable_flops(nan, 1e12, 1e9)", lambda: roofline.attainable_flops(NAN, 1e12, 1e9), ValueError, "intensity"
+        "attainable_flops(nan, 1e12, 1e9)", lambda: roofline.attainable_flops(NAN, 1e12, 1e9), BadValue, 'intensity'
     ),
-    Call("attainable_flops(-1, 1e12, 1e9)", lambda: roofline.attainable_flops(-1, 1e12, 1e9), ValueError, "intensity"),
-    Call("attainable_flops('a', 1e12, 1e9)", lambda: roofline.attainable_flops("a", 1e12, 1e9), TypeError, "intensity"),
-    Call("approx_prefill_flops(-1, 5)", lambda: roofline.approx_prefill_flops(-1, 5), ValueError, "n_params"),
-    Call("approx_ttft(1e6, 10, 0)", lambda: roofline.approx_ttft(1e6, 10, 0), ValueError, "peak_flops"),
-    Call("approx_tpot(1e6, 0)", lambda: roofline.approx_tpot(1e6, 0), ValueError, "bandwidth"),
-    Call("approx_decode_bytes(nan)", lambda: roofline.approx_decode_bytes(NAN), ValueError, "n_params"),
+    Call("attainable_flops(-1, 1e12, 1e9)", lambda: roofline.attainable_flops(-1, 1e12, 1e9), BadValue, 'intensity'),
+    Call("attainable_flops('a', 1e12, 1e9)", lambda: roofline.attainable_flops("a", 1e12, 1e9), BadType, 'intensity'),
+    Call("approx_prefill_flops(-1, 5)", lambda: roofline.approx_prefill_flops(-1, 5), BadValue, 'n_params'),
+    Call("approx_ttft(1e6, 10, 0)", lambda: roofline.approx_ttft(1e6, 10, 0), BadValue, 'peak_flops'),
+    Call("approx_tpot(1e6, 0)", lambda: roofline.approx_tpot(1e6, 0), BadValue, 'bandwidth'),
+    Call("approx_decode_bytes(nan)", lambda: roofline.approx_decode_bytes(NAN), BadValue, 'n_params'),
     Call(
         "prefill_cost(cfg, 8).time_at(0, 1e9)",
         lambda: roofline.prefill_cost(GPTConfig(), 8).time_at(0, 1e9),
-        ValueError,
-        "> 0",
+        BadValue,
+        'peak_flops',
     ),
-    Call("format_si('a', 'B')", lambda: roofline.format_si("a", "B"), TypeError, "number"),
+    Call("format_si('a', 'B')", lambda: roofline.format_si("a", "B"), BadType, 'value'),
     # timing and devices
-    Call("synchronize('banana')", lambda: timing.synchronize("banana"), ValueError, "'cpu' or 'cuda'"),
-    Call("steady_clock('banana')", lambda: timing.steady_clock("banana"), ValueError, "'cpu' or 'cuda'"),
-    Call("device_name('banana')", lambda: timing.device_name("banana"), ValueError, "'cpu' or 'cuda'"),
-    Call("machine('mps')", lambda: timing.machine("mps"), ValueError, "'cpu' or 'cuda'"),
-    Call("time_call('f')", lambda: timing.time_call("f"), TypeError, "a function of no arguments"),
-    Call("time_call(f, repeats=0)", lambda: timing.time_call(lambda: None, repeats=0), ValueError, "repeats"),
+    Call("synchronize('banana')", lambda: timing.synchronize("banana"), BadValue, 'device'),
+    Call("steady_clock('banana')", lambda: timing.steady_clock("banana"), BadValue, 'device'),
+    Call("device_name('banana')", lambda: timing.device_name("banana"), BadValue, 'device'),
+    Call("machine('mps')", lambda: timing.machine("mps"), BadValue, 'device'),
+    Call("time_call('f')", lambda: timing.time_call("f"), BadType, 'fn'),
+    Call("time_call(f, repeats=0)", lambda: timing.time_call(lambda: None, repeats=0), BadValue, 'repeats'),
     Call(
         "time_call(f, device='banana')",
         lambda: timing.time_call(lambda: None, device="banana"),
-        ValueError,
-        "'cpu' or 'cuda'",
+        BadValue,
+        'device',
     ),
-    Call("median([])", lambda: timing.median([]), ValueError, "no values"),
+    Call("median([])", lambda: timing.median([]), BadValue, 'values'),
     # peaks and measurements
-    Call("measure_matmul_peak('banana')", lambda: peaks.measure_matmul_peak("banana"), ValueError, "'cpu' or 'cuda'"),
-    Call("measure_matmul_peak('mps')", lambda: peaks.measure_matmul_peak("mps"), ValueError, "'cpu' or 'cuda'"),
-    Call("measure_matmul_peak('cpu', size=0)", lambda: peaks.measure_matmul_peak("cpu", size=0), ValueError, "size"),
+    Call("measure_matmul_peak('banana')", lambda: peaks.measure_matmul_peak("banana"), BadValue, 'device'),
+    Call("measure_matmul_peak('mps')", lambda: peaks.measure_matmul_peak("mps"), BadValue, 'device'),
+    Call("measure_matmul_peak('cpu', size=0)", lambda: peaks.measure_matmul_peak("cpu", size=0), BadValue, 'size'),
     Call(
         "measure_bandwidth('cpu', nbytes=10)",
         lambda: peaks.measure_bandwidth("cpu", nbytes=10),
-        ValueError,
-        "too small",
+        BadValue,
+        'nbytes',
     ),
-    Call("measure_peaks('banana')", lambda: peaks.measure_peaks("banana"), ValueError, "'cpu' or 'cuda'"),
-    Call("default_dtype('banana')", lambda: peaks.default_dtype("banana"), ValueError, "'cpu' or 'cuda'"),
-    Call("measure_prefill(m, 0)", lambda: measure.measure_prefill(tiny(), 0), ValueError, "prompt_len"),
-    Call("measure_prefill(m, 100)", lambda: measure.measure_prefill(tiny(), 100), ValueError, "context window"),
-    Call("measure_decode(m, 0)", lambda: measure.measure_decode(tiny(), 0), ValueError, "context"),
+    Call("measure_peaks('banana')", lambda: peaks.measure_peaks("banana"), BadValue, 'device'),
+    Call("default_dtype('banana')", lambda: peaks.default_dtype("banana"), BadValue, 'device'),
+    Call("measure_prefill(m, 0)", lambda: measure.measure_prefill(tiny(), 0), BadValue, 'prompt_len'),
+    Call("measure_prefill(m, 100)", lambda: measure.measure_prefill(tiny(), 100), ContextFull, 'prompt_len'),
+    Call("measure_decode(m, 0)", lambda: measure.measure_decode(tiny(), 0), BadValue, 'context'),
     Call(
-        "measure_decode(m, 8, repeats=0)", lambda: measure.measure_decode(tiny(), 8, repeats=0), ValueError, "repeats"
+        "measure_decode(m, 8, repeats=0)", lambda: measure.measure_decode(tiny(), 8, repeats=0), BadValue, 'repeats'
     ),
-    Call("fastest_threads(m, candidates=[0])", lambda: measure.fastest_threads(tiny(), 8, [0]), ValueError, "threads"),
+    Call("fastest_threads(m, candidates=[0])", lambda: measure.fastest_threads(tiny(), 8, [0]), BadValue, 'candidates'),
     Call(
         "build_model(cfg, 'banana')",
         lambda: measure.build_model(GPTConfig(n_layer=1), "banana"),
-        ValueError,
-        "'cpu' or 'cuda'",
+        BadValue,
+        'device',
     ),
-    Call("build_model('small')", lambda: measure.build_model("small"), TypeError, "GPTConfig"),
+    Call("build_model('small')", lambda: measure.build_model("small"), BadType, 'cfg'),
     Call(
         "run_roofline(m, prompt_lens=[100], peaks=...)",
         lambda: measure.run_roofline(tiny(), [100], peaks={"matmul_flops_per_s": 1.0, "bandwidth_bytes_per_s": 1.0}),
-        ValueError,
-        "context window",
+        ContextFull,
+        'prompt_lens',
     ),
-    Call("run_roofline(m, peaks={})", lambda: measure.run_roofline(tiny(), [4], [1], 8, peaks={}), ValueError, "peaks"),
+    Call("run_roofline(m, peaks={})", lambda: measure.run_roofline(tiny(), [4], [1], 8, peaks={}), BadValue, 'peaks'),
     Call(
         "decode_bandwidth_fraction(m, pairs=0)",
         lambda: side_by_side.decode_bandwidth_fraction(tiny(), 8, pairs=0),
-        ValueError,
-        "pairs",
+        BadValue,
+        'pairs',
     ),
     Call(
         "load_result('missing.json')",
@@ -604,10 +632,10 @@ CALLS = [
         "no roofline result",
     ),
     Call("load_result(folder)", lambda: measure.load_result(files()), FileNotFoundError, "no roofline result"),
-    Call("load_result(binary file)", lambda: measure.load_result(f("binary.txt")), ValueError, "not valid JSON"),
-    Call("load_result(not json)", lambda: measure.load_result(f("not_json.json")), ValueError, "not valid JSON"),
-    Call("load_result(a list)", lambda: measure.load_result(f("list.json")), ValueError, "not a roofline result"),
-    Call("load_result(peaks='fast')", lambda: measure.load_result(f("bad_peaks.json")), ValueError, "peaks"),
+    Call("load_result(binary file)", lambda: measure.load_result(f("binary.txt")), BadValue, 'path'),
+    Call("load_result(not json)", lambda: measure.load_result(f("not_json.json")), BadValue, 'path'),
+    Call("load_result(a list)", lambda: measure.load_result(f("list.json")), BadValue, 'path'),
+    Call("load_result(peaks='fast')", lambda: measure.load_result(f("bad_peaks.json")), BadValue, 'path'),
     Call(
         "reference_files('missing_dir')",
         lambda: measure.reference_files(f("missing_dir")),
@@ -615,36 +643,36 @@ CALLS = [
         "no folder",
     ),
     # speculative explorer's function
-    Call("speculation_view(m, d, '')", lambda: greedy_view(""), ValueError, "empty"),
-    Call("speculation_view(m, d, 'ab', gamma=100)", lambda: greedy_view(gamma=100), ValueError, "gamma"),
-    Call("speculation_view(m, d, 'ab', gamma=-1)", lambda: greedy_view(gamma=-1), ValueError, "gamma"),
-    Call("speculation_view(m, d, long prompt)", lambda: greedy_view("x" * 40), ValueError, "context window"),
+    Call("speculation_view(m, d, '')", lambda: greedy_view(""), BadValue, 'prompt'),
+    Call("speculation_view(m, d, 'ab', gamma=100)", lambda: greedy_view(gamma=100), BadValue, 'gamma'),
+    Call("speculation_view(m, d, 'ab', gamma=-1)", lambda: greedy_view(gamma=-1), BadValue, 'gamma'),
+    Call("speculation_view(m, d, long prompt)", lambda: greedy_view("x" * 40), ContextFull, 'prompt'),
     Call(
         "speculation_view(m, d, 'ab', repeats=0)",
         lambda: speculative_view.speculation_view(tiny(), tiny(), "ab", repeats=0),
-        ValueError,
-        "repeats",
+        BadValue,
+        'repeats',
     ),
-    Call("benchmark_prompts(0)", lambda: data.benchmark_prompts(0), ValueError, "ints >= 1"),
+    Call("benchmark_prompts(0)", lambda: data.benchmark_prompts(0), BadValue, 'n'),
     # widgets' pure functions and builders
     Call(
         "kv_cache_table_html(shape, -1, 1, 'float32')",
         lambda: kv_calculator.kv_cache_table_html(widgets_shape(), -1, 1, "float32"),
-        ValueError,
-        "seq_len",
+        BadValue,
+        'seq_len',
     ),
     Call(
         "kv_cache_table_html(shape, 8, 1, 'fp7')",
         lambda: kv_calculator.kv_cache_table_html(widgets_shape(), 8, 1, "fp7"),
-        ValueError,
-        "dtype",
+        BadValue,
+        'dtype',
     ),
-    Call("kv_cache_calculator('GPT-9')", lambda: kv_calculator.kv_cache_calculator("GPT-9"), ValueError,
-         "unknown preset"),
-    Call("kv_cache_calculator(dtype='fp7')", lambda: kv_calculator.kv_cache_calculator(dtype="fp7"), ValueError,
-         "dtype"),
-    Call("sampler_explorer(None)", lambda: widgets.sampler_explorer(None), TypeError, "a GPT"),
-    Call("speculation_explorer(m, {})", lambda: widgets.speculation_explorer(tiny(), {}), ValueError, "drafts"),
+    Call("kv_cache_calculator('GPT-9')", lambda: kv_calculator.kv_cache_calculator("GPT-9"), BadValue,
+         'preset'),
+    Call("kv_cache_calculator(dtype='fp7')", lambda: kv_calculator.kv_cache_calculator(dtype="fp7"), BadValue,
+         'dtype'),
+    Call("sampler_explorer(None)", lambda: widgets.sampler_explorer(None), BadType, 'model'),
+    Call("speculation_explorer(m, {})", lambda: widgets.speculation_explorer(tiny(), {}), BadValue, 'drafts'),
     # checkpoints
     Call(
         "load_checkpoint('missing')",
@@ -663,191 +691,191 @@ CALLS = [
             f"load_checkpoint({name} file)",
             lambda name=name: train.load_checkpoint(f(f"{name}.safetensors")),
             CheckpointError,
-            fragment,
+            "path",
         )
-        for name, fragment in [
-            ("truncated", "re-create"),
-            ("header_only", "re-create"),
-            ("random", "re-create"),
-            ("empty", "re-create"),
-            ("text", "re-create"),
-            ("flipped", "changed since it was saved"),
-            ("config_edited", "changed since it was saved"),
-            ("record_edited", "changed since it was saved"),
-            ("config_not_json", "not valid JSON"),
-            ("record_not_json", "not valid JSON"),
-            ("config_not_a_dict", "invalid model config"),
-            ("not_ar_lab", "not an ar_lab checkpoint"),
+        for name in [
+            "truncated",
+            "header_only",
+            "random",
+            "empty",
+            "text",
+            "flipped",
+            "config_edited",
+            "record_edited",
+            "config_not_json",
+            "record_not_json",
+            "config_not_a_dict",
+            "not_ar_lab",
         ]
     ],
     Call(
         "read_checkpoint_metadata(config edited)",
         lambda: train.read_checkpoint_metadata(f("config_edited.safetensors")),
         CheckpointError,
-        "changed since it was saved",
+        'path',
     ),
     Call(
         "read_checkpoint_metadata(record not json)",
         lambda: train.read_checkpoint_metadata(f("record_not_json.safetensors")),
         CheckpointError,
-        "not valid JSON",
+        'path',
     ),
     Call(
         "load_checkpoint(good, 'banana')",
         lambda: train.load_checkpoint(f("good.safetensors"), "banana"),
-        ValueError,
-        "'cpu' or 'cuda'",
+        BadValue,
+        'device',
     ),
     Call(
         "load_checkpoint(good, 'mps')",
         lambda: train.load_checkpoint(f("good.safetensors"), "mps"),
-        ValueError,
-        "'cpu' or 'cuda'",
+        BadValue,
+        'device',
     ),
-    Call("load_pretrained('gpt2')", lambda: train.load_pretrained("gpt2"), ValueError, "unknown checkpoint"),
+    Call("load_pretrained('gpt2')", lambda: train.load_pretrained("gpt2"), BadValue, 'name'),
     Call(
         "load_pretrained('course', 'banana')",
         lambda: train.load_pretrained("course", "banana"),
-        ValueError,
-        "'cpu' or 'cuda'",
+        BadValue,
+        'device',
     ),
     Call(
-        "save_checkpoint(path, 'model')", lambda: train.save_checkpoint(f("x.safetensors"), "model"), TypeError, "GPT"
+        "save_checkpoint(path, 'model')", lambda: train.save_checkpoint(f("x.safetensors"), "model"), BadType, 'model'
     ),
     Call(
         "save_checkpoint(path, m, record={'f': print})",
         lambda: train.save_checkpoint(f("y.safetensors"), tiny(), {"f": print}),
-        ValueError,
-        "JSON",
+        BadValue,
+        'record',
     ),
-    Call("save_checkpoint(folder, m)", lambda: train.save_checkpoint(files(), tiny()), ValueError, "folder"),
+    Call("save_checkpoint(folder, m)", lambda: train.save_checkpoint(files(), tiny()), BadValue, 'path'),
     # training
-    Call("TrainConfig(steps=0)", lambda: train.TrainConfig(steps=0), ValueError, "steps"),
-    Call("TrainConfig(steps=True)", lambda: train.TrainConfig(steps=True), ValueError, "steps"),
-    Call("TrainConfig(lr=nan)", lambda: train.TrainConfig(lr=NAN), ValueError, "lr"),
-    Call("TrainConfig(lr=inf)", lambda: train.TrainConfig(lr=INF), ValueError, "lr"),
-    Call("TrainConfig(lr='1e-3')", lambda: train.TrainConfig(lr="1e-3"), ValueError, "lr"),
-    Call("TrainConfig(warmup_steps=-5)", lambda: train.TrainConfig(warmup_steps=-5), ValueError, "warmup_steps"),
-    Call("TrainConfig(min_lr_ratio=-1)", lambda: train.TrainConfig(min_lr_ratio=-1), ValueError, "min_lr_ratio"),
-    Call("TrainConfig(weight_decay=-0.1)", lambda: train.TrainConfig(weight_decay=-0.1), ValueError, "weight_decay"),
-    Call("TrainConfig(grad_clip=0)", lambda: train.TrainConfig(grad_clip=0), ValueError, "grad_clip"),
-    Call("TrainConfig(seed='a')", lambda: train.TrainConfig(seed="a"), ValueError, "seed"),
-    Call("TrainConfig(teacher=1)", lambda: train.TrainConfig(teacher=1), ValueError, "teacher"),
+    Call("TrainConfig(steps=0)", lambda: train.TrainConfig(steps=0), BadValue, 'steps'),
+    Call("TrainConfig(steps=True)", lambda: train.TrainConfig(steps=True), BadValue, 'steps'),
+    Call("TrainConfig(lr=nan)", lambda: train.TrainConfig(lr=NAN), BadValue, 'lr'),
+    Call("TrainConfig(lr=inf)", lambda: train.TrainConfig(lr=INF), BadValue, 'lr'),
+    Call("TrainConfig(lr='1e-3')", lambda: train.TrainConfig(lr="1e-3"), BadValue, 'lr'),
+    Call("TrainConfig(warmup_steps=-5)", lambda: train.TrainConfig(warmup_steps=-5), BadValue, 'warmup_steps'),
+    Call("TrainConfig(min_lr_ratio=-1)", lambda: train.TrainConfig(min_lr_ratio=-1), BadValue, 'min_lr_ratio'),
+    Call("TrainConfig(weight_decay=-0.1)", lambda: train.TrainConfig(weight_decay=-0.1), BadValue, 'weight_decay'),
+    Call("TrainConfig(grad_clip=0)", lambda: train.TrainConfig(grad_clip=0), BadValue, 'grad_clip'),
+    Call("TrainConfig(seed='a')", lambda: train.TrainConfig(seed="a"), BadValue, 'seed'),
+    Call("TrainConfig(teacher=1)", lambda: train.TrainConfig(teacher=1), BadValue, 'teacher'),
     Call(
-        "train(m, t, t, tc='fast')", lambda: train.train(tiny(), tokens(), tokens(), "fast"), TypeError, "TrainConfig"
+        "train(m, t, t, tc='fast')", lambda: train.train(tiny(), tokens(), tokens(), "fast"), BadType, 'tc'
     ),
     Call(
         "train(m, [1, 2], t)",
         lambda: train.train(tiny(), [1, 2, 3], tokens(), train.TrainConfig(block_size=8)),
-        TypeError,
-        "tensor",
+        BadType,
+        'train_tokens',
     ),
     Call(
         "train(m, t, t, block_size > window)",
         lambda: train.train(tiny(), tokens(), tokens(), train.TrainConfig()),
-        ValueError,
-        "context window",
+        ContextFull,
+        'tc',
     ),
-    Call("evaluate(m, t, 8, batches=0)", lambda: train.evaluate(tiny(), tokens(), 8, batches=0), ValueError, "batches"),
-    Call("evaluate(m, t, 100)", lambda: train.evaluate(tiny(), tokens(), 100), ValueError, "context window"),
-    Call("checkpoint_path('gpt2')", lambda: train.checkpoint_path("gpt2"), ValueError, "unknown checkpoint"),
-    Call("train_preset('gpt2')", lambda: train.train_preset("gpt2"), ValueError, "unknown preset"),
+    Call("evaluate(m, t, 8, batches=0)", lambda: train.evaluate(tiny(), tokens(), 8, batches=0), BadValue, 'batches'),
+    Call("evaluate(m, t, 100)", lambda: train.evaluate(tiny(), tokens(), 100), ContextFull, 'block_size'),
+    Call("checkpoint_path('gpt2')", lambda: train.checkpoint_path("gpt2"), BadValue, 'name'),
+    Call("train_preset('gpt2')", lambda: train.train_preset("gpt2"), BadValue, 'name'),
 ]
 
 
 # The other decode-loop files (cache, lean, generate, speculative, model.forward): probed here too.
 CALLS += [
-    Call("GPT('small')", lambda: GPT("small"), TypeError, "GPTConfig"),
-    Call("model(float idx)", lambda: tiny()(torch.zeros(1, 4)), TypeError, "integer token ids"),
-    Call("model(1-D idx)", lambda: tiny()(torch.tensor([1, 2])), ValueError, "(batch, time)"),
+    Call("GPT('small')", lambda: GPT("small"), BadType, 'config'),
+    Call("model(float idx)", lambda: tiny()(torch.zeros(1, 4)), BadType, 'idx'),
+    Call("model(1-D idx)", lambda: tiny()(torch.tensor([1, 2])), BadValue, 'idx'),
     Call(
         "model(idx longer than the window)",
         lambda: tiny()(torch.zeros(1, 40, dtype=torch.long)),
-        ValueError,
-        "context window",
+        ContextFull,
+        'idx',
     ),
-    Call("KVCache.for_model(m, max_len=0)", lambda: cache.KVCache.for_model(tiny(), max_len=0), ValueError, "max_len"),
+    Call("KVCache.for_model(m, max_len=0)", lambda: cache.KVCache.for_model(tiny(), max_len=0), BadValue, 'max_len'),
     Call(
         "KVCache.for_model(m, batch_size=0)",
         lambda: cache.KVCache.for_model(tiny(), batch_size=0),
-        ValueError,
-        "batch_size",
+        BadValue,
+        'batch_size',
     ),
     Call(
         "KVCache.for_model(m, max_len=100)",
         lambda: cache.KVCache.for_model(tiny(), max_len=100),
-        ValueError,
-        "context window",
+        ContextFull,
+        'max_len',
     ),
-    Call("KVCache.truncate(-1)", lambda: cache.KVCache.for_model(tiny()).truncate(-1), ValueError, "truncate"),
-    Call("kv_cache_bytes(-1, 1, 1, 1)", lambda: cache.kv_cache_bytes(-1, 1, 1, 1), ValueError, "n_layer"),
-    Call("kv_cache_bytes(True, 1, 1, 1)", lambda: cache.kv_cache_bytes(True, 1, 1, 1), ValueError, "n_layer"),
-    Call("cache_sizes(shape, -1)", lambda: kv_sizing.cache_sizes(widgets_shape(), -1), ValueError, "seq_len"),
-    Call("format_bytes(nan)", lambda: kv_sizing.format_bytes(NAN), ValueError, ">= 0"),
-    Call("BatchKVCache.for_model(m, 0)", lambda: cache.BatchKVCache.for_model(tiny(), 0), ValueError, "max_batch"),
-    Call("BatchKVCache.slot(99)", lambda: cache.BatchKVCache.for_model(tiny(), 2).slot(99), ValueError, "slot"),
-    Call("BatchKVCache.remove(5)", lambda: cache.BatchKVCache.for_model(tiny(), 2).remove(5), ValueError, "row"),
-    Call("lean step past the window", lambda: lean_step_past_the_window(), ValueError, "context window"),
+    Call("KVCache.truncate(-1)", lambda: cache.KVCache.for_model(tiny()).truncate(-1), BadValue, 'n'),
+    Call("kv_cache_bytes(-1, 1, 1, 1)", lambda: cache.kv_cache_bytes(-1, 1, 1, 1), BadValue, 'n_layer'),
+    Call("kv_cache_bytes(True, 1, 1, 1)", lambda: cache.kv_cache_bytes(True, 1, 1, 1), BadValue, 'n_layer'),
+    Call("cache_sizes(shape, -1)", lambda: kv_sizing.cache_sizes(widgets_shape(), -1), BadValue, 'seq_len'),
+    Call("format_bytes(nan)", lambda: kv_sizing.format_bytes(NAN), BadValue, 'n'),
+    Call("BatchKVCache.for_model(m, 0)", lambda: cache.BatchKVCache.for_model(tiny(), 0), BadValue, 'max_batch'),
+    Call("BatchKVCache.slot(99)", lambda: cache.BatchKVCache.for_model(tiny(), 2).slot(99), BadValue, 'slot'),
+    Call("BatchKVCache.remove(5)", lambda: cache.BatchKVCache.for_model(tiny(), 2).remove(5), BadValue, 'i'),
+    Call("lean step past the window", lambda: lean_step_past_the_window(), ContextFull, 'cache'),
     Call(
         "speculative_generate(m, m, 'hi', 5, gamma=-1)",
         lambda: speculative.speculative_generate(tiny(), tiny(), "hi", 5, -1),
-        ValueError,
-        "gamma",
+        BadValue,
+        'gamma',
     ),
     Call(
         "speculative_generate(m, m, 'hi', 5, gamma=2.5)",
         lambda: speculative.speculative_generate(tiny(), tiny(), "hi", 5, 2.5),
-        ValueError,
-        "gamma",
+        BadValue,
+        'gamma',
     ),
     Call(
         "speculative_generate(m, m, long prompt, 5)",
         lambda: speculative.speculative_generate(tiny(), tiny(), "x" * 40, 5),
-        ValueError,
-        "context window",
+        ContextFull,
+        'prompt',
     ),
     Call(
         "speculative_generate(m, m, 'hi', 0)",
         lambda: speculative.speculative_generate(tiny(), tiny(), "hi", 0),
-        ValueError,
-        "max_new_tokens",
+        BadValue,
+        'max_new_tokens',
     ),
     Call(
         "speculative_generate(m, m, 'hi', sampling='greedy')",
         lambda: speculative.speculative_generate(tiny(), tiny(), "hi", 5, sampling="greedy"),
-        TypeError,
-        "SamplingParams",
+        BadType,
+        'sampling',
     ),
     Call(
         "speculative_generate(m, draft of another vocabulary)",
         lambda: speculative.speculative_generate(
             tiny(), GPT(GPTConfig(vocab_size=100, block_size=32, n_layer=1, n_head=2, n_embd=16)), "hi", 5
         ),
-        ValueError,
-        "share the vocabulary",
+        BadValue,
+        'draft',
     ),
-    Call("expected_speedup(nan, 2, 0.1)", lambda: speculative.expected_speedup(NAN, 2, 0.1), ValueError, "alpha"),
-    Call("expected_speedup(0.5, 2, inf)", lambda: speculative.expected_speedup(0.5, 2, INF), ValueError, "finite"),
-    Call("alpha_for_speedup(nan, 2, 0.1)", lambda: speculative.alpha_for_speedup(NAN, 2, 0.1), ValueError, "> 0"),
+    Call("expected_speedup(nan, 2, 0.1)", lambda: speculative.expected_speedup(NAN, 2, 0.1), BadValue, 'alpha'),
+    Call("expected_speedup(0.5, 2, inf)", lambda: speculative.expected_speedup(0.5, 2, INF), BadValue, 'c'),
+    Call("alpha_for_speedup(nan, 2, 0.1)", lambda: speculative.alpha_for_speedup(NAN, 2, 0.1), BadValue, 'speedup'),
     Call(
         "generate(m, 'hi', 5, generator=0)",
         lambda: generate(tiny(), "hi", 5, sampling=SamplingParams(), generator=0),
-        TypeError,
-        "Generator",
+        BadType,
+        'generator',
     ),
-    Call("generate(m, 'hi', 5, cache='x')", lambda: generate(tiny(), "hi", 5, cache="x"), TypeError, "KVCache"),
+    Call("generate(m, 'hi', 5, cache='x')", lambda: generate(tiny(), "hi", 5, cache="x"), BadType, 'cache'),
     Call(
         "generate(m, 'hi', 5, cache too small)",
         lambda: generate(tiny(), "hi", 5, cache=cache.KVCache.for_model(tiny(), max_len=3)),
-        ValueError,
-        "the cache holds 3 positions",
+        ContextFull,
+        'cache',
     ),
-    Call("generate('model', 'hi', 5)", lambda: generate("model", "hi", 5), TypeError, "ar_lab model"),
+    Call("generate('model', 'hi', 5)", lambda: generate("model", "hi", 5), BadType, 'model'),
     Call(
         "sample_batch(m, ['a', 'b'], 2, generator=0)",
         lambda: sample_batch(tiny(), ["a", "b"], 2, generator=0),
-        TypeError,
-        "Generator",
+        BadType,
+        'generator',
     ),
 ]
 
@@ -861,71 +889,71 @@ def lean_step_past_the_window():
 # Mistakes in the decode loop's own files (model, cache, lean, generate, speculative).
 ELSEWHERE = [
     Call(
-        "model(idx holding id 300)  [model.py forward]", lambda: tiny()(torch.tensor([[300]])), ValueError, "vocabulary"
+        "model(idx holding id 300)  [model.py forward]", lambda: tiny()(torch.tensor([[300]])), BadValue, 'idx'
     ),
     Call(
         "AttentionShape(..., rope_dim=True)  [cache.py]",
         lambda: kv_sizing.AttentionShape(1, 1, 1, 1, 1, True),
-        ValueError,
-        "rope_dim",
+        BadValue,
+        'rope_dim',
     ),
-    Call("format_bytes(inf)  [cache.py]", lambda: kv_sizing.format_bytes(INF), ValueError, "finite"),
-    Call("format_bytes('1')  [cache.py]", lambda: kv_sizing.format_bytes("1"), ValueError, "byte count"),
-    Call("lean.for_model('x')  [lean.py]", lambda: lean.for_model("x"), TypeError, "GPT"),
+    Call("format_bytes(inf)  [cache.py]", lambda: kv_sizing.format_bytes(INF), BadValue, 'n'),
+    Call("format_bytes('1')  [cache.py]", lambda: kv_sizing.format_bytes("1"), BadValue, 'n'),
+    Call("lean.for_model('x')  [lean.py]", lambda: lean.for_model("x"), NotLean, 'model'),
     Call(
         "lean step(300, cache)  [lean.py]",
         lambda: lean.for_model(tiny()).step(300, cache.KVCache.for_model(tiny())),
-        ValueError,
-        "vocabulary",
+        BadValue,
+        'token',
     ),
-    Call("weights_only_pass(m, 0)  [lean.py]", lambda: lean.weights_only_pass(tiny(), 0), ValueError, "steps"),
+    Call("weights_only_pass(m, 0)  [lean.py]", lambda: lean.weights_only_pass(tiny(), 0), BadValue, 'steps'),
     Call(
         "speculative_generate(m, m, 'hi', 5, eos_id='.')  [speculative.py]",
         lambda: speculative.speculative_generate(tiny(), tiny(), "hi", 5, eos_id="."),
-        ValueError,
-        "eos_id",
+        BadValue,
+        'eos_id',
     ),
     Call(
         "acceptance_rate([0.5, 0.5], [0.5, 0.5])  [speculative.py]",
         lambda: speculative.acceptance_rate([0.5, 0.5], [0.5, 0.5]),
-        TypeError,
-        "tensor",
+        BadType,
+        'p',
     ),
     Call(
         "generate(m, 'hi', 5, eos_id='.')  [generate.py]",
         lambda: generate(tiny(), "hi", 5, eos_id="."),
-        ValueError,
-        "eos_id",
+        BadValue,
+        'eos_id',
     ),
     Call(
         "generate(m, 'hi', 5, eos_id=999)  [generate.py]",
         lambda: generate(tiny(), "hi", 5, eos_id=999),
-        ValueError,
-        "eos_id",
+        BadValue,
+        'eos_id',
     ),
     Call(
         "generate(m, 'hi', 5, use_cache='no')  [generate.py]",
         lambda: generate(tiny(), "hi", 5, use_cache="no"),
-        TypeError,
-        "use_cache",
+        BadType,
+        'use_cache',
     ),
     Call(
         "sampler_view(m, 'hi', params, seed=2**70)  [generate.py]",
         lambda: sampler_view(tiny(), "hi", SamplingParams(), seed=2**70),
-        ValueError,
-        "seed",
+        BadValue,
+        'seed',
     ),
     Call(
         "sampler_view(m, 'hi', params, seed='a')  [generate.py]",
         lambda: sampler_view(tiny(), "hi", SamplingParams(), seed="a"),
-        ValueError,
-        "seed",
+        BadValue,
+        'seed',
     ),
     Call(
         "token_steps(m, 'hi', 5, stats='x')  [generate.py]",
         lambda: list(token_steps(tiny(), "hi", 5, stats="x")),
-        TypeError,
-        "GenerationStats",
+        BadType,
+        'stats',
     ),
 ]
 
@@ -941,13 +969,14 @@ def widgets_shape():
 
 @dataclass(frozen=True)
 class Edit:
-    """Build an explorer, set ``control`` to ``value``; the explorer must show an error with ``fragment``."""
+    """Build an explorer, set ``control`` to ``value``; the explorer must refuse it with an error naming ``arg``
+    (the control as its label or the argument it sets) and show that error in place."""
 
     name: str
     build: Callable[[], object]
     control: str
     value: object
-    fragment: str
+    arg: str
 
 
 def calculator():
@@ -964,41 +993,41 @@ def speculator(gamma: int = 2):
 
 WIDGETS = [
     *[
-        Edit(f"kv calculator: {control} = {value}", calculator, control, value, fragment)
-        for control, value, fragment in [
-            ("layers", -5, "layers must be a whole number >= 1"),
-            ("layers", 0, "layers must be a whole number >= 1"),
-            ("heads", 0, "query heads must be a whole number >= 1"),
-            ("kv_heads", -1, "KV heads (GQA) must be a whole number >= 1"),
-            ("kv_heads", 3, "must divide"),
-            ("head_dim", 0, "head dim must be a whole number >= 1"),
-            ("latent", 0, "MLA latent must be a whole number >= 1"),
-            ("rope", -1, "MLA RoPE key must be a whole number >= 0"),
-            ("seq_len", -1, "sequence must be a whole number >= 0"),
-            ("batch", 0, "batch must be a whole number >= 1"),
+        Edit(f"kv calculator: {control} = {value}", calculator, control, value, arg)
+        for control, value, arg in [
+            ("layers", -5, "layers"),
+            ("layers", 0, "layers"),
+            ("heads", 0, "query heads"),
+            ("kv_heads", -1, "KV heads (GQA)"),
+            ("kv_heads", 3, "n_kv_heads"),
+            ("head_dim", 0, "head dim"),
+            ("latent", 0, "MLA latent"),
+            ("rope", -1, "MLA RoPE key"),
+            ("seq_len", -1, "sequence"),
+            ("batch", 0, "batch"),
         ]
     ],
     *[
-        Edit(f"sampler explorer: {control} = {value}", sampler, control, value, fragment)
-        for control, value, fragment in [
-            ("temperature", -0.5, "temperature must be"),
-            ("top_k", -3, "top-k must be a whole number >= 0"),
-            ("top_p", 0.0, "top-p must be in (0, 1]"),
-            ("top_p", 1.5, "top-p must be in (0, 1]"),
-            ("min_p", -0.1, "min-p must be in [0, 1]"),
-            ("min_p", 1.5, "min-p must be in [0, 1]"),
-            ("seed", 2**70, "seed must be a whole number from 0 to"),
+        Edit(f"sampler explorer: {control} = {value}", sampler, control, value, arg)
+        for control, value, arg in [
+            ("temperature", -0.5, "temperature"),
+            ("top_k", -3, "top_k"),
+            ("top_p", 0.0, "top_p"),
+            ("top_p", 1.5, "top_p"),
+            ("min_p", -0.1, "min_p"),
+            ("min_p", 1.5, "min_p"),
+            ("seed", 2**70, "seed"),
         ]
     ],
     *[
-        Edit(f"speculative explorer: {control} = {value!r}", speculator, control, value, fragment)
-        for control, value, fragment in [
-            ("gamma", 100, "γ must be a whole number from 1 to 8"),
-            ("gamma", 0, "γ must be a whole number from 1 to 8"),
-            ("gamma", -1, "γ must be a whole number from 1 to 8"),
-            ("temperature", -1.0, "temperature must be"),
-            ("seed", 2**70, "seed must be a whole number from 0 to"),
-            ("prompt", "x" * 40, "context window"),
+        Edit(f"speculative explorer: {control} = {value!r}", speculator, control, value, arg)
+        for control, value, arg in [
+            ("gamma", 100, "gamma"),
+            ("gamma", 0, "gamma"),
+            ("gamma", -1, "gamma"),
+            ("temperature", -1.0, "temperature"),
+            ("seed", 2**70, "seed"),
+            ("prompt", "x" * 40, "prompt"),
         ]
     ],
     Edit(
@@ -1006,7 +1035,7 @@ WIDGETS = [
         lambda: speculator(100),
         "",
         None,
-        "γ must be a whole number from 1 to 8",
+        "gamma",
     ),
 ]
 
@@ -1018,7 +1047,7 @@ WIDGETS = [
 class Command:
     module: str  # run as python -m MODULE ARGV...
     argv: list[str]
-    fragment: str
+    names: str  # what the error line must name: the option, argument or file at fault
     env: dict[str, Callable[[], str]] = field(default_factory=dict)  # values made when the case runs
 
     @property
@@ -1040,67 +1069,70 @@ def _under_a_file() -> str:
 
 BENCH, TRAIN = "ar_lab.bench", "ar_lab.model.train"
 COMMANDS = [
-    Command(BENCH, [], "required: name"),
-    Command(BENCH, ["nope"], "invalid choice"),
-    Command(BENCH, ["decode", "--tokens", "0"], "tokens must be an int >= 1"),
-    Command(BENCH, ["decode", "--tokens", "-5"], "tokens must be an int >= 1"),
-    Command(BENCH, ["decode", "--tokens", "abc"], "invalid int value"),
-    Command(BENCH, ["decode", "--repeats", "0"], "repeats must be an int >= 1"),
-    Command(BENCH, ["decode", "--threads", "0"], "--threads must be positive ints"),
-    Command(BENCH, ["decode", "--prompt", ""], "the prompt is empty"),
-    Command(BENCH, ["decode", "--tokens", "5000"], "context window"),
-    Command(BENCH, ["decode", "--prompt", "x" * 2000], "context window"),
-    Command(BENCH, ["decode"], "is corrupted", {"AR_LAB_DATA": _corrupt_data}),
-    Command(BENCH, ["roofline", "--device", "banana"], "'cpu' or 'cuda'"),
-    Command(BENCH, ["roofline", "--device", "mps"], "'cpu' or 'cuda'"),
-    Command(BENCH, ["roofline", "--device", "cuda"], "no CUDA GPU"),
-    Command(BENCH, ["roofline", "--config", "huge"], "invalid choice"),
-    Command(BENCH, ["roofline", "--quick", "--prompt-lens", "0"], "prompt_len must be an int >= 1"),
-    Command(BENCH, ["roofline", "--quick", "--prompt-lens", "5000"], "context window"),
-    Command(BENCH, ["roofline", "--quick", "--batches", "0"], "batch must be an int >= 1"),
+    Command(BENCH, [], "name"),
+    Command(BENCH, ["nope"], "name"),
+    Command(BENCH, ["decode", "--tokens", "0"], "tokens"),
+    Command(BENCH, ["decode", "--tokens", "-5"], "tokens"),
+    Command(BENCH, ["decode", "--tokens", "abc"], "--tokens"),
+    Command(BENCH, ["decode", "--repeats", "0"], "repeats"),
+    Command(BENCH, ["decode", "--threads", "0"], "--threads"),
+    Command(BENCH, ["decode", "--prompt", ""], "prompt"),
+    Command(BENCH, ["decode", "--tokens", "5000"], "max_new_tokens"),
+    Command(BENCH, ["decode", "--prompt", "x" * 2000], "prompt"),
+    Command(BENCH, ["decode"], "course.safetensors", {"AR_LAB_DATA": _corrupt_data}),
+    Command(BENCH, ["roofline", "--device", "banana"], "device"),
+    Command(BENCH, ["roofline", "--device", "mps"], "device"),
+    Command(BENCH, ["roofline", "--device", "cuda"], "device"),
+    Command(BENCH, ["roofline", "--config", "huge"], "--config"),
+    Command(BENCH, ["roofline", "--quick", "--prompt-lens", "0"], "prompt_lens"),
+    Command(BENCH, ["roofline", "--quick", "--prompt-lens", "5000"], "prompt_lens"),
+    Command(BENCH, ["roofline", "--quick", "--batches", "0"], "batches"),
     Command(BENCH, ["roofline", "--quick", "--context", "0"], "context"),
-    Command(BENCH, ["roofline", "--quick", "--context", "5000"], "context window"),
-    Command(BENCH, ["roofline", "--quick", "--contexts", "5000"], "context window"),
+    Command(BENCH, ["roofline", "--quick", "--context", "5000"], "context"),
+    Command(BENCH, ["roofline", "--quick", "--contexts", "5000"], "contexts"),
     Command(BENCH, ["roofline", "--quick", "--pairs", "0"], "pairs"),
     Command(BENCH, ["roofline", "--quick", "--threads", "0"], "threads"),
     Command(BENCH, ["roofline", "--quick", "--buffer-mb", "-1"], "buffer"),
     Command(BENCH, ["roofline", "--quick", "--repeats", "0"], "repeats"),
-    Command(BENCH, ["sampler", "--context", "0"], "context must be an int >= 1"),
-    Command(BENCH, ["sampler", "--context", "5000"], "context window"),
-    Command(BENCH, ["sampler", "--rounds", "0"], "rounds must be an int >= 1"),
-    Command(BENCH, ["sampler", "--calls", "-1"], "calls must be an int >= 1"),
-    Command(BENCH, ["sampler", "--threads", "0"], "--threads must be positive ints"),
+    Command(BENCH, ["sampler", "--context", "0"], "context"),
+    Command(BENCH, ["sampler", "--context", "5000"], "context"),
+    Command(BENCH, ["sampler", "--rounds", "0"], "rounds"),
+    Command(BENCH, ["sampler", "--calls", "-1"], "calls"),
+    Command(BENCH, ["sampler", "--threads", "0"], "--threads"),
     Command(BENCH, ["sampler", "--json", "OUT"], "--json", {"OUT": _under_a_file}),
-    Command(BENCH, ["sampler"], "is corrupted", {"AR_LAB_DATA": _corrupt_data}),
-    Command(BENCH, ["serving", "--batch-sizes", "a,b"], "--batch-sizes must be ints"),
+    Command(BENCH, ["sampler"], "course.safetensors", {"AR_LAB_DATA": _corrupt_data}),
+    Command(BENCH, ["serving", "--batch-sizes", "a,b"], "--batch-sizes"),
     Command(BENCH, ["serving", "--batch-sizes", "0"], "batch_sizes"),
-    Command(BENCH, ["serving", "--requests", "0"], "n_requests must be an int >= 1"),
-    Command(BENCH, ["serving", "--max-batch", "0"], "max_batch must be an int >= 1"),
-    Command(BENCH, ["serving", "--long", "5000"], "context window"),
-    Command(BENCH, ["serving", "--context", "5000"], "context window"),
+    Command(BENCH, ["serving", "--requests", "0"], "n_requests"),
+    Command(BENCH, ["serving", "--max-batch", "0"], "max_batch"),
+    Command(BENCH, ["serving", "--long", "5000"], "max_new_tokens"),
+    Command(BENCH, ["serving", "--context", "5000"], "context"),
     Command(BENCH, ["serving", "--prefix-tokens", "0"], "prefix_tokens"),
-    Command(BENCH, ["serving", "--repeats", "0"], "repeats must be an int >= 1"),
-    Command(BENCH, ["serving", "--threads", "0"], "--threads must be positive ints"),
-    Command(BENCH, ["speculative", "--gammas", "0"], "gammas must be ints >= 1"),
-    Command(BENCH, ["speculative", "--tokens", "0"], "tokens must be an int >= 1"),
-    Command(BENCH, ["speculative", "--prompts", "0"], "prompts must be an int >= 1"),
-    Command(BENCH, ["speculative", "--tokens", "5000"], "context window"),
-    Command(BENCH, ["speculative", "--prompt-tokens", "5000"], "context window"),
-    Command(BENCH, ["speculative", "--device", "banana"], "'cpu' or 'cuda'"),
-    Command(BENCH, ["speculative", "--device", "cuda"], "no CUDA GPU"),
-    Command(BENCH, ["speculative"], "is missing", {"AR_LAB_DATA": _empty_data}),
-    Command(BENCH, ["speculative"], "is corrupted", {"AR_LAB_DATA": _corrupt_data}),
-    Command(TRAIN, [], "required: --preset"),
-    Command(TRAIN, ["--preset", "gpt2"], "invalid choice"),
-    Command(TRAIN, ["--preset", "draft", "--threads", "0"], "--threads must be >= 1"),
-    Command(TRAIN, ["--preset", "draft", "--threads", "x"], "invalid int value"),
-    Command(TRAIN, ["--preset", "draft", "--resume", "missing.safetensors"], "no checkpoint"),
+    Command(BENCH, ["serving", "--repeats", "0"], "repeats"),
+    Command(BENCH, ["serving", "--threads", "0"], "--threads"),
+    Command(BENCH, ["speculative", "--gammas", "0"], "gammas"),
+    Command(BENCH, ["speculative", "--tokens", "0"], "tokens"),
+    Command(BENCH, ["speculative", "--prompts", "0"], "prompts"),
+    Command(BENCH, ["speculative", "--tokens", "5000"], "max_new_tokens"),
+    Command(BENCH, ["speculative", "--prompt-tokens", "5000"], "prompt"),
+    Command(BENCH, ["speculative", "--device", "banana"], "device"),
+    Command(BENCH, ["speculative", "--device", "cuda"], "device"),
+    Command(BENCH, ["speculative"], "course.safetensors", {"AR_LAB_DATA": _empty_data}),
+    Command(BENCH, ["speculative"], "course.safetensors", {"AR_LAB_DATA": _corrupt_data}),
+    Command(TRAIN, [], "--preset"),
+    Command(TRAIN, ["--preset", "gpt2"], "--preset"),
+    Command(TRAIN, ["--preset", "draft", "--threads", "0"], "--threads"),
+    Command(TRAIN, ["--preset", "draft", "--threads", "x"], "--threads"),
+    Command(TRAIN, ["--preset", "draft", "--resume", "missing.safetensors"], "missing.safetensors"),
     Command(
-        TRAIN, ["--preset", "draft", "--resume", "BAD"], "is corrupted", {"BAD": lambda: str(f("random.safetensors"))}
+        TRAIN,
+        ["--preset", "draft", "--resume", "BAD"],
+        "random.safetensors",
+        {"BAD": lambda: str(f("random.safetensors"))},
     ),
     Command(TRAIN, ["--preset", "draft", "--out", "DIR"], "--out", {"DIR": lambda: str(files())}),
     Command(TRAIN, ["--preset", "draft", "--out", "OUT"], "--out", {"OUT": _under_a_file}),
-    Command(TRAIN, ["--preset", "draft"], "is corrupted", {"AR_LAB_DATA": _corrupt_data}),
+    Command(TRAIN, ["--preset", "draft"], "course.safetensors", {"AR_LAB_DATA": _corrupt_data}),
 ]
 # exercises.py is being rewritten by another helper (issue 20): probed, not fixed here.
 EXERCISES = [
@@ -1140,14 +1172,12 @@ def lines_ok(text: str) -> bool:
 
 @pytest.mark.parametrize("case", CALLS, ids=[c.name for c in CALLS])
 def test_a_mistaken_call_raises_an_actionable_error(case: Call):
-    with pytest.raises(case.error) as info:
-        case.run()
-    assert case.fragment in str(info.value), f"{case.name}: {type(info.value).__name__}: {info.value}"
+    check_call(case)
 
 
 @pytest.mark.parametrize("case", ELSEWHERE, ids=[c.name for c in ELSEWHERE])
 def test_mistakes_in_the_decode_loop_files(case: Call):
-    test_a_mistaken_call_raises_an_actionable_error(case)
+    check_call(case)
 
 
 @pytest.mark.parametrize("case", WIDGETS, ids=[c.name for c in WIDGETS])
@@ -1156,7 +1186,8 @@ def test_an_out_of_range_control_is_refused_in_the_widget(case: Edit):
     if case.control:
         getattr(explorer, case.control).value = case.value
         assert getattr(explorer, case.control).value == case.value, "the value was changed (clamped), not refused"
-    assert case.fragment in explorer.error, f"{case.name}: error {explorer.error!r}"
+    check_error(explorer.refused, ValueError, case.arg)
+    assert explorer.error == str(explorer.refused)
     shown = explorer.status.value if hasattr(explorer, "status") else explorer.output.value
     assert html.escape(explorer.error) in shown
 
@@ -1180,7 +1211,7 @@ def test_a_command_line_mistake_gives_one_line_and_exit_2(case: Command, capsys,
     assert info.value.code == 2, out
     assert "Traceback" not in out.err + out.out
     assert lines_ok(out.out + out.err), (out.out, out.err)
-    assert case.fragment in out.err, out.err
+    assert case.names in out.err.splitlines()[-1], out.err
 
 
 @pytest.mark.parametrize("case", EXERCISES, ids=[c.name for c in EXERCISES])
@@ -1191,7 +1222,7 @@ def test_exercises_command_mistake(case: Command, capsys):
     except SystemExit as e:
         code = e.code
     out = capsys.readouterr()
-    assert code == 2 and lines_ok(out.out + out.err) and case.fragment in out.err, (code, out.err)
+    assert code == 2 and lines_ok(out.out + out.err) and case.names in out.err, (code, out.err)
 
 
 @pytest.mark.slow

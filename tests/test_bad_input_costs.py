@@ -23,7 +23,7 @@ from ar_lab.course.quant_view import quant_explorer, quant_view, weight_bytes
 from ar_lab.model.gpt import GPT, GPTConfig
 from ar_lab.perf import gpus
 from ar_lab.perf import llm_costs as lc
-from tests.raising import raises
+from tests.raising import check_error, raises
 
 H100 = gpus.GPUS["H100 SXM"]
 LLAMA2 = lc.MODELS["Llama-2-13B"]  # 4,096 positions, 819,200 bytes of bf16 KV cache per position
@@ -206,28 +206,29 @@ def explorer():
     plt.close("all")
 
 
-def shows_refusal(ex, fragment: str) -> None:
-    assert fragment in ex.error, ex.error
+def shows_refusal(ex, arg: str) -> None:
+    check_error(ex.refused, ValueError, arg)
+    assert ex.error == str(ex.refused)
     assert html.escape(ex.error) in ex.status.value and ex.scenario is None
 
 
 @pytest.mark.parametrize(
-    "control, value, fragment",
+    "control, value, arg",
     [
-        ("batch", 0, "batch must be a whole number >= 1, got 0"),
-        ("batch", -3, "batch must be a whole number >= 1, got -3"),
-        ("batch", 2.7, "batch must be a whole number >= 1, got 2.7"),
-        ("prompt_len", 0, "prompt tokens must be a whole number >= 1, got 0"),
-        ("context", 0, "decode context must be a whole number >= 1, got 0"),
-        ("context", 10**7, "10,000,000 positions exceed Llama-2-13B's context window of 4,096"),
-        ("context", 100, "context (100) must be at least prompt_len (2,000)"),
+        ("batch", 0, "batch"),
+        ("batch", -3, "batch"),
+        ("batch", 2.7, "batch"),
+        ("prompt_len", 0, "prompt tokens"),
+        ("context", 0, "decode context"),
+        ("context", 10**7, "context"),
+        ("context", 100, "context"),
     ],
 )
-def test_a_bad_number_in_the_gpu_explorer_is_kept_and_refused(explorer, control, value, fragment):
+def test_a_bad_number_in_the_gpu_explorer_is_kept_and_refused(explorer, control, value, arg):
     image = explorer.image.value
     getattr(explorer, control).value = value
     assert getattr(explorer, control).value == value, "the value was changed (clamped), not refused"
-    shows_refusal(explorer, fragment)
+    shows_refusal(explorer, arg)
     assert explorer.image.value == image  # the last plot stays
     getattr(explorer, control).value = {"batch": 1, "prompt_len": 2000, "context": 2500}[control]
     assert explorer.error == "" and explorer.scenario.batch == 1 and explorer.scenario.context == 2500
@@ -242,18 +243,18 @@ def test_a_large_batch_is_a_prediction_not_a_clamp(explorer):
 
 
 @pytest.mark.parametrize(
-    "settings, fragment",
+    "settings, arg",
     [
-        (dict(batch=0), "batch must be a whole number >= 1, got 0"),
-        (dict(batch=2.7), "batch must be a whole number >= 1, got 2.7"),
-        (dict(batch=True), "batch must be a whole number >= 1, got True"),
-        (dict(prompt_len="2000"), "prompt tokens must be a whole number >= 1, got '2000'"),
-        (dict(context=100), "context (100) must be at least prompt_len (2,000)"),
+        (dict(batch=0), "batch"),
+        (dict(batch=2.7), "batch"),
+        (dict(batch=True), "batch"),
+        (dict(prompt_len="2000"), "prompt tokens"),
+        (dict(context=100), "context"),
     ],
 )
-def test_the_gpu_explorer_refuses_bad_numbers_at_construction_too(settings, fragment):
+def test_the_gpu_explorer_refuses_bad_numbers_at_construction_too(settings, arg):
     ex = GPUExplorer(**settings)
-    shows_refusal(ex, fragment)
+    shows_refusal(ex, arg)
     if isinstance(settings.get("batch"), float):
         assert ex.batch.value == settings["batch"]
     plt.close("all")

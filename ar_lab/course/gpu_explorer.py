@@ -16,7 +16,7 @@ import html
 from ar_lab.base.args import finite_number
 from ar_lab.base.errors import BadType, BadValue
 from ar_lab.course.gpu_view import Scenario
-from ar_lab.course.widgets import whole_number
+from ar_lab.course.widgets import refuse, whole_number
 
 
 def format_time(seconds: float) -> str:
@@ -111,7 +111,7 @@ class GPUExplorer:
         self.status = W.HTML()
         self.image = W.Image(format="png")
         self.scenario: Scenario | None = None
-        self.error = ""
+        self.error, self.refused = "", None
         controls = [self.gpu, self.model, self.dtype, self.batch, self.prompt_len, self.context]
         for c in controls:
             c.observe(lambda change: self._edited(change), names="value")
@@ -136,10 +136,10 @@ class GPUExplorer:
             batch, prompt_len, context = (typed_whole(c.description, self._typed.get(c, c.value)) for c in boxes)
             s = gpu_scenario(self.gpu.value, self.model.value, self.dtype.value, batch, prompt_len, context)
         except ValueError as e:
-            self.scenario, self.error = None, str(e)
-            self.status.value = f"<b style='color:#c0392b'>{html.escape(self.error)}</b>"
+            self.scenario = None
+            self.status.value = refuse(self, e)
             return
-        self.scenario, self.error = s, ""
+        self.scenario, self.error, self.refused = s, "", None
         self.status.value = scenario_html(s)
         fig, ax = plt.subplots(figsize=(8.5, 4.6))
         plot_scenario(ax, s)

@@ -384,7 +384,7 @@ GPU_CONFIGS = {
 
 def measure_config(memory: float) -> GPTConfig:
     """The largest of ``GPU_CONFIGS`` for a device with ``memory`` bytes (the smallest below 12 GB)."""
-    memory = finite_number("memory (bytes)", memory)
+    memory = finite_number("memory (bytes)", memory, arg="memory")
     for need, cfg in sorted(GPU_CONFIGS.items(), reverse=True):
         if memory >= need:
             return cfg

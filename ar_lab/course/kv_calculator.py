@@ -8,7 +8,7 @@ refuse out-of-range values with a message (``widgets.whole_number``) instead of 
 from __future__ import annotations
 
 from ar_lab.base.errors import BadValue
-from ar_lab.course.widgets import whole_number
+from ar_lab.course.widgets import refuse, whole_number
 
 
 def kv_cache_table_html(shape, seq_len: int, batch_size: int, dtype: str) -> tuple[dict[str, int], str]:
@@ -103,7 +103,7 @@ class KVCacheCalculator:
         self.dtype = W.Dropdown(options=list(BYTES_PER_VALUE), value=dtype, description="dtype", **box)
         self.output = W.HTML()
         self.sizes: dict[str, int] = {}
-        self.error = ""
+        self.error, self.refused = "", None
         self._loading = False
         self._numbers = [self.layers, self.heads, self.kv_heads, self.head_dim, self.latent, self.rope]
         self.preset.observe(lambda _change: self._load_preset(), names="value")
@@ -163,17 +163,16 @@ class KVCacheCalculator:
         )
 
     def update(self) -> None:
-        import html
 
         try:
             self.sizes, table = kv_cache_table_html(
                 self.shape, int(self.seq_len.value), int(self.batch.value), self.dtype.value
             )
         except ValueError as e:
-            self.sizes, self.error = {}, str(e)
-            self.output.value = f"<b style='color:#c0392b'>{html.escape(self.error)}</b>"
+            self.sizes = {}
+            self.output.value = refuse(self, e)
             return
-        self.error = ""
+        self.error, self.refused = "", None
         self.output.value = table
 
 

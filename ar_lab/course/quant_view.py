@@ -20,6 +20,7 @@ import torch
 
 from ar_lab.base.args import positive_int
 from ar_lab.base.errors import BadType, BadValue
+from ar_lab.course.widgets import refuse
 from ar_lab.engine.quant import QuantizationError, absmax_quantize, error_between
 from ar_lab.model.gpt import GPT, GPTConfig
 from ar_lab.perf.roofline import decode_cost, parameter_count
@@ -278,7 +279,7 @@ class QuantExplorer:
         self.status = W.HTML()
         self.image = W.Image(format="png")
         self.view: QuantView | None = None
-        self.error = ""
+        self.error, self.refused = "", None
         for c in (self.layer, self.bits, self.group_size):
             c.observe(lambda _change: self.update(), names="value")
         self.widget = W.VBox([W.HBox([self.layer, self.bits, self.group_size]), self.status, self.image])
@@ -295,10 +296,9 @@ class QuantExplorer:
         try:
             view = quant_view(self.weights, self.layer.value, self.bits.value, self.group_size.value, self.configs)
         except ValueError as e:
-            self.error = str(e)
-            self.status.value = f"<b style='color:#c0392b'>{html.escape(self.error)}</b>"
+            self.status.value = refuse(self, e)
             return
-        self.view, self.error = view, ""
+        self.view, self.error, self.refused = view, "", None
         self.status.value = view_html(view)
         fig, axes = plt.subplots(1, 2, figsize=(11, 3.6))
         plot_quant_view(axes, view)

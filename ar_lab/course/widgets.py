@@ -10,6 +10,7 @@ the allowed range (``whole_number``, ``sampler_params``, ``speculation_settings`
 
 from __future__ import annotations
 
+import html
 import math
 
 import torch
@@ -19,6 +20,13 @@ from ar_lab.base.errors import BadType, BadValue
 from ar_lab.course.speculative_view import plot_speculation_view, speculation_text_html
 
 __all__ = ["plot_speculation_view", "speculation_text_html"]  # chapter 07 imports them from here too
+
+
+def refuse(explorer, error: ValueError) -> str:
+    """Keep a refused value's ``error`` on ``explorer`` (``.error``: its message, ``.refused``: the error, whose
+    ``arg`` names the control) and return the message as the red HTML the explorer shows in place."""
+    explorer.error, explorer.refused = str(error), error
+    return f"<b style='color:#c0392b'>{html.escape(explorer.error)}</b>"
 
 
 def whole_number(
@@ -108,7 +116,7 @@ class SamplerExplorer(_Shown):
         self.image = W.Image(format="png")
         self.samples = W.HTML()
         self.view = None
-        self.error = ""
+        self.error, self.refused = "", None
         controls = [self.prompt, self.temperature, self.top_k, self.top_p, self.min_p, self.seed]
         if self.samplers:
             controls.append(self.sampler)
@@ -141,10 +149,9 @@ class SamplerExplorer(_Shown):
                 sampler=self.samplers.get(self.sampler.value),
             )
         except ValueError as e:
-            self.error = str(e)
-            self.status.value = f"<b style='color:#c0392b'>{html.escape(self.error)}</b>"
+            self.status.value = refuse(self, e)
             return
-        self.view, self.error = view, ""
+        self.view, self.error, self.refused = view, "", None
         self.status.value = (
             f"<b>{html.escape(view.params.label)}</b>: {view.n_kept} token(s) can be picked, holding "
             f"{view.kept_mass:.1%} of the model's probability; entropy {view.entropy_before:.2f} → "
@@ -221,7 +228,7 @@ class SpeculationExplorer(_Shown):
         self.image = W.Image(format="png")
         self.text = W.HTML()
         self.view = None
-        self.error = ""
+        self.error, self.refused = "", None
         controls = [self.prompt, self.gamma, self.temperature, self.draft, self.seed]
         for c in controls:
             c.observe(lambda _change: self.update(), names="value")
@@ -253,10 +260,9 @@ class SpeculationExplorer(_Shown):
                 repeats=self.repeats,
             )
         except ValueError as e:
-            self.error = str(e)
-            self.status.value = f"<b style='color:#c0392b'>{html.escape(self.error)}</b>"
+            self.status.value = refuse(self, e)
             return
-        self.view, self.error = view, ""
+        self.view, self.error, self.refused = view, "", None
         s = view.result.stats
         exact = ""
         if view.sampling.greedy:

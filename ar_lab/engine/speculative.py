@@ -69,13 +69,14 @@ def _check_alpha(alpha: float) -> float:
 
 
 def _check_gamma(gamma: int, name: str = "gamma (draft tokens per iteration)") -> int:
-    if positive_int(name, gamma, minimum=0) > MAX_GAMMA:
-        raise BadValue(f"{name} must be at most {MAX_GAMMA:,} (this module's limit), got {gamma:,}", arg=name)
+    arg = name.split(" ")[0]  # the argument's name, before the gloss
+    if positive_int(name, gamma, minimum=0, arg=arg) > MAX_GAMMA:
+        raise BadValue(f"{name} must be at most {MAX_GAMMA:,} (this module's limit), got {gamma:,}", arg=arg)
     return gamma
 
 
 def _check_cost(c: float) -> float:
-    return finite_number("c (draft step cost / target step cost)", c)
+    return finite_number("c (draft step cost / target step cost)", c, arg="c")
 
 
 def acceptance_rate(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:

@@ -170,7 +170,7 @@ def max_batch(shape: ModelShape, memory: float, context: int, weight_dtype: str 
         )
     per_sequence = kv_memory(shape, context, 1, weight_dtype)  # checks shape, context and weight_dtype
     try:
-        free = finite_number("memory (bytes)", memory, above=True) - weight_memory(shape, weight_dtype)
+        free = finite_number("memory (bytes)", memory, above=True, arg="memory") - weight_memory(shape, weight_dtype)
     except BadValue as error:
         error.arg = "memory"  # the message adds the unit to the argument's name
         raise

@@ -68,13 +68,16 @@ def latency_budget(ttft: float, tpot: float, n_tokens: int) -> float:
     """
     if not isinstance(n_tokens, int) or isinstance(n_tokens, bool) or not 1 <= n_tokens <= 2**53:
         raise BadValue(f"n_tokens must be an int from 1 to 2**53, got {n_tokens!r}", arg="n_tokens")
-    return finite_number("ttft (seconds)", ttft) + (n_tokens - 1) * finite_number("tpot (seconds)", tpot)
+    return finite_number("ttft (seconds)", ttft, arg="ttft") + (n_tokens - 1) * finite_number(
+        "tpot (seconds)", tpot, arg="tpot"
+    )
 
 
 def tokens_within(budget: float, ttft: float, tpot: float) -> int:
     """The most tokens whose last one arrives within ``budget`` seconds (0 if not even the first)."""
-    budget, ttft = finite_number("budget (seconds)", budget), finite_number("ttft (seconds)", ttft)
-    tpot = finite_number("tpot (seconds)", tpot, above=True)
+    budget = finite_number("budget (seconds)", budget, arg="budget")
+    ttft = finite_number("ttft (seconds)", ttft, arg="ttft")
+    tpot = finite_number("tpot (seconds)", tpot, above=True, arg="tpot")
     if budget < ttft:
         return 0
     if not math.isfinite(later := (budget - ttft) / tpot):

@@ -64,7 +64,7 @@ def _check_requests(model, requests) -> list[list[int]]:
         at_fault = {"prompt": "requests", "max_new_tokens": "requests"}
         prompts.append(_checked_prompt(model, r.prompt, r.max_new_tokens, f"requests[{i}]", at_fault))
         if r.seed is not None:
-            check_seed(r.seed, f"requests[{i}].seed")
+            check_seed(r.seed, f"requests[{i}].seed", arg="requests")
     return prompts
 
 
