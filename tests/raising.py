@@ -31,3 +31,31 @@ def raises(kind: type[BaseException], arg: str | None) -> Iterator[pytest.Except
     with pytest.raises(kind) as info:
         yield info
     check_error(info.value, kind, arg)
+
+
+@contextlib.contextmanager
+def delegated(to: str = "") -> Iterator[pytest.ExceptionInfo]:
+    """``pytest.raises(Delegated)`` whose ``reference`` (what the learner's code reached) contains ``to``."""
+    from ar_lab.course.checks import Delegated
+
+    with pytest.raises(Delegated) as info:
+        yield info
+    assert info.value.reference is not None and to in info.value.reference, (info.value.reference, str(info.value))
+
+
+@contextlib.contextmanager
+def mistaken(named: str) -> Iterator[pytest.ExceptionInfo]:
+    """``pytest.raises(CheckFailed)`` for an answer the checker recognised as a named mistake: its ``mistake``
+    (the mistake's description, the key of a ``*_mistakes`` table) contains ``named``."""
+    from ar_lab.course.checks import CheckFailed
+
+    with pytest.raises(CheckFailed) as info:
+        yield info
+    assert info.value.mistake is not None and named in info.value.mistake, (info.value.mistake, str(info.value))
+
+
+def fails_naming(named: str, check, *args, **kwargs) -> str:
+    """Run ``check(*args, **kwargs)``, which must fail naming the mistake ``named`` (``mistaken``); its message."""
+    with mistaken(named) as info:
+        check(*args, **kwargs)
+    return str(info.value)

@@ -57,6 +57,13 @@ def tiny() -> GPT:
     return GPT(GPTConfig(block_size=32, n_layer=1, n_head=2, n_embd=16)).eval()
 
 
+def mixed() -> GPT:
+    """A model with one block cast to float64, the rest float32."""
+    model = GPT(GPTConfig(block_size=32, n_layer=2, n_head=2, n_embd=16)).eval()
+    model.blocks[0].double()
+    return model
+
+
 def logits() -> torch.Tensor:
     return torch.randn(257, generator=torch.Generator().manual_seed(0))
 
@@ -235,6 +242,8 @@ CALLS = [
     Call("generate(m, '', 5)", lambda: generate(tiny(), "", 5), BadValue, 'prompt'),
     Call("generate(m, [300], 5)", lambda: generate(tiny(), [300], 5), BadValue, 'prompt'),
     Call("generate(m, long prompt, 5)", lambda: generate(tiny(), "x" * 40, 5), ContextFull, 'prompt'),
+    Call("generate(m with one block in float64, 'hi', 2)", lambda: generate(mixed(), "hi", 2), BadValue, "model"),
+    Call("sample_batch(mixed, ['hi'], 2)", lambda: sample_batch(mixed(), ["hi"], 2), BadValue, "model"),
     Call("generate(m, 'hi', 100)", lambda: generate(tiny(), "hi", 100), ContextFull, 'max_new_tokens'),
     Call(
         "generate(m, 'hi', sampling='greedy')",

@@ -280,7 +280,7 @@ def test_check_writable_refuses_what_cannot_be_written(tmp_path):
 
 
 def test_check_writable_refuses_a_read_only_folder(tmp_path):
-    with pytest.raises(ValueError, match="cannot be written"):
+    with raises(BadValue, "--out"):
         data.check_writable(_read_only_folder(tmp_path) / "out.json", "--out")
 
 

@@ -18,11 +18,12 @@ import pytest
 import torch
 
 from ar_lab.course import plain, record
-from ar_lab.course.checks import CheckFailed, Delegated, check_close, check_equal, no_delegation
+from ar_lab.course.checks import CheckFailed, check_close, check_equal, no_delegation
 from ar_lab.course.exercises import NOTEBOOKS, nbgrader_meta
 from ar_lab.course.grading import replay_notebook
 from ar_lab.course.record import RECORD, REPLAY, ReplayMismatch, replay_finished, replay_stub
 from ar_lab.engine.sampling import filter_top_k
+from tests.raising import delegated
 
 
 @pytest.fixture
@@ -349,7 +350,7 @@ def test_an_instance_of_the_learners_class_is_not_plain_and_a_recording_error_le
     original = record.CellRecord.call
     record.CellRecord.call = lambda self, frame: 1 / 0  # recording breaks at the first call
     try:
-        with pytest.raises(Delegated, match="filter_top_k"):
+        with delegated("filter_top_k"):
             with no_delegation(cheat, forbid=["ar_lab.engine.sampling.filter_top_k"], exercise="cheat"):
                 cheat(torch.tensor([1.0, 3.0, 2.0]))
     finally:

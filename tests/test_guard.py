@@ -21,7 +21,7 @@ from ar_lab.course.checks import Delegated, no_delegation, own_work
 from ar_lab.engine import sampling
 from ar_lab.engine.sampling import filter_top_k
 from ar_lab.model.cache import KVCache
-from tests.raising import raises
+from tests.raising import delegated, raises
 
 SDPA = "torch.nn.functional.scaled_dot_product_attention"
 TOP_K = "ar_lab.engine.sampling.filter_top_k"
@@ -29,8 +29,8 @@ q, k, v = torch.randn(3, 1, 2, 5, 4).unbind(0)
 logits = torch.tensor([1.0, 3.0, 2.0, 0.5])
 
 
-def caught(fn, *args, forbid, match="your code called"):
-    with pytest.raises(Delegated, match=match):
+def caught(fn, *args, forbid, reaches=""):
+    with delegated(reaches):
         own_work("the exercise", fn, *args, forbidden=forbid)
 
 
@@ -111,8 +111,8 @@ def test_copies_of_the_reference_code_are_caught():
     def reloaded(logits, k):
         return second.filter_top_k(logits, k)
 
-    caught(exec_copy, logits, 2, forbid=[TOP_K, "ar_lab.engine.sampling._top_k"], match="a copy of its code")
-    caught(reloaded, logits, 2, forbid=[TOP_K], match="filter_top_k")  # the same file and line: equal code
+    caught(exec_copy, logits, 2, forbid=[TOP_K, "ar_lab.engine.sampling._top_k"], reaches="a copy of its code")
+    caught(reloaded, logits, 2, forbid=[TOP_K], reaches="filter_top_k")  # the same file and line: equal code
 
 
 def written(logits, k):
@@ -154,6 +154,6 @@ def test_a_check_inside_the_block_keeps_the_outer_watch():
     def delegating(logits, k):
         return filter_top_k(logits, k)
 
-    with pytest.raises(Delegated, match="filter_top_k"):
+    with delegated("filter_top_k"):
         with no_delegation(delegating, forbid=[TOP_K]):
             check_cases("top-k", delegating, [((logits, 2), filter_top_k(logits, 2))])

@@ -21,13 +21,7 @@ from ar_lab.course.mistakes import (
 )
 from ar_lab.course.model_checks import attention_mistakes
 from ar_lab.model.gpt import GPT, GPTConfig
-
-
-def _fails_naming(fragment: str, check, *args, **kwargs) -> str:
-    with pytest.raises(CheckFailed) as e:
-        check(*args, **kwargs)
-    assert fragment in str(e.value), str(e.value)
-    return str(e.value)
+from tests.raising import fails_naming
 
 
 @pytest.fixture
@@ -48,7 +42,7 @@ def test_distribution_mistakes_are_named(counts):
     }
     for fragment, answer in wrong.items():
         mistakes = distribution_mistakes(counts, token, s)
-        _fails_naming(fragment, name_mistake, "d", answer.float(), right.float(), mistakes)
+        fails_naming(fragment, name_mistake, "d", answer.float(), right.float(), mistakes)
     name_mistake("d", right.float(), right.float(), distribution_mistakes(counts, token, s))  # right: quiet
     check_close("d", right.float(), right.float())
 
@@ -61,8 +55,8 @@ def test_sequence_log_prob_mistakes_are_named(counts):
     swapped = sum(float(lp[b, a]) for a, b in pairs)
     mean = right / len(pairs)
     mistakes = sequence_log_prob_mistakes(lp, tokens)
-    _fails_naming("indices swapped", name_mistake, "s", swapped, right, mistakes)
-    _fails_naming("mean over the pairs", name_mistake, "s", mean, right, mistakes)
+    fails_naming("indices swapped", name_mistake, "s", swapped, right, mistakes)
+    fails_naming("mean over the pairs", name_mistake, "s", mean, right, mistakes)
     name_mistake("s", right, right, mistakes)
     check_log_prob("s", right, right)
     assert sequence_log_prob_mistakes(lp, tokens[:1]) == {}  # one token: no pair, nothing to get wrong
@@ -71,11 +65,12 @@ def test_sequence_log_prob_mistakes_are_named(counts):
 def test_generation_mistakes_are_named():
     prompt, new = [5, 6], [7, 8, 9]
     mistakes = generation_mistakes(prompt, new, 0)
-    _fails_naming("the prompt with the new tokens", check_exact, "g", prompt + new, new, mistakes)
-    _fails_naming("keeping EOS", check_exact, "g", [0], [], generation_mistakes(prompt, [], 0))
-    _fails_naming("one token early", check_exact, "g", [7, 8], new, generation_mistakes(prompt, new, 0))
-    msg = _fails_naming("expected [7, 8, 9]", check_exact, "g", [1, 2, 3], new, generation_mistakes(prompt, new, 0))
-    assert "gives" not in msg  # no mistake matched: the plain comparison
+    fails_naming("the prompt with the new tokens", check_exact, "g", prompt + new, new, mistakes)
+    fails_naming("keeping EOS", check_exact, "g", [0], [], generation_mistakes(prompt, [], 0))
+    fails_naming("one token early", check_exact, "g", [7, 8], new, generation_mistakes(prompt, new, 0))
+    with pytest.raises(CheckFailed) as plain:
+        check_exact("g", [1, 2, 3], new, generation_mistakes(prompt, new, 0))
+    assert plain.value.mistake is None  # no mistake matched: the plain comparison
     check_exact("g", new, new, generation_mistakes(prompt, new, 0))
 
 
@@ -99,7 +94,7 @@ def test_single_head_mistakes_are_named():
         "mask ignored": _attention(q, k, v, None),
         "set to 0 instead of -inf": _attention(q, k, v, mask, fill=0.0),
     }.items():
-        _fails_naming(fragment, check_matches, "a", answer, right, mistakes=mistakes)
+        fails_naming(fragment, check_matches, "a", answer, right, mistakes=mistakes)
     check_matches("a", right, right, mistakes=mistakes)
     assert "the mask ignored (every query reads every key)" not in single_head_mistakes(q, k, v, None)
 
@@ -115,15 +110,15 @@ def test_multi_head_mistakes_name_a_missing_projection():
                             torch.ones(7, 7, dtype=torch.bool).tril()) for h in range(4)]
         no_proj = torch.cat(heads, dim=-1)
         mistakes = {m: out[0] for m, out in attention_mistakes(attn, x).items()}
-    _fails_naming("without the output projection", check_matches, "m", no_proj, right, mistakes=mistakes, atol=1e-4)
+    fails_naming("without the output projection", check_matches, "m", no_proj, right, mistakes=mistakes, atol=1e-4)
     check_matches("m", attn.proj(no_proj).detach(), right, mistakes=mistakes, atol=1e-4)
 
 
 @pytest.mark.parametrize("P,N", [(1, 1000), (7, 50), (30, 1), (3, 2)])
 def test_positions_mistakes_are_named(P, N):
     uncached, cached = sum(P + n for n in range(N)), P + N - 1
-    _fails_naming("feeding the last new token back", check_exact, "p", P + N, cached, positions_mistakes(P, N, True))
-    _fails_naming("one step too many", check_exact, "p", uncached + P + N, uncached, positions_mistakes(P, N, False))
+    fails_naming("feeding the last new token back", check_exact, "p", P + N, cached, positions_mistakes(P, N, True))
+    fails_naming("one step too many", check_exact, "p", uncached + P + N, uncached, positions_mistakes(P, N, False))
     check_exact("p", cached, cached, positions_mistakes(P, N, True))
     check_exact("p", uncached, uncached, positions_mistakes(P, N, False))
     if N == 1:  # P x N is then the right uncached count: a right answer is never named for a mistake
@@ -134,8 +129,8 @@ def test_temperature_mistakes_are_named():
     z = torch.tensor([2.0, 1.0, 0.0, -1.0])
     right = (z / 0.5).softmax(-1)
     mistakes = temperature_mistakes(z, 0.5)
-    _fails_naming("multiplying the logits by T", check_matches, "t", (z * 0.5).softmax(-1), right, mistakes=mistakes)
-    _fails_naming("temperature left out", check_matches, "t", z.softmax(-1), right, mistakes=mistakes)
+    fails_naming("multiplying the logits by T", check_matches, "t", (z * 0.5).softmax(-1), right, mistakes=mistakes)
+    fails_naming("temperature left out", check_matches, "t", z.softmax(-1), right, mistakes=mistakes)
     check_matches("t", right, right, mistakes=mistakes)
     assert temperature_mistakes(z, 0.0) == {}
 
@@ -145,9 +140,9 @@ def test_top_p_mistakes_are_named():
     right = torch.tensor([False, True, True])  # 0.5 alone is below 0.6: the 0.3 that crosses it stays
     mistakes = top_p_mistakes(q, 0.6)
     strict = torch.tensor([False, True, False])  # the cumulative sum including the token must stay <= p
-    _fails_naming("crosses p", check_exact, "p", strict, right, mistakes)
+    fails_naming("crosses p", check_exact, "p", strict, right, mistakes)
     in_order = torch.tensor([True, True, False])  # running sum over ids 0, 1, 2
-    _fails_naming("token order", check_exact, "p", in_order, right, mistakes)
+    fails_naming("token order", check_exact, "p", in_order, right, mistakes)
     check_exact("p", right, right, mistakes)
 
 
@@ -179,7 +174,7 @@ def test_sampler_mistakes_are_named():
     check_close("ours by hand", _chain(z, params, "Tkpm"), right, atol=1e-6)
     mistakes = sampler_mistakes(z, params)
     early = _chain(z, params, "mTkp")
-    _fails_naming("min-p before the temperature", check_matches, "s", early, right, mistakes=mistakes)
-    _fails_naming("temperature last", check_matches, "s", _chain(z, params, "kpmT"), right, mistakes=mistakes)
+    fails_naming("min-p before the temperature", check_matches, "s", early, right, mistakes=mistakes)
+    fails_naming("temperature last", check_matches, "s", _chain(z, params, "kpmT"), right, mistakes=mistakes)
     check_matches("s", right, right, mistakes=mistakes)
     assert sampler_mistakes(z, SamplingParams(temperature=0.0)) == {}

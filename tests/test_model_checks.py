@@ -22,6 +22,7 @@ from ar_lab.course.model_checks import (
 from ar_lab.model.data import corpus_tokens, train_val_split
 from ar_lab.model.gpt import GPT, GPTConfig
 from ar_lab.model.train import TrainConfig, train
+from tests.raising import mistaken
 
 
 @pytest.fixture
@@ -78,15 +79,15 @@ def test_a_wrong_attention_and_a_missing_residual_are_named(gpt):
         q, k, v = (t.view(B, T, 2, C // 2).transpose(1, 2) for t in attn.qkv(x).split(C, -1))
         unmasked = (q @ k.transpose(-2, -1) / (C // 2) ** 0.5).softmax(-1) @ v  # forgot the mask
         got = attn.proj(unmasked.transpose(1, 2).reshape(B, T, C))
-        with pytest.raises(CheckFailed, match="without the causal mask"):
+        with mistaken("without the causal mask"):
             check_matches("attention", got, attn(x, None, 0, 0), mistakes=attention_mistakes(attn, x))
         block = gpt.blocks[1]
         h = x + block.attn(block.ln1(x), None, 1, 0)
         no_second_residual = block.mlp(block.ln2(h))
-        with pytest.raises(CheckFailed, match="without its second residual connection"):
+        with mistaken("without its second residual connection"):
             check_matches("block", no_second_residual, block(x, None, 1, 0), mistakes=block_mistakes(block, x))
         exact_gelu = block.mlp.proj(F.gelu(block.mlp.fc(x)))
-        with pytest.raises(CheckFailed, match="exact GELU"):
+        with mistaken("exact GELU"):
             check_matches("mlp", exact_gelu, block.mlp(x), mistakes=mlp_mistakes(block.mlp, x))
 
 
@@ -140,7 +141,7 @@ def test_locate_difference_blames_the_code_between_submodules():
     mine.load_state_dict(ref.state_dict())
     idx = torch.tensor([[1, 2, 3]])
     assert locate_difference(mine, ref, (idx,)).startswith("The first difference is in what goes into `blocks.0.ln1`")
-    with pytest.raises(CheckFailed, match="without position embeddings"):
+    with mistaken("without position embeddings"):
         check_model("no positions", mine, ref, idx, mistakes=gpt_mistakes(ref, idx))
 
 

@@ -6,7 +6,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from ar_lab.base.errors import BadValue
+from ar_lab.base.errors import BadType, BadValue
 from ar_lab.engine.generate import generate, sample_batch
 from ar_lab.engine.sampling import GREEDY, LogitsPipeline, SamplingParams, probabilities, sample
 from ar_lab.engine.serving import Request, serve
@@ -46,8 +46,11 @@ def test_only_greedy_without_a_penalty_or_a_sampler_takes_the_argmax_directly():
 def test_a_broken_winner_raises_instead_of_being_picked(bad):
     logits = torch.zeros(2, 5)
     logits[1, 3] = bad
-    with pytest.raises(ValueError, match="NaN" if bad != bad else r"\+inf"):
+    with raises(BadValue, "logits") as info:
         LogitsPipeline(GREEDY)(logits)
+    # the wording is the point here: NaN (broken inputs or weights) and +inf (an overflow: check the dtype) need
+    # different fixes, and both name the same argument, so only the message tells the learner which one to make
+    info.match("NaN" if bad != bad else r"\+inf")
     with pytest.raises(ValueError):
         LogitsPipeline(GREEDY).one(logits[1])
     assert LogitsPipeline(GREEDY).one(torch.tensor([0.0, -float("inf"), 2.0])) == 2  # -inf elsewhere is fine
@@ -58,7 +61,7 @@ def test_the_pipeline_refuses_what_it_cannot_run():
         LogitsPipeline({"temperature": 0})
     with pytest.raises(TypeError):
         LogitsPipeline(GREEDY, sampler="top-p")
-    with pytest.raises(ValueError, match="distribution"):
+    with raises(BadValue, "sampler"):  # a sampler picks tokens; it gives no distribution
         LogitsPipeline(GREEDY, sampler=sample).probabilities(torch.zeros(5))
 
 
@@ -81,9 +84,9 @@ class Broken(torch.nn.Module):
 
 def test_speculative_greedy_raises_on_nan_logits_instead_of_emitting_a_token(tiny_model):
     torch.manual_seed(1)
-    with pytest.raises(ValueError, match="NaN"):
+    with raises(BadValue, "logits"):
         speculative_generate(Broken(tiny_model, 2), tiny_model, "ab", 20, gamma=3, eos_id=None, lean=False)
-    with pytest.raises(ValueError, match="NaN"):
+    with raises(BadValue, "logits"):
         speculative_generate(tiny_model, Broken(tiny_model, 3), "ab", 20, gamma=3, eos_id=None, lean=False)
 
 
@@ -104,9 +107,9 @@ def test_serve_takes_a_sampler_of_ones_own_with_each_requests_generator(tiny_mod
     seen = []
     serve(tiny_model, requests[:1], eos_id=None, sampler=lambda x, p, g: seen.append(g) or 7)
     assert len(seen) == 6 and len({id(g) for g in seen}) == 1
-    with pytest.raises(ValueError, match="sampler returned"):
+    with raises(BadValue, "sampler"):  # it returned -1, not a token id
         serve(tiny_model, requests, eos_id=None, sampler=lambda x, p, g: -1)
-    with pytest.raises(TypeError, match="sampler"):
+    with raises(BadType, "sampler"):
         serve(tiny_model, requests, sampler=3)
 
 

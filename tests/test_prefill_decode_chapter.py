@@ -8,18 +8,16 @@ from pathlib import Path
 import pytest
 
 from ar_lab.course import gpu_view as gv
-from ar_lab.course.checks import CheckFailed
 from ar_lab.course.mistakes import name_mistake
 from ar_lab.course.roofline_checks import decode_plan_mistakes, predict_tpot_mistakes
 from ar_lab.perf import gpus, measure
 from ar_lab.perf import llm_costs as lc
 from ar_lab.perf import roofline as rl
+from tests.raising import fails_naming
 
 
 def _named(fragment: str, what: str, got, expected, mistakes) -> None:
-    with pytest.raises(CheckFailed) as e:
-        name_mistake(what, got, expected, mistakes)
-    assert fragment in str(e.value), str(e.value)
+    fails_naming(fragment, name_mistake, what, got, expected, mistakes)
 
 
 def test_predict_tpot_mistakes_are_named():

@@ -127,21 +127,21 @@ def test_quantization_error_shrinks_with_more_bits_and_smaller_groups():
 
 
 @pytest.mark.parametrize(
-    "call, message",
+    "call, arg",
     [
-        (lambda: quantize_int4(torch.randn(4, 256), 96), "divide the layer's 256 input columns, got 96"),
-        (lambda: quantize_int4(torch.randn(4, 256), 0), "positive int, got 0"),
-        (lambda: quantize_int4(torch.randn(4, 256), True), "positive int, got True"),
-        (lambda: quantize_int4(torch.randn(4, 256), 32.0), "positive int, got 32.0"),
-        (lambda: quantize_int8(torch.randn(5)), r"2-D \(out, in\) matrix, got shape \(5,\)"),
-        (lambda: quantize_int8(torch.ones(2, 2, dtype=torch.long)), "floating-point"),
-        (lambda: quantize_int8(torch.tensor([[1.0, float("nan")]])), "NaN or inf"),
-        (lambda: quantization_error(torch.randn(4, 32), 3), "bits must be 8 or 4, got 3"),
-        (lambda: quantization_error(torch.randn(4, 32), 8, 32), "group_size must be None"),
+        (lambda: quantize_int4(torch.randn(4, 256), 96), "group_size"),  # does not divide the 256 input columns
+        (lambda: quantize_int4(torch.randn(4, 256), 0), "group_size"),
+        (lambda: quantize_int4(torch.randn(4, 256), True), "group_size"),
+        (lambda: quantize_int4(torch.randn(4, 256), 32.0), "group_size"),
+        (lambda: quantize_int8(torch.randn(5)), "weight"),  # not a 2-D (out, in) matrix
+        (lambda: quantize_int8(torch.ones(2, 2, dtype=torch.long)), "weight"),  # not floating-point
+        (lambda: quantize_int8(torch.tensor([[1.0, float("nan")]])), "weight"),  # NaN
+        (lambda: quantization_error(torch.randn(4, 32), 3), "bits"),
+        (lambda: quantization_error(torch.randn(4, 32), 8, 32), "group_size"),  # int8 takes no group size
     ],
 )
-def test_bad_arguments_are_explained(call, message):
-    with pytest.raises(ValueError, match=message):
+def test_bad_arguments_are_explained(call, arg):
+    with raises(BadValue, arg):
         call()
 
 

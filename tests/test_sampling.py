@@ -9,7 +9,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from ar_lab.base.errors import BadValue
+from ar_lab.base.errors import BadType, BadValue
 from ar_lab.engine.generate import generate, sample_batch
 from ar_lab.engine.sampling import (
     GREEDY,
@@ -60,28 +60,29 @@ sampling_params = st.builds(
 
 
 @pytest.mark.parametrize(
-    "kwargs, match",
+    "kwargs",
     [
-        ({"temperature": -0.1}, "temperature must be a finite number >= 0"),
-        ({"temperature": float("nan")}, "temperature"),
-        ({"temperature": float("inf")}, "temperature"),
-        ({"temperature": "1"}, "temperature"),
-        ({"top_k": 0}, r"top_k must be an int >= 1 or None \(no top-k\), got 0"),
-        ({"top_k": -3}, "top_k"),
-        ({"top_k": 2.5}, "top_k"),
-        ({"top_k": True}, "top_k"),
-        ({"top_p": 0.0}, r"top_p must be in \(0, 1\]"),
-        ({"top_p": 1.5}, r"top_p must be in \(0, 1\] \(1 keeps everything\), got 1.5"),
-        ({"top_p": float("nan")}, "top_p"),
-        ({"min_p": -0.1}, r"min_p must be in \[0, 1\]"),
-        ({"min_p": 1.01}, "min_p"),
-        ({"repetition_penalty": 0.0}, "repetition_penalty must be a finite number > 0"),
-        ({"repetition_penalty": -1.0}, "repetition_penalty"),
-        ({"repetition_penalty": float("inf")}, "repetition_penalty"),
+        {"temperature": -0.1},
+        {"temperature": float("nan")},
+        {"temperature": float("inf")},
+        {"temperature": "1"},
+        {"top_k": 0},
+        {"top_k": -3},
+        {"top_k": 2.5},
+        {"top_k": True},
+        {"top_p": 0.0},
+        {"top_p": 1.5},
+        {"top_p": float("nan")},
+        {"min_p": -0.1},
+        {"min_p": 1.01},
+        {"repetition_penalty": 0.0},
+        {"repetition_penalty": -1.0},
+        {"repetition_penalty": float("inf")},
     ],
 )
-def test_invalid_parameters_raise_clear_errors(kwargs, match):
-    with pytest.raises(ValueError, match=match):
+def test_invalid_parameters_raise_clear_errors(kwargs):
+    (arg,) = kwargs  # the error names the one parameter given
+    with raises(BadValue, arg):
         SamplingParams(**kwargs)
 
 
@@ -104,21 +105,21 @@ def test_filters_validate_their_arguments_too():
 
 
 @pytest.mark.parametrize(
-    "logits, err, match",
+    "logits, kind",
     [
-        (torch.tensor([0.0, float("nan"), 1.0]), ValueError, "NaN"),
-        (torch.tensor([0.0, float("inf"), 1.0]), ValueError, r"\+inf"),
-        (torch.full((4,), NEG_INF), ValueError, "every logit is -inf"),
-        (torch.tensor([[0.0, 1.0], [NEG_INF, NEG_INF]]), ValueError, "every logit is -inf"),
-        (torch.zeros(2, 3, 4), ValueError, r"shape \(vocab,\) or \(batch, vocab\)"),
-        (torch.tensor([1, 2, 3]), TypeError, "floating-point"),
+        (torch.tensor([0.0, float("nan"), 1.0]), BadValue),  # NaN
+        (torch.tensor([0.0, float("inf"), 1.0]), BadValue),  # +inf
+        (torch.full((4,), NEG_INF), BadValue),  # every logit is -inf
+        (torch.tensor([[0.0, 1.0], [NEG_INF, NEG_INF]]), BadValue),  # every logit of one row is -inf
+        (torch.zeros(2, 3, 4), BadValue),  # not (vocab,) or (batch, vocab)
+        (torch.tensor([1, 2, 3]), BadType),  # not floating-point
     ],
 )
-def test_bad_logits_raise_clear_errors(logits, err, match):
+def test_bad_logits_raise_clear_errors(logits, kind):
     for params in (SamplingParams(), GREEDY):
-        with pytest.raises(err, match=match):
+        with raises(kind, "logits"):
             sample(logits, params)
-    with pytest.raises(err, match=match):
+    with raises(kind, "logits"):
         probabilities(logits)
 
 

@@ -118,18 +118,18 @@ def test_alpha_for_speedup_inverts_the_formula():
 
 
 @pytest.mark.parametrize(
-    "call, message",
+    "call, arg",
     [
         (lambda: expected_tokens_per_iteration(1.5, 3), "alpha"),
         (lambda: expected_tokens_per_iteration(0.5, -1), "gamma"),
         (lambda: expected_tokens_per_iteration(0.5, 2.0), "gamma"),
-        (lambda: expected_speedup(0.5, 3, -0.1), "c "),
-        (lambda: expected_speedup(0.5, 3, float("inf")), "c "),
+        (lambda: expected_speedup(0.5, 3, -0.1), "c"),
+        (lambda: expected_speedup(0.5, 3, float("inf")), "c"),
         (lambda: best_gamma(0.5, 0.1, max_gamma=-1), "max_gamma"),
     ],
 )
-def test_theory_rejects_bad_input(call, message):
-    with pytest.raises(ValueError, match=message):
+def test_theory_rejects_bad_input(call, arg):
+    with raises(BadValue, arg):
         call()
 
 
@@ -639,24 +639,23 @@ def test_a_loop_that_leaves_a_cache_off_the_text_stops_with_an_error(slip, parti
         speculative_generate(target, draft, "abc", 40, 2, eos_id=None, iteration=slipped_iteration(slip))
 
 
-@pytest.mark.parametrize("bad, error, fragment", [
-    (lambda t, d, s, g, a, p, r: {5}, TypeError, "list of token ids"),
-    (lambda t, d, s, g, a, p, r: torch.tensor([5]), TypeError, "list of token ids"),
-    (lambda t, d, s, g, a, p, r: [5.0], TypeError, "must be an int"),
-    (lambda t, d, s, g, a, p, r: [5] * (g + 2), ValueError, "emits 1 to"),
-    (lambda t, d, s, g, a, p, r: [], ValueError, "emits 1 to"),
-    (lambda t, d, s, g, a, p, r: [999], ValueError, "outside the vocabulary"),
-    (lambda t, d, s, g, a, p, r: [int(a(p(t.feed(s[-1:] + [1, 2]), s + [1, 2]), [], [1, 2])[0])], ValueError, "qs"),
-    (lambda t, d, s, g, a, p, r: [int(a(p(t.feed(s[-1:]), s), [], [1])[0])], ValueError, "shape (2, 257)"),
-    (lambda t, d, s, g, a, p, r: d.feed("ab"), TypeError, "list of token ids"),
-    (lambda t, d, s, g, a, p, r: d.feed([300]), ValueError, "outside the vocabulary"),
-    ("not a function", TypeError, "iteration must be a function"),
+@pytest.mark.parametrize("bad, kind, arg", [
+    (lambda t, d, s, g, a, p, r: {5}, BadType, "iteration"),
+    (lambda t, d, s, g, a, p, r: torch.tensor([5]), BadType, "iteration"),
+    (lambda t, d, s, g, a, p, r: [5.0], BadType, "iteration"),
+    (lambda t, d, s, g, a, p, r: [5] * (g + 2), BadValue, "iteration"),
+    (lambda t, d, s, g, a, p, r: [], BadValue, "iteration"),
+    (lambda t, d, s, g, a, p, r: [999], BadValue, "iteration"),
+    (lambda t, d, s, g, a, p, r: [int(a(p(t.feed(s[-1:] + [1, 2]), s + [1, 2]), [], [1, 2])[0])], BadValue, "qs"),
+    (lambda t, d, s, g, a, p, r: [int(a(p(t.feed(s[-1:]), s), [], [1])[0])], BadValue, "p"),
+    (lambda t, d, s, g, a, p, r: d.feed("ab"), BadType, "tokens"),
+    (lambda t, d, s, g, a, p, r: d.feed([300]), BadValue, "tokens"),
+    ("not a function", BadType, "iteration"),
 ])
-def test_an_iteration_of_ones_own_is_checked(bad, error, fragment):
+def test_an_iteration_of_ones_own_is_checked(bad, kind, arg):
     target, draft = _tiny(0), _tiny(1, n_layer=1, n_embd=16)
-    with pytest.raises(error) as e:
+    with raises(kind, arg):
         speculative_generate(target, draft, "abc", 10, 2, eos_id=None, iteration=bad)
-    assert fragment in str(e.value)
 
 
 @pytest.mark.slow

@@ -16,6 +16,7 @@ from ar_lab.engine.accept import accept_step
 from ar_lab.engine.sampling import GREEDY
 from ar_lab.engine.speculative import SpeculativeStats
 from ar_lab.model.tokenizer import encode
+from tests.raising import mistaken
 
 
 def _view(baseline_times, speculative_times):
@@ -68,16 +69,16 @@ def test_the_accept_rule_mistakes_are_named():
     drafts, u = [0, 1], torch.tensor([0.5, 0.0])  # a rejected at once: the residual at position 0
     n, dist = accept_step(P, Q, drafts, u)
     wrong = accept_dist_mistakes(P, Q, n)
-    with pytest.raises(CheckFailed, match="drawing the replacement from p instead of the residual"):
+    with mistaken("drawing the replacement from p instead of the residual"):
         check_matches("dist", p, dist, mistakes=wrong)
     unnormalised = (p - q).clamp_min(0)
-    with pytest.raises(CheckFailed, match="left unnormalised"):
+    with mistaken("left unnormalised"):
         check_matches("dist", unnormalised, dist, mistakes=wrong)
     check_matches("dist", dist, dist, mistakes=wrong)  # the right answer passes
     assert "p[γ - 1]" in next(iter(accept_dist_mistakes(P, Q, 2)))  # a full accept: the bonus from the wrong row
     # a run that does not stop at the first rejection: c rejected (0.9 >= 5/6), then a passes
     counted = accepted_count_mistakes(P, Q, [2, 0], torch.tensor([0.9, 0.1]))
-    with pytest.raises(CheckFailed, match="stopping at the first rejection"):
+    with mistaken("stopping at the first rejection"):
         check_exact("n", 1, 0, counted)
 
 

@@ -5,7 +5,9 @@ import time
 
 import pytest
 
+from ar_lab.base.errors import BadType, BadValue
 from ar_lab.base.timing import interleaved
+from tests.raising import raises
 
 
 def recorder(calls: list, *names: str) -> dict:
@@ -74,22 +76,22 @@ def test_names_may_be_tuples_and_a_single_side_works():
 
 
 @pytest.mark.parametrize(
-    ("kwargs", "error", "message"),
+    ("kwargs", "kind", "arg"),
     [
-        ({"runs": {}}, ValueError, "runs must be a non-empty dict"),
-        ({"runs": [lambda: None]}, ValueError, "runs must be a non-empty dict"),
-        ({"runs": {"a": 3}}, TypeError, r"runs\['a'\] must be a function of no arguments"),
-        ({"rounds": 0}, ValueError, "rounds must be an int >= 1, got 0"),
-        ({"rounds": 2.0}, ValueError, "rounds must be an int >= 1"),
-        ({"rounds": True}, ValueError, "rounds must be an int >= 1"),
-        ({"warmup": -1}, ValueError, "warmup must be an int >= 0"),
-        ({"clock": 1.5}, TypeError, "clock must be a function returning seconds"),
-        ({"device": "banana"}, ValueError, "device must be like 'cpu' or 'cuda'"),
+        ({"runs": {}}, BadValue, "runs"),
+        ({"runs": [lambda: None]}, BadValue, "runs"),  # a list, not a dict
+        ({"runs": {"a": 3}}, BadType, "runs"),  # runs['a'] is not a function
+        ({"rounds": 0}, BadValue, "rounds"),
+        ({"rounds": 2.0}, BadValue, "rounds"),
+        ({"rounds": True}, BadValue, "rounds"),
+        ({"warmup": -1}, BadValue, "warmup"),
+        ({"clock": 1.5}, BadType, "clock"),
+        ({"device": "banana"}, BadValue, "device"),
     ],
 )
-def test_bad_input_is_refused_before_anything_runs(kwargs, error, message):
+def test_bad_input_is_refused_before_anything_runs(kwargs, kind, arg):
     calls = []
     args = {"runs": recorder(calls, "a"), "rounds": 1, **kwargs}
-    with pytest.raises(error, match=message):
+    with raises(kind, arg):
         interleaved(args.pop("runs"), args.pop("rounds"), **args)
     assert calls == []

@@ -12,7 +12,6 @@ from ar_lab.base.timing import checked_device
 
 __all__ = [
     "checked_device",
-    "checked_count",
     "checked_threads",
     "checkpoints",
     "course_model_or_random",
@@ -35,13 +34,6 @@ def course_model_or_random():
         return load_checkpoint(path, "cpu").eval(), f"data/{path.name}"
     torch.manual_seed(0)
     return GPT(GPTConfig()).eval(), f"random init (data/{path.name} not found)"
-
-
-def checked_count(name: str, value, minimum: int = 1) -> int:
-    """``value`` if it is an int >= ``minimum`` (a size, a number of repeats), else a ValueError naming it."""
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise BadValue(f"{name} must be an int >= {minimum}, got {value!r}", arg=name)
-    return value
 
 
 def named(arg: str, check: Callable[[], object]) -> None:

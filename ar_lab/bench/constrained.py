@@ -21,9 +21,10 @@ import argparse
 
 import torch
 
+from ar_lab.base.args import positive_int
 from ar_lab.base.errors import ContextFull
 from ar_lab.base.timing import interleaved, machine, median, steady_clock
-from ar_lab.bench.common import checked_count, course_model_or_random, torch_threads
+from ar_lab.bench.common import course_model_or_random, torch_threads
 from ar_lab.bench.table import format_table
 
 RECORDS_PROMPT = '{"name": "spam", "size": 3}\n{"name": "eggs", "size": 12}\n{"name": "ham", "size": 7}\n'
@@ -55,7 +56,7 @@ def constrained_benchmark(model=None, *, samples: int = 32, tokens: int = 96, re
     from ar_lab.perf.quality import path_logprobs, path_summary
 
     for name, value in (("samples", samples), ("tokens", tokens), ("repeats", repeats)):
-        checked_count(name, value)
+        positive_int(name, value)
     source = "the model passed in"
     if model is None:
         model, source = course_model_or_random()

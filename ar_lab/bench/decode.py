@@ -14,8 +14,9 @@ from collections.abc import Callable
 
 import torch
 
+from ar_lab.base.args import positive_int
 from ar_lab.base.timing import machine, median
-from ar_lab.bench.common import checked_count, checked_threads, course_model_or_random
+from ar_lab.bench.common import checked_threads, course_model_or_random
 from ar_lab.bench.table import format_table
 
 CACHED, FORWARD, UNCACHED, PEER, FLOOR = (
@@ -187,9 +188,9 @@ def decode_benchmark(
     from ar_lab.engine.prompts import checked_prompt
     from ar_lab.model.inference import inference
 
-    checked_count("tokens", tokens)
-    checked_count("repeats", repeats)
-    uncached_repeats = checked_count("uncached_repeats", repeats if uncached_repeats is None else uncached_repeats, 0)
+    positive_int("tokens", tokens)
+    positive_int("repeats", repeats)
+    uncached_repeats = positive_int("uncached_repeats", repeats if uncached_repeats is None else uncached_repeats, 0)
     if threads is not None:
         checked_threads(threads)
     say = progress or (lambda _m: None)
@@ -287,10 +288,10 @@ def run(args: argparse.Namespace) -> dict:
     from ar_lab.model.reference import have_transformers
 
     # Every argument is checked (and the model loaded) before anything is printed or timed.
-    checked_count("tokens", args.tokens)
-    checked_count("repeats", args.repeats)
+    positive_int("tokens", args.tokens)
+    positive_int("repeats", args.repeats)
     if args.uncached_repeats is not None:
-        checked_count("uncached_repeats", args.uncached_repeats, 0)
+        positive_int("uncached_repeats", args.uncached_repeats, 0)
     threads = checked_threads(args.threads or list(dict.fromkeys([1, torch.get_num_threads()])))
     model, source = course_model_or_random()
     checked_prompt(model, args.prompt, args.tokens)

@@ -20,8 +20,9 @@ from collections.abc import Callable
 
 import torch
 
+from ar_lab.base.args import positive_int
 from ar_lab.base.timing import interleaved, machine, steady_clock
-from ar_lab.bench.common import checked_count, checkpoints, torch_threads
+from ar_lab.bench.common import checkpoints, torch_threads
 from ar_lab.bench.table import format_table
 
 QUOTE = "\n\nThe same passage, quoted:\n"  # between a passage and its repetition
@@ -94,7 +95,7 @@ def lookup_benchmark(target, draft, *, tokens: int = 256, prompts: int = 3, look
                      peer: bool = True, say: Callable[[str], None] | None = None) -> dict:
     """The measurements (returns data, prints nothing); see the module's docstring."""
     for name, value in (("tokens", tokens), ("prompts", prompts), ("lookahead", lookahead), ("repeats", repeats)):
-        checked_count(name, value)
+        positive_int(name, value)
     say = say or (lambda _m: None)
     hf = _peer(target, lookahead) if peer else None
     clock = steady_clock(target.device)

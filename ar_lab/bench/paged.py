@@ -12,8 +12,9 @@ from __future__ import annotations
 
 import argparse
 
+from ar_lab.base.args import positive_int
 from ar_lab.base.timing import machine
-from ar_lab.bench.common import checked_count, course_model_or_random, torch_threads
+from ar_lab.bench.common import course_model_or_random, torch_threads
 from ar_lab.bench.table import format_table
 
 
@@ -33,7 +34,7 @@ def paged_benchmark(model, *, requests: int = 32, longest: int = 256, max_batch:
     from ar_lab.perf.paged_memory import compare_kv, paged_workload, scale_up
 
     for name, value in (("requests", requests), ("longest", longest), ("repeats", repeats)):
-        checked_count(name, value)
+        positive_int(name, value)
     res = compare_kv(model, paged_workload(requests, longest=longest), max_batch=max_batch, block_size=block_size,
                      budget_slots=budget_slots, repeats=repeats)
     res.pop("report")

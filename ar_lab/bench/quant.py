@@ -18,9 +18,10 @@ from collections.abc import Callable
 
 import torch
 
+from ar_lab.base.args import positive_int
 from ar_lab.base.errors import BadValue
 from ar_lab.base.timing import interleaved, median
-from ar_lab.bench.common import checked_count, course_model_or_random, torch_threads
+from ar_lab.bench.common import course_model_or_random, torch_threads
 from ar_lab.bench.table import format_table
 from ar_lab.model.evaluation import protocol_for
 
@@ -129,13 +130,13 @@ def kernels_from_memory(nbytes: int, *, repeats: int = 5, n_in: int = 4096, grou
     """
     from ar_lab.engine.quant import INT4_GROUP_SIZES
 
-    checked_count("repeats", repeats)
-    checked_count("n_in", n_in, 2 * group_size)
+    positive_int("repeats", repeats)
+    positive_int("n_in", n_in, 2 * group_size)
     if group_size not in INT4_GROUP_SIZES or n_in % group_size:
         raise BadValue(
             f"group_size must be one of {INT4_GROUP_SIZES} and divide n_in={n_in}, got {group_size}", arg="group_size"
         )
-    rows = checked_count("nbytes", nbytes, 64 * 4 * n_in) // (64 * 4 * n_in) * 64  # fp32 rows, a multiple of 64
+    rows = positive_int("nbytes", nbytes, 64 * 4 * n_in) // (64 * 4 * n_in) * 64  # fp32 rows, a multiple of 64
     size = rows * 4 * n_in
     g = torch.Generator().manual_seed(0)
     block = torch.randint(0x30, 0x40, (4 * n_in,), dtype=torch.uint8, generator=g)
@@ -293,8 +294,8 @@ def quant_benchmark(
     progress: Callable[[str], None] | None = None,
 ) -> dict:
     """The measurements (returns data, prints nothing): kernels, then each model's formats side by side."""
-    checked_count("tokens", tokens, 2)
-    checked_count("repeats", repeats)
+    positive_int("tokens", tokens, 2)
+    positive_int("repeats", repeats)
     say = progress or (lambda _m: None)
     source = "given"
     if course is None:
@@ -403,8 +404,8 @@ def run(args: argparse.Namespace) -> dict:
     from ar_lab.model.gpt import GPTConfig
     from ar_lab.perf.measure import CONFIGS, build_model
 
-    checked_count("tokens", args.tokens, 2)
-    checked_count("repeats", args.repeats)
+    positive_int("tokens", args.tokens, 2)
+    positive_int("repeats", args.repeats)
     if args.config != "none" and args.config not in CONFIGS:
         raise BadValue(f"--config must be one of {sorted(CONFIGS)} or none, got {args.config!r}", arg="config")
     threads = torch.get_num_threads() if args.threads is None else args.threads

@@ -13,8 +13,9 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from ar_lab.base.args import positive_int
 from ar_lab.base.errors import BadValue
-from ar_lab.bench.common import checked_count, checked_device, checked_threads, named
+from ar_lab.bench.common import checked_device, checked_threads, named
 from ar_lab.bench.table import format_table
 
 # Sweeps per device type: prompt lengths (prefill), batch sizes (decode at one
@@ -88,10 +89,10 @@ def _check_sweep(cfg, sweep: dict, pairs: int, threads, buffer_mb: int | None, r
         named("batches", lambda b=b: decode_cost(cfg, sweep["context"], b))
     for c in sweep["contexts"]:
         named("contexts", lambda c=c: decode_cost(cfg, c))
-    checked_count("pairs", pairs)
-    checked_count("repeats", repeats)
+    positive_int("pairs", pairs)
+    positive_int("repeats", repeats)
     if buffer_mb is not None:
-        checked_count("buffer_mb", buffer_mb)
+        positive_int("buffer_mb", buffer_mb)
     if threads is not None:
         checked_threads(threads)
 

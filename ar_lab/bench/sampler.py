@@ -9,9 +9,10 @@ import argparse
 
 import torch
 
+from ar_lab.base.args import positive_int
 from ar_lab.base.errors import ContextFull
 from ar_lab.base.timing import machine, machine_line, median, time_call
-from ar_lab.bench.common import checked_count, course_model_or_random, torch_threads
+from ar_lab.bench.common import course_model_or_random, torch_threads
 from ar_lab.bench.table import format_table
 
 
@@ -53,7 +54,7 @@ def sampler_benchmark(model=None, context: int = 128, *, rounds: int = 30, calls
     from ar_lab.model.inference import inference
 
     for name, value in [("context", context), ("rounds", rounds), ("calls", calls)]:
-        checked_count(name, value)
+        positive_int(name, value)
     source = "the model passed in"
     if model is None:
         model, source = course_model_or_random()

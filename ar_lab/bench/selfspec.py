@@ -18,9 +18,10 @@ from collections.abc import Callable
 
 import torch
 
+from ar_lab.base.args import positive_int
 from ar_lab.base.errors import BadValue
 from ar_lab.base.timing import interleaved, median, steady_clock
-from ar_lab.bench.common import checked_count, torch_threads
+from ar_lab.bench.common import torch_threads
 from ar_lab.bench.speculative import SPEEDUP_TARGET, format_speculative_results, speculative_benchmark
 from ar_lab.bench.table import format_table
 
@@ -103,7 +104,7 @@ def selfspec_benchmark(
     from ar_lab.perf.peaks import cache_bytes
 
     try:
-        checked_count("k (--widen)", k)
+        positive_int("k (--widen)", k)
     except BadValue as error:
         error.arg = "k"  # the message adds the command's option to the argument's name
         raise

@@ -7,9 +7,10 @@ from __future__ import annotations
 
 import argparse
 
+from ar_lab.base.args import positive_int
 from ar_lab.base.errors import BadValue, ContextFull
 from ar_lab.base.timing import machine, machine_line, median
-from ar_lab.bench.common import checked_count, course_model_or_random, torch_threads
+from ar_lab.bench.common import course_model_or_random, torch_threads
 from ar_lab.bench.table import format_table
 
 # Questions after the shared prefix in the TTFT test.
@@ -100,7 +101,7 @@ def serving_benchmark(
     # Every size is checked before the first run (the sweep and the TTFT test come minutes later).
     sizes = [("max_batch", max_batch), ("repeats", repeats), ("context", context), ("prefix_tokens", prefix_tokens)]
     for name, value in sizes + [("batch_sizes", b) for b in batch_sizes or [0]]:
-        checked_count(name, value)
+        positive_int(name, value)
     window = model.config.block_size
     if context + 16 > window:  # the sweep decodes 16 steps after `context` positions
         raise ContextFull(

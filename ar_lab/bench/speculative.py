@@ -13,9 +13,10 @@ from collections.abc import Callable
 
 import torch
 
+from ar_lab.base.args import positive_int
 from ar_lab.base.errors import BadValue
 from ar_lab.base.timing import interleaved, machine, steady_clock
-from ar_lab.bench.common import checked_count, checked_device, checkpoints, torch_threads
+from ar_lab.bench.common import checked_device, checkpoints, torch_threads
 from ar_lab.bench.table import format_table
 
 SPEEDUP_TARGET = 1.5  # greedy, at the best gamma
@@ -45,7 +46,7 @@ def _checked_sizes(gammas, **sizes) -> list[int]:
     if not gammas or any(isinstance(g, bool) or not isinstance(g, int) or not 1 <= g <= MAX_GAMMA for g in gammas):
         raise BadValue(f"gammas must be ints >= 1 (at most {MAX_GAMMA:,}), got {gammas!r}", arg="gammas")
     for name, value in sizes.items():
-        checked_count(name, value)
+        positive_int(name, value)
     return gammas
 
 

@@ -34,6 +34,10 @@ class CheckFailed(AssertionError):
     ``_render_traceback_`` instead of the traceback (nbgrader still sees an error and scores 0). Where
     the learner's code raised, the lines of that error inside the learner's own cells come after it."""
 
+    def __init__(self, message: str = "", mistake: str | None = None) -> None:
+        super().__init__(message)
+        self.mistake = mistake  # the named mistake the answer matched (its description), if one did
+
     def _render_traceback_(self) -> list[str]:
         lines = [f"\N{HEAVY BALLOT X} {type(self).__name__}: {str(self).splitlines()[0] if str(self) else ''}"]
         lines += str(self).splitlines()[1:]
@@ -56,14 +60,19 @@ _VERDICTS: dict[str, tuple[bool, tuple]] = {}
 
 
 class Delegated(CheckFailed):
-    """The learner's code called the reference implementation the exercise asks them to write."""
+    """The learner's code called the reference implementation the exercise asks them to write; ``reference``
+    names what it reached (as the verdict does), None for a thread of theirs left running."""
+
+    def __init__(self, message: str = "", reference: str | None = None) -> None:
+        super().__init__(message)
+        self.reference = reference
 
 
-def _fail(what: str, detail: str, hint: str = "") -> None:
+def _fail(what: str, detail: str, hint: str = "", mistake: str | None = None) -> None:
     msg = f"{what}: {detail}"
     if hint:
         msg += f"\nHint: {hint}"
-    raise CheckFailed(msg)
+    raise CheckFailed(msg, mistake)
 
 
 def _not_implemented(what: str, fn: Callable, *args, **kwargs):
@@ -157,12 +166,14 @@ def no_delegation(
             if f is obj or getattr(f, "func", getattr(f, "__wrapped__", f)) is obj:
                 raise Delegated(
                     f"{exercise}: your answer is `{name}` itself, a ready-made implementation of what the "
-                    "exercise asks you to write: write the computation yourself."
+                    "exercise asks you to write: write the computation yourself.",
+                    name,
                 )
             if isinstance(f, type) and isinstance(obj, type) and issubclass(f, obj):
                 raise Delegated(
                     f"{exercise}: your class `{f.__name__}` is built on `{name}`, a ready-made implementation "
-                    "of what the exercise asks you to write: subclass torch.nn.Module and write it yourself."
+                    "of what the exercise asks you to write: subclass torch.nn.Module and write it yourself.",
+                    name,
                 )
     watch = Watch(forbid, codes, exercise, Delegated)
     _VERDICTS[exercise] = (False, learner)  # until the block has passed
@@ -173,13 +184,15 @@ def no_delegation(
         if watch.calls and not isinstance(e, Delegated):
             raise Delegated(
                 f"{exercise}: your code called `{watch.calls[0]}`, a ready-made implementation of what the "
-                "exercise asks you to write, and then failed: write the computation yourself."
+                "exercise asks you to write, and then failed: write the computation yourself.",
+                watch.calls[0],
             ) from e
         raise
     if watch.calls:
         raise Delegated(
             f"{exercise}: your code called `{watch.calls[0]}`, a ready-made implementation of what the "
-            "exercise asks you to write (and caught the error): write the computation yourself."
+            "exercise asks you to write (and caught the error): write the computation yourself.",
+            watch.calls[0],
         )
     _VERDICTS[exercise] = (True, learner)
 
@@ -350,7 +363,7 @@ def check_matches(
     for mistake, output in (mistakes or {}).items():
         output = output.detach().float().cpu()
         if output.shape == got.shape and torch.allclose(got, output, atol=atol, rtol=rtol):
-            _fail(what, f"your output is what {mistake} gives", hint)
+            _fail(what, f"your output is what {mistake} gives", hint, mistake)
     found = []
     ratio = _rms(got) / max(_rms(expected), 1e-12)
     if not 0.8 <= ratio <= 1.25:
@@ -422,7 +435,7 @@ def check_parameters(
         return
     for mistake, other in (mistakes or {}).items():
         if _first_different_parameter(model, other, atol, rtol) is None:
-            _fail(what, f"your parameters are what {mistake} gives", hint)
+            _fail(what, f"your parameters are what {mistake} gives", hint, mistake)
     a, b = model.state_dict()[name].float().cpu(), expected.state_dict().get(name)
     size = f"largest difference {(a - b.float().cpu()).abs().max().item():.3g}" if b is not None else "missing"
     _fail(what, f"parameter `{name}` is the first that differs ({size})", hint)

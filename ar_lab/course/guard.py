@@ -190,7 +190,8 @@ class Watch:
         self.calls.append(name)
         raise self.error(
             f"{self.exercise}: your code called `{name}`, a ready-made implementation of what the exercise "
-            "asks you to write: replace that call with your own tensor operations."
+            "asks you to write: replace that call with your own tensor operations.",
+            name,
         )
 
     def _copy_of(self, code) -> str | None:

@@ -49,5 +49,6 @@ def check_view(what: str, got: Any, buffer: torch.Tensor, hint: str = "") -> Non
     if got.untyped_storage().data_ptr() != buffer.untyped_storage().data_ptr() or got.data_ptr() != buffer.data_ptr():
         raise CheckFailed(
             f"{what}: your result is a copy, not a view of the cache's buffer (it does not share the buffer's memory)"
-            + (f"\nHint: {hint}" if hint else "")
+            + (f"\nHint: {hint}" if hint else ""),
+            "a copy, not a view of the cache's buffer",
         )

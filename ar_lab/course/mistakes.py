@@ -40,7 +40,7 @@ def name_mistake(what: str, got: Any, expected: Any, mistakes: dict[str, Any], h
         if not _same(value, expected) and _same(got, value):
             shown = f"a tensor of shape {tuple(got.shape)}" if isinstance(got, torch.Tensor) else repr(got)
             message = f"{what}: got {shown}, which is what {mistake} gives"
-            raise CheckFailed(message + (f"\nHint: {hint}" if hint else ""))
+            raise CheckFailed(message + (f"\nHint: {hint}" if hint else ""), mistake)
 
 
 def check_exact(what: str, got: Any, expected: Any, mistakes: dict[str, Any], hint: str = "") -> None:

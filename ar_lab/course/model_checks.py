@@ -320,4 +320,4 @@ def check_model(
         check_matches(what, got, expected, atol=atol, rtol=rtol, dim=1, mistakes=mistakes, hint=hint)
     except CheckFailed as failure:
         where = locate_difference(mine, reference, (idx,), atol=atol, rtol=rtol)
-        raise CheckFailed(f"{failure}\n{where}" if where else str(failure)) from None
+        raise CheckFailed(f"{failure}\n{where}" if where else str(failure), failure.mistake) from None

@@ -147,7 +147,9 @@ def check_quantized(
         return
     for mistake, (mq, ms) in mistakes.items():
         if torch.equal(q.long(), mq.long()) and (close(scale, ms) or scale.shape != want_scale.shape):
-            raise CheckFailed(f"{what}: your (q, scale) is what {mistake} gives" + (f"\nHint: {hint}" if hint else ""))
+            raise CheckFailed(
+                f"{what}: your (q, scale) is what {mistake} gives" + (f"\nHint: {hint}" if hint else ""), mistake
+            )
     check_shape(f"{what}: scale", scale, tuple(want_scale.shape), hint)
     check_matches(f"{what}: scale", scale.float(), want_scale, atol=0, rtol=1e-5, dim=0, dim_name="row", hint=hint)
     want_q = torch.where(tie_ok, q.long(), want_q.long())  # a tie rounded the other way is not a difference

@@ -31,8 +31,9 @@ from typing import Protocol
 
 import torch
 
-from ar_lab.base.errors import BadType
+from ar_lab.base.errors import BadType, BadValue
 from ar_lab.engine.lean import ExtendCopies, LeanGPT, NotLean, extend_copies
+from ar_lab.engine.quant import QuantizedLinear
 from ar_lab.model.cache import BatchKVCache, KVCache
 
 
@@ -62,12 +63,33 @@ def _record(cache, pos: int, ids: list[int]) -> None:
         cache.record(pos, ids)
 
 
+def check_one_dtype(model: torch.nn.Module) -> None:
+    """Raise unless the model's floating-point parameters share one dtype (a quantized layer keeps its own): a
+    block cast alone would otherwise stop torch deep inside a product ("mixed dtype")."""
+    first = None
+    for name, module in model.named_modules():
+        if isinstance(module, QuantizedLinear):
+            continue
+        for pname, p in module.named_parameters(recurse=False):
+            if not p.is_floating_point():
+                continue
+            if first is None:
+                first = (f"{name}.{pname}" if name else pname, p.dtype)
+            elif p.dtype != first[1]:
+                raise BadValue(
+                    f"the model holds {first[0]} in {first[1]} but {name}.{pname} in {p.dtype}: convert the whole "
+                    f"model to one dtype (model.to({first[1]}), or model.to({p.dtype})) before generating",
+                    arg="model",
+                )
+
+
 class ForwardDecoder:
     """Every pass through ``model(idx, cache)``: any model keeping the cache contract, any batch."""
 
     def __init__(self, model) -> None:
         if not isinstance(model, torch.nn.Module):
             raise BadType(f"model must be a torch.nn.Module (an ar_lab GPT), got {type(model).__name__}", arg="model")
+        check_one_dtype(model)
         self.model = model
         self._checked: object = ForwardDecoder  # the cache last checked against the model (none yet)
 
