@@ -15,6 +15,7 @@ import sys
 
 import nbformat
 import pytest
+from test_fresh_grading import GRADED_ELSEWHERE, kernel_only_in_instructors_md
 from test_grading import AUTOGRADE, EXPORT, FEEDBACK, GENERATE, _index, nbgrader
 
 from ar_lab.course.exercises import NOTEBOOKS, course, graded_cells
@@ -177,3 +178,16 @@ def test_the_report_flags_each_tampering_submission(fresh):
                           ("deletes", "file-read")]:
         section = report.split(f"{student} / {CH02}:")[1].split("\n\n")[0]
         assert re.search(rf"^  {CH02}\.ipynb cell .* {kind}: ", section, re.M), (student, section)
+
+
+@pytest.mark.slow
+def test_the_tests_instructors_md_says_keep_the_kernels_verdict_are_those_the_grading_run_names(fresh):
+    """INSTRUCTORS.md's list, for chapters 01 and 02: what the grading step printed as kernel verdict only
+    (tests/test_fresh_grading.py checks the other chapters with the command's own plan)."""
+    assert {CH01, CH02} == GRADED_ELSEWHERE
+    for assignment in (CH01, CH02):
+        printed = fresh[assignment]["grading"]
+        named = set(re.findall(rf"kernel verdict only: {assignment} (ch\d\d-[a-z0-9-]+-tests)", printed))
+        ours = {meta["grade_id"] for _, meta in graded_cells(fresh[assignment]["source"])}
+        assert named == kernel_only_in_instructors_md() & ours, assignment
+

@@ -24,6 +24,7 @@ from collections.abc import Sequence
 
 import torch
 
+from ar_lab.base.args import positive_int
 from ar_lab.base.errors import BadType, BadValue, ContextFull
 from ar_lab.base.timing import checked_device
 
@@ -172,6 +173,18 @@ class KVCache:
         return self.k[layer][:, :, :end], self.v[layer][:, :, :end]
 
     @property
+    def length(self) -> int:
+        """Positions filled so far: written only by this setter, from the pass that wrote them (GPT.forward, LeanGPT)
+        or from ``truncate``; token ids recorded past it are dropped, so none outlive their keys and values."""
+        return self._length
+
+    @length.setter
+    def length(self, n: int) -> None:
+        self._length = _index("length", n, 0, self.max_len)
+        if len(self.__dict__.get("_ids", ())) > n:
+            del self._ids[n:]
+
+    @property
     def dtype(self) -> torch.dtype:
         """The dtype attention reads the keys and values in (the model's): here the buffers' own."""
         return self.k[0].dtype
@@ -211,10 +224,7 @@ class KVCache:
 
     def truncate(self, n: int) -> None:
         """Keep only the first ``n`` positions (roll back). ``n`` is checked before anything changes."""
-        if not isinstance(n, int) or isinstance(n, bool) or not 0 <= n <= self.length:
-            raise BadValue(f"n must be an int: can truncate to 0..{self.length} positions, got {n!r}", arg="n")
-        self.length = n
-        del self._ids[n:]
+        self.length = _index("n", n, 0, self.length)  # (drops the token ids past n)
 
     @property
     def nbytes(self) -> int:
@@ -403,12 +413,7 @@ def row_mask(lengths: Sequence[int], T: int, keys: torch.Tensor | None = None) -
 
 def common_prefix_length(a: Sequence[int], b: Sequence[int]) -> int:
     """How many items ``a`` and ``b`` share from the start."""
-    n = 0
-    for x, y in zip(a, b, strict=False):
-        if x != y:
-            break
-        n += 1
-    return n
+    return next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
 
 
 def reusable_length(cached: Sequence[int], prompt: Sequence[int]) -> int:
@@ -421,9 +426,7 @@ def reusable_length(cached: Sequence[int], prompt: Sequence[int]) -> int:
 
 def check_sizes(**sizes) -> None:
     for name, value in sizes.items():
-        low = 0 if name == "seq_len" else 1
-        if not isinstance(value, int) or isinstance(value, bool) or value < low:
-            raise BadValue(f"{name} must be an int >= {low}, got {value!r}", arg=name)
+        positive_int(name, value, 0 if name == "seq_len" else 1)  # (numpy integers are counts too)
 
 
 def kv_cache_bytes(
