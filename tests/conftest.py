@@ -50,6 +50,18 @@ def pytest_xdist_make_scheduler(config, log):
     return ByScope(config, log)
 
 
+@pytest.fixture(autouse=True, scope="session")
+def one_torch_thread():
+    """Every test runs with one torch intra-op thread (a test that times threads sets its own count and puts
+    this one back). The tests decode tiny models: a chain of small kernels, where a second thread mostly waits
+    for the first, and make test runs two test processes on two cores, so that a kernel split over two threads
+    waits for whichever was descheduled (a layer norm of a few hundred values: 15 ms instead of 15 µs)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture
 def tiny_model():
     torch.manual_seed(0)

@@ -47,10 +47,12 @@ def test_plural():
 @pytest.mark.slow
 def test_a_planted_false_claim_fails_the_notebook_tests_with_its_name(tmp_path):
     """Break the bound of a claim in a copy of chapter 01 (cut after that cell; the claim sits in a cell JupyterLab
-    shows collapsed, out of the learner's path): nbval, as make test runs
-    it, fails on that cell and names the claim; the unbroken copy passes."""
+    shows collapsed, out of the learner's path): nbval, as make test runs it, fails on that cell and names the
+    claim; the unbroken copy passes. One nbval run, one kernel: the unbroken copy, then the broken cell after it
+    (nbval runs every cell, whatever failed before), so every cell but the last must pass and the last must fail."""
     import subprocess
     import sys
+    import xml.etree.ElementTree as ET
     from pathlib import Path
 
     import nbformat
@@ -60,30 +62,32 @@ def test_a_planted_false_claim_fails_the_notebook_tests_with_its_name(tmp_path):
     name = "the plausible order is far more likely than the scrambled one"
     at = next(i for i, c in enumerate(nb.cells) if name in c.source)
     assert nb.cells[at].metadata.get("jupyter", {}).get("source_hidden"), "the claim sits in a collapsed cell"
-    nb.cells = nb.cells[: at + 1]
-    nbformat.write(nb, tmp_path / "honest.ipynb")
+    nb.cells = nb.cells[: at + 1]  # the honest copy
     assert "ratio > 100," in nb.cells[at].source
-    nb.cells[at].source = nb.cells[at].source.replace("ratio > 100,", "ratio > 1e12,")
-    nbformat.write(nb, tmp_path / "planted.ipynb")
+    planted = nbformat.from_dict(nb.cells[at])
+    planted.id, planted.source = "planted", planted.source.replace("ratio > 100,", "ratio > 1e12,")
+    nb.cells.append(planted)
+    nbformat.write(nb, tmp_path / "honest_then_planted.ipynb")
 
-    def nbval(path):
-        cmd = [
-            sys.executable,
-            "-m",
-            "pytest",
-            "-q",
-            "-p",
-            "no:cacheprovider",
-            str(path),
-            "--nbval-lax",
-            "--nbval-current-env",
-        ]
-        return subprocess.run(cmd, capture_output=True, text=True, cwd=source.parent, timeout=600)
-
-    honest, planted = nbval(tmp_path / "honest.ipynb"), nbval(tmp_path / "planted.ipynb")
-    assert honest.returncode == 0, honest.stdout[-2000:]
-    assert planted.returncode != 0
-    assert "ClaimFailed" in planted.stdout and name in planted.stdout, planted.stdout[-2000:]
+    cmd = [
+        sys.executable,
+        "-m",
+        "pytest",
+        "-q",
+        "-p",
+        "no:cacheprovider",
+        str(tmp_path / "honest_then_planted.ipynb"),
+        "--nbval-lax",
+        "--nbval-current-env",
+        f"--junitxml={tmp_path / 'cells.xml'}",
+    ]
+    run = subprocess.run(cmd, capture_output=True, text=True, cwd=source.parent, timeout=600)
+    cells = ET.parse(tmp_path / "cells.xml").getroot().iter("testcase")
+    outcomes = [[child.tag for child in case if child.tag in ("failure", "error", "skipped")] for case in cells]
+    assert len(outcomes) == sum(c.cell_type == "code" for c in nb.cells), run.stdout[-2000:]
+    assert outcomes[:-1] == [[]] * (len(outcomes) - 1), run.stdout[-2000:]  # the honest copy passes
+    assert run.returncode != 0 and outcomes[-1] == ["failure"], run.stdout[-2000:]
+    assert "ClaimFailed" in run.stdout and name in run.stdout, run.stdout[-2000:]
 
 
 # --- timing claims: measured in turns, re-measured while undecided ---------------------------------

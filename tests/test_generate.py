@@ -1,5 +1,7 @@
 """The decode loop (token_steps, stream, generate), batched sampling and the explorer's view."""
 
+import functools
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -357,6 +359,16 @@ def test_a_cache_holding_positions_of_unknown_tokens_is_refused(course):
     assert generate(course, "The for", 10, cache=cache).tokens == generate(course, "The for", 10).tokens
 
 
+@functools.cache
+def context_model() -> GPT:
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(block_size=40, n_layer=2, n_head=2, n_embd=16)).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.2 * torch.randn_like(p))  # weights whose outputs depend on the context
+    return model
+
+
 @settings(max_examples=25)
 @given(
     a=st.lists(st.integers(0, 2), min_size=1, max_size=12),
@@ -366,11 +378,7 @@ def test_a_cache_holding_positions_of_unknown_tokens_is_refused(course):
 )
 def test_any_reused_cache_gives_the_fresh_tokens(a, b, n_a, n_b):
     """Prompts over a 3-token alphabet share prefixes of every length with the cached text."""
-    torch.manual_seed(0)
-    model = GPT(GPTConfig(block_size=40, n_layer=2, n_head=2, n_embd=16)).eval()
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(0.2 * torch.randn_like(p))  # weights whose outputs depend on the context
+    model = context_model()  # the same weights every example: built once
     cache = KVCache.for_model(model, max_len=40)
     first = generate(model, a, n_a, eos_id=None, cache=cache)
     cached = a + first.tokens[:-1]

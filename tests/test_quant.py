@@ -54,6 +54,12 @@ def quantized(course):
     return {w: quantize_model(course, weights=w) for w in ("bf16", "int8", "int4")}
 
 
+@pytest.fixture(scope="module")
+def course_greedy(course):
+    """The full-precision model's greedy 20 tokens for each prompt (both quantized drafts must give them)."""
+    return {prompt: generate(course, prompt, 20, eos_id=None).tokens for prompt in PROMPTS}
+
+
 @st.composite
 def matrices(draw, group=False):
     out = draw(st.integers(1, 12))
@@ -256,19 +262,16 @@ def test_quantized_logits_stay_close_to_full_precision(course, quantized):
 
 
 @pytest.mark.parametrize("weights", ["int8", "int4"])
-def test_lean_and_forward_agree_and_speculative_is_exact(quantized, course, draft, weights):
+def test_lean_and_forward_agree_and_speculative_is_exact(quantized, course, draft, course_greedy, weights):
     model = quantized[weights]
     for prompt in PROMPTS:
-        tokens = generate(model, prompt, 30, eos_id=None).tokens
-        assert generate(model, prompt, 30, eos_id=None, lean=False).tokens == tokens
+        tokens = generate(model, prompt, 20, eos_id=None).tokens
+        assert generate(model, prompt, 20, eos_id=None, lean=False).tokens == tokens
         # quantized target: speculative greedy is the target's greedy text, token for token
-        assert speculative_generate(model, draft, prompt, 30, 4, eos_id=None).tokens == tokens
-        assert speculative_generate(model, draft, prompt, 30, 4, eos_id=None, lean=False).tokens == tokens
+        assert speculative_generate(model, draft, prompt, 20, 4, eos_id=None).tokens == tokens
+        assert speculative_generate(model, draft, prompt, 20, 4, eos_id=None, lean=False).tokens == tokens
         # quantized draft of the full-precision model: the full-precision greedy text
-        assert (
-            speculative_generate(course, model, prompt, 30, 4, eos_id=None).tokens
-            == generate(course, prompt, 30, eos_id=None).tokens
-        )
+        assert speculative_generate(course, model, prompt, 20, 4, eos_id=None).tokens == course_greedy[prompt]
 
 
 def test_bf16_model_runs_lean_and_forward(quantized):
@@ -308,7 +311,7 @@ def _scales_through_data(layer):
 
 @pytest.mark.parametrize("weights", ["int8", "int4"])
 @pytest.mark.parametrize("edit", [_zero_in_place, _reassign, _scales_through_data])
-def test_edits_of_quantized_weights_are_seen(course, weights, edit):
+def test_edits_of_quantized_weights_are_seen(course, quantized, weights, edit):
     model = quantize_model(course, weights=weights)
     engine = lean.for_model(model)
     before = generate(model, PROMPTS[1], 20, eos_id=None).tokens
@@ -324,7 +327,7 @@ def test_edits_of_quantized_weights_are_seen(course, weights, edit):
     a, b = KVCache.for_model(model), KVCache.for_model(model)
     with torch.inference_mode():
         want_logits = model(ids, b)[0]
-        unedited = quantize_model(course, weights=weights)(ids)[0]
+        unedited = quantized[weights](ids)[0]
         model(ids[:, :1], a)
         torch.testing.assert_close(engine.step(6, a), want_logits[1], atol=1e-4, rtol=1e-4)
         got = engine.extend([7, 8], a, lean.extend_copies(model))

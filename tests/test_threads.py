@@ -30,16 +30,6 @@ def models():
     return ar_lab.load_pretrained("course"), ar_lab.load_pretrained("draft")
 
 
-@pytest.fixture(autouse=True)
-def one_torch_thread():
-    """One intra-op thread per Python thread: batch-1 decoding's setting (chapter 04), and on a small
-    machine several Python threads each starting a pool of OpenMP threads mostly wait for each other."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 def _seeded(seed: int) -> torch.Generator:
     return torch.Generator().manual_seed(seed)
 

@@ -22,6 +22,13 @@ from ar_lab.model.train import (
 from tests.raising import raises
 
 
+def short_corpus(monkeypatch, train_module, n=40_000):
+    """train_preset on the corpus' first ``n`` tokens: each phase ends with a full pass of the protocol over the
+    validation split, and these tests are about phases, resuming and teachers, not about the corpus."""
+    tokens = corpus_tokens()[:n]
+    monkeypatch.setattr(train_module, "corpus_tokens", lambda: tokens)
+
+
 @pytest.mark.slow
 def test_training_lowers_the_loss():
     tr, va = train_val_split(corpus_tokens())
@@ -100,6 +107,7 @@ def test_preset_phases_resume_gives_the_same_weights(tmp_path, monkeypatch):
         TrainConfig(steps=4, batch_size=2, block_size=16, eval_every=2, eval_batches=1, seed=7),
     ]
     monkeypatch.setitem(train_module.PRESETS, "tiny", (tiny, phases))
+    short_corpus(monkeypatch, train_module)
     full = train_module.train_preset("tiny", tmp_path / "full.safetensors", progress=False)
     assert (tmp_path / "full.phase1.safetensors").exists()
     resumed = train_module.train_preset(
@@ -165,6 +173,7 @@ def test_preset_with_a_teacher_phase(tmp_path, monkeypatch):
     monkeypatch.setitem(train_module.PRESETS, "tinyteacher", (tiny, phases[:1]))
     monkeypatch.setitem(train_module.PRESETS, "tinystudent", (tiny, phases))
     monkeypatch.setenv("AR_LAB_DATA", str(tmp_path))
+    short_corpus(monkeypatch, train_module)
     with pytest.raises(FileNotFoundError, match="train it first"):
         train_module.train_preset("tinystudent", tmp_path / "student.safetensors", progress=False)
     assert not list(tmp_path.iterdir())  # the missing teacher was found before any phase ran
