@@ -149,11 +149,11 @@ def test_a_claim_that_stays_undecided_fails_after_its_budget():
         flip[0] += 1
         spin(0.02 if flip[0] % 3 else 0.001)
 
-    t0 = time.perf_counter()
-    with pytest.raises(ClaimFailed, match=r"[2-9] measurement\(s\)"):
+    t0 = time.perf_counter()  # (a budget of several rounds even when a busy machine makes one take 0.6 s)
+    with pytest.raises(ClaimFailed, match=r"\b([2-9]|\d\d+) measurement\(s\)"):  # measured again, then gave up
         timed_claim("sometimes slow is faster", {"side": sometimes_slow, "step": lambda: spin(0.005)},
-                    lambda t: t["side"] < t["step"], budget_s=0.5)
-    assert time.perf_counter() - t0 < 5
+                    lambda t: t["side"] < t["step"], budget_s=1.5)
+    assert time.perf_counter() - t0 < 10
 
 
 def test_one_slow_sample_a_cell_measured_is_timed_again_not_failed():
