@@ -1,3 +1,5 @@
+import os
+
 import pytest
 import torch
 from hypothesis import settings
@@ -48,6 +50,12 @@ def pytest_xdist_make_scheduler(config, log):
             return scope(nodeid)
 
     return ByScope(config, log)
+
+
+def one_thread_env(env: dict[str, str] | None = None) -> dict[str, str]:
+    """``env`` (default: this process's) for a kernel or command that only grades: one OpenMP thread, since make
+    test's two processes each start kernels on two cores (the experiments' kernels keep the machine's count)."""
+    return {**(os.environ if env is None else env), "OMP_NUM_THREADS": "1"}
 
 
 @pytest.fixture(autouse=True, scope="session")

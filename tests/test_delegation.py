@@ -17,6 +17,7 @@ import pytest
 
 from ar_lab.course.exercises import execute, exercises_only, grade, graded_cells, nbgrader_meta
 from ar_lab.course.forbidden import FORBIDDEN
+from tests.conftest import one_thread_env
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from delegating_answers import DELEGATING, NO_REFERENCE, ROUTES  # noqa: E402
@@ -70,7 +71,7 @@ def test_a_delegating_answer_fails_every_graded_test(path):
         gid = nbgrader_meta(cell)["grade_id"]
         if gid in DELEGATING:
             cell.source = DELEGATING[gid].strip()
-    executed = execute(exercises_only(nb), path.parent)  # not the experiments
+    executed = execute(exercises_only(nb), path.parent, env=one_thread_env())  # not the experiments
     results = {r.grade_id: r for r in grade(executed)}
     guarded = {gid: r for gid, r in results.items() if gid.removesuffix("-tests") not in NO_REFERENCE}
     for cell in executed.cells:  # what the learner sees: the verdict, not the checkers' frames
@@ -100,7 +101,7 @@ def test_delegating_by_a_route_no_name_swap_sees_fails_too(path):
         if gid in ROUTES:
             cell.source = ROUTES[gid].strip()
             routed.append(f"{gid}-tests")
-    results = {r.grade_id: r for r in grade(execute(exercises_only(nb), path.parent))}
+    results = {r.grade_id: r for r in grade(execute(exercises_only(nb), path.parent, env=one_thread_env()))}
     passing = [gid for gid in routed if results[gid].passed]
     assert not passing, f"{path.name}: an answer by another route passes {passing}"
     errors = {gid: results[gid].error for gid in routed}

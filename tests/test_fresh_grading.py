@@ -428,12 +428,15 @@ WITH_TESTS = sorted(p for p in NOTEBOOKS.glob("[0-9][0-9]*_*.ipynb")
 
 @pytest.mark.slow
 @pytest.mark.parametrize("path", WITH_TESTS, ids=[p.stem for p in WITH_TESTS])
-def test_the_tests_instructors_md_says_keep_the_kernels_verdict_are_those_the_command_finds(path, tmp_path):
+def test_the_tests_instructors_md_says_keep_the_kernels_verdict_are_those_the_command_finds(
+    path, tmp_path, monkeypatch
+):
     """INSTRUCTORS.md names the tests whose verdict the fresh run cannot judge: the command's own plan of each
     chapter (cut to its exercises, run with the solutions) finds exactly those of that chapter."""
     from ar_lab.course.exercises import exercises_only
     from ar_lab.course.grading import plan
 
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")  # the plan's kernels only grade (tests/conftest.py: one_thread_env)
     nb = nbformat.read(path, as_version=4)
     nbformat.write(exercises_only(nb), tmp_path / path.name)
     found = set(plan(tmp_path / path.name, timeout=300).kernel_only)

@@ -22,6 +22,7 @@ import pytest
 
 from ar_lab.base.errors import BadValue
 from ar_lab.course.exercises import NOTEBOOKS, course, graded_cells, nbgrader_config, nbgrader_meta, student_version
+from tests.conftest import one_thread_env
 from tests.raising import raises
 
 ASSIGNMENT = "00_start_here"  # the fastest chapter with exercises (a few seconds per run)
@@ -41,7 +42,8 @@ def nbgrader(folder: Path, command: str, **fields) -> subprocess.CompletedProces
     assert args[0] == "nbgrader"
     # nbgrader runs `alembic` by name when it opens the gradebook: the venv's bin must be on PATH,
     # as it is once .venv is activated.
-    env = dict(os.environ, PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}")
+    path = f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"
+    env = one_thread_env(dict(os.environ, PATH=path))
     return subprocess.run(
         [sys.executable, "-m", "nbgrader", *args[1:]], cwd=folder, env=env, capture_output=True, text=True, timeout=900
     )

@@ -19,6 +19,7 @@ from test_fresh_grading import GRADED_ELSEWHERE, kernel_only_in_instructors_md
 from test_grading import AUTOGRADE, EXPORT, FEEDBACK, GENERATE, _index, nbgrader
 
 from ar_lab.course.exercises import NOTEBOOKS, course, graded_cells
+from tests.conftest import one_thread_env
 
 GRADING = "python -m ar_lab.course.grading . {assignment}"  # the guide's step after autograde, from the course folder
 CH01, CH02 = "01_the_autoregressive_loop", "02_attention_and_the_causal_mask"
@@ -93,7 +94,7 @@ def fresh(tmp_path_factory):
         assert autograde.returncode == 0, (autograde.stdout + autograde.stderr)[-3000:]
         kernel = _scores_of(folder, assignment)
         grading = subprocess.run([sys.executable, "-m", *shlex.split(GRADING.format(assignment=assignment))[2:]],
-                                 cwd=folder, capture_output=True, text=True, timeout=900)
+                                 cwd=folder, capture_output=True, text=True, timeout=900, env=one_thread_env())
         assert grading.returncode == 0, (grading.stdout + grading.stderr)[-3000:]
         final = _scores_of(folder, assignment)
         out[assignment] = dict(source=source, kernel=kernel, grading=grading.stdout, final=final)
