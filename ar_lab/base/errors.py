@@ -17,6 +17,8 @@ the wording is free to improve.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 
 class ArLabError(Exception):
     """An error ar_lab raised on purpose; ``arg`` names the argument at fault (None: no single one)."""
@@ -45,3 +47,12 @@ class BadType(ArLabError, TypeError):
 
 class ContextFull(BadValue):
     """More positions than the model's context window or the KV cache can hold."""
+
+
+def named(arg: str, check: Callable[[], object]) -> None:
+    """Run ``check``; a BadValue it raises comes back naming ``arg``, the argument (a list, an option) the checked
+    value came from, as the message's first word."""
+    try:
+        check()
+    except BadValue as error:
+        raise type(error)(f"{arg}: {error}", arg=arg) from None

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 
 import torch
 
@@ -15,7 +15,6 @@ __all__ = [
     "checked_threads",
     "checkpoints",
     "course_model_or_random",
-    "named",
     "torch_threads",
 ]
 
@@ -34,15 +33,6 @@ def course_model_or_random():
         return load_checkpoint(path, "cpu").eval(), f"data/{path.name}"
     torch.manual_seed(0)
     return GPT(GPTConfig()).eval(), f"random init (data/{path.name} not found)"
-
-
-def named(arg: str, check: Callable[[], object]) -> None:
-    """Run ``check``; a BadValue it raises comes back naming ``arg``, the argument (an option, a list) the
-    checked value came from, as the message's first word."""
-    try:
-        check()
-    except BadValue as error:
-        raise type(error)(f"{arg}: {error}", arg=arg) from None
 
 
 def checked_threads(threads) -> list[int]:

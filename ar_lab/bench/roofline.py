@@ -14,8 +14,8 @@ from collections.abc import Callable, Sequence
 import torch
 
 from ar_lab.base.args import positive_int
-from ar_lab.base.errors import BadValue
-from ar_lab.bench.common import checked_device, checked_threads, named
+from ar_lab.base.errors import BadValue, named
+from ar_lab.bench.common import checked_device, checked_threads
 from ar_lab.bench.table import format_table
 
 # Sweeps per device type: prompt lengths (prefill), batch sizes (decode at one

@@ -103,11 +103,7 @@ def selfspec_benchmark(
     from ar_lab.engine.sampling import GREEDY
     from ar_lab.perf.peaks import cache_bytes
 
-    try:
-        positive_int("k (--widen)", k)
-    except BadValue as error:
-        error.arg = "k"  # the message adds the command's option to the argument's name
-        raise
+    positive_int("k (--widen)", k, arg="k")
     gammas = [2, 4, 6, 8] if gammas is None else gammas
     target, draft = self_draft_pair(k, draft_format, course=course)
     res = speculative_benchmark(

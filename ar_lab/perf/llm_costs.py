@@ -169,11 +169,7 @@ def max_batch(shape: ModelShape, memory: float, context: int, weight_dtype: str 
             f"memory must be a number of bytes (a GPU's: gpus.gpu('H100 SXM').memory), got {memory!r}", arg="memory"
         )
     per_sequence = kv_memory(shape, context, 1, weight_dtype)  # checks shape, context and weight_dtype
-    try:
-        free = finite_number("memory (bytes)", memory, above=True, arg="memory") - weight_memory(shape, weight_dtype)
-    except BadValue as error:
-        error.arg = "memory"  # the message adds the unit to the argument's name
-        raise
+    free = finite_number("memory (bytes)", memory, above=True, arg="memory") - weight_memory(shape, weight_dtype)
     return max(0, math.floor(free / per_sequence))
 
 

@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 from ar_lab.base.args import positive_int
-from ar_lab.base.errors import BadType, BadValue
+from ar_lab.base.errors import BadType, BadValue, named
 from ar_lab.base.timing import checked_device, default_device, interleaved, machine, time_call
 from ar_lab.model import data
 from ar_lab.model.cache import KVCache
@@ -163,14 +163,6 @@ def _fits(model, cost: Callable[[GPTConfig], PhaseCost]) -> None:
         cost(model.config)
 
 
-def _named(arg: str, check: Callable[[], object]) -> None:
-    """Run ``check``; a BadValue it raises comes back naming ``arg``, the list the checked value came from."""
-    try:
-        check()
-    except BadValue as error:
-        raise type(error)(f"{arg}: {error}", arg=arg) from None
-
-
 def fastest_threads(model, context: int = 64, candidates: Sequence[int] | None = None, *, repeats: int = 3) -> dict:
     """Time a batch-1 decode step with each CPU thread count in ``candidates`` (default: 1 and all).
 
@@ -185,7 +177,7 @@ def fastest_threads(model, context: int = 64, candidates: Sequence[int] | None =
     seconds = {}
     try:
         for t in candidates:
-            _named("candidates", lambda t=t: positive_int("threads", t))
+            named("candidates", lambda t=t: positive_int("threads", t))
             torch.set_num_threads(int(t))
             seconds[t] = measure_decode(model, context, 1, repeats=repeats).seconds
     finally:
@@ -252,12 +244,12 @@ def run_roofline(
     say = progress or (lambda _msg: None)
     decodes = [(decode_context, b) for b in decode_batches] + [(c, 1) for c in decode_contexts]
     for t in prompt_lens:  # every size is checked before anything is measured
-        _named("prompt_lens", lambda t=t: prefill_cost(model.config, t))
+        named("prompt_lens", lambda t=t: prefill_cost(model.config, t))
     for b in decode_batches:
-        _named("decode_context", lambda: decode_cost(model.config, decode_context))
-        _named("decode_batches", lambda b=b: decode_cost(model.config, decode_context, b))
+        named("decode_context", lambda: decode_cost(model.config, decode_context))
+        named("decode_batches", lambda b=b: decode_cost(model.config, decode_context, b))
     for c in decode_contexts:
-        _named("decode_contexts", lambda c=c: decode_cost(model.config, c))
+        named("decode_contexts", lambda c=c: decode_cost(model.config, c))
     if peaks is None:
         say("measuring the peaks")
         peaks = measure_peaks(device, dtype, matmul_size=matmul_size, buffer_bytes=buffer_bytes)

@@ -34,11 +34,7 @@ def _lengths(lengths) -> list[int]:
         raise BadValue(
             f"lengths must be a non-empty list of request lengths (ints >= 1), got {lengths!r}", arg="lengths"
         )
-    try:
-        return [positive_int(f"lengths[{i}]", n) for i, n in enumerate(lengths)]
-    except BadValue as error:
-        error.arg = "lengths"  # the message names the element lengths[i]
-        raise
+    return [positive_int(f"lengths[{i}]", n, arg="lengths") for i, n in enumerate(lengths)]
 
 
 @dataclass(frozen=True)

@@ -69,11 +69,7 @@ class ModelShape:
 
     def __post_init__(self) -> None:
         for f in ("n_layer", "d_model", "n_head", "n_kv_heads", "head_dim", "d_ff", "vocab", "max_context"):
-            try:
-                positive_int(f"ModelShape.{f}", getattr(self, f))
-            except BadValue as error:
-                error.arg = f  # the message says ModelShape.<field>; the argument is the field
-                raise
+            positive_int(f"ModelShape.{f}", getattr(self, f), arg=f)
         if self.n_head % self.n_kv_heads:
             raise BadValue(
                 f"n_head ({self.n_head}) must be a multiple of n_kv_heads ({self.n_kv_heads})", arg="n_kv_heads"
@@ -340,11 +336,7 @@ def attainable_flops(intensity, peak_flops: float, bandwidth: float):
     """The roofline: min(peak, intensity x bandwidth); works on floats and tensors/arrays."""
     ridge_point(peak_flops, bandwidth)
     if isinstance(intensity, numbers.Real):
-        try:
-            return min(peak_flops, finite_number("intensity (FLOP/byte)", intensity) * bandwidth)
-        except BadValue as error:
-            error.arg = "intensity"  # the message adds the unit to the argument's name
-            raise
+        return min(peak_flops, finite_number("intensity (FLOP/byte)", intensity, arg="intensity") * bandwidth)
     if not hasattr(intensity, "clip"):
         raise BadType(
             f"intensity must be a number, a tensor or an array of FLOP/byte, got {intensity!r}", arg="intensity"
