@@ -667,7 +667,9 @@ def test_the_checks_catch_an_exception_a_broken_widget_and_a_console_error(lab):
         problems = "\n".join(run.problems)
         assert "raised ValueError: deliberate" in problems, problems
         assert "shows 'Error displaying widget'" in problems and "no widget was drawn" in problems, problems
-        assert [c["count"] is None for c in run.cells] == [False, False, False, False, True]
+        # the four cells up to the error ran; whether the fifth is aborted depends on its request reaching
+        # ipykernel within stop_on_error_timeout, which a busy machine can miss: not asserted
+        assert [c["count"] is None for c in run.cells[:4]] == [False, False, False, False]
         assert any("ar_lab deliberate console error" in e for e in our_console_errors(run.console_errors))
     finally:
         lab.release(name)
