@@ -28,6 +28,7 @@ from ar_lab.engine.speculative import speculative_generate
 from ar_lab.model.cache import KVCache
 from ar_lab.model.gpt import GPT, GPTConfig
 from ar_lab.perf.roofline import bytes_per_token, decode_cost, decode_step_bytes, predicted_speedup
+from tests.greedy import assert_same_greedy
 from tests.raising import raises
 
 PROMPTS = ["def main(args):\n    ", "import os\nimport sys\n", "The for statement"]
@@ -263,15 +264,21 @@ def test_quantized_logits_stay_close_to_full_precision(course, quantized):
 
 @pytest.mark.parametrize("weights", ["int8", "int4"])
 def test_lean_and_forward_agree_and_speculative_is_exact(quantized, course, draft, course_greedy, weights):
+    """Token for token, unless the two sides part at a near-tie: PyTorch's int8 and int4 kernels round the
+    activations to bfloat16 (u = 2^-9), and one row (a decode step) and several (a forward pass, a verify
+    pass) take different kernels, so the same logits of about 5 can differ by 0.01 (measured on an AVX2
+    CPU: the top two 0.009 apart at token 19, and the two paths chose differently)."""
     model = quantized[weights]
     for prompt in PROMPTS:
         tokens = generate(model, prompt, 20, eos_id=None).tokens
-        assert generate(model, prompt, 20, eos_id=None, lean=False).tokens == tokens
-        # quantized target: speculative greedy is the target's greedy text, token for token
-        assert speculative_generate(model, draft, prompt, 20, 4, eos_id=None).tokens == tokens
-        assert speculative_generate(model, draft, prompt, 20, 4, eos_id=None, lean=False).tokens == tokens
+        assert_same_greedy(model, prompt, tokens, generate(model, prompt, 20, eos_id=None, lean=False).tokens, 0.05)
+        # quantized target: speculative greedy is the target's greedy text
+        for lean_path in (True, False):
+            got = speculative_generate(model, draft, prompt, 20, 4, eos_id=None, lean=lean_path).tokens
+            assert_same_greedy(model, prompt, tokens, got, 0.05)
         # quantized draft of the full-precision model: the full-precision greedy text
-        assert speculative_generate(course, model, prompt, 20, 4, eos_id=None).tokens == course_greedy[prompt]
+        got = speculative_generate(course, model, prompt, 20, 4, eos_id=None).tokens
+        assert_same_greedy(course, prompt, course_greedy[prompt], got)
 
 
 def test_bf16_model_runs_lean_and_forward(quantized):

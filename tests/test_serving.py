@@ -20,6 +20,7 @@ from ar_lab.perf.serving_measure import (
     mixed_workload,
     prefix_ttft,
 )
+from tests.greedy import assert_same_greedy
 from tests.raising import raises
 
 configs = st.builds(
@@ -44,18 +45,6 @@ def model_for(cfg_seed) -> GPT:
 def random_prompts(lengths, seed=0):
     g = torch.Generator().manual_seed(seed)
     return [torch.randint(0, 256, (n,), generator=g).tolist() for n in lengths]
-
-
-def assert_same_greedy(model, prompt, expected, got):
-    """Tokens equal; if they ever differ, it must be a genuine near-tie of the reference's top two logits
-    (float rounding differs with the batch a row shares), and the comparison stops there."""
-    for i, (a, b) in enumerate(zip(expected, got, strict=True)):
-        if a != b:
-            with torch.no_grad():
-                logits = model(torch.tensor([prompt + expected[:i]]))[0, -1]
-            top2 = logits.topk(2).values
-            assert float(top2[0] - top2[1]) < 1e-4, f"token {i} differs ({a} vs {b}) without a near-tie"
-            return
 
 
 # --- BatchKVCache and the model's per-row path ---------------------------------------------
