@@ -9,8 +9,10 @@ the block still run, and the block leaves no hook behind.
 
 import importlib.util
 import inspect
+import re
 import sys
 import threading
+import types
 
 import pytest
 import torch
@@ -18,6 +20,7 @@ import torch.nn.functional as F
 
 from ar_lab.base.errors import BadValue
 from ar_lab.course.checks import Delegated, no_delegation, own_work
+from ar_lab.course.forbidden import FORBIDDEN
 from ar_lab.engine import sampling
 from ar_lab.engine.sampling import filter_top_k
 from ar_lab.model.cache import KVCache
@@ -111,7 +114,7 @@ def test_copies_of_the_reference_code_are_caught():
     def reloaded(logits, k):
         return second.filter_top_k(logits, k)
 
-    caught(exec_copy, logits, 2, forbid=[TOP_K, "ar_lab.engine.sampling._top_k"], reaches="a copy of its code")
+    caught(exec_copy, logits, 2, forbid="ch06-sampler", reaches="_top_k (a copy of its code)")  # a helper of its references
     caught(reloaded, logits, 2, forbid=[TOP_K], reaches="filter_top_k")  # the same file and line: equal code
 
 
@@ -157,3 +160,38 @@ def test_a_check_inside_the_block_keeps_the_outer_watch():
     with delegated("filter_top_k"):
         with no_delegation(delegating, forbid=[TOP_K]):
             check_cases("top-k", delegating, [((logits, 2), filter_top_k(logits, 2))])
+
+
+def test_forbid_lists_name_no_private_ar_lab_path():
+    private = [(ex, ref) for ex, refs in FORBIDDEN.items() for ref in refs
+               if ref.startswith("ar_lab.") and any(part.startswith("_") and not part.startswith("__")
+                                                     for part in ref.split("."))]
+    assert not private, private
+
+
+def test_a_references_private_helpers_are_forbidden_with_it_and_shared_ones_are_not():
+    with delegated("ar_lab.engine.sampling._top_p"):
+        own_work("ch06-top-p", lambda x: sampling._top_p(x, 0.9), logits, forbidden="ch06-top-p")
+    # SamplingParams (allowed) checks its numbers with the same helper the filters use: a learner may build one
+    params = own_work("ch06-top-p", lambda: sampling.SamplingParams(temperature=0.5, top_p=0.9), forbidden="ch06-top-p")
+    assert params.top_p == 0.9
+
+
+def test_renaming_an_internal_function_changes_no_verdict(monkeypatch):
+    """Chapter 06's exercises, against a sampling module whose private filters have other names: a cheat
+    through the renamed helper is still caught, and an answer written by hand still passes."""
+    source = re.sub(r"\b_(temperature|top_k|top_p|min_p)\b", r"_renamed_\1", inspect.getsource(sampling))
+    assert "_renamed_top_p" in source and "def _top_p" not in source
+    renamed = types.ModuleType(sampling.__name__)
+    renamed.__file__ = sampling.__file__
+    monkeypatch.setitem(sys.modules, sampling.__name__, renamed)  # what guard.forbidden imports the names from
+    exec(compile(source, sampling.__file__, "exec"), renamed.__dict__)
+    for exercise, helper, cheat in [
+        ("ch06-top-p", "_renamed_top_p", lambda x: renamed._renamed_top_p(x, 0.9)),
+        ("ch06-temperature", "_renamed_temperature", lambda x: renamed._renamed_temperature(x, 0.7)),
+        ("ch06-sampler", "_renamed_top_k", lambda x: renamed._renamed_top_k(x, 2)),
+    ]:
+        with delegated(f"{sampling.__name__}.{helper}"):
+            own_work(exercise, cheat, logits, forbidden=exercise)
+    assert torch.equal(own_work("ch06-sampler", written, logits, 2, forbidden="ch06-sampler"),
+                       renamed.filter_top_k(logits, 2))

@@ -27,6 +27,7 @@ restores the random state the record holds where it starts. See ``ar_lab.course.
 from __future__ import annotations
 
 import importlib
+import inspect
 import sys
 import threading
 from collections.abc import Callable
@@ -67,30 +68,99 @@ def forbidden(reference: str | Callable) -> tuple[str, Any, Any]:
     raise BadValue(f"no reference named {reference!r} to forbid: no module to import", arg="reference")
 
 
+def _private_names(code, module: dict, cls: type | None) -> list:
+    """The private functions (one leading underscore) that ``code`` names (nested code included): from its
+    module's namespace, or, in a method of ``cls``, from that class and its subclasses in the module."""
+    found, stack = [], [code]
+    while stack:
+        c = stack.pop()
+        stack += [k for k in c.co_consts if hasattr(k, "co_names")]  # nested functions, comprehensions
+        for name in c.co_names:
+            if not name.startswith("_") or name.startswith("__"):
+                continue
+            helper = module.get(name)
+            if inspect.isfunction(helper):
+                candidates = [(helper, None)]
+            elif cls is not None:  # self._name: on the class, or an override in a subclass of it here
+                subs = [k for k in module.values() if isinstance(k, type) and issubclass(k, cls) and k is not cls]
+                kinds = [cls, *subs]
+                candidates = [(next((vars(b)[name] for b in k.__mro__ if name in vars(b)), None), k) for k in kinds]
+                candidates = [(getattr(h, "__func__", h), k) for h, k in candidates]  # a static or class method
+            else:
+                candidates = []
+            found += [(h, k) for h, k in candidates if inspect.isfunction(h) and h.__module__ == module.get("__name__")]
+    return found
+
+
+def _reached(roots: list, module: dict) -> dict:
+    """code -> (function, class) of every private function reached from ``roots`` [(function, class)]."""
+    reached, todo = {}, list(roots)
+    while todo:
+        fn, cls = todo.pop()
+        for helper, owner in _private_names(fn.__code__, module, cls):
+            if helper.__code__ not in reached:
+                reached[helper.__code__] = (helper, owner)
+                todo.append((helper, owner))
+    return reached
+
+
+def _public_roots(module: dict) -> list:
+    """The module's public functions and the methods of its classes, as [(function, class)]."""
+    roots = []
+    for name, obj in module.items():
+        if name.startswith("_") or getattr(obj, "__module__", None) != module.get("__name__"):
+            continue
+        if inspect.isfunction(obj):
+            roots.append((obj, None))
+        elif isinstance(obj, type):
+            for attr, member in vars(obj).items():
+                member = getattr(member, "__func__", getattr(member, "fget", member))
+                if inspect.isfunction(member) and (not attr.startswith("_") or attr.startswith("__")):
+                    roots.append((member, obj))
+    return roots
+
+
+def _helpers(functions: list, seen: set) -> list:
+    """The private helpers of the forbidden ar_lab ``functions`` [(function, class)]: what they reach, directly
+    or through other helpers, and no public function or method of their module that is not forbidden does.
+    So a forbid list names public references only, and renaming an internal function changes no verdict;
+    a helper that an allowed function shares (an argument check, say) stays allowed. [(code, name, class)]"""
+    found = []
+    for module_name in {fn.__module__ for fn, _ in functions}:
+        module = sys.modules[module_name].__dict__
+        ours = [(fn, cls) for fn, cls in functions if fn.__module__ == module_name]
+        allowed = [(fn, cls) for fn, cls in _public_roots(module) if fn.__code__ not in seen]
+        shared = _reached(allowed, module)
+        for code, (fn, owner) in _reached(ours, module).items():
+            if code not in shared and code not in seen:
+                found.append((code, f"{fn.__module__}.{fn.__qualname__}", owner))
+    return found
+
+
 def _targets(name: str, obj: Any, owner: type | None):
-    """What a forbidden reference looks like to the profile hook: ([(code, name, class that self must be)],
+    """What a forbidden reference looks like to the profile hook: ([(function, name, class that self must be)],
     [(builtin, name)]). A class: its constructor and ``forward``; a method: its code, on instances of its
     class; an aten operator: the builtin of the packet and of every overload; a builtin: itself."""
     import torch
 
-    codes, builtins = [], []
+    functions, builtins = [], []  # functions: (function, name, class that self must be)
     if isinstance(obj, torch._ops.OpOverloadPacket):
         builtins.append((obj._op, name))
         builtins += [(getattr(obj, o)._op, f"{name}.{o}") for o in obj.overloads()]
     elif isinstance(obj, type):
         for method in ("__init__", "forward"):
-            fn = getattr(getattr(obj, method, None), "__code__", None)
-            if fn is not None and getattr(obj, method) is not object.__init__:
-                codes.append((fn, f"{name}.{method}", obj))
+            fn = getattr(obj, method, None)
+            if hasattr(fn, "__code__") and fn is not object.__init__:
+                functions.append((fn, f"{name}.{method}", obj))
     elif isinstance(obj, property) and obj.fget is not None:  # read on an instance of its class
-        codes.append((obj.fget.__code__, name, owner))
+        functions.append((obj.fget, name, owner))
     elif hasattr(obj, "__code__"):
-        codes.append((obj.__code__, name, owner))
+        functions.append((obj, name, owner))
     elif hasattr(getattr(obj, "__func__", None), "__code__"):  # a bound or class method
-        codes.append((obj.__func__.__code__, name, owner))
+        functions.append((obj.__func__, name, owner))
     else:
         builtins.append((obj, name))
-    return codes, builtins
+    return functions, builtins
 
 
 def _fingerprint(code) -> tuple:
@@ -130,12 +200,16 @@ class Watch:
         self.codes: dict = {}  # code object -> (name, class that self must be, or None)
         self.builtins: dict = {}  # builtin -> name
         self.copies: dict = {}  # qualname -> [(bytecode, name)]: a reloaded or exec'd copy of a forbidden function
+        functions = []
         for name, obj, owner in forbid:
-            codes, builtins = _targets(name, obj, owner)
-            for code, label, cls in codes:
-                self.codes[code] = (label, cls)
-                self.copies.setdefault(code.co_qualname, []).append((_fingerprint(code), label))
+            found, builtins = _targets(name, obj, owner)
+            functions += found
             self.builtins.update(builtins)
+        codes = [(fn.__code__, label, cls) for fn, label, cls in functions]
+        ours = [(fn, cls) for fn, _, cls in functions if getattr(fn, "__module__", "").startswith("ar_lab.")]
+        for code, label, cls in codes + _helpers(ours, {code for code, _, _ in codes}):  # with their helpers
+            self.codes[code] = (label, cls)
+            self.copies.setdefault(code.co_qualname, []).append((_fingerprint(code), label))
         self.learner_codes, self.exercise, self.error = learner_codes, exercise, error
         self.calls: list[str] = []
         self.active = False
