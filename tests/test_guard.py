@@ -14,12 +14,14 @@ import sys
 import threading
 import types
 
+import nbformat
 import pytest
 import torch
 import torch.nn.functional as F
 
 from ar_lab.base.errors import BadValue
 from ar_lab.course.checks import Delegated, no_delegation, own_work
+from ar_lab.course.exercises import NOTEBOOKS, graded_cells
 from ar_lab.course.forbidden import FORBIDDEN
 from ar_lab.engine import sampling
 from ar_lab.engine.sampling import filter_top_k
@@ -114,7 +116,7 @@ def test_copies_of_the_reference_code_are_caught():
     def reloaded(logits, k):
         return second.filter_top_k(logits, k)
 
-    caught(exec_copy, logits, 2, forbid="ch06-sampler", reaches="_top_k (a copy of its code)")  # a helper of its references
+    caught(exec_copy, logits, 2, forbid="ch06-sampler", reaches="_top_k (a copy of its code)")  # a helper of the list's
     caught(reloaded, logits, 2, forbid=[TOP_K], reaches="filter_top_k")  # the same file and line: equal code
 
 
@@ -162,11 +164,17 @@ def test_a_check_inside_the_block_keeps_the_outer_watch():
             check_cases("top-k", delegating, [((logits, 2), filter_top_k(logits, 2))])
 
 
-def test_forbid_lists_name_no_private_ar_lab_path():
+def test_forbid_lists_and_graded_cells_name_no_private_ar_lab_path():
     private = [(ex, ref) for ex, refs in FORBIDDEN.items() for ref in refs
                if ref.startswith("ar_lab.") and any(part.startswith("_") and not part.startswith("__")
                                                      for part in ref.split("."))]
     assert not private, private
+    for path in sorted(NOTEBOOKS.glob("*.ipynb")):
+        nb = nbformat.read(path, as_version=4)
+        for i, meta in graded_cells(nb):
+            private = r"ar_lab[\w.]*\._[a-z]\w*|from ar_lab[\w.]* import [^\n]*\b_[a-z]\w*"
+            named = re.findall(private, nb.cells[i].source)
+            assert not named, (path.name, meta["grade_id"], named)
 
 
 def test_a_references_private_helpers_are_forbidden_with_it_and_shared_ones_are_not():
