@@ -229,3 +229,42 @@ def test_cuda_measurements_use_bf16():
     assert list(out["by_variant"]) == ["eager", "cuda graph"]
     assert out["by_variant"]["cuda graph"]["mode"] == "cuda graph"
     assert peaks.measure_bandwidth(nbytes=2**26, repeats=2)["bytes_per_s"] > 1e9
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_a_captured_pass_keeps_the_buffers_it_replays_on(monkeypatch):
+    """A CUDA graph replays on the addresses it was captured with: the KV cache and ids of prepare_forward's
+    step live as long as the replay does, so a replay after the cache is emptied and memory reallocated still
+    runs on them (measure_gpu's decode points once replayed on freed caches: an illegal memory access)."""
+    import gc
+    import weakref
+
+    from ar_lab.model.cache import KVCache
+
+    made = []
+    for_model = KVCache.for_model.__func__
+
+    def recording(cls, *args, **kwargs):
+        made.append(for_model(cls, *args, **kwargs))
+        return made[-1]
+
+    monkeypatch.setattr(KVCache, "for_model", classmethod(recording))
+    m = measure.build_model(GPTConfig(block_size=64, n_layer=2, n_head=4, n_embd=64))
+    fns = [measure.prepare_forward(m, 1, 15, b, phase="decode", cuda_graph=True) for b in (1, 4)]
+    assert [f[2] for f in fns] == ["cuda graph"] * 2, [f[3] for f in fns]
+    caches = [weakref.ref(c) for c in made]
+    made.clear()
+    gc.collect()
+    torch.cuda.empty_cache()
+    assert all(c() is not None for c in caches), "a prepared replay let its KV cache go"
+    filler = torch.full((2**26,), float("nan"), device=m.device)  # what would take a freed cache's memory
+    with torch.inference_mode():  # the caches are inference tensors
+        for ref in caches:
+            ref().k[0][:, :, 15].zero_()  # the decode step's position: each replay writes its key there again
+    for fn, *_ in fns:
+        fn()
+    torch.cuda.synchronize()
+    for ref in caches:
+        written = ref().k[0][:, :, 15]
+        assert torch.isfinite(written).all() and written.abs().sum() > 0, "a replay did not write its own cache"
+    assert torch.isnan(filler).all(), "a replay wrote into memory it does not own"

@@ -81,7 +81,12 @@ def _cuda_graph(step: Callable[[], object], device: torch.device) -> Callable[[]
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph, stream=stream):
         step()
-    return graph.replay
+    held = (graph, step)  # the graph reads and writes the buffers step's closure holds (the KV cache, the ids)
+
+    def replay() -> None:  # so the replay holds them too: freed, their memory would go to the next allocation
+        held[0].replay()
+
+    return replay
 
 
 def measure_forward(
