@@ -33,6 +33,8 @@ def test_format_table_right_aligns_and_rounds_floats():
         ["decode", "--threads", "0"],
         ["serving", "--batch-sizes", "1,two"],
         ["lookup", "--lookahead", "0"],
+        ["verify", "--ks", "2", "3"],
+        ["verify", "--device", "banana"],
     ],
 )
 def test_bad_options_end_with_one_message_and_status_2(args, capsys):
@@ -129,3 +131,25 @@ def test_selfspec_benchmark_widens_drafts_and_times_the_verify_pass(capsys):
         selfspec_benchmark(0, course=course)
     with pytest.raises(ValueError):
         selfspec_benchmark(2, "fp8", course=course)
+
+
+def test_verify_curve_is_relative_to_one_decode_step(capsys):
+    from ar_lab.bench.verify import format_verify_results, verify_curve
+
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(block_size=64, n_layer=1, n_head=2, n_embd=32)).eval()
+    curve = verify_curve(model, [1, 3, 9], past=16, rounds=2, cuda_graph=True)  # ignored on a CPU
+    assert capsys.readouterr().out == ""
+    assert curve["mode"] == "eager" and curve["parameters"] == model.num_parameters()
+    rows = curve["rows"]
+    assert rows[1]["time"] == rows[1]["flops"] == rows[1]["bytes"] == 1.0
+    assert [round(rows[k]["flops"]) for k in (3, 9)] == [3, 9]  # k positions: k times the arithmetic
+    assert 1 < rows[3]["bytes"] < rows[9]["bytes"] < 9 / 4  # the weights read once: bytes grow far slower
+    assert all(r["seconds"] > 0 and r["time"] == r["seconds"] / rows[1]["seconds"] for r in rows.values())
+    text = format_verify_results({"past": 16, "models": {"tiny": curve}})
+    assert "after 16 cached ones" in text and text.count("tiny") == 3
+    for bad in ([], [2, 3], [1, 0]):
+        with raises(BadValue, "ks"):
+            verify_curve(model, bad, past=16, rounds=1, cuda_graph=False)
+    with raises(ContextFull, "past"):
+        verify_curve(model, [1, 60], past=16, rounds=1, cuda_graph=False)

@@ -15,7 +15,19 @@ import sys
 from pathlib import Path
 
 from ar_lab.base.timing import machine
-from ar_lab.bench import constrained, decode, lookup, paged, quant, roofline, sampler, selfspec, serving, speculative
+from ar_lab.bench import (
+    constrained,
+    decode,
+    lookup,
+    paged,
+    quant,
+    roofline,
+    sampler,
+    selfspec,
+    serving,
+    speculative,
+    verify,
+)
 from ar_lab.model.data import check_writable
 
 # name -> (module with add_options and run, one-line help)
@@ -27,6 +39,8 @@ BENCHMARKS = {
     "speculative": (speculative, "speculative vs plain decoding, measured against the theory (chapter 07)"),
     "selfspec": (selfspec, "speculative decoding on a memory-bound target: the widened course model drafted by its own "
                  "int4 copy, and the verify pass in decode steps (chapter 07)"),
+    "verify": (verify, "one pass over k new positions in decode steps, on a memory-bound model and the course "
+               "model: chapter 07's curve where a notebook cannot measure it (a GPU)"),
     "lookup": (lookup, "prompt lookup vs a draft model vs plain decoding, and vs transformers' lookup (chapter 07)"),
     "serving": (serving, "static vs continuous batching, tokens/s vs batch size, prefix-cache TTFT (chapter 08)"),
     "paged": (paged, "KV memory in slots vs paged blocks: reserved vs used, requests in a fixed budget (chapter 08)"),
