@@ -60,7 +60,7 @@ def test_gpu_measurement_says_where_it_comes_from(monkeypatch):
     monkeypatch.setattr(measure, "reference_files", lambda **_: [committed])
     monkeypatch.setattr(measure, "load_result", lambda path: {"from": path})
     result, where = gv.gpu_measurement("cpu")
-    assert result == {"from": committed} and where == "committed measurement roofline_gpu_h100.json, from data"
+    assert result == {"from": committed} and where == "committed measurement data/roofline_gpu_h100.json"
     with pytest.raises(ValueError):
         gv.gpu_measurement("banana")
 

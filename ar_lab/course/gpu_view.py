@@ -442,7 +442,7 @@ def gpu_measurement(device, *, progress: Callable[[str], None] | None = None) ->
         result = measure_gpu(device, progress=progress)
         return result, f"measured now on this GPU, in {time.perf_counter() - start:.0f} s"
     if files := reference_files(device_type="cuda"):
-        return load_result(files[-1]), f"committed measurement {files[-1].name}, from {files[-1].parent}"
+        return load_result(files[-1]), f"committed measurement {files[-1].parent.name}/{files[-1].name}"
     return None, (
         f"This machine has no GPU ({device_name(device)}) and the repository holds no GPU measurement: nothing in "
         "this chapter was measured on a GPU. The GPU figures above are predictions from datasheets."
