@@ -75,6 +75,20 @@ def test_main_records_the_arguments_it_parsed(tmp_path, monkeypatch, capsys):
     assert "sampler: greedy" in capsys.readouterr().out
 
 
+def test_a_result_that_names_its_device_is_recorded_as_run_there(tmp_path, monkeypatch, capsys):
+    """A GPU run's JSON says it ran on the GPU (the result's own device), not on the host's CPU."""
+    from ar_lab.bench import roofline
+
+    gpu = {"type": "cuda", "name": "NVIDIA H200", "threads": 16, "cpus": 16, "load_1min": 0.5}
+    ran = {"device": gpu, "versions": {"torch": "2.11.0+cu130", "cuda": "13.0"}, "date": "2026-12-04T16:37:36+00:00"}
+    monkeypatch.setattr(roofline, "run", lambda args: dict(ran))
+    assert main(["roofline", "--quick", "--json", str(tmp_path / "r.json")]) == 0
+    assert json.loads((tmp_path / "r.json").read_text())["machine"] == ran
+    monkeypatch.setattr(roofline, "run", lambda args: {"points": []})  # names no device: the host's
+    assert main(["roofline", "--quick", "--json", str(tmp_path / "s.json")]) == 0
+    assert json.loads((tmp_path / "s.json").read_text())["machine"]["device"]["type"] == "cpu"
+
+
 @pytest.fixture
 def model_128():
     torch.manual_seed(0)

@@ -64,7 +64,9 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, FileNotFoundError) as e:  # bad options or a missing checkpoint: say so, no traceback
         parser.error(f"{args.name}: {e}")
     results["command"] = shlex.join(["python", "-m", "ar_lab.bench", *argv])
-    results.setdefault("machine", machine())  # what the README's table says it ran on, and when
+    # what the README's table says it ran on, and when: the result's own device where it names one (a GPU run)
+    described = isinstance(results.get("device"), dict) and all(k in results for k in ("versions", "date"))
+    results.setdefault("machine", {k: results[k] for k in ("device", "versions", "date")} if described else machine())
     if args.json is not None:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(results, indent=2))
