@@ -162,7 +162,7 @@ def test_verify_curve_is_relative_to_one_decode_step(capsys):
     assert all(r["seconds"] > 0 and r["time"] == r["seconds"] / rows[1]["seconds"] for r in rows.values())
     text = format_verify_results({"past": 16, "models": {"tiny": curve}})
     assert "after 16 cached ones" in text and text.count("tiny") == 3
-    for bad in ([], [2, 3], [1, 0]):
+    for bad in ([], [2, 3], [1, 0], [True, 2]):
         with raises(BadValue, "ks"):
             verify_curve(model, bad, past=16, rounds=1, cuda_graph=False)
     with raises(ContextFull, "past"):

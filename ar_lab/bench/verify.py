@@ -37,8 +37,9 @@ def verify_curve(model, ks, past: int, rounds: int, *, cuda_graph: bool) -> dict
     from ar_lab.model.inference import inference
     from ar_lab.perf.measure import prepare_forward
 
-    if not ks or ks[0] != 1 or any(not isinstance(k, int) or k < 1 for k in ks):
-        raise BadValue(f"ks must be positive ints starting with 1 (one decode step), got {ks!r}", arg="ks")
+    ks = [positive_int("ks", k) for k in ks]  # the one rule for counts: bools and 0 refused
+    if not ks or ks[0] != 1:
+        raise BadValue(f"ks must start with 1 (one decode step, what the others are divided by), got {ks!r}", arg="ks")
     positive_int("past", past)
     positive_int("rounds", rounds)
     with inference(model):
