@@ -18,6 +18,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from ar_lab.base.errors import BadValue
+from ar_lab.engine.sampling import on_generator_device
 from ar_lab.engine.sides import checked_tokens
 
 
@@ -47,7 +48,7 @@ def residual_distribution(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
 
 def draw(dist: torch.Tensor, generator: torch.Generator | None) -> int:
     """One token from a probability vector (vocab,)."""
-    return int(torch.multinomial(dist, 1, generator=generator))
+    return int(torch.multinomial(on_generator_device(dist, generator), 1, generator=generator))
 
 
 def accept_step(p: torch.Tensor, q: torch.Tensor, drafts: list[int], u: torch.Tensor) -> tuple[int, torch.Tensor]:
@@ -116,7 +117,8 @@ class Accept:
         if not isinstance(q, torch.Tensor) or q.shape != (g, V):
             raise BadValue(f"accept(p, qs, drafts): qs must be the {g} distributions the drafts were drawn from, "
                            f"shape ({g}, {V}), got {getattr(q, 'shape', q)!r:.80}", arg="qs")
-        u = torch.rand(g, generator=self.generator, device=p.device, dtype=torch.float64)
+        where = p.device if self.generator is None else self.generator.device  # a CPU generator serves a GPU too
+        u = torch.rand(g, generator=self.generator, device=where, dtype=torch.float64).to(p.device)
         result = self.rule(p, q, list(drafts), u)
         n, dist = checked_accept(result, g, V) if self.checked else result
         tested = min(g, n + 1)

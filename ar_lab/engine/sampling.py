@@ -310,9 +310,14 @@ def sample(
     if params.greedy:
         return x.argmax(dim=-1)
     probs = torch.softmax(x, dim=-1)
-    if probs.ndim == 1:
-        return torch.multinomial(probs, 1, generator=generator)[0]
-    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+    drawn = torch.multinomial(on_generator_device(probs, generator), 1, generator=generator).to(probs.device)
+    return drawn[0] if probs.ndim == 1 else drawn.squeeze(-1)
+
+
+def on_generator_device(t: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+    """``t`` where ``generator`` draws: a seeded ``torch.Generator()`` (on the CPU) then also draws for a model on
+    a GPU, the same numbers as beside a model on the CPU, where torch would refuse a generator of another device."""
+    return t if generator is None or generator.device == t.device else t.to(generator.device)
 
 
 # A sampler hook: one row of logits (vocab,) in float32, after the repetition penalty; the settings;

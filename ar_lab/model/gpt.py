@@ -207,6 +207,9 @@ class GPT(nn.Module):
         B, T = idx.shape
         if T == 0:
             raise BadValue("idx is empty: give at least one token", arg="idx")
+        if idx.device != self.wte.weight.device:  # else torch's index_select error, from deep inside
+            raise BadValue(f"idx is on {idx.device}, the model on {self.wte.weight.device}: pass idx.to(model.device)",
+                           arg="idx")
         if positions is None:
             start = 0 if cache is None else cache.length
             end = start + T
