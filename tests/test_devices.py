@@ -2,8 +2,8 @@
 
 The course's cells seed ``torch.Generator()``; on a learner's GPU the model's logits are on CUDA, where torch
 refuses a CPU generator. Sampling and the speculative accept draw where the generator lives, the same numbers
-as beside a CPU model. Ids on another device than the model are refused at ``GPT.forward``'s door. The CUDA
-tests run where a GPU is (they ran on an H200); the door also on a CPU, with ids on the meta device.
+as beside a CPU model. Ids on another device than the model are refused by name at ``GPT.forward``. The CUDA
+tests run where a GPU is (they ran on an H200); the refusal also on a CPU, with torch's error stood in.
 """
 
 import pytest
@@ -24,10 +24,19 @@ def tiny(device="cpu") -> GPT:
     return GPT(GPTConfig(block_size=64, n_layer=2, n_head=4, n_embd=32)).eval().to(device)
 
 
-def test_ids_on_another_device_than_the_model_are_refused_by_name():
+def test_ids_on_another_device_than_the_model_are_refused_by_name(monkeypatch):
+    """The door costs nothing on the way in (no check before the embedding: a pass's PyTorch calls, which chapter
+    04 counts, stay the model's own); torch's refusal is said by name. On a CPU the refusal is torch's stand-in."""
     model = tiny()
-    with raises(ValueError, "idx"):
+
+    def torch_refuses(idx):  # what the embedding raises on a GPU for ids on the CPU
+        raise RuntimeError("Expected all tensors to be on the same device")
+
+    monkeypatch.setattr(model.wte, "forward", torch_refuses)
+    with raises(ValueError, "idx"):  # ids elsewhere: said by name
         model(torch.zeros(1, 3, dtype=torch.long, device="meta"))
+    with pytest.raises(RuntimeError, match="same device"):  # ids where the model is: torch's own error stands
+        model(torch.zeros(1, 3, dtype=torch.long))
 
 
 def test_a_tensor_already_where_the_generator_draws_is_left_alone():

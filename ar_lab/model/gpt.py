@@ -207,9 +207,6 @@ class GPT(nn.Module):
         B, T = idx.shape
         if T == 0:
             raise BadValue("idx is empty: give at least one token", arg="idx")
-        if idx.device != self.wte.weight.device:  # else torch's index_select error, from deep inside
-            raise BadValue(f"idx is on {idx.device}, the model on {self.wte.weight.device}: pass idx.to(model.device)",
-                           arg="idx")
         if positions is None:
             start = 0 if cache is None else cache.length
             end = start + T
@@ -230,6 +227,11 @@ class GPT(nn.Module):
             raise BadValue(
                 f"idx holds token ids outside the vocabulary [0, {self.config.vocab_size - 1}]", arg="idx"
             ) from None
+        except RuntimeError:  # ids on another device than the model: said here, not by torch's index_select
+            if idx.device == self.wte.weight.device:
+                raise
+            raise BadValue(f"idx is on {idx.device}, the model on {self.wte.weight.device}: pass idx.to(model.device)",
+                           arg="idx") from None
         if cache is not None and getattr(cache, "dtype", x.dtype) != x.dtype:  # a cache of one's own may have none
             raise BadType(
                 f"the cache holds {cache.dtype} keys and values but the model computes in {x.dtype}: "
