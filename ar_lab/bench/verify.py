@@ -72,12 +72,13 @@ def run(args: argparse.Namespace) -> dict:
         cfg, ks, past = GPTConfig(block_size=64, n_layer=2, n_head=4, n_embd=64), [1, 2], 16
     else:
         cfg, ks, past = CONFIGS[args.config or ("gpu" if cuda else "cpu")], list(args.ks), args.past
-    models = {"random init": build_model(cfg, device), "course checkpoint": load_pretrained("course", device)}
+    models = {"random init": lambda: build_model(cfg, device),
+              "course checkpoint": lambda: load_pretrained("course", device)}
     result = {"device": device.type, "past": past, "models": {}, "machine": machine(device)}
-    for name, model in models.items():
+    for name, built in models.items():  # one model at a time: the first is freed before the next is made
+        model = built()
         print(f"  {name}: {model.num_parameters() / 1e6:,.1f} M parameters", flush=True)
         result["models"][name] = verify_curve(model, ks, past, args.rounds, cuda_graph=cuda)
-        del model
     print()
     print(format_verify_results(result))
     return result
