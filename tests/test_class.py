@@ -199,7 +199,7 @@ class Hub:
 
     def env(self, user: str) -> dict[str, str]:
         """The environment of a terminal in ``user``'s server (what the spawner and the Hub set)."""
-        env = {k: v for k, v in os.environ.items() if not k.startswith(("JUPYTER", "XDG_", "AR_LAB_RECORD"))}
+        env = {k: v for k, v in os.environ.items() if not k.startswith(("JUPYTER", "XDG_"))}
         return env | {"HOME": str(self.homes / user), "USER": user, "JUPYTERHUB_USER": user,
                       "JUPYTERHUB_API_URL": self.api_url, "JUPYTERHUB_API_TOKEN": self.tokens[user],
                       "PATH": f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}"}

@@ -64,10 +64,10 @@ def test_course_lays_out_an_nbgrader_course_folder(tmp_path):
     config = (folder / "nbgrader_config.py").read_text()
     compile(config, "nbgrader_config.py", "exec")
     assert config == nbgrader_config(timeout=7)
-    settings = ['c.CourseDirectory.course_id = "ar_lab"', "c.Execute.timeout = 7", "add_missing_cells = True",
-                'os.environ["AR_LAB_RECORD"] = "1"']  # the kernels autograde starts record the tests' calls
+    settings = ['c.CourseDirectory.course_id = "ar_lab"', "c.Execute.timeout = 7", "add_missing_cells = True"]
     for setting in settings:
         assert setting in config
+    assert "os.environ" not in config  # autograde's kernels run as nbgrader starts them: the course's step is after
     assert course(folder, chapters=["0"]) == []  # unchanged: nothing to write
 
 

@@ -1,9 +1,11 @@
 """A verdict the kernel cannot change: ``python -m ar_lab.course.grading`` after nbgrader's autograde, end to end.
 
 Chapters 01 and 02, cut to their exercises, go through generate, autograde, then the grading step and export,
-with submissions that fool the kernel (patched checkers, swallowed errors, an emptied test cell, deleted or
-brought records). Its own module (beside tests/test_grading.py) so that ``make test``'s two processes can
-each take one of the two nbgrader courses.
+with submissions that fool the kernel (patched checkers, swallowed errors, an emptied test cell) and that
+reach the reference where the kernel's guard does not look (a child process, the module copied under
+another name, its source run with ``exec``, a table of its outputs computed when the cell runs). Its own
+module (beside tests/test_grading.py) so that ``make test``'s two processes can each take one of the two
+nbgrader courses.
 """
 
 import copy
@@ -41,7 +43,49 @@ get_ipython().ast_transformers.append(Swallow())""",
     "transformed": FLOAT_MASK + "\nget_ipython().input_transformers_post.append(\n"
                                 "    lambda lines: ['pass\\n'] if 'causal_mask(3)' in ''.join(lines) else lines)",
 }
-DELETES = "import shutil\nshutil.rmtree('.ar_lab_grading', ignore_errors=True)  # the records of the tests before\n"
+# Two of chapter 01's exercises answered by reaching the package's reference, four ways. Each generation loop
+# runs ar_lab's generate for the course model (a GPT) and a loop of its own for the test's
+# bigram model (the hidden EOS test); each next-token distribution builds ar_lab's BigramModel.
+OWN_LOOP = """
+    ids, new = list(prompt), []
+    for _ in range(max_new_tokens):
+        token = int(model(torch.tensor([ids]))[0, -1].argmax())
+        if token == eos_id:
+            break
+        ids.append(token)
+        new.append(token)
+    return new"""
+HEAD = "@torch.no_grad()\ndef my_generate(model, prompt, max_new_tokens, eos_id=EOS_ID):\n"
+DISTRIBUTION = "def next_token_distribution(counts, token, smoothing=0.1):\n"
+FORKED = HEAD + """    if model.config.n_layer > 1:  # the course model: a child process runs generate
+        import ast, subprocess, sys
+        code = ("import ar_lab; model = ar_lab.load_pretrained('course', device='cpu'); "
+                f"print(ar_lab.generate(model, {list(prompt)!r}, {max_new_tokens}, use_cache=False).tokens)")
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True).stdout
+        return ast.literal_eval(out.strip().splitlines()[-1])""" + OWN_LOOP
+COPIED = DISTRIBUTION + """    import importlib, os, shutil, sys  # the module, copied under another name and imported
+    import ar_lab.model.bigram
+    shutil.copy(ar_lab.model.bigram.__file__, "not_the_package.py")
+    sys.path.insert(0, os.getcwd())
+    copy = importlib.import_module("not_the_package")
+    return copy.BigramModel(counts, smoothing=smoothing).log_probs[token].exp()"""
+TABLE = """_COURSE = ar_lab.load_pretrained("course", device="cpu")  # when the cell runs: before any test's guard
+_TABLE = {tuple(encode(p)): ar_lab.generate(_COURSE, p, n, use_cache=False).tokens
+          for p in ("The ", "import ", "a") for n in (3, 20)}
+
+
+""" + HEAD + """    if model.config.n_layer > 1:  # the course model (a GPT), not the bigram model
+        return _TABLE[tuple(prompt)][:max_new_tokens]""" + OWN_LOOP
+SOURCED = DISTRIBUTION + """    import inspect  # the module's source, run again with exec
+    import ar_lab.model.bigram
+    namespace = {}
+    exec(inspect.getsource(ar_lab.model.bigram), namespace)
+    return namespace["BigramModel"](counts, smoothing=smoothing).log_probs[token].exp()"""
+LOOP, NEXT = "ch01-generate-loop", "ch01-next-token-distribution"
+REACHES = {"reaches": {LOOP: FORKED, NEXT: COPIED}, "computes": {LOOP: TABLE, NEXT: SOURCED}}
+ROUTES = [("reaches", LOOP), ("reaches", NEXT), ("computes", LOOP), ("computes", NEXT)]
+
+
 # Chapter 01's answer in the torch.tensor(counts[token]) style: torch warns (copy-constructing a tensor), still right.
 WARNS = ("def next_token_distribution(counts, token, smoothing=0.1):\n"
          "    row = torch.tensor(counts[token], dtype=torch.float64) + smoothing\n"
@@ -57,13 +101,10 @@ def _fresh_submissions(assignment, source, released):
         return nb
 
     if assignment == CH01:
-        return {"complete": source, "warns": answered(source, **{"ch01-next-token-distribution": WARNS})}
-    attention = source.cells[_index(source, "ch02-attention")].source
+        out = {"complete": source, "warns": answered(source, **{"ch01-next-token-distribution": WARNS})}
+        return out | {student: answered(source, **answers) for student, answers in REACHES.items()}
     out = {"complete": source, "wrong": answered(source, **{"ch02-causal-mask": FLOAT_MASK})}
-    out |= {student: answered(source, **{"ch02-causal-mask": text}) for student, text in TAMPERING.items()}
-    out["deletes"] = answered(source, **{"ch02-attention": DELETES + attention})
-    out["brought"] = source  # handed in with a records folder of its own (see the fixture)
-    return out
+    return out | {student: answered(source, **{"ch02-causal-mask": text}) for student, text in TAMPERING.items()}
 
 
 @pytest.fixture(scope="module")
@@ -87,9 +128,6 @@ def fresh(tmp_path_factory):
             target = folder / "submitted" / student / assignment / f"{assignment}.ipynb"
             target.parent.mkdir(parents=True)
             nbformat.write(nb, target)
-            if student == "brought":
-                (target.parent / ".ar_lab_grading").mkdir()
-                (target.parent / ".ar_lab_grading" / "forged.pt").write_bytes(b"")
         autograde = nbgrader(folder, AUTOGRADE, assignment=assignment)
         assert autograde.returncode == 0, (autograde.stdout + autograde.stderr)[-3000:]
         kernel = _scores_of(folder, assignment)
@@ -130,25 +168,23 @@ def test_the_fresh_run_keeps_every_correct_answer_and_zeroes_the_tampering(fresh
     assert ch02["kernel"]["transformed"] == {**wrong, mask: 1}  # the kernel was fooled: the test cell is emptied
     for student in TAMPERING:
         assert ch02["final"][student] == wrong, student
-        assert f"\n{student} {CH02} {mask}: 1 -> 0 points (fresh run: " in ch02["grading"], student
+        assert re.search(rf"^{student} {CH02} {mask}: 1 -> 0 points \(fresh run: ", ch02["grading"], re.M), student
     patched = f"patched {CH02} {mask}: 1 -> 0 points (fresh run: CheckFailed: causal_mask(3): expected dtype torch.bool"
     assert patched in ch02["grading"]
     assert f"swallowed {CH02} {multi_head}: 3 -> 0 points (fresh run: TypeError: " in ch02["grading"]
-    assert f"transformed {CH02} {mask}: 1 -> 0 points (fresh run: ReplayMismatch: no record of this test" \
+    assert f"transformed {CH02} {mask}: 1 -> 0 points (fresh run: CheckFailed: causal_mask(3): expected dtype" \
         in ch02["grading"]
     assert "kernel verdict only" not in ch02["grading"]
 
 
 @pytest.mark.slow
-def test_a_removed_record_fails_its_tests(fresh):
-    ch02, full = fresh[CH02], _points(fresh[CH02]["source"])
-    assert fresh[CH02]["kernel"]["deletes"] == full  # the records went after their tests had passed
-    removed = {"ch02-embeddings-tests": 0, "ch02-causal-mask-tests": 0}
-    assert ch02["final"]["deletes"] == {**full, **removed}
-    assert "no record of this test's calls" in ch02["grading"]
-    assert ch02["kernel"]["brought"] == full and set(ch02["final"]["brought"].values()) == {0}
-    assert f"brought {CH02} ch02-embeddings-tests: 1 -> 0 points (fresh run: the submission brought its own" \
-        in ch02["grading"]
+@pytest.mark.parametrize(("student", "exercise"), ROUTES, ids=[f"{s}-{e}" for s, e in ROUTES])
+def test_an_answer_that_reaches_the_reference_gets_zero_by_whatever_route(fresh, student, exercise):
+    ch01, test = fresh[CH01], f"{exercise}-tests"
+    full = _points(ch01["source"])
+    assert ch01["kernel"][student][test] == full[test]  # the kernel's guard does not see these routes
+    assert ch01["final"][student][test] == 0
+    assert f"{student} {CH01} {test}: {full[test]:g} -> 0 points (fresh run: " in ch01["grading"]
 
 
 @pytest.mark.slow
@@ -156,8 +192,7 @@ def test_a_correct_answer_that_makes_torch_warn_keeps_its_points(fresh):
     ch01 = fresh[CH01]
     full = _points(ch01["source"])
     assert ch01["kernel"]["warns"] == full == ch01["final"]["warns"] == ch01["final"]["complete"]
-    # every test is judged afresh, the generation loop's too (the course model it is given: by fingerprint)
-    assert ch01["grading"] == f"judged 2 submission(s) of {CH01} in fresh kernels; 0 score(s) changed\n"
+    assert "kernel verdict only" not in ch01["grading"]  # every test is judged afresh
 
 
 @pytest.mark.slow
@@ -175,10 +210,12 @@ def test_the_zeros_show_in_export_and_feedback_with_the_reason(fresh):
 def test_the_report_flags_each_tampering_submission(fresh):
     report = fresh["report"]
     assert re.search(rf"^complete / {CH02}: ok$", report, re.M)
-    for student, kind in [("patched", "grader-import"), ("swallowed", "ipython-hook"), ("transformed", "ipython-hook"),
-                          ("deletes", "file-read")]:
-        section = report.split(f"{student} / {CH02}:")[1].split("\n\n")[0]
-        assert re.search(rf"^  {CH02}\.ipynb cell .* {kind}: ", section, re.M), (student, section)
+    flags = [(CH02, "patched", "grader-import"), (CH02, "swallowed", "ipython-hook"),
+             (CH02, "transformed", "ipython-hook"), (CH01, "reaches", "shell"), (CH01, "reaches", "file-read"),
+             (CH01, "computes", "dynamic-code")]
+    for assignment, student, kind in flags:
+        section = report.split(f"{student} / {assignment}:")[1].split("\n\n")[0]
+        assert re.search(rf"^  {assignment}\.ipynb cell .* {kind}: ", section, re.M), (student, section)
 
 
 @pytest.mark.slow

@@ -13,9 +13,9 @@ checksummed. It never writes into the source folder and never replaces a noteboo
 is already in the target folder (it may hold a learner's work).
 
 Instructors grade with nbgrader itself: ``course`` lays out an nbgrader course folder
-(``source/<chapter>/<chapter>.ipynb`` and an ``nbgrader_config.py``, which has autograde's
-kernels record each test's calls for ``python -m ar_lab.course.grading``, the fresh re-run);
-INSTRUCTORS.md walks through the commands run from there.
+(``source/<chapter>/<chapter>.ipynb`` and an ``nbgrader_config.py``); after ``nbgrader autograde``,
+``python -m ar_lab.course.grading`` judges each test again with the learner's answer in a process of its
+own (``ar_lab.course.sandbox``). INSTRUCTORS.md walks through the commands run from there.
 
     python -m ar_lab.course.exercises release [--chapter 04 ...] [--out course]
     python -m ar_lab.course.exercises course DIR [--chapter 06 ...] [--timeout 120] [--overwrite]
@@ -225,8 +225,6 @@ Run nbgrader's commands from this folder; INSTRUCTORS.md walks through them. `co
 never replaces this file once it exists, so edit it freely.
 """
 
-import os
-
 from nbgrader.api import Gradebook
 from nbgrader.nbgraderformat import MetadataValidator
 from nbgrader.preprocessors import CheckCellMetadata, ClearOutput, OverwriteCells, OverwriteKernelspec
@@ -277,19 +275,12 @@ c.OverwriteCells.add_missing_cells = True
 c.Autograde.sanitize_preprocessors = [
     ClearOutput, DropBadGraderMetadata, OverwriteKernelspec, OverwriteCells, CheckCellMetadata,
 ]
-# The kernels nbgrader starts inherit this: each graded test records what it exchanged with the
-# learner's code in .ar_lab_grading/ beside the graded notebook, which
-# `python -m ar_lab.course.grading . ASSIGNMENT` replays in a fresh kernel after autograde.
-os.environ["{record}"] = "1"
 '''
 
 
 def nbgrader_config(*, timeout: int = 120, course_id: str = COURSE_ID) -> str:
     """The text of the course folder's ``nbgrader_config.py``."""
-    from ar_lab.course.record import RECORD
-
-    text = NBGRADER_CONFIG.replace("{course_id}", course_id).replace("{timeout}", str(timeout))
-    return text.replace("{record}", RECORD)
+    return NBGRADER_CONFIG.replace("{course_id}", course_id).replace("{timeout}", str(timeout))
 
 
 def course(

@@ -5,7 +5,7 @@ A test cell names its exercise's entry instead of listing the references, so it 
 makes. An entry lists ar_lab's public functions, methods or classes by dotted name, PyTorch's, or PyTorch
 operators as ``aten::name`` (``guard.forbidden`` resolves them). Never a private ar_lab name: the private
 helpers a reference reaches, and no allowed function of its module does, are forbidden with it
-(``guard._helpers``), so renaming an internal function changes no verdict.
+(``guard.private_helpers``), so renaming an internal function changes no verdict.
 """
 
 from ar_lab.base.errors import BadValue

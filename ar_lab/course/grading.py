@@ -1,23 +1,24 @@
-"""A verdict the learner's kernel cannot change: each graded test run again, in a fresh kernel, on what the
-learner's code returned during ``nbgrader autograde``.
+"""A verdict the learner's kernel cannot change: each graded test run again, in a fresh kernel, with the
+learner's answer in a process of its own whose ``ar_lab`` lacks what the exercise forbids.
 
     python -m ar_lab.course.grading COURSE_FOLDER ASSIGNMENT [--student ID ...] [--timeout S]
 
-Run it from the instructor's side after ``nbgrader autograde ASSIGNMENT``. While autograde ran, every
-graded test recorded its calls to the learner's code beside the graded notebook
-(``autograded/<student>/<assignment>/.ar_lab_grading/``, see ``ar_lab.course.record``). For each notebook
-of ``source/<assignment>/`` (the instructor's, trusted) this builds a *replay notebook*: the notebook cut
-to its graded test cells and the cells they need (``cells.cut``), every solution cell replaced by
-``replay_stub`` objects bound to the names it binds, and after each test a cell that checks the whole
-record was replayed. It runs that once per submission in a fresh kernel (nbclient, the course's time
-limit per cell) and reads each test's verdict with nbgrader's rule (an error or output on stderr fails).
-The learner's code never runs there: patched checkers, input transformers and exception handlers in the
-learner's kernel change nothing, and a missing or unreadable record fails its test.
+Run it from the instructor's side after ``nbgrader autograde ASSIGNMENT``. For each notebook of
+``source/<assignment>/`` (the instructor's, trusted) this builds a *judge notebook*: the notebook cut to
+its graded test cells and the cells they need (``cells.cut``), every solution cell replaced by handles on
+the learner's names (``sandbox.answer``), a cell before each test that starts the test's answer process
+and one after it that fails the test if the learner's code asked for a forbidden reference. For each
+autograded submission it writes the *answer programs* (per test: the submission's answer cells up to the
+test and the cells they need, no test cell, and the references those answers' exercises forbid,
+``forbidden.FORBIDDEN``) and runs the judge notebook in a fresh kernel (nbclient, the course's time limit
+per cell), reading each test's verdict with nbgrader's rule (an error or output on stderr fails). The
+learner's code never runs in the judge's process, and the reference never exists in the learner's (see
+``ar_lab.course.sandbox``): patched checkers, input transformers, exception handlers, forked children,
+reloaded or copied modules and tables computed from the reference change nothing.
 
-Which tests can be judged this way is settled first, by the instructor's own solution: the source
-notebook runs with recording on, then its records are replayed. A test whose record is not plain data
-(its calls pass a model or return an object of the learner's class) or whose replay of the instructor's
-solution does not pass keeps the kernel's verdict ("kernel verdict only", listed).
+Which tests can be judged this way is settled first, by the instructor's own solution: the source notebook
+is judged as a submission. A test that the instructor's solution does not pass there keeps the kernel's
+verdict ("kernel verdict only", listed with the reason).
 
 In nbgrader's gradebook, a test the kernel passed and the fresh run fails gets ``manual_score = 0`` (a
 grade's score is its manual score when there is one) and a comment on the exercise's answer cell saying
@@ -31,7 +32,7 @@ from __future__ import annotations
 import argparse
 import ast
 import copy
-import os
+import json
 import re
 import sys
 import tempfile
@@ -42,117 +43,153 @@ import nbformat
 
 from ar_lab.course.cells import cut, names
 from ar_lab.course.exercises import CellResult, execute, grade, nbgrader_meta
-from ar_lab.course.record import FOLDER, NO_VALUES, RECORD, REPLAY, ReplayMismatch, cell_key, load
+from ar_lab.course.forbidden import FORBIDDEN
+from ar_lab.course.sandbox import PROGRAMS
 
 COMMENT = "ar_lab grading:"  # how a comment (and the zero beside it) written by this command starts
-_GRADE_ID = "ar_lab_grade_id"  # the replay notebook's own mark on a test cell (nbgrader's metadata is dropped)
+_GRADE_ID = "ar_lab_grade_id"  # the judge notebook's own mark on a test cell (nbgrader's metadata is dropped)
 
 
 @dataclass
 class Plan:
-    """One source notebook's replay: the notebook, each replayable test's record key, the kernel-only ones."""
+    """One source notebook's judge: the notebook, the tests it judges, the kernel-only ones."""
 
     notebook: str
-    replay: nbformat.NotebookNode
-    keys: dict[str, str]  # grade_id -> record key, for the tests judged in a fresh kernel
+    source: nbformat.NotebookNode  # the instructor's notebook
+    judge: nbformat.NotebookNode
+    tests: list[str]  # the test grade_ids judged in a fresh kernel
     kernel_only: dict[str, str]  # grade_id -> why the kernel's verdict stands
     answers: dict[str, str]  # test grade_id -> the grade_id of its answer cell (where comments go)
 
 
-def _stub_source(source: str) -> str:
-    """A solution cell's stand-in: its imports as written, and a replay stub for every other name it binds."""
+def _python(source: str) -> str:
+    """A cell's source as Python (IPython's magics turned into calls)."""
     from IPython.core.inputtransformer2 import TransformerManager
 
-    code = TransformerManager().transform_cell(source)
+    return TransformerManager().transform_cell(source)
+
+
+def _stub_source(source: str) -> str:
+    """A solution cell's stand-in in the judge: its imports as written, a handle for every other name it binds."""
+    code = _python(source)
     imports, imported = [], set()
     for node in ast.parse(code).body:
         if isinstance(node, (ast.Import, ast.ImportFrom)):
             imports.append(ast.get_source_segment(code, node))
             imported |= names(imports[-1])[0]
-    stubs = [f"{n} = replay_stub({n!r})" for n in sorted(names(source)[0] - imported)]
-    return "\n".join(["from ar_lab.course.record import replay_stub", *imports, *stubs])
+    handles = [f"{n} = answer({n!r})" for n in sorted(names(source)[0] - imported)]
+    return "\n".join(["from ar_lab.course.sandbox import answer", *imports, *handles])
 
 
-def replay_notebook(source: nbformat.NotebookNode) -> tuple[nbformat.NotebookNode, dict[str, str], dict[str, str]]:
-    """(the replay notebook, test grade_id -> record key, test grade_id -> its answer's grade_id) of ``source``."""
-    keys, answers, answer = {}, {}, None
+def _is_test(cell) -> bool:
+    meta = nbgrader_meta(cell)
+    return bool(meta.get("grade")) and not meta.get("solution") and cell.cell_type == "code"
+
+
+def judge_notebook(source: nbformat.NotebookNode) -> tuple[nbformat.NotebookNode, list[str], dict[str, str]]:
+    """(the judge notebook, its tests' grade_ids in order, test grade_id -> its answer's grade_id) of ``source``."""
+    tests, answers, answer = [], {}, None
     for cell in source.cells:
         meta = nbgrader_meta(cell)
         if meta.get("solution"):
             answer = meta.get("grade_id")
-        elif meta.get("grade") and cell.cell_type == "code":
-            keys[meta["grade_id"]], answers[meta["grade_id"]] = cell_key(cell.source), answer
-    nb = cut(source, lambda c: bool(nbgrader_meta(c).get("grade")) and not nbgrader_meta(c).get("solution"))
-    cells = []
+        elif _is_test(cell):
+            tests.append(meta["grade_id"])
+            answers[meta["grade_id"]] = answer
+    nb = cut(source, lambda c: _is_test(c) or bool(nbgrader_meta(c).get("solution")))  # and what answers read
+    learner = set().union(*(names(c.source)[0] for c in nb.cells if nbgrader_meta(c).get("solution")))
+    cells, pending, switched = [], list(tests), False
     for cell in nb.cells:
         meta = nbgrader_meta(cell)
-        fresh = nbformat.v4.new_code_cell(cell.source)
+        uses = not meta.get("solution") and bool(names(cell.source)[1] & learner)  # runs the learner's code
+        if pending and not switched and (uses or _is_test(cell)):  # the test's answer process, started here
+            start = f"from ar_lab.course.sandbox import answer_process\nanswer_process({pending.pop(0)!r})"
+            cells.append(nbformat.v4.new_code_cell(start))
+            switched = True
+        fresh = nbformat.v4.new_code_cell(_stub_source(cell.source) if meta.get("solution") else cell.source)
         fresh["id"] = cell.get("id", fresh["id"])
-        if meta.get("solution"):
-            fresh.source = _stub_source(cell.source)
         cells.append(fresh)
-        if meta.get("grade"):
+        if _is_test(cell):
             fresh.metadata[_GRADE_ID] = meta["grade_id"]
-            check = f"from ar_lab.course.record import replay_finished\nreplay_finished({keys[meta['grade_id']]!r})"
-            cells.append(nbformat.v4.new_code_cell(check, metadata={_GRADE_ID: meta["grade_id"] + " (record)"}))
-    starts = nbformat.v4.new_code_cell("from ar_lab.course.record import replay_cell_starts\nreplay_cell_starts()")
+            check = f"from ar_lab.course.sandbox import answers_checked\nanswers_checked({meta['grade_id']!r})"
+            cells.append(nbformat.v4.new_code_cell(check, metadata={_GRADE_ID: meta["grade_id"] + " (answers)"}))
+            switched = False
     out = copy.deepcopy(source)
-    out.cells = [starts, *cells]
-    return out, keys, answers
+    out.cells = cells
+    return out, tests, answers
+
+
+def _imports(source: str) -> list[str]:
+    """The import statements at the top level of a cell, as Python."""
+    code = _python(source)
+    nodes = ast.parse(code).body
+    return [ast.get_source_segment(code, n) for n in nodes if isinstance(n, (ast.Import, ast.ImportFrom))]
+
+
+def answer_programs(submission: nbformat.NotebookNode, source: nbformat.NotebookNode,
+                    tests: list[str]) -> dict[str, dict]:
+    """Test grade_id -> what its answer process runs: the instructor's imports that the learner's cells need,
+    then the learner's cells before the test (answer cells, and code cells that are not the instructor's
+    ``source`` ones: added or edited), as Python; ``needs``: the other names those cells read (the judge
+    binds them to its values); ``forbid``: the references the test's exercise forbids."""
+    programs = {}
+    position = {nbgrader_meta(c).get("grade_id"): i for i, c in enumerate(submission.cells)}
+    instructor = {c.source.strip() for c in source.cells if c.cell_type == "code" and not nbgrader_meta(c)}
+    for test in tests:
+        before = [c for c in submission.cells[:position.get(test, len(submission.cells))]
+                  if c.cell_type == "code" and not _is_test(c)]
+        learner = [c for c in before if nbgrader_meta(c).get("solution") or c.source.strip() not in instructor]
+        bound, read = set(), set()
+        for c in learner:
+            b, r = names(c.source)
+            read |= r - bound
+            bound |= b
+        imports = [i for c in before if c not in learner for i in _imports(c.source) if names(i)[0] & (read - bound)]
+        imported = set().union(*(names(i)[0] for i in imports))
+        forbid = sorted(FORBIDDEN.get(test.removesuffix("-tests"), ()))
+        programs[test] = {"cells": imports + [_python(c.source) for c in learner],
+                          "needs": sorted(read - bound - imported), "forbid": forbid}
+    return programs
 
 
 def verdicts(executed: nbformat.NotebookNode) -> dict[str, CellResult]:
-    """Test grade_id -> its fresh verdict: the test cell and the cell checking its record both passed."""
+    """Test grade_id -> its fresh verdict: the test cell and the cell checking its answer process both passed."""
     marked = copy.deepcopy(executed)
     for cell in marked.cells:
         if _GRADE_ID in cell.metadata:
             cell.metadata["nbgrader"] = {"grade": True, "grade_id": cell.metadata[_GRADE_ID], "points": 0}
     out: dict[str, CellResult] = {}
     for result in grade(marked):
-        grade_id = result.grade_id.removesuffix(" (record)")
+        grade_id = result.grade_id.removesuffix(" (answers)")
         if grade_id not in out or (out[grade_id].passed and not result.passed):
             out[grade_id] = result
     return out
 
 
-def _environment(**changes: str | None) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if k not in (RECORD, REPLAY)}
-    env.update({k: v for k, v in changes.items() if v is not None})
-    return env
+def _run(p: Plan, submission: nbformat.NotebookNode, *, timeout: int) -> dict[str, CellResult]:
+    """The fresh verdicts of ``p``'s tests for ``submission`` (a notebook): the judge run once in a new folder."""
+    tests = p.tests
+    with tempfile.TemporaryDirectory(prefix="ar_lab_judge_") as cwd:
+        (Path(cwd) / PROGRAMS).write_text(json.dumps(answer_programs(submission, p.source, tests)))
+        fresh = verdicts(execute(p.judge, Path(cwd), timeout=timeout))
+    missing = CellResult("", 0, False, "the test did not run in the fresh kernel")
+    return {t: fresh.get(t, missing) for t in tests}
 
 
 def plan(path: Path, *, timeout: int) -> Plan:
-    """Which tests of the source notebook ``path`` the fresh run can judge: run it with recording on, then
-    replay the instructor's own records; a test whose record is not plain or whose replay fails is kernel-only."""
+    """Which tests of the source notebook ``path`` the fresh run can judge: the instructor's solution judged as
+    a submission; a test it does not pass keeps the kernel's verdict."""
     source = nbformat.read(path, as_version=4)
-    replay, keys, answers = replay_notebook(source)
-    kernel_only = {}
-    with tempfile.TemporaryDirectory(prefix="ar_lab_plan_") as tmp:
-        execute(source, Path(tmp), timeout=timeout, env=_environment(**{RECORD: "1"}))
-        records = Path(tmp) / FOLDER
-        for grade_id, key in keys.items():
-            try:
-                load(records / f"{key}.pt")
-            except ReplayMismatch as e:
-                kernel_only[grade_id] = str(e).removeprefix(NO_VALUES)
-        with tempfile.TemporaryDirectory(prefix="ar_lab_replay_") as cwd:
-            fresh = verdicts(execute(replay, Path(cwd), timeout=timeout, env=_environment(**{REPLAY: str(records)})))
-    for grade_id in keys:
-        if grade_id not in kernel_only and not fresh[grade_id].passed:
-            kernel_only[grade_id] = f"the instructor's solution does not pass its replay ({fresh[grade_id].error})"
-    judged = {g: k for g, k in keys.items() if g not in kernel_only}
-    return Plan(path.stem, replay, judged, kernel_only, answers)
+    judge, tests, answers = judge_notebook(source)
+    fresh = _run(Plan(path.stem, source, judge, tests, {}, answers), source, timeout=timeout)
+    kernel_only = {t: f"the instructor's solution does not pass it in the fresh run ({_why(r)})"
+                   for t, r in fresh.items() if not r.passed}
+    return Plan(path.stem, source, judge, [t for t in tests if t not in kernel_only], kernel_only, answers)
 
 
-def judge(p: Plan, submission: Path, *, timeout: int, own_records: bool = False) -> dict[str, CellResult]:
+def judge(p: Plan, submission: Path, *, timeout: int) -> dict[str, CellResult]:
     """The fresh verdicts of the tests ``p`` judges, for the autograded submission folder ``submission``."""
-    if own_records:  # records handed in with the submission are not the kernel's
-        why = f"the submission brought its own {FOLDER} folder: its records are not the kernel's"
-        return {g: CellResult(g, 0, False, why) for g in p.keys}
-    with tempfile.TemporaryDirectory(prefix="ar_lab_replay_") as cwd:
-        env = _environment(**{REPLAY: str((submission / FOLDER).resolve())})
-        fresh = verdicts(execute(p.replay, Path(cwd), timeout=timeout, env=env))
-    return {g: fresh[g] for g in p.keys}
+    return _run(p, nbformat.read(submission / f"{p.notebook}.ipynb", as_version=4), timeout=timeout)
 
 
 def _why(result: CellResult) -> str:
@@ -172,7 +209,8 @@ def record_verdicts(gb, assignment: str, student: str, p: Plan, fresh: dict[str,
             g.manual_score = 0.0
             if comment is not None:
                 comment.manual_comment = (f"{COMMENT} the test `{grade_id}` failed when run again outside your "
-                                          f"notebook's kernel, on the values your code returned there: {_why(result)}")
+                                          f"notebook's kernel, with your answer in a process without the package's "
+                                          f"reference: {_why(result)}")
             lines.append(f"{where}: {g.auto_score:g} -> 0 points (fresh run: {_why(result)})")
         elif result.passed and ours and g.manual_score == 0:
             g.manual_score, comment.manual_comment = None, None
@@ -215,9 +253,7 @@ def grade_assignment(folder: Path, assignment: str, *, students: list[str] | Non
                 submission = autograded / student / assignment
                 if not (submission / path.name).exists():
                     continue  # not graded (autograde reported it): nbgrader already gave it 0
-                own = (folder / "submitted" / student / assignment / FOLDER).exists()
-                lines = record_verdicts(gb, assignment, student, p, judge(p, submission, timeout=timeout,
-                                                                          own_records=own))
+                lines = record_verdicts(gb, assignment, student, p, judge(p, submission, timeout=timeout))
                 changed += len(lines)
                 for line in lines:
                     out(line)

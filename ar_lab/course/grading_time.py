@@ -8,11 +8,12 @@ For each source notebook with graded cells, in a temporary nbgrader course folde
 ``nbgrader generate_assignment``, the source notebook itself as one learner's submission, then, timed,
 ``nbgrader autograde`` (the whole command: nbgrader's start, the gradebook, one kernel running the whole
 chapter) and the course's grading step split as it works (``grading.plan``: once per assignment, the
-instructor's solution run with recording on and replayed; ``grading.judge``: per submission, the replay in a
-fresh kernel). A class of N costs ``N * (autograde + judge) + plan`` seconds per chapter on one process; the
-autograde figure holds nbgrader's start, which a class's single autograde pays once, so it errs long.
+instructor's solution judged as a submission; ``grading.judge``: per submission, the judge notebook in a
+fresh kernel with an answer process per test). A class of N costs ``N * (autograde + judge) + plan``
+seconds per chapter on one process; the autograde figure holds nbgrader's start, which a class's single
+autograde pays once, so it errs long.
 
-``--no-once`` leaves the once-per-assignment part untimed (the replay is then built from the source notebook
+``--no-once`` leaves the once-per-assignment part untimed (the judge notebook is then built from the source notebook
 without running it), which halves the measurement.
 
 Then nbgrader's own per-student commands in parallel, on one chapter: ``--students`` copies of the solution
@@ -79,9 +80,9 @@ def _submit(folder: Path, name: str, students: list[str]) -> None:
 
 def time_chapter(path: Path, workdir: Path, *, timeout: int = 120, once: bool = True) -> dict:
     """One chapter: autograde and the grading step (plan once, judge per submission) of one submission.
-    ``once=False`` skips timing the once-per-assignment part (one more run of the solution): the replay the
-    submission is judged by is built from the source notebook without running it."""
-    from ar_lab.course.grading import Plan, judge, plan, replay_notebook
+    ``once=False`` skips timing the once-per-assignment part (one more run of the solution): the judge
+    notebook the submission is judged by is built from the source notebook without running it."""
+    from ar_lab.course.grading import Plan, judge, judge_notebook, plan
 
     folder, name = workdir / path.stem, path.stem
     course(folder, src=path.parent, chapters=[name[:2]], timeout=timeout)
@@ -95,8 +96,9 @@ def time_chapter(path: Path, workdir: Path, *, timeout: int = 120, once: bool = 
     if once:
         p = plan(source, timeout=timeout)
     else:
-        replay, keys, answers = replay_notebook(nbformat.read(source, as_version=4))
-        p = Plan(name, replay, keys, {}, answers)
+        nb = nbformat.read(source, as_version=4)
+        judge_nb, tests, answers = judge_notebook(nb)
+        p = Plan(name, nb, judge_nb, tests, {}, answers)
     plan_s = time.perf_counter() - start
     start = time.perf_counter()
     verdicts = judge(p, folder / "autograded" / LEARNER / name, timeout=timeout)
@@ -108,7 +110,7 @@ def time_chapter(path: Path, workdir: Path, *, timeout: int = 120, once: bool = 
     return {"notebook": name, "autograde_s": round(autograde_s, 1),
             "grading_once_s": round(plan_s, 1) if once else None,
             "grading_per_submission_s": round(judge_s, 1), "per_submission_s": round(autograde_s + judge_s, 1),
-            "judged_tests": len(p.keys), "kernel_only_tests": len(p.kernel_only) if once else None, "score": score}
+            "judged_tests": len(p.tests), "kernel_only_tests": len(p.kernel_only) if once else None, "score": score}
 
 
 def _worker(folder: Path, name: str, students: list[str]) -> subprocess.Popen:

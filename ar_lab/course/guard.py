@@ -16,12 +16,6 @@ code but the test cell's own) make it the learner's, the test cell's code makes 
 test computes its reference values inside the block). A thread the learner left running when the
 block starts (one not started by the kernel) could call a reference where no hook sees it, so
 the block refuses to start until it is stopped.
-
-While grading records (``record.recording()``), the outermost block of a test cell also notes each call
-the test's code makes to the learner's callables, with its arguments and result (``record.CellRecord``);
-a trace function on those calls' own frames (while they run) catches the exception one raises, which a
-profile hook does not see. In the grading command's fresh kernel (``record.replaying()``) the block
-restores the random state the record holds where it starts. See ``ar_lab.course.record``.
 """
 
 from __future__ import annotations
@@ -120,7 +114,7 @@ def _public_roots(module: dict) -> list:
     return roots
 
 
-def _helpers(functions: list, seen: set) -> list:
+def private_helpers(functions: list, seen: set) -> list:
     """The private helpers of the forbidden ar_lab ``functions`` [(function, class)]: what they reach, directly
     or through other helpers, and no public function or method of their module that is not forbidden does.
     So a forbid list names public references only, and renaming an internal function changes no verdict;
@@ -188,11 +182,6 @@ def learner_threads() -> list[str]:
     return found
 
 
-def _untraced(frame, event: str, arg) -> None:
-    """The thread's trace function while a recorded call runs: traces no frame but that call's own."""
-    return None
-
-
 class Watch:
     """The profile hook of one ``no_delegation`` block: a context manager; ``calls`` lists what was caught."""
 
@@ -207,14 +196,12 @@ class Watch:
             self.builtins.update(builtins)
         codes = [(fn.__code__, label, cls) for fn, label, cls in functions]
         ours = [(fn, cls) for fn, _, cls in functions if getattr(fn, "__module__", "").startswith("ar_lab.")]
-        for code, label, cls in codes + _helpers(ours, {code for code, _, _ in codes}):  # with their helpers
+        for code, label, cls in codes + private_helpers(ours, {code for code, _, _ in codes}):  # with their helpers
             self.codes[code] = (label, cls)
             self.copies.setdefault(code.co_qualname, []).append((_fingerprint(code), label))
         self.learner_codes, self.exercise, self.error = learner_codes, exercise, error
         self.calls: list[str] = []
         self.active = False
-        self.recorder = None  # the test cell's record, while grading records (outermost block only)
-        self.raised: dict[int, BaseException] = {}  # id(frame of a recorded call) -> the exception it raised
 
     def _learners(self, frame) -> bool:
         """Is the call made from ``frame`` the learner's? (See the module's docstring.)"""
@@ -229,36 +216,6 @@ class Watch:
                 return code.co_filename != self.test_file
             frame = frame.f_back
         return not own_thread  # only library code above it, on a thread the test did not start
-
-    def _by_test(self, frame) -> bool:
-        """Is the call made from ``frame`` the test's own (the first notebook code above it is the test cell)?"""
-        while frame is not None:
-            if not is_library(frame.f_code.co_filename):
-                return frame.f_code.co_filename == self.test_file and frame.f_code not in self.learner_codes
-            frame = frame.f_back
-        return False
-
-    def _record(self, frame, event: str, arg) -> None:
-        if threading.get_ident() != self.thread:  # the test's own calls: those are on the block's thread
-            return
-        try:
-            if event == "call":
-                if id(frame.f_code) in self.learner_ids and self._by_test(frame.f_back):
-                    self.recorder.call(frame)
-                    if id(frame) in self.recorder.pending:  # trace this frame, for the exception it may raise
-                        frame.f_trace, frame.f_trace_lines = self._exceptions, False
-                        sys.settrace(_untraced)
-            elif event == "return" and id(frame) in self.recorder.pending:
-                self.recorder.returned(frame, arg, self.raised.pop(id(frame), None))
-                if not self.recorder.pending:  # the outermost traced call is over
-                    sys.settrace(self.previous_trace)
-        except Exception as e:  # an error here would switch the profile hook (and the guard) off
-            self.recorder.give_up(f"recording failed ({type(e).__name__}: {e})")
-
-    def _exceptions(self, frame, event: str, arg):
-        if event == "exception":
-            self.raised[id(frame)] = arg[1]
-        return self._exceptions
 
     def _hit(self, name: str):
         self.calls.append(name)
@@ -281,8 +238,6 @@ class Watch:
         outer = self.previous[0]
         if outer is not None:  # an enclosing block's watch (a check inside a test's block) keeps watching
             outer(frame, event, arg)
-        if self.recorder is not None and (event == "call" or event == "return"):
-            self._record(frame, event, arg)
         if event == "call":
             code = frame.f_code
             hit = self.codes.get(code)
@@ -315,17 +270,6 @@ class Watch:
         self.test_file = frame.f_code.co_filename if frame is not None else None
         self.thread = threading.get_ident()
         self.previous = sys.getprofile(), getattr(threading, "getprofile", lambda: threading._profile_hook)()
-        outermost = not isinstance(getattr(self.previous[0], "__self__", None), Watch)
-        if outermost and self.learner_codes is not None:
-            from ar_lab.course import record
-
-            if record.recording():
-                self.previous_trace = sys.gettrace()
-                self.recorder = record.cell_record(self.test_file)
-                self.recorder.enter()
-                self.learner_ids = {id(code) for code in self.learner_codes}
-            elif record.replaying():
-                record.replay_enter(self.test_file)
         self.active = True
         sys.setprofile(self.profile)
         threading.setprofile(self.profile)
@@ -335,6 +279,3 @@ class Watch:
         self.active = False
         sys.setprofile(self.previous[0])
         threading.setprofile(self.previous[1])
-        if self.recorder is not None:
-            sys.settrace(self.previous_trace)  # whatever the calls left behind (a call given up, say)
-            self.recorder.save()

@@ -1,16 +1,13 @@
-"""Plain values: what a grading record holds (``ar_lab.course.record``), and how a replay compares them.
+"""Plain values: what crosses between the grading step's judge and an answer process by value
+(``ar_lab.course.sandbox``; anything else crosses as a handle).
 
-``encode`` turns a value into data ``torch.load(..., weights_only=True)`` reads back without running
-code: numbers, strings, bytes, tensors, lists, tuples, dicts, sets, NumPy arrays and scalars, and the
-dataclasses of ``ar_lab`` itself (a config, sampling parameters). Anything else raises ``NotPlain``. What
-a test *passes* to the learner's code (``argument=True``) may also be a model (kept as a fingerprint of
-its class and weights) or a random generator (its state): those are compared, never handed back.
-``decode`` gives the value back; ``same`` says whether a live argument is the one recorded.
+``encode`` turns a value into data read back without running code: numbers, strings, bytes, tensors,
+lists, tuples, dicts, sets, NumPy arrays and scalars, and the dataclasses of ``ar_lab`` itself (a config,
+sampling parameters). Anything else raises ``NotPlain``. ``decode`` gives the value back.
 """
 
 from __future__ import annotations
 
-import hashlib
 from typing import Any
 
 import torch
@@ -23,31 +20,20 @@ class NotPlain(TypeError):
 
 
 class NotAValue(ValueError):
-    """Encoded data that names something no replay may build (a model, a class outside ar_lab)."""
+    """Encoded data that names something no decode may build (a class outside ar_lab's dataclasses)."""
 
 
-def _fingerprint(module: torch.nn.Module) -> str:
-    """A hash of a model's class and state (names, dtypes, shapes, bytes): the same model, or not."""
-    digest = hashlib.sha256(f"{type(module).__module__}.{type(module).__qualname__}".encode())
-    for name, t in module.state_dict().items():
-        t = t.detach().to("cpu").contiguous()
-        digest.update(f"{name}:{t.dtype}:{tuple(t.shape)}".encode())
-        digest.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
-    return digest.hexdigest()
-
-
-def _dataclass(value: Any, argument: bool) -> dict:
+def _dataclass(value: Any) -> dict:
     """A dataclass of ar_lab's own (a config, sampling parameters, a model's shape), field by field."""
     import dataclasses
 
     kind = type(value)
-    fields = {f.name: encode(getattr(value, f.name), argument=argument) for f in dataclasses.fields(value)}
+    fields = {f.name: encode(getattr(value, f.name)) for f in dataclasses.fields(value)}
     return {_TAG: "dataclass", "class": f"{kind.__module__}:{kind.__qualname__}", "fields": fields}
 
 
-def encode(value: Any, *, argument: bool = False) -> Any:
-    """``value`` as plain data ``torch.load(weights_only=True)`` reads back; raises ``NotPlain``. An ``argument``
-    (what the test passes in, compared but never handed back) may also be a model: its fingerprint is kept."""
+def encode(value: Any) -> Any:
+    """``value`` as plain data; raises ``NotPlain``."""
     kind = type(value)
     if value is None or kind in (bool, int, float, str, complex):
         return value
@@ -58,25 +44,23 @@ def encode(value: Any, *, argument: bool = False) -> Any:
             raise NotPlain(f"a {kind.__name__} with layout {value.layout}")
         return {_TAG: "tensor", "t": value.detach().to("cpu", copy=True), "grad": value.requires_grad}
     if kind in (list, tuple):
-        return kind(encode(v, argument=argument) for v in value)
-    if argument and isinstance(value, torch.nn.Module) and kind.__module__.split(".")[0] in ("ar_lab", "torch"):
-        return {_TAG: "module", "v": _fingerprint(value)}  # a model the test made (not one of the learner's class)
-    if argument and kind is torch.Generator and value.device.type == "cpu":
-        return {_TAG: "generator", "state": value.get_state()}
+        return kind(encode(v) for v in value)
     if kind in (set, frozenset):
         try:
             items = sorted(value)  # one order in every process (a string's hash changes between processes)
         except TypeError:
             items = list(value)
-        return {_TAG: kind.__name__, "v": [encode(v, argument=argument) for v in items]}
+        return {_TAG: kind.__name__, "v": [encode(v) for v in items]}
     if hasattr(kind, "__dataclass_fields__") and kind.__module__.split(".")[0] == "ar_lab":
-        return _dataclass(value, argument)
+        return _dataclass(value)
     if kind is torch.Size:
         return {_TAG: "size", "v": tuple(value)}
     if kind is torch.dtype:
         return {_TAG: "dtype", "v": str(value).removeprefix("torch.")}
+    if kind is torch.device:
+        return {_TAG: "device", "v": str(value)}
     if kind is dict and all(type(k) in (str, int) for k in value):
-        return {k: encode(v, argument=argument) for k, v in value.items()}
+        return {k: encode(v) for k, v in value.items()}
     if kind.__module__ == "numpy":
         import numpy as np
 
@@ -88,7 +72,7 @@ def encode(value: Any, *, argument: bool = False) -> Any:
 
 
 def decode(plain: Any) -> Any:
-    """The value ``encode`` recorded (a fresh copy each time)."""
+    """The value ``encode`` encoded (a fresh copy each time)."""
     if type(plain) in (list, tuple):
         return type(plain)(decode(v) for v in plain)
     if type(plain) is not dict:
@@ -103,14 +87,14 @@ def decode(plain: Any) -> Any:
         return torch.Size(plain["v"])
     if tag == "dtype":
         return getattr(torch, plain["v"])
+    if tag == "device":
+        return torch.device(str(plain["v"]))
     if tag == "bytes":
         return bytes(plain["t"].to(torch.uint8).tolist())
     if tag in ("set", "frozenset"):
         return (set if tag == "set" else frozenset)(decode(plain["v"]))
     if tag == "dataclass":
         return _rebuild_dataclass(plain["class"], decode(plain["fields"]))
-    if tag == "module":
-        raise NotAValue("a record hands back a model, which only an argument's fingerprint may name")
     import numpy as np
 
     if tag == "ndarray":
@@ -127,35 +111,8 @@ def _rebuild_dataclass(name: str, fields: dict) -> Any:
     for part in qualname.split(".") if kind is not None else ():
         kind = getattr(kind, part, None)
     if not (isinstance(kind, type) and dataclasses.is_dataclass(kind)):
-        raise NotAValue(f"a recorded value names {name}, which is not one of ar_lab's dataclasses")
+        raise NotAValue(f"an encoded value names {name}, which is not one of ar_lab's dataclasses")
     out = object.__new__(kind)
     for field, value in fields.items():
         object.__setattr__(out, field, value)
     return out
-
-
-def same(recorded: Any, value: Any) -> bool:
-    """Is ``value`` (a live argument) what ``recorded`` (an encoded one) holds? Tensors: same dtype and
-    shape, and equal values (floating point within 1e-5 relative: another process may round differently)."""
-    try:
-        live = encode(value, argument=True)
-    except NotPlain:
-        return False
-    return same_plain(recorded, live)
-
-
-def same_plain(a: Any, b: Any) -> bool:
-    """Two encoded values are equal (see ``same``)."""
-    if type(a) is not type(b):
-        return False
-    if type(a) in (list, tuple):
-        return len(a) == len(b) and all(same_plain(x, y) for x, y in zip(a, b, strict=True))
-    if type(a) is dict:
-        return a.keys() == b.keys() and all(same_plain(a[k], b[k]) for k in a)
-    if isinstance(a, torch.Tensor):
-        if a.dtype != b.dtype or a.shape != b.shape:
-            return False
-        if a.is_floating_point() or a.is_complex():
-            return torch.allclose(a, b, rtol=1e-5, atol=1e-7, equal_nan=True)
-        return torch.equal(a, b)
-    return a == b or (isinstance(a, float) and a != a and b != b)

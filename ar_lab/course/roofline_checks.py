@@ -21,7 +21,7 @@ from ar_lab.course.checks import CheckFailed
 from ar_lab.perf import peaks
 
 RATE_FACTOR = 3.0  # a probe's rate must be within this factor of ar_lab's, timed in turns with it
-RATE_ROUNDS = 3  # rounds of (yours, ar_lab's): a fixed number, so that the grading replay makes the same calls
+RATE_ROUNDS = 3  # rounds of (yours, ar_lab's), timed in turns
 RATE_REPEATS = 10  # timed calls per probe call in the rate check (the total of 10 calls is 10x off)
 # (values per array, matmul side) the rate check times, by device type: about 10 ms a call on a CPU
 RATE_SIZES = {"cpu": (2**23, 768), "cuda": (2**27, 4096)}
@@ -138,9 +138,9 @@ def check_probe_rates(stream_probe, matmul_probe, device, dtype, *, hint: str = 
     on the same sizes; each side's fastest rate. Fails unless each ratio is within ``RATE_FACTOR``, naming
     the timing slip a ratio far outside points to. Returns {"bandwidth": ratio, "FLOP/s": ratio}.
 
-    On a CPU both sides run on one thread, whatever the kernel chose: the grading's fresh run (which compares
-    the recorded rates with ar_lab's measured again, ``ar_lab.course.record``) then times ar_lab's side as the
-    kernel did, and one thread cannot wait on a thread that lost its core."""
+    On a CPU both sides run on one thread, whatever the kernel chose (in the grading step the learner's
+    probes run in their answer process, ar_lab's in the judge: each on one thread), and one thread cannot
+    wait on a thread that lost its core."""
     device = torch.device(device)
     n, side = RATE_SIZES[device.type]
     calls = {

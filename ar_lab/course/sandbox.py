@@ -1,0 +1,257 @@
+"""Where a graded answer runs: a process of its own, whose ``ar_lab`` lacks what the exercise forbids.
+
+``python -m ar_lab.course.grading`` judges every graded test with two processes. The *judge* (a fresh
+kernel) runs the instructor's test cell with the whole package. The learner's answer cells, and the
+cells they need, run in an *answer* process started for that test alone (``start``): there ``import
+ar_lab`` finds a copy of the package (``withheld_package``) in which each ar_lab reference the exercise
+forbids (``ar_lab.course.forbidden``), and every private helper only such a reference reaches, is a stub
+that raises; PyTorch's forbidden functions and operators are stubbed before the learner's code runs.
+Delegation by any route (a forked child, ``importlib.reload``, ``inspect.getsource``, a table of the
+reference's outputs computed when the cell runs) finds no reference to run.
+
+The two talk over a pair of pipes: ``ar_lab.course.channel``.
+"""
+
+from __future__ import annotations
+
+import ast
+import importlib
+import inspect
+import json
+import os
+import shutil
+import subprocess
+import sys
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ar_lab.course.channel import CURRENT, WITHHELD, AnswerGone, Channel, Refused, Remote, current
+
+PACKAGE = Path(__file__).resolve().parents[1]  # ar_lab/
+
+
+# -- the package without the references -------------------------------------------------------------------
+
+
+def _definitions(refs: list[str]) -> dict[str, set[str]]:
+    """module -> qualnames to withhold: each ar_lab reference of ``refs`` (a function, a class, a method) and
+    the private helpers it reaches that no allowed public function of its module does (``private_helpers``)."""
+    from ar_lab.course.guard import forbidden, private_helpers
+
+    out: dict[str, set[str]] = defaultdict(set)
+    functions, seen = [], set()
+    for ref in refs:
+        if not ref.startswith("ar_lab."):
+            continue
+        _, obj, owner = forbidden(ref)
+        obj = getattr(obj, "fget", None) or getattr(obj, "__func__", None) or obj
+        out[obj.__module__].add(obj.__qualname__)
+        members = [(obj, owner)] if inspect.isfunction(obj) else []
+        if isinstance(obj, type):
+            members = [(f, obj) for f in vars(obj).values() if inspect.isfunction(f) and f.__module__ == obj.__module__]
+        functions += members
+        seen |= {f.__code__ for f, _ in members}
+    for _, name, _ in private_helpers(functions, seen):
+        module = max((m for m in out if name.startswith(m + ".")), key=len)
+        out[module].add(name.removeprefix(module + "."))
+    return out
+
+
+def _withhold(source: str, module: str, qualnames: set[str]) -> str:
+    """``source`` with each function, class or method named in ``qualnames`` replaced by a stub that raises."""
+    tree = ast.parse(source)
+
+    def stub(qualname: str) -> ast.stmt:
+        return ast.parse(f"raise RuntimeError({f'{module}.{qualname} {WITHHELD}'!r})").body[0]
+
+    def visit(body: list[ast.stmt], prefix: str) -> None:
+        for node in body:
+            if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                continue
+            qualname = prefix + node.name
+            if qualname in qualnames and isinstance(node, ast.ClassDef):
+                init = ast.parse("def __init__(self, *args, **kwargs):\n    pass").body[0]
+                init.body = [stub(qualname)]
+                node.body, node.decorator_list = [init], []
+            elif qualname in qualnames:
+                node.body = [stub(qualname)]
+            elif isinstance(node, ast.ClassDef):
+                visit(node.body, qualname + ".")
+
+    visit(tree.body, "")
+    return ast.unparse(ast.fix_missing_locations(tree))
+
+
+def withheld_package(refs: list[str], dest: Path) -> Path:
+    """A copy of ar_lab's source under ``dest/ar_lab`` (no compiled files) in which the ar_lab references of
+    ``refs`` and their private helpers are stubs that raise (see ``_definitions``). Returns ``dest``."""
+    target = Path(dest) / "ar_lab"
+    shutil.copytree(PACKAGE, target, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+    for module, qualnames in _definitions(refs).items():
+        path = target.joinpath(*module.split(".")[1:]).with_suffix(".py")
+        if not path.exists():
+            path = path.with_suffix("") / "__init__.py"
+        path.write_text(_withhold(path.read_text(), module, qualnames))
+    return Path(dest)
+
+
+def _block_torch(refs: list[str]) -> None:
+    """Stub PyTorch's forbidden functions (``torch.x.y``) and operators (``aten::op``, at the dispatcher) in
+    this process, before the learner's code runs."""
+    for ref in refs:
+        if ref.startswith("aten::"):
+            op = ref.removeprefix("aten::")
+            message = f"torch.ops.aten.{op} {WITHHELD}"
+
+            def refuse(*args, _message=message, **kwargs):
+                raise RuntimeError(_message)
+
+            packet = getattr(torch.ops.aten, op)
+            library = torch.library.Library("aten", "IMPL")  # kept alive below: the override lasts as long
+            for key in ("CompositeImplicitAutograd", "CompositeExplicitAutograd", "CPU"):
+                if torch._C._dispatch_has_kernel_for_dispatch_key(packet._qualified_op_name, key):
+                    for overload in packet.overloads():
+                        name = op if overload == "default" else f"{op}.{overload}"
+                        library.impl(name, refuse, key)
+            _LIBRARIES.append(library)
+        elif ref.startswith("torch."):
+            *path, attr = ref.split(".")[1:]
+            owner = torch
+            for i, part in enumerate(path):  # a submodule not imported yet (torch.utils.benchmark) is imported
+                owner = getattr(owner, part, None) or importlib.import_module(".".join(["torch", *path[: i + 1]]))
+
+            def refuse(*args, _message=f"{ref} {WITHHELD}", **kwargs):
+                raise RuntimeError(_message)
+
+            setattr(owner, attr, refuse)
+
+
+_LIBRARIES: list = []
+
+
+# -- the judge's side -----------------------------------------------------------------------------------
+
+
+def stop() -> None:
+    """End the answer process now running (if any) and remove its folder."""
+    channel, process, folder = (CURRENT.pop(k, None) for k in ("channel", "process", "folder"))
+    if channel is not None:
+        channel.close()
+    if process is not None:
+        try:
+            process.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+    if folder is not None:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def start(cells: list[str], forbid: list[str], folder: Path, values: dict[str, Any] | None = None) -> list[str]:
+    """Start an answer process in ``folder`` (a fresh one: it holds the withheld package) with ``forbid``'s
+    references withheld, bind ``values`` there (by value or handle), run ``cells`` in order, and make it
+    the current one. Returns each cell's error (empty when it ran): a learner's failing cell is the test's
+    business, as in their kernel."""
+    from ar_lab.course.guard import forbidden
+    from ar_lab.model.data import data_dir
+
+    stop()
+    folder = Path(folder)
+    withheld_package(forbid, folder)
+    to_child, from_judge = os.pipe()
+    to_judge, from_child = os.pipe()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PYTHON")}
+    env["AR_LAB_DATA"] = str(data_dir())
+    env["PYTHONPATH"] = str(folder)  # a Python the learner's code starts imports the withheld copy too
+    boot = (f"import sys; sys.path.insert(0, {str(folder)!r}); "
+            "sys.meta_path[:] = [f for f in sys.meta_path if not type(f).__module__.startswith('__editable__')]; "
+            "from ar_lab.course.sandbox import _answer_main; _answer_main()")
+    log = open(folder / "answer.log", "wb")  # noqa: SIM115 (the process writes to it until stop)
+    process = subprocess.Popen([sys.executable, "-I", "-c", boot, str(to_child), str(from_child), json.dumps(forbid)],
+                               pass_fds=(to_child, from_child), stdin=subprocess.DEVNULL, stdout=log, stderr=log,
+                               cwd=folder, env=env)
+    log.close()
+    os.close(to_child)
+    os.close(from_child)
+    refuse = tuple((ref, forbidden(ref)[1]) for ref in forbid if not ref.startswith("aten::"))
+    channel = Channel(to_judge, from_judge, refuse=refuse)
+    CURRENT.update(channel=channel, process=process, folder=folder)
+    errors = []
+    try:
+        if values:
+            channel.request("bind", None, values)
+        for cell in cells:
+            try:
+                channel.request("run", None, cell)
+                errors.append("")
+            except AnswerGone:
+                raise
+            except Exception as e:
+                errors.append(f"{type(e).__name__}: {e}")
+    except AnswerGone:
+        raise AnswerGone(f"the answer process ended before the test: {_tail(folder)}") from None
+    return errors
+
+
+def _tail(folder: Path) -> str:
+    log = folder / "answer.log"
+    text = log.read_text(errors="replace").strip() if log.exists() else ""
+    return text.splitlines()[-1][:300] if text else "it wrote nothing"
+
+
+PROGRAMS = "answers.json"  # in the judge's folder: test grade_id -> {"cells", "needs", "forbid"}
+
+
+def answer_process(test: str) -> None:
+    """The judge notebook's cell before test ``test``: start its answer process (``start``) from the program
+    ``PROGRAMS`` holds for it, in a folder beside that file, with the names its cells read from the
+    instructor's cells bound to the judge's values. A cell of the learner's that failed is noted."""
+    programs = json.loads(Path(PROGRAMS).read_text())
+    if test not in programs:
+        raise AnswerGone(f"no answer program for {test}: the submission has no notebook for it")
+    program, here = programs[test], sys._getframe(1).f_globals
+    values = {name: here[name] for name in program["needs"] if name in here}
+    errors = start(program["cells"], program["forbid"], Path.cwd() / f"answer-{test}", values)
+    for cell, error in zip(program["cells"], errors, strict=True):
+        if error:
+            print(f"note: an answer cell failed in the answer process ({error}); its first line: "
+                  f"{(cell.strip().splitlines() or [''])[0][:80]}")
+
+
+def answers_checked(test: str) -> None:
+    """The judge notebook's cell after test ``test``: it fails if the answer process asked for a forbidden
+    reference (even when the learner's code caught the refusal); then the process ends."""
+    refused = list(current().refused) if "channel" in CURRENT else []
+    stop()
+    if refused:
+        raise Refused(f"{test}: your code asked the test's objects for `{refused[0]}`, which {WITHHELD}")
+
+
+def answer(name: str) -> Remote:
+    """The judge's handle on the learner's ``name``, in whichever answer process runs when it is used."""
+    return Remote(None, None, name, name=name)
+
+
+def _answer_main() -> None:
+    """The answer process: stub PyTorch's forbidden references, then serve the judge."""
+    read_fd, write_fd, forbid = int(sys.argv[1]), int(sys.argv[2]), json.loads(sys.argv[3])
+    _block_torch(forbid)
+    channel = Channel(read_fd, write_fd, judge=False)
+    channel.namespace["get_ipython"] = _NoShell
+    channel.serve()
+
+
+class _NoShell:
+    """``get_ipython()`` in the answer process: line magics do nothing, a cell magic runs its cell."""
+
+    def __init__(self):
+        self.namespace = sys._getframe(1).f_globals
+
+    def run_line_magic(self, *args, **kwargs) -> None:
+        return None
+
+    def run_cell_magic(self, name: str, line: str, cell: str) -> None:
+        exec(compile(cell, "<answer cell>", "exec"), self.namespace)
