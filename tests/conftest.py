@@ -1,4 +1,5 @@
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -32,6 +33,30 @@ def pytest_collection_modifyitems(config, items):
         run_all = getattr(item, "originalname", "") == "test_run_all_reaches_the_end_of_the_student_version"
         if item.path.name in QUIET or (run_all and f"{item.callspec.id}.ipynb" in QUIET):
             item.add_marker(pytest.mark.quiet)
+    weight: dict[str, float] = {}
+    for item in items:
+        key = scope(item.nodeid)
+        weight[key] = weight.get(key, FIXTURE_SECONDS.get(item.path.name, 0.0)) + _cost(item)
+    order = {id(item): i for i, item in enumerate(items)}
+    items.sort(key=lambda item: (-weight[scope(item.nodeid)], scope(item.nodeid), order[id(item)]))
+
+
+# Scopes whose module fixture does most of the work, in seconds (make test --durations, 2 processes on 2 cores).
+FIXTURE_SECONDS = {"test_grading_fresh.py": 300.0, "test_grading.py": 100.0, "test_browser.py": 60.0}
+CHAPTERS = {p.stem for p in (Path(__file__).resolve().parent.parent / "notebooks").glob("*.ipynb")}
+
+
+def _cost(item) -> float:
+    """A rough guess of an item's seconds, to start the longest scopes first so that make test's two processes
+    end together (pytest-xdist's own order, by number of tests, left the one-test scopes that run a chapter,
+    a minute each, for the end): a notebook cell ~3 s, a slow test that runs a chapter ~40 s, another slow
+    test ~5 s, any other ~0.1 s, plus FIXTURE_SECONDS once per scope (on its first item)."""
+    if type(item).__name__ == "IPyNbCell":
+        return 3.0
+    if not item.get_closest_marker("slow"):
+        return 0.1
+    callspec = getattr(item, "callspec", None)
+    return 40.0 if callspec is not None and callspec.id in CHAPTERS else 5.0
 
 
 def scope(nodeid: str) -> str:
@@ -49,6 +74,7 @@ def pytest_xdist_make_scheduler(config, log):
         return None
     from xdist.scheduler import LoadScopeScheduling
 
+    config.option.loadscopereorder = False  # the items come in pytest_collection_modifyitems's order: longest first
     class ByScope(LoadScopeScheduling):
         def _split_scope(self, nodeid: str) -> str:
             return scope(nodeid)

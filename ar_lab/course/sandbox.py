@@ -140,12 +140,9 @@ def stop() -> None:
     channel, process, folder = (CURRENT.pop(k, None) for k in ("channel", "process", "folder"))
     if channel is not None:
         channel.close()
-    if process is not None:
-        try:
-            process.wait(timeout=5)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
+    if process is not None:  # killed: nothing in it is needed any more, and its exit would take half a second
+        process.kill()
+        process.wait()
     if folder is not None:
         shutil.rmtree(folder, ignore_errors=True)
 
