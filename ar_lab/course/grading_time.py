@@ -190,8 +190,8 @@ def table(data: dict) -> str:
                   f"average {data['load_before'][0]:.1f} before, {data['load_after'][0]:.1f} after): one "
                   "submission per chapter, the source notebook itself (full marks), one process. `autograde` "
                   "includes nbgrader's own start (a class's single `autograde` pays it once). The grading step "
-                  "also runs your solution once per assignment" + (", not timed here: add about one autograde's "
-                  "seconds per chapter" if not timed else "") + "."]
+                  "also judges your solution once per assignment" + (", not timed here: add about one submission's "
+                  "grading step per chapter" if not timed else "") + "."]
     if par:
         lines.append(f"In parallel ({par['notebook']}, {par['students']} submissions, autograde): one "
                      f"`nbgrader autograde` {par['one_process_s']:.0f} s, {par['processes']} processes of nbgrader's "

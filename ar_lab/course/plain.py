@@ -1,5 +1,5 @@
 """Plain values: what crosses between the grading step's judge and an answer process by value
-(``ar_lab.course.sandbox``; anything else crosses as a handle).
+(``ar_lab.course.channel``; anything else crosses as a handle).
 
 ``encode`` turns a value into data read back without running code: numbers, strings, bytes, tensors,
 lists, tuples, dicts, sets, NumPy arrays and scalars, and the dataclasses of ``ar_lab`` itself (a config,
@@ -12,11 +12,11 @@ from typing import Any
 
 import torch
 
-_TAG = "__ar_lab_record__"
+_TAG = "__ar_lab_plain__"
 
 
 class NotPlain(TypeError):
-    """A value a record cannot hold as plain data."""
+    """A value that cannot cross by value (it crosses as a handle)."""
 
 
 class NotAValue(ValueError):
