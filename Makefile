@@ -12,7 +12,7 @@ PYTEST_ARGS ?=
 help:
 	@echo "make lab          set up and open the course in JupyterLab"
 	@echo "make test         set up and run every test (ruff, unit/property tests, notebooks)"
-	@echo "make test-fast    ruff and the tests not marked slow (no notebooks, no browser): under 2 minutes"
+	@echo "make test-fast    ruff and the tests not marked slow (no notebooks, no browser): about 2 minutes"
 	@echo "make checkpoints  retrain the shipped checkpoints in data/ (under an hour on 2 cores)"
 	@echo "make bench        run every benchmark into data/bench/*.json and regenerate the README tables from them"
 	@echo "make grading-course DIR=grading [CHAPTER=06]  lay out an nbgrader course folder (INSTRUCTORS.md)"
