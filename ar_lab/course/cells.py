@@ -24,12 +24,17 @@ from ar_lab.base.errors import BadType, BadValue
 _BUILTINS = frozenset(dir(builtins))
 
 
-def _python(source: str) -> ast.Module:
-    """The cell's code as Python: IPython's ``%magic`` and ``!shell`` lines become calls first."""
+def as_python(source: str) -> str:
+    """A cell's source as Python: IPython's ``%magic`` and ``!shell`` lines become calls."""
     from IPython.core.inputtransformer2 import TransformerManager
 
+    return TransformerManager().transform_cell(source)
+
+
+def _python(source: str) -> ast.Module:
+    """The cell's code as a Python tree (``as_python``)."""
     try:
-        return ast.parse(TransformerManager().transform_cell(source))
+        return ast.parse(as_python(source))
     except SyntaxError as e:
         raise BadValue(f"a code cell's source does not parse as Python (line {e.lineno}): {source[:80]!r}",
                        arg="source") from None

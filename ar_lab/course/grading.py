@@ -41,7 +41,7 @@ from pathlib import Path
 
 import nbformat
 
-from ar_lab.course.cells import cut, names
+from ar_lab.course.cells import as_python, cut, names
 from ar_lab.course.exercises import CellResult, execute, grade, nbgrader_meta
 from ar_lab.course.forbidden import FORBIDDEN
 from ar_lab.course.sandbox import PROGRAMS
@@ -62,21 +62,10 @@ class Plan:
     answers: dict[str, str]  # test grade_id -> the grade_id of its answer cell (where comments go)
 
 
-def _python(source: str) -> str:
-    """A cell's source as Python (IPython's magics turned into calls)."""
-    from IPython.core.inputtransformer2 import TransformerManager
-
-    return TransformerManager().transform_cell(source)
-
-
 def _stub_source(source: str) -> str:
     """A solution cell's stand-in in the judge: its imports as written, a handle for every other name it binds."""
-    code = _python(source)
-    imports, imported = [], set()
-    for node in ast.parse(code).body:
-        if isinstance(node, (ast.Import, ast.ImportFrom)):
-            imports.append(ast.get_source_segment(code, node))
-            imported |= names(imports[-1])[0]
+    imports = _imports(source)
+    imported = set().union(*(names(i)[0] for i in imports))
     handles = [f"{n} = answer({n!r})" for n in sorted(names(source)[0] - imported)]
     return "\n".join(["from ar_lab.course.sandbox import answer", *imports, *handles])
 
@@ -121,7 +110,7 @@ def judge_notebook(source: nbformat.NotebookNode) -> tuple[nbformat.NotebookNode
 
 def _imports(source: str) -> list[str]:
     """The import statements at the top level of a cell, as Python."""
-    code = _python(source)
+    code = as_python(source)
     nodes = ast.parse(code).body
     return [ast.get_source_segment(code, n) for n in nodes if isinstance(n, (ast.Import, ast.ImportFrom))]
 
@@ -147,7 +136,7 @@ def answer_programs(submission: nbformat.NotebookNode, source: nbformat.Notebook
         imports = [i for c in before if c not in learner for i in _imports(c.source) if names(i)[0] & (read - bound)]
         imported = set().union(*(names(i)[0] for i in imports))
         forbid = sorted(FORBIDDEN.get(test.removesuffix("-tests"), ()))
-        programs[test] = {"cells": imports + [_python(c.source) for c in learner],
+        programs[test] = {"cells": imports + [as_python(c.source) for c in learner],
                           "needs": sorted(read - bound - imported), "forbid": forbid}
     return programs
 

@@ -30,7 +30,7 @@ ROOT_NAME = PACKAGE.name
 GRADER = tuple(
     f"{ROOT_NAME}.course.{m}"
     for m in ("checks", "exercises", "guard", "model_checks", "quant_checks", "kv_checks", "paged_checks",
-              "grammar_checks", "mistakes", "forbidden", "report", "sandbox", "grading")
+              "grammar_checks", "mistakes", "forbidden", "report", "sandbox", "channel", "grading")
 )
 # Resolved dotted names (a name and everything under it) -> the kind of flag.
 DOTTED = {
