@@ -26,7 +26,7 @@ from tests.conftest import one_thread_env
 from tests.raising import raises
 
 ASSIGNMENT = "00_start_here"  # the fastest chapter with exercises (a few seconds per run)
-TIMEOUT = 20  # seconds per cell in the test's course folder: what an infinite loop costs
+TIMEOUT = 10  # seconds per cell in the test's course folder: what an infinite loop costs
 
 # The commands INSTRUCTORS.md shows, run here as written (with .venv's nbgrader).
 GENERATE = "nbgrader generate_assignment {assignment}"

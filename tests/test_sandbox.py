@@ -1,7 +1,7 @@
 """The answer process of the grading step (ar_lab.course.sandbox): the reference does not exist there, and a
 test driven from here through handles behaves as it would in one process.
 
-One answer process serves most tests (a module fixture, ~1.5 s to start); its cells are the "learner's"."""
+One answer process serves most tests (a module fixture); its cells are the "learner's"."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import os
 import pickle
 import re
 import struct
+import sys
 import textwrap
 from pathlib import Path
 
@@ -333,6 +334,28 @@ def test_an_answer_process_that_ends_is_reported(tmp_path):
     with pytest.raises(AnswerGone, match="ended before the test"):
         sandbox.start(["import os\nos._exit(3)"], [], tmp_path / "p")
     sandbox.stop()
+
+
+def test_answer_processes_are_forked_by_a_server_that_never_loads_ar_lab(tmp_path):
+    """On Linux each answer process is forked by one server (a Python that imported torch once): two in a row
+    share it, every ar_lab module a child holds comes from its own withheld copy, and the server holds none."""
+    if sys.platform != "linux":
+        pytest.skip("the fork server is Linux's (elsewhere each answer process is a new Python)")
+    cell = ("import os, sys, ar_lab\n"
+            "def report():\n"
+            "    outside = [m for m, v in sys.modules.items()\n"
+            "               if m.startswith('ar_lab') and not (v.__file__ or '').startswith(os.getcwd())]\n"
+            "    return os.getppid(), outside")
+    parents = []
+    for name in ("first", "second"):
+        assert sandbox.start([cell], [], tmp_path / name) == [""]
+        parent, outside = answer("report")()
+        assert outside == []
+        parents.append(parent)
+        sandbox.stop()
+    assert parents[0] == parents[1] != os.getpid()
+    maps = Path(f"/proc/{parents[0]}/maps").read_text()
+    assert "libtorch" in maps  # the server has torch loaded: a child starts with it
 
 
 # Last: it starts answer processes of its own (the module's fixture process would be ended).
