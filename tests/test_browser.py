@@ -10,7 +10,9 @@ a browser console error, or a cell that never ran.
 What only a browser shows is the widgets: one chapter (FULL_RUN) runs whole, as a learner
 runs it; the others are cut (``cells.cut``) to their widget cells (the explorers, the quiz,
 a progress bar: the cells whose committed outputs hold a widget) and the cells those need.
-Every cell of every chapter is still executed by nbval, headless, in the same make test.
+The chapters whose only widget is their quiz (QUIZ_ONLY) are not opened one by one: their
+quizzes run together in one generated notebook, one page and one kernel. Every cell of every
+chapter is still executed by nbval, headless, in the same make test.
 
 The explorers are then driven through the page: arrow keys and typing in number
 boxes, choosing from drop-downs, clicking radio buttons and "Check". Each assertion
@@ -78,6 +80,20 @@ def browser_copy(source: Path, target: Path) -> None:
     nbformat.write(nb, target)
 
 
+def _quiz_only(path: Path) -> str | None:
+    """The chapter of ``path`` if its only widget is its end-of-chapter quiz (``show("NN")``), else None."""
+    import nbformat
+
+    shows = [c.source.strip().splitlines()[-1] for c in nbformat.read(path, as_version=4).cells if shows_a_widget(c)]
+    found = [re.fullmatch(r'(?:ar_lab\.course\.quiz\.)?show\("(\w+)"\)', line) for line in shows]
+    return found[0].group(1) if len(found) == 1 and found[0] else None
+
+
+# Chapter -> notebook, for the chapters whose quiz is their only widget: their quizzes share one page.
+QUIZ_ONLY = {ch: name for name in NOTEBOOKS if name != FULL_RUN and (ch := _quiz_only(ROOT / "notebooks" / name))}
+OPENED = [name for name in NOTEBOOKS if name not in QUIZ_ONLY.values()]  # each run from the menu in its own page
+
+
 # Notebooks whose explorers are driven below: their page (and kernel) stays open after the run.
 EXPLORER_NOTEBOOKS = {
     "04_kv_cache.ipynb",
@@ -117,7 +133,7 @@ def lab(pytestconfig):
     tmp = Path(tempfile.mkdtemp(prefix="ar_lab-browser-"))
     try:
         shutil.copytree(ROOT / "notebooks", tmp / "course", ignore=shutil.ignore_patterns(".ipynb_checkpoints"))
-        for name in NOTEBOOKS:
+        for name in OPENED:
             browser_copy(ROOT / "notebooks" / name, tmp / "course" / name)
         SHOTS.mkdir(parents=True, exist_ok=True)
         _terminal(pytestconfig, f"\nbrowser tests: JupyterLab on {tmp / 'course'}, screenshots in {SHOTS}")
@@ -184,7 +200,7 @@ def selected_notebooks(request) -> list[str]:
     return [item.callspec.params["name"] for item in request.session.items if getattr(item, "originalname", None) == fn]
 
 
-@pytest.mark.parametrize("name", NOTEBOOKS)
+@pytest.mark.parametrize("name", OPENED)
 def test_notebook_runs_in_jupyterlab_without_errors(lab, name, request):
     selected = selected_notebooks(request)
     nb = lab.notebook(name, NOTEBOOK_TIMEOUT_S, ahead=selected[selected.index(name) + 1 :])
@@ -675,17 +691,26 @@ def test_the_checks_catch_an_exception_a_broken_widget_and_a_console_error(lab):
         lab.release(name)
 
 
-def test_quiz_widget_in_a_generated_notebook(lab):
-    """Answer a whole quiz through the page: feedback per question and the running score."""
+def test_the_quizzes_of_the_chapters_without_another_widget_run_in_one_page(lab):
+    """The quizzes of QUIZ_ONLY's chapters in one generated notebook: each is drawn and its first question
+    answered through the page (as the chapters opened one by one are); one is answered whole, right, wrong,
+    right, ..., with feedback per question and the running score."""
     from playwright.sync_api import expect
 
-    chapter = "06"
-    q = questions(chapter)
-    name = generated_notebook(lab, "zz_quiz.ipynb", ["from ar_lab.course.quiz import show", f'show("{chapter}")'])
+    assert len(QUIZ_ONLY) >= 2, "the chapters whose only widget is the quiz"
+    chapters = sorted(QUIZ_ONLY)
+    name = generated_notebook(lab, "zz_quizzes.ipynb",
+                              ["from ar_lab.course.quiz import show", *(f'show("{ch}")' for ch in chapters)])
     try:
         nb = lab.notebook(name, 120)
         assert not nb.run.problems, nb.run.problems
-        quiz = nb.page.locator(".jp-OutputArea-output", has=nb.page.get_by_role("button", name="Check")).last
+        quizzes = nb.page.locator(".jp-OutputArea-output", has=nb.page.get_by_role("button", name="Check"))
+        expect(quizzes).to_have_count(len(chapters))
+        whole, *others = chapters
+        for i, chapter in enumerate(others, start=1):
+            answer_first_question(nb, quizzes.nth(i), chapter)
+        q = questions(whole)
+        quiz = quizzes.first
         blocks = quiz.locator(".widget-vbox > .widget-vbox")
         expect(blocks).to_have_count(len(q))
         score = quiz.locator(".widget-html-content").last
@@ -698,11 +723,10 @@ def test_quiz_widget_in_a_generated_notebook(lab):
             check_until(block, pick, block.locator(".widget-html-content").last, mark)
             right += pick == question.answer
             expect(score).to_have_text(f"Score: {right} / {len(q)} ({i + 1} answered)")
-        shot(quiz, f"quiz_generated_{chapter}")
+        shot(quiz, f"quiz_whole_{whole}")
         assert not our_console_errors(nb.console_errors), nb.console_errors
     finally:
         lab.release(name)
-
 
 
 def test_run_all_reaches_the_end_of_a_student_version(lab):
