@@ -53,6 +53,10 @@ LEARNER = [
         def sdpa(q):
             return torch.nn.functional.scaled_dot_product_attention(q, q, q)
 
+        def child_sdpa():  # PyTorch's forbidden function, in a new Python started the usual way
+            code = "import torch; q = torch.ones(1, 2, 3); torch.nn.functional.scaled_dot_product_attention(q, q, q)"
+            return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True).stderr
+
         def aten_sdpa(q):
             return torch.ops.aten.scaled_dot_product_attention(q, q, q)
 
@@ -132,6 +136,7 @@ def test_the_forbidden_reference_is_a_stub_by_every_route(learner, route):
 
 def test_a_python_the_answer_starts_finds_the_stub_too(learner):
     assert "filter_top_p is withheld" in answer("child")()
+    assert "scaled_dot_product_attention is withheld" in answer("child_sdpa")()
 
 
 def test_what_the_exercise_does_not_forbid_works(learner):

@@ -91,7 +91,9 @@ def _withhold(source: str, module: str, qualnames: set[str]) -> str:
 
 def withheld_package(refs: list[str], dest: Path) -> Path:
     """A copy of ar_lab's source under ``dest/ar_lab`` (no compiled files) in which the ar_lab references of
-    ``refs`` and their private helpers are stubs that raise (see ``_definitions``). Returns ``dest``."""
+    ``refs`` and their private helpers are stubs that raise (see ``_definitions``), and, when ``refs`` names
+    PyTorch's, a ``dest/sitecustomize.py`` that stubs those in a Python started with ``dest`` on its path.
+    Returns ``dest``."""
     target = Path(dest) / "ar_lab"
     shutil.copytree(PACKAGE, target, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
     for module, qualnames in _definitions(refs).items():
@@ -99,6 +101,11 @@ def withheld_package(refs: list[str], dest: Path) -> Path:
         if not path.exists():
             path = path.with_suffix("") / "__init__.py"
         path.write_text(_withhold(path.read_text(), module, qualnames))
+    torch_refs = [ref for ref in refs if ref.startswith(("torch.", "aten::"))]
+    if torch_refs:  # a Python started from the answer (PYTHONPATH: dest) stubs PyTorch's forbidden references too
+        (Path(dest) / "sitecustomize.py").write_text(
+            "# ar_lab's grading step: the PyTorch references this exercise forbids, stubbed in a Python started here\n"
+            f"from ar_lab.course.sandbox import _block_torch\n\n_block_torch({torch_refs!r})\n")
     return Path(dest)
 
 
