@@ -42,7 +42,7 @@ def pytest_collection_modifyitems(config, items):
 
 
 # Scopes whose module fixture does most of the work, in seconds (make test --durations, 2 processes on 2 cores).
-FIXTURE_SECONDS = {"test_grading_fresh.py": 300.0, "test_grading.py": 100.0, "test_browser.py": 60.0}
+FIXTURE_SECONDS = {"test_grading_fresh.py": 235.0, "test_grading.py": 65.0, "test_browser.py": 60.0}
 CHAPTERS = {p.stem for p in (Path(__file__).resolve().parent.parent / "notebooks").glob("*.ipynb")}
 
 
