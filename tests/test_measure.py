@@ -62,6 +62,16 @@ class Recorder(torch.nn.Module):
         return self.model(idx, cache)
 
 
+def test_a_buffer_in_cache_does_not_read_from_memory():
+    """64 KiB fits every CPU's L2: it reads faster than 256 MiB, which comes from memory on any CPU whose share of
+    the L3 is smaller (the reported L3 of a virtual machine can be the whole host's; the measurement does not care)."""
+    read = peaks.reads_from_memory(2**16, reference=2**28, repeats=3, device="cpu")
+    assert read["reference_bytes"] == 2**28 and not read["from_memory"]
+    assert read["bytes_per_s"] > 1.15 * read["reference_bytes_per_s"] > 1e8
+    with raises(BadValue, "reference"):
+        peaks.reads_from_memory(2**20, reference=2**19)
+
+
 def test_measure_prefill_and_decode_run_the_pass_they_claim(tiny_model):
     rec = Recorder(tiny_model).eval()
     p = measure.measure_prefill(rec, 20, batch=2, repeats=3)

@@ -187,6 +187,31 @@ def streaming_kernels(
     return kernels, n * item
 
 
+def reads_from_memory(
+    nbytes: int, *, reference: int | None = None, repeats: int = 5, device: torch.device | str | None = None
+) -> dict:
+    """Whether reading ``nbytes`` streams from main memory on this machine, measured rather than taken from
+    the cache size it reports (a virtual machine may report its host socket's whole L3, which other cores
+    and tenants share): one matrix-vector product over ``nbytes`` (``streaming_kernels``' "matvec") beside one
+    over a ``reference`` buffer (by default twice as many bytes and at least 1 GiB), the fastest of ``repeats`` calls each.
+    A buffer that a cache holds reads faster than the reference; one that comes from memory reads at its rate.
+
+    Returns {"bytes_per_s", "reference_bytes_per_s", "reference_bytes", "from_memory"}: ``from_memory`` when
+    the first rate is at most 15 % above the reference's (a busy machine slows a rate; it does not speed one up).
+    """
+    nbytes = positive_int("nbytes", nbytes)
+    reference = max(2 * nbytes, 2**30) if reference is None else positive_int("reference", reference, minimum=nbytes)
+    sizes, rates = (nbytes, reference), []
+    for size in sizes:
+        kernels, _ = streaming_kernels(device, nbytes=size)
+        fn, moved = kernels.pop("matvec")
+        del kernels  # the other kernels' views; the buffer goes with fn after its timing
+        rates.append(moved / min(time_call(fn, repeats=repeats, warmup=1, device=device)))
+        del fn
+    return {"bytes_per_s": rates[0], "reference_bytes_per_s": rates[1], "reference_bytes": sizes[1],
+            "from_memory": rates[0] <= 1.15 * rates[1]}
+
+
 def measure_peaks(
     device: torch.device | str | None = None,
     dtype: torch.dtype | None = None,
