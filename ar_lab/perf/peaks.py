@@ -193,7 +193,8 @@ def reads_from_memory(
     """Whether reading ``nbytes`` streams from main memory on this machine, measured rather than taken from
     the cache size it reports (a virtual machine may report its host socket's whole L3, which other cores
     and tenants share): one matrix-vector product over ``nbytes`` (``streaming_kernels``' "matvec") beside one
-    over a ``reference`` buffer (by default twice as many bytes and at least 1 GiB), the fastest of ``repeats`` calls each.
+    over a ``reference`` buffer (by default twice as many bytes and at least 1 GiB), the fastest of ``repeats``
+    calls each.
     A buffer that a cache holds reads faster than the reference; one that comes from memory reads at its rate.
 
     Returns {"bytes_per_s", "reference_bytes_per_s", "reference_bytes", "from_memory"}: ``from_memory`` when
