@@ -21,7 +21,7 @@ import torch
 
 from ar_lab.base.args import positive_int
 from ar_lab.base.errors import BadValue
-from ar_lab.base.timing import checked_device, default_device, time_call
+from ar_lab.base.timing import checked_device, default_device, interleaved, steady_clock, time_call
 
 
 def checked_peaks(peaks, where: str = "peaks", *, arg: str = "peaks") -> dict:
@@ -193,24 +193,30 @@ def reads_from_memory(
     """Whether reading ``nbytes`` streams from main memory on this machine, measured rather than taken from
     the cache size it reports (a virtual machine may report its host socket's whole L3, which other cores
     and tenants share): one matrix-vector product over ``nbytes`` (``streaming_kernels``' "matvec") beside one
-    over a ``reference`` buffer (by default twice as many bytes and at least 1 GiB), the fastest of ``repeats``
-    calls each.
-    A buffer that a cache holds reads faster than the reference; one that comes from memory reads at its rate.
+    over a ``reference`` buffer (by default twice as many bytes and at least 1 GiB), in turns (``interleaved``:
+    a busy spell slows both), the fastest of ``repeats`` calls each, on one thread on a CPU and timed by its
+    CPU time (``steady_clock``: the time other processes take is not counted). A buffer that a cache holds
+    reads faster than the reference; one that comes from memory reads at its rate.
 
     Returns {"bytes_per_s", "reference_bytes_per_s", "reference_bytes", "from_memory"}: ``from_memory`` when
-    the first rate is at most 15 % above the reference's (a busy machine slows a rate; it does not speed one up).
+    the first rate is at most 15 % above the reference's.
     """
-    nbytes = positive_int("nbytes", nbytes)
+    nbytes, repeats = positive_int("nbytes", nbytes), positive_int("repeats", repeats)
     reference = max(2 * nbytes, 2**30) if reference is None else positive_int("reference", reference, minimum=nbytes)
-    sizes, rates = (nbytes, reference), []
-    for size in sizes:
-        kernels, _ = streaming_kernels(device, nbytes=size)
-        fn, moved = kernels.pop("matvec")
-        del kernels  # the other kernels' views; the buffer goes with fn after its timing
-        rates.append(moved / min(time_call(fn, repeats=repeats, warmup=1, device=device)))
-        del fn
-    return {"bytes_per_s": rates[0], "reference_bytes_per_s": rates[1], "reference_bytes": sizes[1],
-            "from_memory": rates[0] <= 1.15 * rates[1]}
+    device = default_device() if device is None else checked_device(device)
+    sizes = {"buffer": nbytes, "reference": reference}
+    kernels = {name: streaming_kernels(device, nbytes=size)[0]["matvec"] for name, size in sizes.items()}
+    threads = torch.get_num_threads()
+    try:
+        if device.type == "cpu":
+            torch.set_num_threads(1)
+        runs = {name: fn for name, (fn, _) in kernels.items()}
+        times = interleaved(runs, repeats, warmup=1, clock=steady_clock(device), device=device)
+    finally:
+        torch.set_num_threads(threads)
+    rate = {name: moved / min(times[name]) for name, (_, moved) in kernels.items()}
+    return {"bytes_per_s": rate["buffer"], "reference_bytes_per_s": rate["reference"], "reference_bytes": reference,
+            "from_memory": rate["buffer"] <= 1.15 * rate["reference"]}
 
 
 def measure_peaks(
