@@ -313,20 +313,18 @@ def my_quantize_int4(w, group_size):
 # Exercises with no reference in the package to delegate to (their graded tests need no guard).
 NO_REFERENCE = {"ch02-causal-mask"}
 
-# The same delegation by the routes a name swap would not see (issue 33): each must fail too, naming
-# the reference. Keyed by grade_id; each chapter's routes run together in one execution of its exercises.
+# The same delegation by other routes (issue 33), some of which the kernel's name-swapping gate does not see
+# (a default argument, a C function, a copy of a helper's source): under the grading step each must fail,
+# naming the withheld reference. Keyed by grade_id; each chapter's routes are judged together.
 ROUTES = {
     "ch00-to-tokens": """
-import threading
+import concurrent.futures
 
 
 def to_tokens(text):  # on a worker thread
     from ar_lab.model.tokenizer import encode
-    out = []
-    worker = threading.Thread(target=lambda: out.append(encode(text)))
-    worker.start()
-    worker.join()
-    return out[0]
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        return pool.submit(encode, text).result()
 """,
     "ch00-tokens-per-char": """
 import ar_lab.model.tokenizer

@@ -8,6 +8,7 @@ with every solution replaced by an answer that only delegates
 versions passing and the student versions failing are proven by nbval and test_exercises.
 """
 
+import copy
 import re
 import sys
 from pathlib import Path
@@ -15,8 +16,10 @@ from pathlib import Path
 import nbformat
 import pytest
 
+from ar_lab.course import grading
 from ar_lab.course.exercises import execute, exercises_only, grade, graded_cells, nbgrader_meta
 from ar_lab.course.forbidden import FORBIDDEN
+from ar_lab.course.grading import Plan, judge_notebook
 from tests.conftest import one_thread_env
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -91,19 +94,21 @@ ROUTE_CHAPTERS = sorted(p for p in WITH_EXERCISES if set(ROUTES) & {  # the note
 
 @pytest.mark.slow
 @pytest.mark.parametrize("path", ROUTE_CHAPTERS, ids=[p.stem for p in ROUTE_CHAPTERS])
-def test_delegating_by_a_route_no_name_swap_sees_fails_too(path):
-    """A thread, a default argument, an aten operator, a C function, another module's count, a copy of
-    a private helper's source: each answer's graded test fails, naming the reference."""
-    nb = nbformat.read(path, as_version=4)
-    routed = []
-    for cell in solutions(nb):
+def test_delegating_by_a_route_the_kernels_gate_misses_finds_a_stub_in_the_grading_step(path, tmp_path):
+    """A thread, a default argument, an aten operator, a C function, a route around a public name, a copy of
+    a private helper's source: judged as the grading step judges (the answer in a process whose ar_lab lacks
+    the references), each routed answer's test fails, and the error names the withheld reference."""
+    source = exercises_only(nbformat.read(path, as_version=4))
+    submission, routed = copy.deepcopy(source), []
+    for cell in solutions(submission):
         gid = nbgrader_meta(cell)["grade_id"]
         if gid in ROUTES:
             cell.source = ROUTES[gid].strip()
             routed.append(f"{gid}-tests")
-    results = {r.grade_id: r for r in grade(execute(exercises_only(nb), path.parent, env=one_thread_env()))}
-    passing = [gid for gid in routed if results[gid].passed]
-    assert not passing, f"{path.name}: an answer by another route passes {passing}"
-    errors = {gid: results[gid].error for gid in routed}
-    unexplained = {gid: e[:300] for gid, e in errors.items() if "ready-made implementation" not in e}
-    assert not unexplained, f"{path.name}: these failed without naming the delegation: {unexplained}"
+    nbformat.write(submission, tmp_path / path.name)
+    judge, tests, answers = judge_notebook(source)
+    fresh = grading.judge(Plan(path.stem, source, judge, tests, {}, answers), tmp_path, timeout=120)
+    passing = [gid for gid in routed if fresh[gid].passed]
+    assert not passing, f"{path.name}: an answer by another route passes the grading step's test {passing}"
+    unexplained = {gid: fresh[gid].error[:300] for gid in routed if "withheld" not in fresh[gid].error}
+    assert not unexplained, f"{path.name}: these failed without naming the withheld reference: {unexplained}"

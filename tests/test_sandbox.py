@@ -41,6 +41,19 @@ LEARNER = [
             exec(inspect.getsource(sampling), namespace)
             return namespace["filter_top_p"](logits, p)
 
+        def captured(logits, p, keep=sampling.filter_top_p):  # the kernel's gate does not see these three
+            return keep(logits, p)
+
+        _snapshot = dict(vars(sampling))
+
+        def snapshot(logits, p):
+            return _snapshot["filter_top_p"](logits, p)
+
+        def on_a_thread(logits, p):
+            import concurrent.futures
+            with concurrent.futures.ThreadPoolExecutor(1) as pool:
+                return pool.submit(filter_top_p, logits, p).result()
+
         def copied(logits, p):
             shutil.copy(sampling.__file__, "my_sampling.py")
             sys.path.insert(0, os.getcwd())
@@ -128,7 +141,7 @@ def learner(tmp_path_factory):
 LOGITS = torch.tensor([3.0, 1.0, 0.5, -1.0])
 
 
-@pytest.mark.parametrize("route", ["top_p", "reloaded", "from_source", "copied"])
+@pytest.mark.parametrize("route", ["top_p", "captured", "snapshot", "on_a_thread", "reloaded", "from_source", "copied"])
 def test_the_forbidden_reference_is_a_stub_by_every_route(learner, route):
     with pytest.raises(RuntimeError, match="filter_top_p is withheld while this exercise is graded"):
         answer(route)(LOGITS, 0.5)

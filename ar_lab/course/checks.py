@@ -82,30 +82,6 @@ def _not_implemented(what: str, fn: Callable, *args, **kwargs):
         _fail(what, "not implemented yet", "replace `raise NotImplementedError()` with your code")
 
 
-def _codes(obj: Any) -> set:
-    """Every code object of a learner's function, class or object (nested functions and methods included)."""
-    obj = getattr(obj, "func", obj)  # a functools.partial
-    obj = getattr(obj, "__func__", obj)  # a bound method
-    if not isinstance(obj, type) and not hasattr(obj, "__code__"):
-        obj = type(obj)  # an instance (e.g. the learner's nn.Module): its class's methods
-    if not isinstance(obj, type):
-        found, todo = set(), [obj.__code__]
-        while todo:
-            code = todo.pop()
-            found.add(code)
-            todo += [c for c in code.co_consts if hasattr(c, "co_code") and c not in found]
-        return found
-    found = set()
-    for klass in obj.__mro__:
-        if klass.__module__.split(".")[0] in ("builtins", "torch", "ar_lab"):
-            continue  # library classes it builds on are not the learner's code
-        for value in vars(klass).values():
-            value = getattr(value, "fget", None) or getattr(value, "__func__", None) or value
-            if hasattr(value, "__code__"):
-                found |= _codes(value)
-    return found
-
-
 @contextlib.contextmanager
 def warnings_as_notes(exercise: str = "this exercise") -> Iterator[list]:
     """Warnings raised while the block runs are printed on stdout as notes instead of on stderr.
@@ -142,17 +118,16 @@ def no_delegation(
     operator as ``"aten::name"`` (every ``torch.ops.aten.name`` overload); or, as one string, a graded
     exercise's id (``"ch07-accept"``): the list ``ar_lab.course.forbidden`` keeps for that exercise.
 
-    The guard watches calls, not names (``guard.Watch``): a reference is caught however the learner's
-    code reached it (imported, captured in a default argument, a saved method, a copy of a module's
-    dict, ``torch._C``), a copy of its code (``importlib.reload``, ``exec`` of its source) counts as the
-    reference, threads started in the block are watched too, and a thread the learner left running
-    fails the test. A call is the learner's when the nearest notebook code above it is not the test
-    cell's own: the test computes its reference values inside the block. A learner whose code
-    caught the error is caught too. Warnings raised in the block go to stdout
-    (``warnings_as_notes``), so they do not fail a graded cell.
+    The references are swapped for stand-ins where code finds them by name (``guard.Gate``): an import,
+    a module's attribute, a name in the notebook, a method on its class, also on a thread started in the
+    block. A call is the learner's when the nearest notebook code above it is not the test cell's own:
+    the test computes its reference values inside the block. A learner whose code caught the error is
+    caught too. Warnings raised in the block go to stdout (``warnings_as_notes``), so they do not fail a
+    graded cell. A reference captured before the block escapes it: this is a learner's feedback; the
+    grade's guarantee is the grading step's (``ar_lab.course.sandbox``).
     """
     from ar_lab.course.channel import Remote
-    from ar_lab.course.guard import Watch, forbidden
+    from ar_lab.course.guard import Gate, forbidden
 
     if learner and all(isinstance(f, Remote) for f in learner):  # the grading step's judge: the learner's code
         _VERDICTS[exercise] = (False, learner)  # runs in its answer process, where the references do not exist
@@ -164,7 +139,6 @@ def no_delegation(
         from ar_lab.course.forbidden import references
 
         forbid = references(forbid)
-    codes = set().union(*(_codes(f) for f in learner)) if learner else None
     forbid = [forbidden(ref) for ref in forbid]
     for name, obj, _ in forbid:
         for f in learner:
@@ -180,24 +154,24 @@ def no_delegation(
                     "of what the exercise asks you to write: subclass torch.nn.Module and write it yourself.",
                     name,
                 )
-    watch = Watch(forbid, codes, exercise, Delegated)
+    gate = Gate(forbid, learner, exercise, Delegated)
     _VERDICTS[exercise] = (False, learner)  # until the block has passed
     try:
-        with watch, warnings_as_notes(exercise):
-            yield watch.calls
+        with gate, warnings_as_notes(exercise):
+            yield gate.calls
     except Exception as e:  # e.g. the learner's thread died on Delegated and their code then failed
-        if watch.calls and not isinstance(e, Delegated):
+        if gate.calls and not isinstance(e, Delegated):
             raise Delegated(
-                f"{exercise}: your code called `{watch.calls[0]}`, a ready-made implementation of what the "
+                f"{exercise}: your code called `{gate.calls[0]}`, a ready-made implementation of what the "
                 "exercise asks you to write, and then failed: write the computation yourself.",
-                watch.calls[0],
+                gate.calls[0],
             ) from e
         raise
-    if watch.calls:
+    if gate.calls:
         raise Delegated(
-            f"{exercise}: your code called `{watch.calls[0]}`, a ready-made implementation of what the "
+            f"{exercise}: your code called `{gate.calls[0]}`, a ready-made implementation of what the "
             "exercise asks you to write (and caught the error): write the computation yourself.",
-            watch.calls[0],
+            gate.calls[0],
         )
     _VERDICTS[exercise] = (True, learner)
 

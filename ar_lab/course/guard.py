@@ -1,25 +1,27 @@
-"""The delegation guard's watch: while a graded test runs, every call is seen, whatever route it took.
+"""The delegation guard of a learner's own notebook: while a graded test runs, the references its exercise
+forbids raise when the learner's code calls them.
 
-``checks.no_delegation`` forbids the package's reference for an exercise (and PyTorch's ready-made
-kernels) to the learner's code. Swapping the names a learner might use is not enough: a reference
-captured earlier (a default argument, a saved ``Class.method``, a copy of a module's dict), reached
-through ``torch._C`` or ``torch.ops.aten``, or called on another thread keeps working. So the guard
-watches calls instead: a profile hook (``sys.setprofile``, and ``threading.setprofile`` for threads
-started in the block) sees every Python function entered and every C function called, and checks
-them against the forbidden code objects and builtins. A Python function whose code is a copy of a
-forbidden one (``importlib.reload`` of the module, ``exec`` of ``inspect.getsource``: same name, same
-arguments, names and constants, compiled outside a notebook cell) counts as it.
+``checks.no_delegation`` opens a ``Gate``: for the block's length each forbidden reference is replaced
+where code finds it by name (an attribute of its class, and every module, the notebook's namespace
+included, that binds it) by a stand-in that raises ``Delegated`` when the call is the learner's and runs
+the reference when it is the test's. The private helpers that only the forbidden references reach come
+with them (``private_helpers``), so a forbid list names public references only.
 
 Whose call is it? Walking up from the call, library frames (the standard library, site-packages,
 ``ar_lab``) are skipped; the first other frame decides: the learner's functions (and any notebook
 code but the test cell's own) make it the learner's, the test cell's code makes it the test's (a
-test computes its reference values inside the block). A thread the learner left running when the
-block starts (one not started by the kernel) could call a reference where no hook sees it, so
-the block refuses to start until it is stopped.
+test computes its reference values inside the block). With only library code above it, a call is the
+learner's on a thread started during the block, and not on one that was already running (the kernel's).
+
+This is feedback for a learner at work, not the grade's guarantee: a reference captured before the
+test (a default argument, a saved method, a copy of the module) escapes it. The grade comes from
+``python -m ar_lab.course.grading``, where the learner's answer runs in a process whose ``ar_lab`` lacks
+the references altogether (``ar_lab.course.sandbox``).
 """
 
 from __future__ import annotations
 
+import functools
 import importlib
 import inspect
 import sys
@@ -118,7 +120,7 @@ def private_helpers(functions: list, seen: set) -> list:
     """The private helpers of the forbidden ar_lab ``functions`` [(function, class)]: what they reach, directly
     or through other helpers, and no public function or method of their module that is not forbidden does.
     So a forbid list names public references only, and renaming an internal function changes no verdict;
-    a helper that an allowed function shares (an argument check, say) stays allowed. [(code, name, class)]"""
+    a helper that an allowed function shares (an argument check, say) stays allowed. [(function, name, class)]"""
     found = []
     for module_name in {fn.__module__ for fn, _ in functions}:
         module = sys.modules[module_name].__dict__
@@ -127,87 +129,67 @@ def private_helpers(functions: list, seen: set) -> list:
         shared = _reached(allowed, module)
         for code, (fn, owner) in _reached(ours, module).items():
             if code not in shared and code not in seen:
-                found.append((code, f"{fn.__module__}.{fn.__qualname__}", owner))
+                found.append((fn, f"{fn.__module__}.{fn.__qualname__}", owner))
     return found
 
 
-def _targets(name: str, obj: Any, owner: type | None):
-    """What a forbidden reference looks like to the profile hook: ([(function, name, class that self must be)],
-    [(builtin, name)]). A class: its constructor and ``forward``; a method: its code, on instances of its
-    class; an aten operator: the builtin of the packet and of every overload; a builtin: itself."""
-    import torch
-
-    functions, builtins = [], []  # functions: (function, name, class that self must be)
-    if isinstance(obj, torch._ops.OpOverloadPacket):
-        builtins.append((obj._op, name))
-        builtins += [(getattr(obj, o)._op, f"{name}.{o}") for o in obj.overloads()]
-    elif isinstance(obj, type):
-        for method in ("__init__", "forward"):
-            fn = getattr(obj, method, None)
-            if hasattr(fn, "__code__") and fn is not object.__init__:
-                functions.append((fn, f"{name}.{method}", obj))
-    elif isinstance(obj, property) and obj.fget is not None:  # read on an instance of its class
-        functions.append((obj.fget, name, owner))
-    elif hasattr(obj, "__code__"):
-        functions.append((obj, name, owner))
-    elif hasattr(getattr(obj, "__func__", None), "__code__"):  # a bound or class method
-        functions.append((obj.__func__, name, owner))
-    else:
-        builtins.append((obj, name))
-    return functions, builtins
+def _methods(name: str, obj: Any, owner: type | None) -> list[tuple[type, str]]:
+    """Where a forbidden class or method is looked up: [(class, attribute)]. A class: its constructor and
+    ``forward``; a method or property: its name on its class."""
+    if isinstance(obj, type):
+        return [(obj, m) for m in ("__init__", "forward")
+                if hasattr(getattr(obj, m, None), "__code__") and getattr(obj, m) is not object.__init__]
+    return [(owner, name.rsplit(".", 1)[-1])] if owner is not None else []
 
 
-def _fingerprint(code) -> tuple:
-    """What a copy of a function's code keeps, wherever and however it was compiled again: its arguments,
-    local names, the globals and attributes it uses and its constants (nested code by name). The bytecode
-    itself is not kept: the same source compiles to different instructions in a module and in ``exec``."""
-    consts = tuple(c.co_qualname if hasattr(c, "co_qualname") else repr(c) for c in code.co_consts)
-    return code.co_argcount, code.co_kwonlyargcount, code.co_varnames, code.co_names, consts
+def _bindings(obj: Any, attr: str, spaces: list[dict]) -> list[tuple[dict, str]]:
+    """Every module that binds ``obj`` as ``attr``, and each of ``spaces`` (the learner's) under any name:
+    [(namespace, name)]."""
+    modules = [getattr(m, "__dict__", None) for m in list(sys.modules.values())]
+    found = [(space, attr) for space in modules if isinstance(space, dict) and attr and space.get(attr) is obj]
+    return found + [(space, k) for space in spaces for k, v in list(space.items()) if v is obj and k != attr]
 
 
-def learner_threads() -> list[str]:
-    """Threads other than this one that the kernel did not start: not daemons (the kernel's are), or
-    running notebook code."""
-    here, found = threading.get_ident(), []
-    frames = sys._current_frames()
-    for t in threading.enumerate():
-        if t.ident == here or t.ident not in frames:
-            continue
-        frame, ours = frames[t.ident], False
-        while frame is not None and not ours:
-            ours = not is_library(frame.f_code.co_filename)
-            frame = frame.f_back
-        if ours or not t.daemon:
-            found.append(t.name)
-    return found
+class Gate:
+    """The stand-ins of one ``no_delegation`` block: a context manager; ``calls`` lists what was caught."""
 
+    def __init__(self, forbid: list[tuple[str, Any, Any]], learner: tuple, exercise: str, error: type):
+        import torch
 
-class Watch:
-    """The profile hook of one ``no_delegation`` block: a context manager; ``calls`` lists what was caught."""
-
-    def __init__(self, forbid: list[tuple[str, Any, Any]], learner_codes: set | None, exercise: str, error: type):
-        self.codes: dict = {}  # code object -> (name, class that self must be, or None)
-        self.builtins: dict = {}  # builtin -> name
-        self.copies: dict = {}  # qualname -> [(bytecode, name)]: a reloaded or exec'd copy of a forbidden function
+        spaces = [vars(m) for m in (sys.modules.get("__main__"),) if m is not None]  # the notebook's
+        spaces += [g for f in learner if isinstance(g := getattr(getattr(f, "func", f), "__globals__", None), dict)]
+        self.places: list[tuple[Any, str, str]] = []  # (class or namespace, attribute, name): where a stand-in goes
         functions = []
         for name, obj, owner in forbid:
-            found, builtins = _targets(name, obj, owner)
-            functions += found
-            self.builtins.update(builtins)
-        codes = [(fn.__code__, label, cls) for fn, label, cls in functions]
-        ours = [(fn, cls) for fn, _, cls in functions if getattr(fn, "__module__", "").startswith("ar_lab.")]
-        for code, label, cls in codes + private_helpers(ours, {code for code, _, _ in codes}):  # with their helpers
-            self.codes[code] = (label, cls)
-            self.copies.setdefault(code.co_qualname, []).append((_fingerprint(code), label))
-        self.learner_codes, self.exercise, self.error = learner_codes, exercise, error
+            methods = _methods(name, obj, owner)
+            if isinstance(obj, torch._ops.OpOverloadPacket):  # torch.ops.aten.name
+                self.places.append((vars(torch.ops.aten), name.rsplit(".", 1)[-1], name))
+            elif methods:  # a class's constructor and forward are named as such
+                whole = isinstance(obj, type)
+                self.places += [(cls, attr, f"{name}.{attr}" if whole else name) for cls, attr in methods]
+            else:
+                self.places += [(m, attr, name) for m, attr in _bindings(obj, getattr(obj, "__name__", ""), spaces)]
+            for cls, attr in methods:
+                raw = inspect.getattr_static(cls, attr)
+                functions.append((getattr(raw, "fget", None) or getattr(raw, "__func__", raw), cls))
+            if inspect.isfunction(obj) and not methods:
+                functions.append((obj, None))
+        ours = [(fn, cls) for fn, cls in functions if inspect.isfunction(fn) and fn.__module__.startswith("ar_lab.")]
+        for fn, name, owner in private_helpers(ours, {fn.__code__ for fn, _ in ours}):
+            if owner is not None:
+                self.places.append((owner, fn.__name__, name))
+            else:
+                self.places += [(m, attr, name) for m, attr in _bindings(fn, fn.__name__, spaces)]
+        self.learner_codes = set().union(*(_codes(f) for f in learner)) if learner else None
+        self.exercise, self.error = exercise, error
+        self.places = list({(id(owner), attr): (owner, attr, name) for owner, attr, name in self.places}.values())
         self.calls: list[str] = []
-        self.active = False
+        self.saved: list[tuple[Any, str, bool, Any]] = []
 
     def _learners(self, frame) -> bool:
         """Is the call made from ``frame`` the learner's? (See the module's docstring.)"""
         if self.learner_codes is None:
             return True  # no learner named: every call inside the block is refused
-        own_thread = threading.get_ident() == self.thread
         while frame is not None:
             code = frame.f_code
             if code in self.learner_codes:
@@ -215,67 +197,87 @@ class Watch:
             if not is_library(code.co_filename):
                 return code.co_filename != self.test_file
             frame = frame.f_back
-        return not own_thread  # only library code above it, on a thread the test did not start
+        return threading.get_ident() not in self.threads  # library code only, on a thread started in the block
 
-    def _hit(self, name: str):
-        self.calls.append(name)
-        raise self.error(
-            f"{self.exercise}: your code called `{name}`, a ready-made implementation of what the exercise "
-            "asks you to write: replace that call with your own tensor operations.",
-            name,
-        )
+    def _stand_in(self, original: Callable, name: str) -> Callable:
+        gate = self
 
-    def _copy_of(self, code) -> str | None:
-        for print_, label in self.copies.get(code.co_qualname, ()):
-            filename = code.co_filename
-            if (is_library(filename) or filename.startswith("<")) and _fingerprint(code) == print_:
-                return f"{label} (a copy of its code)"
-        return None
+        @functools.wraps(original, updated=())
+        def stand_in(*args, **kwargs):
+            if gate.active and gate._learners(sys._getframe(1)):
+                gate.calls.append(name)
+                raise gate.error(
+                    f"{gate.exercise}: your code called `{name}`, a ready-made implementation of what the exercise "
+                    "asks you to write: replace that call with your own tensor operations.",
+                    name,
+                )
+            return original(*args, **kwargs)
 
-    def profile(self, frame, event: str, arg) -> None:
-        if not self.active:
-            return
-        outer = self.previous[0]
-        if outer is not None:  # an enclosing block's watch (a check inside a test's block) keeps watching
-            outer(frame, event, arg)
-        if event == "call":
-            code = frame.f_code
-            hit = self.codes.get(code)
-            if hit is not None:
-                name, cls = hit
-                if cls is not None and not isinstance(frame.f_locals.get("self"), cls):
-                    return
-                if self._learners(frame.f_back):
-                    self._hit(name)
-            elif code.co_qualname in self.copies and (copy := self._copy_of(code)) and self._learners(frame.f_back):
-                self._hit(copy)
-        elif event == "c_call":
-            try:
-                name = self.builtins.get(arg)
-            except TypeError:  # an unhashable callable
-                return
-            if name is not None and self._learners(frame):
-                self._hit(name)
+        return stand_in
 
-    def __enter__(self) -> Watch:
-        left = learner_threads()
-        if left:
-            raise self.error(
-                f"{self.exercise}: a thread your code started is still running ({', '.join(left)}); a graded test "
-                "runs with none of yours alive: stop it (join it, or shut the pool down) and run the tests again."
-            )
+    def _replacement(self, owner: Any, attr: str, name: str) -> Any:
+        raw = inspect.getattr_static(owner, attr) if isinstance(owner, type) else owner[attr]
+        if isinstance(raw, property):
+            return property(self._stand_in(raw.fget, name), raw.fset, raw.fdel, raw.__doc__)
+        if isinstance(raw, (staticmethod, classmethod)):
+            return type(raw)(self._stand_in(raw.__func__, name))
+        stand_in = self._stand_in(raw, name)
+        for overload in raw.overloads() if hasattr(raw, "overloads") else ():  # torch.ops.aten.name.default, ...
+            setattr(stand_in, overload, self._stand_in(getattr(raw, overload), f"{name}.{overload}"))
+        return stand_in
+
+    def __enter__(self) -> Gate:
         frame = sys._getframe(1)
         while frame is not None and is_library(frame.f_code.co_filename):
             frame = frame.f_back
         self.test_file = frame.f_code.co_filename if frame is not None else None
-        self.thread = threading.get_ident()
-        self.previous = sys.getprofile(), getattr(threading, "getprofile", lambda: threading._profile_hook)()
+        self.threads = {t.ident for t in threading.enumerate()}  # the test's and the kernel's: not the learner's
         self.active = True
-        sys.setprofile(self.profile)
-        threading.setprofile(self.profile)
+        try:
+            for owner, attr, name in self.places:
+                replacement = self._replacement(owner, attr, name)
+                if isinstance(owner, type):
+                    self.saved.append((owner, attr, attr in vars(owner), vars(owner).get(attr)))
+                    setattr(owner, attr, replacement)
+                else:
+                    self.saved.append((owner, attr, True, owner[attr]))
+                    owner[attr] = replacement
+        except BaseException:
+            self.__exit__()
+            raise
         return self
 
     def __exit__(self, *exc) -> None:
         self.active = False
-        sys.setprofile(self.previous[0])
-        threading.setprofile(self.previous[1])
+        while self.saved:
+            owner, attr, own, value = self.saved.pop()
+            if not isinstance(owner, type):
+                owner[attr] = value
+            elif own:
+                setattr(owner, attr, value)
+            else:
+                delattr(owner, attr)
+
+
+def _codes(obj: Any) -> set:
+    """Every code object of a learner's function, class or object (nested functions and methods included)."""
+    obj = getattr(obj, "func", obj)  # a functools.partial
+    obj = getattr(obj, "__func__", obj)  # a bound method
+    if not isinstance(obj, type) and not hasattr(obj, "__code__"):
+        obj = type(obj)  # an instance (e.g. the learner's nn.Module): its class's methods
+    if not isinstance(obj, type):
+        found, todo = set(), [obj.__code__]
+        while todo:
+            code = todo.pop()
+            found.add(code)
+            todo += [c for c in code.co_consts if hasattr(c, "co_code") and c not in found]
+        return found
+    found = set()
+    for klass in obj.__mro__:
+        if klass.__module__.split(".")[0] in ("builtins", "torch", "ar_lab"):
+            continue  # library classes it builds on are not the learner's code
+        for value in vars(klass).values():
+            value = getattr(value, "fget", None) or getattr(value, "__func__", None) or value
+            if hasattr(value, "__code__"):
+                found |= _codes(value)
+    return found

@@ -1,6 +1,6 @@
 """Whose code is a frame running? Library code (the standard library, installed packages, ar_lab) or a
-notebook's (a cell, or source a learner ran with ``exec``): what the delegation guard and the grading
-record both ask when they walk up from a call to the test or the learner that made it."""
+notebook's (a cell, or source a learner ran with ``exec``): what the kernel's delegation gate asks when it
+walks up from a call to the test or the learner that made it."""
 
 from __future__ import annotations
 
