@@ -1,14 +1,15 @@
 """The kernel's delegation gate: while a graded test runs, the references its exercise forbids raise when
-the learner's code calls them, by every name code finds them under.
+the learner's code calls them, by whatever route reaches them.
 
 Each test is a route a learner could take from a notebook: an import, a name in their namespace, a
-thread, a C function, ``torch.ops.aten``, a method on its class, a private helper. The test's own
-reference calls in the block still run, and the block leaves nothing swapped behind. A reference
-captured before the block escapes the gate: the grade's guarantee is the grading step's answer
-process (tests/test_sandbox.py, tests/test_grading_fresh.py).
-"""
+default argument, a saved method, a snapshot of a module's dict, a thread, a C function,
+``torch.ops.aten``, a private helper. The test's own reference calls in the block still run, and the
+block leaves nothing swapped behind. A builtin captured before the block, or a copy of the reference's
+code, escapes the gate: the grade's guarantee is the grading step's answer process
+(tests/test_sandbox.py, tests/test_grading_fresh.py)."""
 
 import concurrent.futures
+import functools
 import inspect
 import re
 import sys
@@ -66,16 +67,16 @@ def test_a_thread_already_running_library_code_is_not_the_learners():
     caught(started_in_the_block, logits, 2, forbid=[TOP_K])
 
 
-def test_a_reference_captured_before_the_test_escapes_the_kernels_gate_only():
-    """The gate swaps names: a function object captured earlier (a default argument, a saved method, a
-    snapshot of a module's dict) is the reference itself. The kernel's test passes; the grading step's
-    answer process has no reference to capture (tests/test_sandbox.py: every route finds a stub)."""
+def test_a_python_reference_captured_before_the_test_is_caught():
+    """A Python function runs the stand-in as its own code: a default argument, a saved method, a snapshot of a
+    module's dict and a partial reach it too."""
     update = KVCache.update
     snapshot = dict(vars(sampling))
     cache = KVCache(1, 1, 1, 4, 2)
+    partial = functools.partial(filter_top_k, k=2)
 
-    def captured(q, k, v, attend=F.scaled_dot_product_attention):
-        return attend(q, k, v, is_causal=True)
+    def captured(logits, k, keep=filter_top_k):
+        return keep(logits, k)
 
     def saved_method(x):
         return update(cache, 0, 0, x, x)[0]
@@ -83,9 +84,23 @@ def test_a_reference_captured_before_the_test_escapes_the_kernels_gate_only():
     def from_the_snapshot(logits, k):
         return snapshot["filter_top_k"](logits, k)
 
+    caught(captured, logits, 2, forbid=[TOP_K])
+    caught(saved_method, torch.ones(1, 1, 1, 2), forbid=["ar_lab.model.cache.KVCache.update"])
+    caught(from_the_snapshot, logits, 2, forbid=[TOP_K])
+    caught(lambda x: partial(x), logits, forbid=[TOP_K])
+
+
+def test_a_captured_builtin_and_a_copy_of_the_code_escape_the_kernels_gate_only():
+    """What the gate does not see; the grading step's answer process has no reference to capture or copy
+    (tests/test_sandbox.py: every route finds a stub)."""
+    namespace = dict(vars(sampling))
+    exec(inspect.getsource(sampling._top_k), namespace)  # the private helper's source, run again
+
+    def captured(q, k, v, attend=F.scaled_dot_product_attention):
+        return attend(q, k, v, is_causal=True)
+
     own_work("attention", captured, q, k, v, forbidden=[SDPA])
-    own_work("cache", saved_method, torch.ones(1, 1, 1, 2), forbidden=["ar_lab.model.cache.KVCache.update"])
-    own_work("top-k", from_the_snapshot, logits, 2, forbidden=[TOP_K])
+    own_work("top-k", lambda x: namespace["_top_k"](x, 2), logits, forbidden="ch06-sampler")
 
 
 def test_low_level_routes_to_the_same_kernel_are_caught():
@@ -106,9 +121,10 @@ def written(logits, k):
 
 def test_the_tests_own_reference_calls_pass_and_no_stand_in_is_left_behind():
     sdpa, packet, update = F.scaled_dot_product_attention, torch.ops.aten.scaled_dot_product_attention, KVCache.update
+    code, names, update_code = filter_top_k.__code__, set(vars(sampling)), KVCache.update.__code__
     with no_delegation(written, forbid=[TOP_K, SDPA, "aten::scaled_dot_product_attention", "ar_lab.model.cache.KVCache",
                                         "ar_lab.model.cache.KVCache.update"]) as calls:
-        assert sampling.filter_top_k is not filter_top_k  # swapped while the block runs
+        assert filter_top_k.__code__ is not code  # its code, swapped while the block runs
         expected = filter_top_k(logits, 2)
         F.scaled_dot_product_attention(q, k, v, is_causal=True)
         torch.ops.aten.scaled_dot_product_attention(q, k, v, is_causal=True)
@@ -117,7 +133,7 @@ def test_the_tests_own_reference_calls_pass_and_no_stand_in_is_left_behind():
     assert calls == []
     assert (sampling.filter_top_k, F.scaled_dot_product_attention, torch.ops.aten.scaled_dot_product_attention,
             KVCache.update, KVCache.__init__) == (filter_top_k, sdpa, packet, update, KVCache.__dict__["__init__"])
-    assert "filter_top_k" in vars(sys.modules[__name__]) and filter_top_k.__module__ == sampling.__name__
+    assert filter_top_k.__code__ is code and set(vars(sampling)) == names and KVCache.update.__code__ is update_code
     assert torch.equal(filter_top_k(logits, 2), expected)
 
 

@@ -118,13 +118,14 @@ def no_delegation(
     operator as ``"aten::name"`` (every ``torch.ops.aten.name`` overload); or, as one string, a graded
     exercise's id (``"ch07-accept"``): the list ``ar_lab.course.forbidden`` keeps for that exercise.
 
-    The references are swapped for stand-ins where code finds them by name (``guard.Gate``): an import,
-    a module's attribute, a name in the notebook, a method on its class, also on a thread started in the
-    block. A call is the learner's when the nearest notebook code above it is not the test cell's own:
-    the test computes its reference values inside the block. A learner whose code caught the error is
-    caught too. Warnings raised in the block go to stdout (``warnings_as_notes``), so they do not fail a
-    graded cell. A reference captured before the block escapes it: this is a learner's feedback; the
-    grade's guarantee is the grading step's (``ar_lab.course.sandbox``).
+    The references run a stand-in for the block's length (``guard.Gate``): a Python function as its own
+    code, so every route to it is caught (an import, a default argument, a saved method, a thread); a
+    builtin by name, wherever it is bound. A call is the learner's when the nearest notebook code above it
+    is not the test cell's own: the test computes its reference values inside the block. A learner whose
+    code caught the error is caught too. Warnings raised in the block go to stdout
+    (``warnings_as_notes``), so they do not fail a graded cell. A builtin captured before the block, or a
+    copy of the reference's code, escapes it: this is a learner's feedback; the grade's guarantee is the
+    grading step's (``ar_lab.course.sandbox``).
     """
     from ar_lab.course.channel import Remote
     from ar_lab.course.guard import Gate, forbidden

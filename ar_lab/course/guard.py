@@ -1,11 +1,13 @@
 """The delegation guard of a learner's own notebook: while a graded test runs, the references its exercise
 forbids raise when the learner's code calls them.
 
-``checks.no_delegation`` opens a ``Gate``: for the block's length each forbidden reference is replaced
-where code finds it by name (an attribute of its class, and every module, the notebook's namespace
-included, that binds it) by a stand-in that raises ``Delegated`` when the call is the learner's and runs
-the reference when it is the test's. The private helpers that only the forbidden references reach come
-with them (``private_helpers``), so a forbid list names public references only.
+``checks.no_delegation`` opens a ``Gate``: for the block's length each forbidden reference runs a
+stand-in that raises ``Delegated`` when the call is the learner's and runs the reference when it is the
+test's. A Python function (an ar_lab function, method or constructor, and the private helpers only the
+forbidden references reach, ``private_helpers``) gets the stand-in as its own code, so every route to it
+is caught: an import, a default argument, a saved method, a copy of its module's dict, a thread. A
+builtin (PyTorch's C functions, ``torch.ops.aten`` operators) is swapped by name, wherever a module or
+the learner's namespace binds it.
 
 Whose call is it? Walking up from the call, library frames (the standard library, site-packages,
 ``ar_lab``) are skipped; the first other frame decides: the learner's functions (and any notebook
@@ -13,11 +15,10 @@ code but the test cell's own) make it the learner's, the test cell's code makes 
 test computes its reference values inside the block). With only library code above it, a call is the
 learner's on a thread started during the block, and not on one that was already running (the kernel's).
 
-This is feedback for a learner at work, not the grade's guarantee: a reference captured before the
-test (a default argument, a saved method, a copy of the module) escapes it. The grade comes from
-``python -m ar_lab.course.grading``, where the learner's answer runs in a process whose ``ar_lab`` lacks
-the references altogether (``ar_lab.course.sandbox``).
-"""
+This is feedback for a learner at work, not the grade's guarantee: a builtin captured before the test,
+or the reference's code copied (``exec`` of its source, a reloaded module), escapes it. The grade comes
+from ``python -m ar_lab.course.grading``, where the learner's answer runs in a process whose ``ar_lab``
+lacks the references altogether (``ar_lab.course.sandbox``)."""
 
 from __future__ import annotations
 
@@ -26,6 +27,7 @@ import importlib
 import inspect
 import sys
 import threading
+import types
 from collections.abc import Callable
 from typing import Any
 
@@ -133,13 +135,23 @@ def private_helpers(functions: list, seen: set) -> list:
     return found
 
 
-def _methods(name: str, obj: Any, owner: type | None) -> list[tuple[type, str]]:
-    """Where a forbidden class or method is looked up: [(class, attribute)]. A class: its constructor and
-    ``forward``; a method or property: its name on its class."""
+def _functions(name: str, obj: Any, owner: type | None) -> tuple[list, list]:
+    """What a forbidden reference is made of: ([(Python function, name, its class or None)], and
+    [(class, attribute, name)]: a constructor or forward the class inherits, swapped on the class itself)."""
     if isinstance(obj, type):
-        return [(obj, m) for m in ("__init__", "forward")
-                if hasattr(getattr(obj, m, None), "__code__") and getattr(obj, m) is not object.__init__]
-    return [(owner, name.rsplit(".", 1)[-1])] if owner is not None else []
+        found, inherited = [], []
+        for attr in ("__init__", "forward"):
+            fn = getattr(obj, attr, None)
+            if not inspect.isfunction(fn) or fn is object.__init__:
+                continue
+            if attr in vars(obj):
+                found.append((fn, f"{name}.{attr}", obj))
+            else:
+                inherited.append((obj, attr, f"{name}.{attr}"))
+        return found, inherited
+    raw = inspect.getattr_static(owner, name.rsplit(".", 1)[-1]) if owner is not None else obj
+    fn = getattr(raw, "fget", None) or getattr(raw, "__func__", raw)  # a property's getter, a static or class method
+    return ([(fn, name, owner)] if inspect.isfunction(fn) else []), []
 
 
 def _bindings(obj: Any, attr: str, spaces: list[dict]) -> list[tuple[dict, str]]:
@@ -150,6 +162,18 @@ def _bindings(obj: Any, attr: str, spaces: list[dict]) -> list[tuple[dict, str]]
     return found + [(space, k) for space in spaces for k, v in list(space.items()) if v is obj and k != attr]
 
 
+def _trampoline(fn: types.FunctionType, key: str) -> types.CodeType | None:
+    """Code that, as ``fn.__code__``, calls the global ``key`` with ``fn``'s arguments (its free variables kept, so
+    the swap is allowed; None if they cannot be). Compiled as this file's, so it is library code."""
+    free = fn.__code__.co_freevars
+    lines = [f"def outer({', '.join(free)}):", "    def inner(*args, **kwargs):"]
+    lines += [f"        ({', '.join(free)},)"] if free else []
+    lines += [f"        return {key}(*args, **kwargs)", "    return inner"]
+    outer = compile("\n".join(lines), __file__, "exec").co_consts[0]
+    code = next(c for c in outer.co_consts if isinstance(c, types.CodeType))
+    return code.replace(co_name=fn.__name__, co_qualname=fn.__qualname__) if code.co_freevars == free else None
+
+
 class Gate:
     """The stand-ins of one ``no_delegation`` block: a context manager; ``calls`` lists what was caught."""
 
@@ -158,33 +182,25 @@ class Gate:
 
         spaces = [vars(m) for m in (sys.modules.get("__main__"),) if m is not None]  # the notebook's
         spaces += [g for f in learner if isinstance(g := getattr(getattr(f, "func", f), "__globals__", None), dict)]
-        self.places: list[tuple[Any, str, str]] = []  # (class or namespace, attribute, name): where a stand-in goes
-        functions = []
+        self.spaces = spaces
+        self.functions: dict[int, tuple] = {}  # id -> (Python function, name): its code is swapped
+        self.places: list[tuple[Any, str, str]] = []  # (class or namespace, attribute, name): swapped by name
+        ours = []  # (ar_lab function, its class): whose private helpers come with them
         for name, obj, owner in forbid:
-            methods = _methods(name, obj, owner)
+            functions, inherited = _functions(name, obj, owner)
+            self.functions.update({id(fn): (fn, label) for fn, label, _ in functions})
+            ours += [(fn, cls) for fn, _, cls in functions if fn.__module__.startswith("ar_lab.")]
+            self.places += inherited
             if isinstance(obj, torch._ops.OpOverloadPacket):  # torch.ops.aten.name
                 self.places.append((vars(torch.ops.aten), name.rsplit(".", 1)[-1], name))
-            elif methods:  # a class's constructor and forward are named as such
-                whole = isinstance(obj, type)
-                self.places += [(cls, attr, f"{name}.{attr}" if whole else name) for cls, attr in methods]
-            else:
+            elif not functions and not isinstance(obj, type) and owner is None:  # a builtin
                 self.places += [(m, attr, name) for m, attr in _bindings(obj, getattr(obj, "__name__", ""), spaces)]
-            for cls, attr in methods:
-                raw = inspect.getattr_static(cls, attr)
-                functions.append((getattr(raw, "fget", None) or getattr(raw, "__func__", raw), cls))
-            if inspect.isfunction(obj) and not methods:
-                functions.append((obj, None))
-        ours = [(fn, cls) for fn, cls in functions if inspect.isfunction(fn) and fn.__module__.startswith("ar_lab.")]
-        for fn, name, owner in private_helpers(ours, {fn.__code__ for fn, _ in ours}):
-            if owner is not None:
-                self.places.append((owner, fn.__name__, name))
-            else:
-                self.places += [(m, attr, name) for m, attr in _bindings(fn, fn.__name__, spaces)]
+        for fn, name, _ in private_helpers(ours, {fn.__code__ for fn, _ in ours}):
+            self.functions.setdefault(id(fn), (fn, name))
         self.learner_codes = set().union(*(_codes(f) for f in learner)) if learner else None
         self.exercise, self.error = exercise, error
-        self.places = list({(id(owner), attr): (owner, attr, name) for owner, attr, name in self.places}.values())
         self.calls: list[str] = []
-        self.saved: list[tuple[Any, str, bool, Any]] = []
+        self.undo: list[Callable] = []
 
     def _learners(self, frame) -> bool:
         """Is the call made from ``frame`` the learner's? (See the module's docstring.)"""
@@ -204,7 +220,7 @@ class Gate:
 
         @functools.wraps(original, updated=())
         def stand_in(*args, **kwargs):
-            if gate.active and gate._learners(sys._getframe(1)):
+            if gate.active and gate._learners(sys._getframe(1)):  # (a swapped function's own frame is library code)
                 gate.calls.append(name)
                 raise gate.error(
                     f"{gate.exercise}: your code called `{name}`, a ready-made implementation of what the exercise "
@@ -215,16 +231,31 @@ class Gate:
 
         return stand_in
 
-    def _replacement(self, owner: Any, attr: str, name: str) -> Any:
+    def _swap_code(self, fn: types.FunctionType, name: str) -> None:
+        key = f"__ar_lab_stand_in_{id(self)}_{id(fn)}__"
+        code = _trampoline(fn, key)
+        if code is None:  # (not seen in practice) swapped by name instead
+            for owner, attr in _bindings(fn, fn.__name__, self.spaces):
+                self._swap_name(owner, attr, name)
+            return
+        original = types.FunctionType(fn.__code__, fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
+        original.__kwdefaults__, original.__qualname__ = fn.__kwdefaults__, fn.__qualname__
+        fn.__globals__[key] = self._stand_in(original, name)
+        fn.__code__, saved = code, fn.__code__
+        self.undo.append(lambda: (setattr(fn, "__code__", saved), fn.__globals__.pop(key, None)))
+
+    def _swap_name(self, owner: Any, attr: str, name: str) -> None:
         raw = inspect.getattr_static(owner, attr) if isinstance(owner, type) else owner[attr]
-        if isinstance(raw, property):
-            return property(self._stand_in(raw.fget, name), raw.fset, raw.fdel, raw.__doc__)
-        if isinstance(raw, (staticmethod, classmethod)):
-            return type(raw)(self._stand_in(raw.__func__, name))
         stand_in = self._stand_in(raw, name)
         for overload in raw.overloads() if hasattr(raw, "overloads") else ():  # torch.ops.aten.name.default, ...
             setattr(stand_in, overload, self._stand_in(getattr(raw, overload), f"{name}.{overload}"))
-        return stand_in
+        if isinstance(owner, type):  # a constructor or forward the class inherits: its own, for the block
+            setattr(owner, attr, stand_in)
+            self.undo.append(lambda: delattr(owner, attr))
+        else:
+            saved = owner[attr]
+            owner[attr] = stand_in
+            self.undo.append(lambda: owner.__setitem__(attr, saved))
 
     def __enter__(self) -> Gate:
         frame = sys._getframe(1)
@@ -234,14 +265,10 @@ class Gate:
         self.threads = {t.ident for t in threading.enumerate()}  # the test's and the kernel's: not the learner's
         self.active = True
         try:
+            for fn, name in self.functions.values():
+                self._swap_code(fn, name)
             for owner, attr, name in self.places:
-                replacement = self._replacement(owner, attr, name)
-                if isinstance(owner, type):
-                    self.saved.append((owner, attr, attr in vars(owner), vars(owner).get(attr)))
-                    setattr(owner, attr, replacement)
-                else:
-                    self.saved.append((owner, attr, True, owner[attr]))
-                    owner[attr] = replacement
+                self._swap_name(owner, attr, name)
         except BaseException:
             self.__exit__()
             raise
@@ -249,14 +276,8 @@ class Gate:
 
     def __exit__(self, *exc) -> None:
         self.active = False
-        while self.saved:
-            owner, attr, own, value = self.saved.pop()
-            if not isinstance(owner, type):
-                owner[attr] = value
-            elif own:
-                setattr(owner, attr, value)
-            else:
-                delattr(owner, attr)
+        while self.undo:
+            self.undo.pop()()
 
 
 def _codes(obj: Any) -> set:
