@@ -61,7 +61,7 @@ _VERDICTS: dict[str, tuple[bool, tuple]] = {}
 
 class Delegated(CheckFailed):
     """The learner's code called the reference implementation the exercise asks them to write; ``reference``
-    names what it reached (as the verdict does), None for a thread of theirs left running."""
+    names what it reached (as the verdict does)."""
 
     def __init__(self, message: str = "", reference: str | None = None) -> None:
         super().__init__(message)
