@@ -335,11 +335,12 @@ def test_non_finite_keys_stay_non_finite_in_an_int8_cache(bad):
     k[0, 0, 1, 2] = bad
     keys, _ = cache.update(0, 0, k, torch.randn(1, 2, 3, 4))
     assert not bool(torch.isfinite(keys[0, 0, 1]).any()) and bool(torch.isfinite(keys[0, 1]).all())
-    out = torch.empty(2, 1, 4)
-    k1 = torch.randn(2, 4)
-    k1[0, 0] = bad
-    cache.attend(0, 3, torch.randn(2, 1, 4), k1, torch.randn(2, 4), 0.5, out)
-    assert not bool(torch.isfinite(out[0]).all())
+    k1 = torch.randn(1, 2, 1, 4)
+    k1[0, 0, 0, 0] = bad
+    cache.write(0, k1, torch.randn(1, 2, 1, 4), 3)
+    for grouped in (True, False):  # the decode step's folded scales, and the dequantized copy
+        out = cache.attend(0, torch.randn(1, 2, 1, 4), 3, grouped=grouped)  # (1, H, 1, D)
+        assert not bool(torch.isfinite(out[0, 0]).all()) and bool(torch.isfinite(out[0, 1]).all())
 
 
 # --- 4. checkpoints ---------------------------------------------------------------------------

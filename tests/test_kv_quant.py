@@ -107,14 +107,14 @@ def test_int8_cache_agrees_with_a_float_cache(course):
     assert kv_cache_agreement(random, PROMPTS[:1], n_tokens=8).top1 >= 0.5
 
 
-def test_what_an_int8_cache_cannot_do_is_refused():
+def test_an_int8_cache_extends_as_forward_does_and_refuses_what_it_cannot_do():
     model = _model()
-    cache = Int8KVCache.for_model(model)
+    cache, other = Int8KVCache.for_model(model), Int8KVCache.for_model(model)
     engine = lean.for_model(model)
     with torch.inference_mode():
         model(torch.tensor([[1, 2, 3]]), cache)
-        with raises(BadType, 'cache'):
-            engine.extend([4, 5], cache)
+        model(torch.tensor([[1, 2, 3]]), other)
+        torch.testing.assert_close(engine.extend([4, 5], cache), model(torch.tensor([[4, 5]]), other)[0])
     with raises(BadType, None):
         Int8KVCache.from_buffers(cache.k, cache.v)
     with raises(BadValue, 'dtype'):

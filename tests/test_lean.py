@@ -325,9 +325,9 @@ def test_layer_weights_are_the_blocks_own_parameters_by_name(tiny_model):
     """Each field of a layer's weights is the block's parameter it names: no copies to go stale."""
     engine = lean.for_model(tiny_model)
     for w, b in zip(engine.layers, tiny_model.blocks, strict=True):
-        assert w.ln1_weight is b.ln1.weight and w.ln2_bias is b.ln2.bias and w.attn_proj_bias is b.attn.proj.bias
-        assert w.qkv_weight is b.attn.qkv.weight and w.qkv_bias is b.attn.qkv.bias
-        assert w.fc_weight is b.mlp.fc.weight and w.mlp_proj_weight is b.mlp.proj.weight
+        assert w.norm1.weight is b.ln1.weight and w.norm2.bias is b.ln2.bias and w.proj.bias is b.attn.proj.bias
+        assert w.qkv.weight is b.attn.qkv.weight and w.qkv.bias is b.attn.qkv.bias
+        assert w.fc.weight is b.mlp.fc.weight and w.mlp_proj.weight is b.mlp.proj.weight
     assert engine.wte is tiny_model.wte.weight is tiny_model.lm_head.weight
 
 
@@ -381,9 +381,20 @@ class Doubled(torch.nn.Module):
         return 2 * w
 
 
-@pytest.mark.parametrize("edit", [_untie, _lora, _parametrize, _other_eps], ids=lambda f: f.__name__[1:])
+def test_each_norm_keeps_its_own_epsilon_in_the_lean_step(tiny_model):
+    """The lean step runs each norm module's own epsilon: a block given another one decodes as forward does."""
+    _other_eps(tiny_model)
+    assert lean.supports(tiny_model)
+    with torch.inference_mode():
+        cache = KVCache.for_model(tiny_model, max_len=8)
+        tiny_model(torch.tensor([[1, 2, 3]]), cache)
+        want = tiny_model(torch.tensor([[1, 2, 3, 4]]))[0, -1]
+        torch.testing.assert_close(lean.for_model(tiny_model).step(4, cache), want, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("edit", [_untie, _lora, _parametrize], ids=lambda f: f.__name__[1:])
 def test_modules_the_lean_step_does_not_reproduce_go_through_forward(tiny_model, edit):
-    """Weights reached through a module's own forward, or a different epsilon: generate follows forward."""
+    """Weights reached through a module's own forward: generate follows forward."""
     torch.manual_seed(3)
     model = GPT(tiny_model.config).eval()
     edit(model)

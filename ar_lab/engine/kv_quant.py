@@ -11,10 +11,10 @@ per head_dim bytes: (D + 4) / 4D of a float32 cache (about 27% at D = 64).
 
 It is a ``KVCache`` (same constructor and ``for_model``, ``truncate``, recorded token ids), so
 ``ar_lab.generate(model, prompt, n, cache=Int8KVCache.for_model(model, max_len=...))`` uses it:
-the prefill goes through ``GPT.forward`` (``update`` quantizes the new keys and values and
-returns the dequantized prefix to attention), and the decode steps through the lean step,
-which calls ``attend``: the int8 keys and values are read as they are and their scales folded
-into the attention scores and weights, so no dequantized copy of the cache is kept. A cache
+every pass writes through the KV-store protocol (``write`` quantizes the new keys and values)
+and attention (``ar_lab.model.attention``) reads the int8 keys and values with their scales: for
+one query (a decode step) the scales fold into the attention scores and weights, so no
+dequantized copy of the cache is made; several queries (a prompt) read a dequantized copy. A cache
 is chosen by passing it: nothing changes for a caller that does not.
 """
 
@@ -22,8 +22,9 @@ from __future__ import annotations
 
 import torch
 
-from ar_lab.base.errors import BadType, ContextFull
+from ar_lab.base.errors import BadType
 from ar_lab.engine.quant import absmax_quantize
+from ar_lab.model.attention import Keys
 from ar_lab.model.cache import KVCache, kv_cache_bytes
 
 
@@ -74,43 +75,19 @@ class Int8KVCache(KVCache):
         # arg=None: no argument of this call is at fault; this constructor is not one Int8KVCache offers.
         raise BadType("Int8KVCache owns its buffers and scales: build it with Int8KVCache.for_model(model)", arg=None)
 
-    def _dequantized(self, layer: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
-        k = self.k[layer][:, :, :end].to(self.dtype) * self.k_scale[layer][:, :, :end, None].to(self.dtype)
-        v = self.v[layer][:, :, :end].to(self.dtype) * self.v_scale[layer][:, :, :end, None].to(self.dtype)
-        return k, v  # (B, H_kv, end, D)
-
-    def update(self, layer: int, start: int, k: torch.Tensor, v: torch.Tensor):
-        """Quantize and write k, v (B, H_kv, T, D) at positions start..start+T; return the dequantized
-        keys/values so far (B, H_kv, start + T, D), in ``dtype`` (what ``GPT.forward``'s attention reads)."""
-        end = start + k.shape[2]
-        if end > self.max_len:
-            raise ContextFull(f"KV cache full: positions up to {end} requested, capacity is {self.max_len}",
-                              arg="cache")
-        del self._ids[start:]
+    def _store(self, layer: int, start: int, end: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Quantize k, v (B, H_kv, T, D) into positions start..end: int8 values, one scale per (row, head, position)."""
         for values, scales, x in ((self.k, self.k_scale, k), (self.v, self.v_scale, v)):
-            q, s = absmax_quantize(x.float(), 127)  # one scale per (row, head, position)
+            q, s = absmax_quantize(x.float(), 127)
             values[layer][:, :, start:end] = q
             scales[layer][:, :, start:end] = s
-        return self._dequantized(layer, end)
 
-    def attend(
-        self, layer: int, pos: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, out: torch.Tensor
-    ) -> torch.Tensor:
-        """One layer of the lean decode step (batch row 0): write the new key and value k, v (H_kv, D) at
-        ``pos``, then attention of the queries q (H_kv, G, D) over positions 0..pos into ``out`` (H_kv, G, D).
-
-        scores = (q . k_int8) x k_scale x scale and out = (softmax x v_scale) . v_int8: the scales of
-        each position fold into the scores and the attention weights.
-        """
-        L = pos + 1
-        K, V, ks, vs = self.k[layer][0], self.v[layer][0], self.k_scale[layer][0], self.v_scale[layer][0]
-        K[:, pos], ks[:, pos] = absmax_quantize(k.float(), 127)  # (H_kv, D) int8, (H_kv,)
-        V[:, pos], vs[:, pos] = absmax_quantize(v.float(), 127)
-        dtype = q.dtype
-        scores = torch.bmm(q, K[:, :L].to(dtype).transpose(1, 2))  # (H_kv, G, L)
-        scores.mul_(ks[:, None, :L].to(dtype)).mul_(scale)
-        weights = torch.softmax(scores, -1).mul_(vs[:, None, :L].to(dtype))
-        return torch.bmm(weights, V[:, :L].to(dtype), out=out)
+    def keys(self, layer: int, pos: int, T: int) -> Keys:
+        """The int8 keys and values of positions 0 .. pos + T - 1 with their scales: attention folds the scales
+        into the scores and the weights (one query) or dequantizes (several)."""
+        end = pos + T
+        return Keys(self.k[layer][:, :, :end], self.v[layer][:, :, :end], None,
+                    self.k_scale[layer][:, :, :end], self.v_scale[layer][:, :, :end])
 
     @property
     def nbytes(self) -> int:

@@ -39,22 +39,19 @@ Call it under ``torch.inference_mode()``; the decode loops reach it through ``Le
 
 from __future__ import annotations
 
-import math
 import numbers
-import threading
 from collections.abc import Sequence
 from typing import NamedTuple
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from ar_lab.base.args import positive_int
 from ar_lab.base.errors import BadType, BadValue, ContextFull
 from ar_lab.base.timing import synchronize
-from ar_lab.engine.kv_quant import Int8KVCache
 from ar_lab.engine.packed import ExtendMatrix, extend_mm, product_copy
-from ar_lab.engine.quant import QuantizedLinear, bf16_addmv, quantized_addmv
+from ar_lab.engine.quant import QuantizedLinear, bf16_addmv
+from ar_lab.model.block import BlockWeights, block
 from ar_lab.model.cache import KVCache
 from ar_lab.model.gpt import GPT, MLP, Block, CausalSelfAttention
 
@@ -63,27 +60,70 @@ from ar_lab.model.gpt import GPT, MLP, Block, CausalSelfAttention
 Matrix = torch.Tensor | QuantizedLinear
 
 
-# The kernels the step calls, without their Python wrappers (a decode step makes ~60 calls, each
-# paying its dispatch): LayerNorm's (output, mean, rstd) and GELU in place.
-_layer_norm = torch.native_layer_norm
-_gelu_ = torch._C._nn.gelu_
+class LayerNorm:
+    """LayerNorm's kernel on the module's own parameters, without the module's call."""
+
+    __slots__ = ("weight", "bias", "eps", "shape")
+
+    def __init__(self, m: nn.LayerNorm) -> None:
+        self.weight, self.bias, self.eps, self.shape = m.weight, m.bias, m.eps, tuple(m.normalized_shape)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.native_layer_norm(x, self.shape, self.weight, self.bias, self.eps)[0]
 
 
-class LayerWeights(NamedTuple):
-    """One block's parameters, in the order a decode step uses them (C = n_embd, KD = KV heads x D)."""
+class RMSNorm:
+    """RMSNorm's kernel on the module's own weight."""
 
-    ln1_weight: torch.Tensor  # (C,)
-    ln1_bias: torch.Tensor  # (C,)
-    qkv_weight: Matrix  # (C + 2 KD, C): queries, keys, values
-    qkv_bias: torch.Tensor  # (C + 2 KD,)
-    attn_proj_weight: Matrix  # (C, C)
-    attn_proj_bias: torch.Tensor  # (C,)
-    ln2_weight: torch.Tensor  # (C,)
-    ln2_bias: torch.Tensor  # (C,)
-    fc_weight: Matrix  # (4C, C)
-    fc_bias: torch.Tensor  # (4C,)
-    mlp_proj_weight: Matrix  # (C, 4C)
-    mlp_proj_bias: torch.Tensor  # (C,)
+    __slots__ = ("weight", "eps", "shape")
+
+    def __init__(self, m: nn.RMSNorm) -> None:
+        self.weight, self.eps, self.shape = m.weight, m.eps, tuple(m.normalized_shape)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.rms_norm(x, self.shape, self.weight, self.eps)
+
+
+class Vector:
+    """A linear layer applied to one row (1, 1, in): a matrix-vector product on the layer's own weight (or a
+    ``QuantizedLinear``'s kernel), the fastest product for one vector; bias added in the same call. The
+    result stays a vector (out,): the block's views and residual additions broadcast it back to (1, 1, out)."""
+
+    __slots__ = ("weight", "bias", "mv")
+
+    def __init__(self, m: nn.Linear | QuantizedLinear, slow_addmv: bool) -> None:
+        self.weight, self.bias = (m, m.bias) if type(m) is QuantizedLinear else (m.weight, m.bias)
+        if type(m) is QuantizedLinear:
+            self.mv = _quantized_mv
+        elif self.bias is None:
+            self.mv = _mv
+        else:
+            self.mv = bf16_addmv if slow_addmv else torch.addmv
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return self.mv(self.bias, self.weight, x.view(-1))
+
+
+def _mv(bias: None, weight: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    return torch.mv(weight, x)
+
+
+def _quantized_mv(bias, layer: QuantizedLinear, x: torch.Tensor) -> torch.Tensor:
+    return layer.addmv(bias, x)
+
+
+class Rows:
+    """A linear layer applied to a few rows (1, T, in) through ``extend``'s copy of its weight (packed for
+    oneDNN, (in, out), or a ``QuantizedLinear``'s kernel)."""
+
+    __slots__ = ("copy", "bias")
+
+    def __init__(self, copy: ExtendMatrix, bias: torch.Tensor | None) -> None:
+        self.copy, self.bias = copy, bias
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        T = x.shape[1]
+        return extend_mm(self.bias, x.view(T, -1), self.copy).view(1, T, -1)
 
 
 class BlockCopies(NamedTuple):
@@ -102,22 +142,6 @@ class ExtendCopies(NamedTuple):
     out: ExtendMatrix  # (C, vocab) as (in, out)
 
 
-class _Work(threading.local):
-    """One thread's working memory for ``step``: the fused q|k|v output and the attention output,
-    with the views the step reads them through, and the cache it last checked (with its
-    per-layer (K, V) views). ``threading.local`` runs ``__init__`` once in every thread that uses it."""
-
-    def __init__(self, C: int, Hk: int, G: int, D: int, dtype: torch.dtype, device: torch.device) -> None:
-        KD = Hk * D
-        qkv = torch.empty(C + 2 * KD, dtype=dtype, device=device)
-        q = qkv[:C].view(Hk, G, D)  # query heads grouped by their KV head
-        k, v = qkv[C : C + KD].view(Hk, D), qkv[C + KD :].view(Hk, D)
-        y = torch.empty(Hk, G, D, dtype=dtype, device=device)
-        self.buffers = (qkv, q, k, v, y)  # one tuple: each attribute of a thread-local costs a lookup
-        self.cache: KVCache | None = None
-        self.kv: list[tuple[torch.Tensor, torch.Tensor]] = []
-
-
 def _no_grad_needed() -> None:
     raise RuntimeError(
         "LeanGPT computes with the model's own parameters and records no gradients: call it under "
@@ -128,44 +152,40 @@ def _no_grad_needed() -> None:
 class LeanGPT:
     """The batch-1 cached inference of a ``GPT``: ``step`` (one token) and ``extend`` (several).
 
-    It reads the model's parameters at every call (no copies) and keeps its working memory per
-    thread, so several threads may use one engine, each with its own cache.
+    Both run ``ar_lab.model.block.block``, the block ``GPT.forward`` runs, on the model's own parameters
+    held without their modules (no copies), so several threads may use one engine, each with its own cache.
     """
 
     def __init__(self, model: GPT) -> None:
-        layers = _stock_layers(model)
-        if layers is None:
+        blocks = _stock_blocks(model)
+        if blocks is None:
             raise NotLean(
                 f"LeanGPT runs a GPT with the stock modules and GPT.forward (see lean.supports), got "
                 f"{type(model).__name__}: call the model itself", arg="model"
             )
-        cfg = model.config
-        self.config = cfg
-        self.C, self.Hk, self.D = cfg.n_embd, cfg.kv_heads, cfg.head_dim
-        self.G = cfg.n_head // cfg.kv_heads  # query heads per KV head (1: MHA)
-        self.KD = self.Hk * self.D  # width of the keys (and of the values) of one position
-        self.scale = 1.0 / math.sqrt(self.D)
-        self.shape = (self.C,)
-        self.eps = model.ln_f.eps
-        # The parameters themselves (not .detach() aliases, not copies): `p.data = t` swaps what
-        # p holds, and a step must see it, as forward() does.
-        self.wte, self.wpe = model.wte.weight, model.wpe.weight
-        self.ln_f = (model.ln_f.weight, model.ln_f.bias)
-        self.device, dtype = self.wte.device, self.wte.dtype
-        self.layers = layers
-        # Matrix products: torch's own for nn.Linear weights, the dispatching ones if a layer is quantized.
-        quantized = any(type(m) is QuantizedLinear for lw in layers for m in lw)
-        if _cast_after_quantizing(model, layers):
+        if _cast_after_quantizing(model, blocks):
             raise NotLean(
                 f"LeanGPT runs a quantized model on a float32 residual stream (what quantize_model makes); this one "
-                f"computes in {dtype} (cast after quantizing), which the step would round differently from "
-                "GPT.forward: call the model itself (generate does), or quantize the float32 model and keep it so",
-                arg="model",
+                f"computes in {model.wte.weight.dtype} (cast after quantizing), which the step would round "
+                "differently from GPT.forward: call the model itself (generate does), or quantize the float32 "
+                "model and keep it so", arg="model"
             )
+        cfg = model.config
+        self.config, self.model, self.spec = cfg, model, model.spec._replace(grouped=True)
+        # The parameters themselves (not .detach() aliases, not copies): `p.data = t` swaps what
+        # p holds, and a step must see it, as forward() does.
+        self.wte = model.wte.weight
+        self.wpe = None if model.wpe is None else model.wpe.weight
+        self.device, dtype = self.wte.device, self.wte.dtype
         slow_addmv = dtype == torch.bfloat16 and self.device.type == "cpu"  # (see quant.bf16_addmv)
-        self._mv = quantized_addmv if quantized else bf16_addmv if slow_addmv else torch.addmv
-        self._zero = torch.zeros(1, 1, 1, dtype=dtype, device=self.device)  # baddbmm's ignored input (beta 0)
-        self._work = _Work(self.C, self.Hk, self.G, self.D, dtype, self.device)
+        self.blocks = blocks
+        self.layers = [
+            BlockWeights(_norm(b.ln1), Vector(b.attn.qkv, slow_addmv), Vector(b.attn.proj, slow_addmv),
+                         _norm(b.ln2), Vector(b.mlp.fc, slow_addmv), Vector(b.mlp.proj, slow_addmv))
+            for b in blocks
+        ]
+        self.ln_f = _norm(model.ln_f)
+        self.head = Vector(model.lm_head, slow_addmv)
 
     def _check(self, cache: KVCache, T: int) -> int:
         if not isinstance(cache, KVCache):
@@ -173,7 +193,7 @@ class LeanGPT:
         if cache.batch_size != 1:
             raise BadValue(f"LeanGPT runs one sequence: the cache must have batch size 1, got {cache.batch_size}",
                            arg="cache")
-        if len(cache.k) != len(self.layers) or cache.k[0].shape[1:] != (self.Hk, cache.max_len, self.D):
+        if len(cache.k) != len(self.layers) or cache.k[0].shape[1::2] != (self.config.kv_heads, self.config.head_dim):
             raise BadValue(f"cache {cache!r} is not shaped for this model: build it with KVCache.for_model(model)",
                            arg="cache")
         end = cache.length + T
@@ -196,41 +216,23 @@ class LeanGPT:
 
     def step(self, token: int, cache: KVCache) -> torch.Tensor:
         """Logits (vocab,) after feeding one token at position ``cache.length``; the cache advances by one."""
-        w = self._work  # this thread's buffers
         if type(token) is not int:
             token = _token_id(token)
-        if cache is not w.cache:
-            self._check(cache, 0)
-            w.cache, w.kv = cache, [(k[0], v[0]) for k, v in zip(cache.k, cache.v, strict=True)]
-        pos = cache.length
         if not 0 <= token < self.config.vocab_size:
             raise BadValue(f"token id {token} is outside the vocabulary [0, {self.config.vocab_size - 1}]", arg="token")
-        if pos >= cache.max_len or pos >= self.config.block_size:
-            self._check(cache, 1)  # raises the explanatory error
+        pos = self._check(cache, 1)
         if torch.is_grad_enabled():
             _no_grad_needed()
-        qkv, q, k, v, y = w.buffers
-        C, shape, eps, scale, zero, mv = self.C, self.shape, self.eps, self.scale, self._zero, self._mv
-        L = pos + 1  # keys the new query attends over: all cached positions and its own
-        x = torch.add(self.wte.select(0, token), self.wpe.select(0, pos))  # (C,)
-        int8_cache = cache if type(cache) is Int8KVCache else None  # (ar_lab.engine.kv_quant)
-        for i, (lw, (K, V)) in enumerate(zip(self.layers, w.kv, strict=True)):
-            h = _layer_norm(x, shape, lw.ln1_weight, lw.ln1_bias, eps)[0]
-            mv(lw.qkv_bias, lw.qkv_weight, h, out=qkv)  # q | k | v
-            if int8_cache is None:
-                K.select(1, pos).copy_(k)  # the new key and value, written in place
-                V.select(1, pos).copy_(v)
-                scores = torch.baddbmm(zero, q, K.narrow(1, 0, L).transpose(1, 2), beta=0, alpha=scale)  # (Hk, G, L)
-                torch.bmm(torch.softmax(scores, -1), V.narrow(1, 0, L), out=y)  # (Hk, G, D)
-            else:
-                int8_cache.attend(i, pos, q, k, v, scale, y)  # the same, on int8 keys and values
-            x = mv(lw.attn_proj_bias, lw.attn_proj_weight, y.view(C)).add_(x)  # heads side by side + residual
-            h = _layer_norm(x, shape, lw.ln2_weight, lw.ln2_bias, eps)[0]
-            h = _gelu_(mv(lw.fc_bias, lw.fc_weight, h), approximate="tanh")  # in place on the fresh product
-            x = mv(lw.mlp_proj_bias, lw.mlp_proj_weight, h).add_(x)  # MLP out + residual
-        cache.length = L
+        x = self.wte.select(0, token)
+        if self.wpe is not None:
+            x = x + self.wpe.select(0, pos)
+        x = x.view(1, 1, -1)  # (B = 1, T = 1, C)
+        spec = self.spec
+        for i, w in enumerate(self.layers):
+            x = block(x, w, spec, cache, i, pos)
+        cache.length = pos + 1
         cache.record(pos, [token])
-        return torch.mv(self.wte, _layer_norm(x, shape, *self.ln_f, eps)[0])  # tied output projection
+        return self.head(self.ln_f(x)).view(-1)  # tied output projection: (vocab,)
 
     def extend(
         self, tokens: Sequence[int] | torch.Tensor, cache: KVCache, copies: ExtendCopies | None = None
@@ -242,9 +244,6 @@ class LeanGPT:
         """
         if len(tokens) == 1 and not isinstance(tokens, torch.Tensor):  # one token: the decode step
             return self.step(tokens[0], cache)[None]
-        if type(cache) is Int8KVCache:
-            raise BadType("extend writes float keys and values: give it a KVCache as cache (an Int8KVCache runs step)",
-                          arg="cache")
         idx = _token_ids(tokens, self.device)
         if idx.ndim != 1 or idx.numel() == 0:
             raise BadValue(f"tokens must be a non-empty 1-D sequence of ids, got shape {tuple(idx.shape)}",
@@ -255,37 +254,30 @@ class LeanGPT:
         pos = self._check(cache, T)
         if torch.is_grad_enabled():
             _no_grad_needed()
-        C, Hk, G, D, KD, shape, eps, mm = self.C, self.Hk, self.G, self.D, self.KD, self.shape, self.eps, extend_mm
         L = pos + T
-        x = self.wte[idx] + self.wpe[pos:L]  # (T, C)
-        hidden = torch.ones(T, L, dtype=torch.bool, device=self.device).triu_(pos + 1)  # query i sees keys <= pos + i
+        x = self.wte[idx] if self.wpe is None else self.wte[idx] + self.wpe[pos:L]
+        x = x.view(1, T, -1)
         layers_t, out_t = copies if copies is not None else self._views()
-        for w, wt, K, V in zip(self.layers, layers_t, cache.k, cache.v, strict=True):
-            K, V = K[0], V[0]  # (Hk, T_max, D)
-            h = torch.layer_norm(x, shape, w.ln1_weight, w.ln1_bias, eps)  # (T, C)
-            qkv = mm(w.qkv_bias, h, wt.qkv)  # (T, C + 2 KD)
-            K[:, pos:L] = qkv[:, C : C + KD].view(T, Hk, D).transpose(0, 1)
-            V[:, pos:L] = qkv[:, C + KD :].view(T, Hk, D).transpose(0, 1)
-            q = qkv[:, :C].view(T, Hk, G, D).permute(1, 2, 0, 3).reshape(Hk, G * T, D)  # (Hk, G T, D)
-            scores = torch.baddbmm(self._zero, q, K[:, :L].transpose(1, 2), beta=0, alpha=self.scale)
-            scores = scores.view(Hk, G, T, L).masked_fill_(hidden, float("-inf"))
-            y = torch.bmm(torch.softmax(scores, -1).view(Hk, G * T, L), V[:, :L])  # (Hk, G T, D)
-            y = y.view(Hk, G, T, D).permute(2, 0, 1, 3).reshape(T, C)  # heads side by side again
-            x = mm(w.attn_proj_bias, y, wt.attn_proj).add_(x)
-            h = torch.layer_norm(x, shape, w.ln2_weight, w.ln2_bias, eps)
-            h = F.gelu(mm(w.fc_bias, h, wt.fc), approximate="tanh")
-            x = mm(w.mlp_proj_bias, h, wt.mlp_proj).add_(x)
+        for i, (w, wt, b) in enumerate(zip(self.layers, layers_t, self.blocks, strict=True)):
+            rows = BlockWeights(w.norm1, Rows(wt.qkv, b.attn.qkv.bias), Rows(wt.attn_proj, b.attn.proj.bias),
+                                w.norm2, Rows(wt.fc, b.mlp.fc.bias), Rows(wt.mlp_proj, b.mlp.proj.bias))
+            x = block(x, rows, self.spec, cache, i, pos)
         cache.length = L
         cache.record(pos, tokens.tolist() if isinstance(tokens, torch.Tensor) else [int(t) for t in tokens])
-        return mm(None, torch.layer_norm(x, shape, *self.ln_f, eps), out_t)  # (T, vocab)
+        return Rows(out_t, None)(self.ln_f(x)).view(T, -1)  # (T, vocab)
 
     def _views(self) -> ExtendCopies:
         """The parameters' (in, out) views: always current, no copy (slower than copies on CPU for a few rows)."""
-        layers = [
-            BlockCopies(*map(_t, (w.qkv_weight, w.attn_proj_weight, w.fc_weight, w.mlp_proj_weight)))
-            for w in self.layers
-        ]
+        layers = [BlockCopies(*(_t(_matrix(m)) for m in _linears(b))) for b in self.blocks]
         return ExtendCopies(layers, self.wte.t())
+
+
+def _norm(m: nn.Module) -> LayerNorm | RMSNorm:
+    return RMSNorm(m) if type(m) is nn.RMSNorm else LayerNorm(m)
+
+
+def _linears(b: Block) -> tuple[nn.Module, ...]:
+    return b.attn.qkv, b.attn.proj, b.mlp.fc, b.mlp.proj
 
 
 def _token_id(token) -> int:
@@ -332,19 +324,24 @@ def supports(model) -> bool:
     layer may be a ``QuantizedLinear`` (``ar_lab.engine.quant``): the step then calls its kernel, as
     long as the model keeps the float32 embeddings ``quantize_model`` gave it.
     """
-    layers = _stock_layers(model)
-    return layers is not None and not _cast_after_quantizing(model, layers)
+    blocks = _stock_blocks(model)
+    return blocks is not None and not _cast_after_quantizing(model, blocks)
 
 
-def _cast_after_quantizing(model: GPT, layers: list[LayerWeights]) -> bool:
+def _cast_after_quantizing(model: GPT, blocks: list[Block]) -> bool:
     """A quantized model whose embeddings are not float32 (cast after ``quantize_model``, e.g. ``.bfloat16()``):
     its QuantizedLinear layers add float32 biases, and the step's reduced-precision attention would round
     differently from ``GPT.forward``'s, so such a model goes through ``forward``."""
-    return model.wte.weight.dtype != torch.float32 and any(type(m) is QuantizedLinear for lw in layers for m in lw)
+    return model.wte.weight.dtype != torch.float32 and any(
+        type(m) is QuantizedLinear for b in blocks for m in _linears(b)
+    )
 
 
-def _stock_layers(model) -> list[LayerWeights] | None:
-    """Each block's parameters, if every module is the stock one (else None); one walk over the model."""
+_NORMS = (nn.LayerNorm, nn.RMSNorm)
+
+
+def _stock_blocks(model) -> list[Block] | None:
+    """The model's blocks, if every module is the stock one (else None); one walk over the model."""
     if not (isinstance(model, GPT) and type(model).forward is GPT.forward):
         return None
     head, ln_f = model.lm_head, model.ln_f
@@ -353,39 +350,19 @@ def _stock_layers(model) -> list[LayerWeights] | None:
         and head.weight is model.wte.weight
         and head.bias is None
         and type(model.wte) is nn.Embedding
-        and type(model.wpe) is nn.Embedding
-        and type(ln_f) is nn.LayerNorm
+        and (model.wpe is None or type(model.wpe) is nn.Embedding)
+        and type(ln_f) in _NORMS
     ):
         return None
-    layers = []
     for b in model.blocks:
         if type(b) is not Block or type(b.attn) is not CausalSelfAttention or type(b.mlp) is not MLP:
             return None
-        ln1, ln2, attn, mlp = b.ln1, b.ln2, b.attn, b.mlp
-        qkv, proj, fc, mlp_proj = attn.qkv, attn.proj, mlp.fc, mlp.proj
         if not (
-            all(type(m) in (nn.Linear, QuantizedLinear) for m in (qkv, proj, fc, mlp_proj))
-            and type(ln1) is type(ln2) is nn.LayerNorm
-            and ln1.eps == ln2.eps == ln_f.eps  # the step normalises every layer with one epsilon
+            all(type(m) in (nn.Linear, QuantizedLinear) for m in _linears(b))
+            and type(b.ln1) is type(b.ln2) is type(ln_f)
         ):
             return None
-        layers.append(
-            LayerWeights(
-                ln1_weight=ln1.weight,
-                ln1_bias=ln1.bias,
-                qkv_weight=_matrix(qkv),
-                qkv_bias=qkv.bias,
-                attn_proj_weight=_matrix(proj),
-                attn_proj_bias=proj.bias,
-                ln2_weight=ln2.weight,
-                ln2_bias=ln2.bias,
-                fc_weight=_matrix(fc),
-                fc_bias=fc.bias,
-                mlp_proj_weight=_matrix(mlp_proj),
-                mlp_proj_bias=mlp_proj.bias,
-            )
-        )
-    return layers
+    return list(model.blocks)
 
 
 def _matrix(linear: nn.Linear | QuantizedLinear) -> Matrix:
@@ -405,9 +382,7 @@ def _matrices(model: GPT) -> list[Matrix]:
     """The matrices ``extend`` multiplies by, in ``ExtendCopies`` order (4 per block, then the embedding).
 
     A QuantizedLinear is its own entry: its kernel reads the module's buffers at each call, no copy."""
-    out = []
-    for b in model.blocks:
-        out += [_matrix(b.attn.qkv), _matrix(b.attn.proj), _matrix(b.mlp.fc), _matrix(b.mlp.proj)]
+    out = [_matrix(m) for b in model.blocks for m in _linears(b)]
     return [*out, model.wte.weight]
 
 

@@ -34,8 +34,10 @@ from collections.abc import Hashable
 import torch
 
 from ar_lab.base.args import positive_int
-from ar_lab.base.errors import ArLabError, BadType, BadValue, ContextFull
-from ar_lab.model.cache import BatchKVCache, KVCache, check_dtype
+from ar_lab.base.errors import ArLabError, BadType, BadValue
+from ar_lab.engine.paged_slot import PagedSlot
+from ar_lab.model.attention import Keys
+from ar_lab.model.cache import BatchKVCache, check_dtype
 
 ALLOCATOR_METHODS = ("allocate", "grow", "fork", "free", "table")  # what PagedKVCache calls (results: table's only)
 ALLOCATOR_FIELDS = ("block_size", "num_blocks", "num_free")  # what it reads
@@ -213,45 +215,6 @@ def check_allocator(allocator) -> None:
         )
 
 
-class PagedSlot(KVCache):
-    """One request of a ``PagedKVCache`` as a batch-1 ``KVCache``: what a request's prefill writes
-    through (``update`` grows the request and scatters into its blocks; attention reads a gather)."""
-
-    def __init__(self, paged: PagedKVCache, request: Hashable, length: int) -> None:
-        self.paged, self.request = paged, request
-        self.k, self.v = paged.k, paged.v  # (n_layer, blocks, H_kv, block_size, D): k[layer] per layer
-        self.batch_size, self.max_len, self.length = 1, paged.max_len, length
-        self._ids: list[int] = []
-        self._held = length  # positions the allocator holds for the request
-
-    def update(self, layer: int, start: int, k: torch.Tensor, v: torch.Tensor):
-        """Write k, v (1, H_kv, T, D) at positions start..start+T of the request; all its keys/values so far."""
-        end = start + k.shape[2]
-        if end > self.max_len:
-            raise ContextFull(f"KV cache full: positions up to {end} requested, capacity is {self.max_len}",
-                              arg="cache")
-        del self._ids[start:]
-        paged, alloc = self.paged, self.paged.allocator
-        if end > self._held:
-            alloc.grow(self.request, end)
-            self._held = end
-        table = torch.tensor(alloc.table(self.request), device=paged.device)
-        pos = paged._steps[start:end]
-        block, offset = table[pos // paged.block_size], pos % paged.block_size  # (T,) each
-        paged.k[layer][block, :, offset] = k[0].transpose(0, 1)  # (T, H_kv, D) into the blocks
-        paged.v[layer][block, :, offset] = v[0].transpose(0, 1)
-        used = table[: -(-end // paged.block_size)][None]  # (1, blocks)
-        return paged.gather(paged.k[layer], used, end), paged.gather(paged.v[layer], used, end)
-
-    @property
-    def nbytes(self) -> int:
-        return self.paged.nbytes
-
-    @property
-    def used_bytes(self) -> int:
-        return self.paged.bytes_per_position * self.length
-
-
 class PagedKVCache(BatchKVCache):
     """``BatchKVCache``'s interface (``slot``, ``add``, ``remove``, ``begin``, ``update``, ``advance``)
     over a pool of blocks: the memory a row holds grows with it, one block at a time.
@@ -364,7 +327,7 @@ class PagedKVCache(BatchKVCache):
         self.allocator.allocate(rid, 0)
         self._prefix, holder = rid, PagedSlot(self, rid, 0)
         for layer, (kl, vl) in enumerate(zip(k, v, strict=True)):
-            holder.update(layer, 0, kl, vl)
+            holder.write(layer, kl, vl, 0)
         return kl.shape[2]
 
     def _share(self, rid: Hashable, n: int) -> None:
@@ -425,12 +388,16 @@ class PagedKVCache(BatchKVCache):
         self._where = (block, positions % bs)
         return positions, mask
 
-    def update(self, layer: int, positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
-        """Scatter k, v (rows, H_kv, T, D) into each row's blocks; gather (rows, H_kv, keys, D) for attention."""
+    def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, pos) -> None:
+        """Scatter k, v (rows, H_kv, T, D) into each row's blocks, at the positions ``begin`` gave."""
         block, offset = self._where
         self.k[layer][block, :, offset] = k.transpose(1, 2)  # (rows, T, H_kv, D): advanced indices first
         self.v[layer][block, :, offset] = v.transpose(1, 2)
-        return self.gather(self.k[layer], self._table, self._end), self.gather(self.v[layer], self._table, self._end)
+
+    def keys(self, layer: int, pos, T: int) -> Keys:
+        """Every row's blocks gathered into (rows, H_kv, keys, D) for attention."""
+        table, end = self._table, self._end
+        return Keys(self.gather(self.k[layer], table, end), self.gather(self.v[layer], table, end))
 
     @staticmethod
     def gather(pool: torch.Tensor, table: torch.Tensor, end: int) -> torch.Tensor:

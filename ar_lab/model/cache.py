@@ -27,59 +27,8 @@ import torch
 from ar_lab.base.args import positive_int
 from ar_lab.base.errors import BadType, BadValue, ContextFull
 from ar_lab.base.timing import checked_device
-
-
-def _index(name: str, value, low: int, high: int) -> int:
-    """``value`` if it is an int (not a bool) in low..high; else a BadValue (a ValueError) naming ``name``."""
-    if not isinstance(value, int) or isinstance(value, bool) or not low <= value <= high:
-        raise BadValue(f"{name} must be an int in {low}..{high}, got {value!r}", arg=name)
-    return value
-
-
-def check_dtype(dtype, name: str = "dtype") -> torch.dtype:
-    """``dtype`` if it is a floating-point ``torch.dtype`` (what a model computes keys and values in)."""
-    if not isinstance(dtype, torch.dtype):
-        raise BadType(f"{name} must be a floating-point torch.dtype such as torch.float32, got {dtype!r}", arg=name)
-    if not dtype.is_floating_point:
-        raise BadValue(
-            f"{name} must be a floating-point torch.dtype (the model's compute dtype), got {dtype}", arg=name
-        )
-    return dtype
-
-
-def _config(model):
-    """The ``GPTConfig`` of ``model`` (what a cache is shaped from), or a BadType (a TypeError) saying what to pass."""
-    cfg = getattr(model, "config", None)
-    if not isinstance(model, torch.nn.Module) or not all(
-        isinstance(getattr(cfg, a, None), int) for a in ("n_layer", "kv_heads", "head_dim", "block_size")
-    ):
-        raise BadType(
-            f"model must be an ar_lab GPT (a module with a GPTConfig), got {type(model).__name__}", arg="model"
-        )
-    return cfg
-
-
-def check_fits(cache, model) -> None:
-    """Raise unless ``cache`` (a ``KVCache`` or ``BatchKVCache``) fits ``model``: its layers, KV heads and
-    head size, the dtype its attention reads and the device. Checked at the public boundary, so a
-    cache built for another model fails here with what to do, not inside torch's attention kernel."""
-    if not isinstance(model, torch.nn.Module):
-        raise BadType(f"model must be a torch.nn.Module (an ar_lab GPT), got {type(model).__name__}", arg="model")
-    cfg, k0 = getattr(model, "config", None), cache.k[0]
-    sizes = [getattr(cfg, a, None) for a in ("n_layer", "kv_heads", "head_dim")]  # (a model without them: not checked)
-    if all(isinstance(n, int) for n in sizes) and (len(cache.k), k0.shape[1], k0.shape[3]) != tuple(sizes):
-        raise BadValue(
-            f"the cache {cache!r} is not shaped for this model ({sizes[0]} layers, {sizes[1]} KV heads of size "
-            f"{sizes[2]}): build it with KVCache.for_model(model)",
-            arg="cache",
-        )
-    p = next(model.parameters(), None)
-    if p is not None and (cache.dtype != p.dtype or k0.device != p.device):
-        raise BadValue(
-            f"the cache holds {cache.dtype} on {k0.device}, the model {p.dtype} on {p.device}: "
-            "build it with KVCache.for_model(model)",
-            arg="cache",
-        )
+from ar_lab.model.attention import Keys, Pos, Store, dense, visible
+from ar_lab.model.store_checks import check_dtype, check_fits, check_shape, checked_index, config_of
 
 
 def _buffers(n_layer, batch, n_kv_heads, max_len, head_dim, dtype, device, batch_name="batch_size"):
@@ -95,7 +44,7 @@ def _buffers(n_layer, batch, n_kv_heads, max_len, head_dim, dtype, device, batch
     return k, v
 
 
-class KVCache:
+class KVCache(Store):
     storage_dtype: torch.dtype | None = None  # what the buffers hold; None: the compute dtype (Int8KVCache: int8)
 
     def __init__(
@@ -120,11 +69,11 @@ class KVCache:
     @classmethod
     def for_model(cls, model, batch_size: int = 1, max_len: int | None = None, dtype=None) -> KVCache:
         """A cache shaped for ``model`` (max_len defaults to its context window)."""
-        cfg = _config(model)
+        cfg = config_of(model)
         max_len = cfg.block_size if max_len is None else max_len
         if isinstance(max_len, int) and not isinstance(max_len, bool) and max_len > cfg.block_size:
             raise ContextFull(f"max_len={max_len} exceeds the model's context window ({cfg.block_size})", arg="max_len")
-        _index("max_len", max_len, 1, cfg.block_size)
+        checked_index("max_len", max_len, 1, cfg.block_size)
         p = next(model.parameters())
         dtype = p.dtype if dtype is None else check_dtype(dtype)
         return cls(cfg.n_layer, batch_size, cfg.kv_heads, max_len, cfg.head_dim, dtype, p.device)
@@ -154,23 +103,38 @@ class KVCache:
         self = cls.__new__(cls)
         self.k, self.v = list(k), list(v)
         self.batch_size, _, self.max_len, _ = k[0].shape
-        self.length = _index("length", length, 0, self.max_len)
+        self.length = checked_index("length", length, 0, self.max_len)
         self._ids = []
         return self
 
-    def update(self, layer: int, start: int, k: torch.Tensor, v: torch.Tensor):
-        """Write k, v (B, H_kv, T, D) at positions start..start+T; return all keys/values so far.
-
-        Token ids recorded from ``start`` on are dropped: the caller records the new ones."""
-        end = start + k.shape[2]
+    def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, pos: Pos) -> None:
+        """Write k, v (B, H_kv, T, D) at positions pos .. pos + T - 1 of every row (the KV-store protocol,
+        ``ar_lab.model.attention``). Token ids recorded from ``pos`` on are dropped: the caller records the new ones."""
+        if not isinstance(pos, int):
+            raise BadType("a KVCache's rows share their positions: pass pos as an int (a BatchKVCache takes a "
+                          "tensor of each row's positions)", arg="pos")
+        end = pos + k.shape[2]
         if end > self.max_len:
             raise ContextFull(
                 f"KV cache full: positions up to {end} requested, capacity is {self.max_len}", arg="cache"
             )
-        del self._ids[start:]
+        del self._ids[pos:]
+        self._store(layer, pos, end, k, v)
+
+    def _store(self, layer: int, start: int, end: int, k: torch.Tensor, v: torch.Tensor) -> None:
         self.k[layer][:, :, start:end] = k
         self.v[layer][:, :, start:end] = v
-        return self.k[layer][:, :, :end], self.v[layer][:, :, :end]
+
+    def keys(self, layer: int, pos: Pos, T: int) -> Keys:
+        """Positions 0 .. pos + T - 1 (what a query written at pos .. pos + T - 1 may see), in order."""
+        end = pos + T
+        return Keys(self.k[layer].narrow(2, 0, end), self.v[layer].narrow(2, 0, end))
+
+    def update(self, layer: int, start: int, k: torch.Tensor, v: torch.Tensor):
+        """``write`` at ``start``, then every key and value so far, (B, H_kv, start + T, D) each, in the
+        model's dtype (an int8 store's dequantized)."""
+        self.write(layer, k, v, start)
+        return dense(self.keys(layer, start, k.shape[2]), self.dtype)
 
     @property
     def length(self) -> int:
@@ -180,7 +144,7 @@ class KVCache:
 
     @length.setter
     def length(self, n: int) -> None:
-        self._length = _index("length", n, 0, self.max_len)
+        self._length = checked_index("length", n, 0, self.max_len)
         if len(self.__dict__.get("_ids", ())) > n:
             del self._ids[n:]
 
@@ -192,6 +156,10 @@ class KVCache:
     def check_fits(self, model) -> None:
         """Raise unless this cache fits ``model`` (layers, KV heads, head size, dtype, device): ``check_fits``."""
         check_fits(self, model)
+
+    def fits_config(self, cfg) -> None:
+        """Raise unless this cache's layers, KV heads and head size are ``cfg``'s (``GPT.forward`` asks)."""
+        check_shape(self, cfg)
 
     def record(self, start: int, ids: list[int]) -> None:
         """Note that positions ``start ..`` now hold the keys/values of token ``ids`` (a batch-1 cache).
@@ -224,7 +192,7 @@ class KVCache:
 
     def truncate(self, n: int) -> None:
         """Keep only the first ``n`` positions (roll back). ``n`` is checked before anything changes."""
-        self.length = _index("n", n, 0, self.length)  # (drops the token ids past n)
+        self.length = checked_index("n", n, 0, self.length)  # (drops the token ids past n)
 
     @property
     def nbytes(self) -> int:
@@ -244,7 +212,7 @@ class KVCache:
         )
 
 
-class BatchKVCache:
+class BatchKVCache(Store):
     """Slots for sequences of *different* lengths that are decoded together (serving, chapter 08).
 
     The buffers are KVCache's, per layer (B_max, H_kv, T_max, D), but every slot (row) has its
@@ -285,7 +253,7 @@ class BatchKVCache:
     @classmethod
     def for_model(cls, model, max_batch: int, max_len: int | None = None, dtype=None) -> BatchKVCache:
         """Slots shaped for ``model`` (max_len defaults to its context window)."""
-        cfg = _config(model)
+        cfg = config_of(model)
         max_len = cfg.block_size if max_len is None else max_len
         if not isinstance(max_len, int) or isinstance(max_len, bool) or not 1 <= max_len <= cfg.block_size:
             kind = ContextFull if isinstance(max_len, int) and max_len > cfg.block_size else BadValue
@@ -310,6 +278,10 @@ class BatchKVCache:
         """Raise unless these slots fit ``model`` (layers, KV heads, head size, dtype, device): ``check_fits``."""
         check_fits(self, model)
 
+    def fits_config(self, cfg) -> None:
+        """Raise unless these slots' layers, KV heads and head size are ``cfg``'s (``GPT.forward`` asks)."""
+        check_shape(self, cfg)
+
     @property
     def length(self) -> int:
         """Not one number: each row has its own (``lengths``). Here so that ``model(idx, cache)`` explains."""
@@ -322,7 +294,7 @@ class BatchKVCache:
 
     def slot(self, i: int) -> KVCache:
         """Slot ``i`` as a batch-1 ``KVCache`` (views of the buffers, its current length)."""
-        _index("slot", i, 0, self.max_batch - 1)
+        checked_index("slot", i, 0, self.max_batch - 1)
         return KVCache.from_buffers(
             [k[i : i + 1] for k in self.k], [v[i : i + 1] for v in self.v], length=self.lengths[i]
         )
@@ -356,10 +328,11 @@ class BatchKVCache:
         return moved
 
     def begin(self, T: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Positions (rows, T) of the next T tokens of each row, and the attention mask (rows, 1, T, keys)."""
+        """Positions (rows, T) of the next T tokens of each row, and the attention mask (rows, 1, T, keys) that
+        ``attend`` applies (``visible``: row i's new token at position p sees its keys 0 .. p, nothing else)."""
         if self.rows == 0:
             raise BadValue("no row is in use (the cache is empty): add a prefilled slot first", arg="cache")
-        _index("T", T, 1, self.max_len)
+        checked_index("T", T, 1, self.max_len)
         lengths = self.lengths[: self.rows]
         self._end = max(lengths) + T
         if self._end > self.max_len:
@@ -367,22 +340,23 @@ class BatchKVCache:
                 f"KV cache full: positions up to {self._end} requested, capacity is {self.max_len}", arg="cache"
             )
         positions = torch.tensor(lengths, device=self.device)[:, None] + self._steps[:T]  # (rows, T)
-        return positions, row_mask(lengths, T, self._steps[: self._end])
+        return positions, visible(positions, self._steps[: self._end])
 
-    def update(self, layer: int, positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
-        """Write k, v (rows, H_kv, T, D) at each row's ``positions`` (rows, T).
-
-        Returns the keys/values attention reads, (rows, H_kv, keys, D).
-        """
+    def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, pos: Pos) -> None:
+        """Write k, v (rows, H_kv, T, D) at each row's positions ``pos`` (rows, T), from ``begin``."""
         rows = self._slots[: self.rows]  # (rows, 1): broadcasts against positions (rows, T)
         # buf[rows, :, positions] selects (rows, T, H_kv, D): the advanced indices come first.
-        self.k[layer][rows, :, positions] = k.transpose(1, 2)
-        self.v[layer][rows, :, positions] = v.transpose(1, 2)
-        return self.k[layer][: self.rows, :, : self._end], self.v[layer][: self.rows, :, : self._end]
+        self.k[layer][rows, :, pos] = k.transpose(1, 2)
+        self.v[layer][rows, :, pos] = v.transpose(1, 2)
+
+    def keys(self, layer: int, pos: Pos, T: int) -> Keys:
+        """The rows' keys up to the longest row's new end (``begin``): each row's own beyond its length are
+        hidden by ``visible``, since they sit after its queries."""
+        return Keys(self.k[layer][: self.rows, :, : self._end], self.v[layer][: self.rows, :, : self._end])
 
     def advance(self, T: int) -> None:
         """Move every row in use on by ``T`` positions (after a forward step wrote them)."""
-        _index("T", T, 0, self.max_len)
+        checked_index("T", T, 0, self.max_len)
         for i in range(self.rows):
             self.lengths[i] += T
 
@@ -408,7 +382,7 @@ def row_mask(lengths: Sequence[int], T: int, keys: torch.Tensor | None = None) -
     (``BatchKVCache.begin`` passes its own)."""
     keys = torch.arange(max(lengths) + T) if keys is None else keys  # (keys,)
     positions = torch.tensor(list(lengths), device=keys.device)[:, None] + keys[:T]  # (rows, T)
-    return (keys <= positions[:, :, None])[:, None]  # (rows, 1, T, keys)
+    return visible(positions, keys)  # (rows, 1, T, keys)
 
 
 def common_prefix_length(a: Sequence[int], b: Sequence[int]) -> int:

@@ -1,76 +1,39 @@
-"""A GPT in the GPT-2 mould, small enough to train on a laptop CPU.
+"""A GPT in the GPT-2 mould, small enough to train on a laptop CPU, or a Llama-shaped one by configuration.
 
-Token + learned position embeddings, a stack of pre-norm blocks (LayerNorm ->
-causal self-attention -> residual, LayerNorm -> MLP -> residual), a final LayerNorm
-and an output projection tied to the token embedding. With ``n_kv_heads == n_head``
-it is exactly GPT-2's architecture (tests check it against Hugging Face's
-``GPT2LMHeadModel``); fewer KV heads give grouped-query (GQA) or multi-query (MQA)
-attention, where groups of query heads share one key/value head.
+Token embeddings (+ learned position embeddings, GPT-2; or rotary positions inside attention), a stack
+of pre-norm blocks (norm -> causal self-attention -> residual, norm -> MLP -> residual), a final norm
+and an output projection tied to the token embedding. With the default ``GPTConfig`` it is exactly
+GPT-2's architecture (tests check it against Hugging Face's ``GPT2LMHeadModel``); ``GPTConfig.modern()``
+is Llama's (RMSNorm, RoPE, SwiGLU, grouped-query attention; tests check it against ``LlamaForCausalLM``).
 
-``forward(idx, cache)`` processes only the new tokens when a ``KVCache`` is given:
-their keys/values are appended to the cache and attention reads all of it. The model computes
-and nothing else: the decode loops' bookkeeping (which tokens a cache holds, rolling it back,
+The block's arithmetic is ``ar_lab.model.block.block``, which the lean engine runs too. ``forward(idx,
+cache)`` processes only the new tokens when a cache (a KV store, ``ar_lab.model.attention``) is given:
+their keys/values are written to it at their positions and attention reads what it holds. The model
+computes and nothing else: the decode loops' bookkeeping (which tokens a cache holds, rolling it back,
 rows of different lengths) lives in ``ar_lab.engine``.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
 from ar_lab.base.errors import BadType, BadValue, ContextFull
+from ar_lab.model.attention import Pos, Store, Uncached, Updating
+from ar_lab.model.block import BlockSpec, BlockWeights, attend, mlp, residual
 from ar_lab.model.cache import KVCache
-from ar_lab.model.tokenizer import VOCAB_SIZE
+from ar_lab.model.config import GPTConfig
+
+__all__ = ["GPT", "GPTConfig", "Block", "CausalSelfAttention", "MLP", "checked_model"]
 
 
-@dataclass
-class GPTConfig:
-    vocab_size: int = VOCAB_SIZE
-    block_size: int = 1024  # context window: the most positions one sequence can hold
-    n_layer: int = 4
-    n_head: int = 4
-    n_kv_heads: int | None = None  # None: same as n_head (MHA); 1: MQA; in between: GQA
-    n_embd: int = 256
-    dropout: float = 0.0
-
-    def __post_init__(self) -> None:
-        # bool is an int to Python, but GPTConfig(n_kv_heads=True) is a mistake, not one KV head.
-        for name in ("vocab_size", "block_size", "n_layer", "n_head", "n_embd"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise BadValue(f"GPTConfig.{name} must be a positive int, got {value!r}", arg=name)
-        if self.n_embd % self.n_head:
-            raise BadValue(f"n_embd ({self.n_embd}) must be divisible by n_head ({self.n_head})", arg="n_head")
-        if self.n_kv_heads is not None:
-            kv = self.n_kv_heads
-            if not isinstance(kv, int) or isinstance(kv, bool) or kv < 1:
-                raise BadValue(
-                    f"GPTConfig.n_kv_heads must be a positive int or None (= n_head), got {kv!r}", arg="n_kv_heads"
-                )
-            if self.n_head % kv:
-                raise BadValue(
-                    f"n_head ({self.n_head}) must be a multiple of n_kv_heads ({kv}): "
-                    "each KV head serves an equal group of query heads",
-                    arg="n_kv_heads",
-                )
-        d = self.dropout
-        if isinstance(d, bool) or not isinstance(d, (int, float)) or not 0.0 <= d < 1.0:
-            raise BadValue(f"GPTConfig.dropout must be a number in [0, 1), got {d!r}", arg="dropout")
-
-    @property
-    def head_dim(self) -> int:
-        return self.n_embd // self.n_head
-
-    @property
-    def kv_heads(self) -> int:
-        return self.n_head if self.n_kv_heads is None else self.n_kv_heads
-
-    def to_dict(self) -> dict:
-        return asdict(self)
+def norm(cfg: GPTConfig) -> nn.Module:
+    """The block's and the final norm: LayerNorm (GPT-2) or RMSNorm (Llama)."""
+    if cfg.norm == "rmsnorm":
+        return nn.RMSNorm(cfg.n_embd, eps=cfg.norm_eps)
+    return nn.LayerNorm(cfg.n_embd, eps=cfg.norm_eps, bias=cfg.bias)
 
 
 class CausalSelfAttention(nn.Module):
@@ -78,73 +41,52 @@ class CausalSelfAttention(nn.Module):
         super().__init__()
         self.n_head, self.n_kv, self.d = cfg.n_head, cfg.kv_heads, cfg.head_dim
         # One fused projection for queries (n_head heads) and keys/values (n_kv heads each).
-        self.qkv = nn.Linear(cfg.n_embd, (self.n_head + 2 * self.n_kv) * self.d)
-        self.proj = nn.Linear(cfg.n_embd, cfg.n_embd)
+        self.qkv = nn.Linear(cfg.n_embd, (self.n_head + 2 * self.n_kv) * self.d, bias=cfg.bias)
+        self.proj = nn.Linear(cfg.n_embd, cfg.n_embd, bias=cfg.bias)
         self.dropout = cfg.dropout
-        self.split_sizes = [self.n_head, self.n_kv, self.n_kv]  # heads of q, k, v
-        self.gqa = self.n_kv != self.n_head
+        self.spec = BlockSpec.from_config(cfg)
 
     def forward(
-        self, x: torch.Tensor, cache: KVCache | None, layer: int, start: int, row_mask: torch.Tensor | None = None
+        self, x: torch.Tensor, cache: Store | None, layer: int, start: Pos, row_mask: torch.Tensor | None = None,
+        spec: BlockSpec | None = None,
     ) -> torch.Tensor:
-        B, T, C = x.shape
-        # Heads side by side -> heads as a dimension: (B, T, (H + 2 H_kv) * D) -> (B, H + 2 H_kv, T, D),
-        # then q, k, v are consecutive head ranges. One view and one transpose (what einops'
-        # rearrange "b t (h d) -> b h t d" does, without its per-call parsing: a one-token decode
-        # step is short enough for that to show in tokens/s).
-        qkv = self.qkv(x).view(B, T, self.n_head + 2 * self.n_kv, self.d).transpose(1, 2)
-        q, k, v = qkv.split(self.split_sizes, dim=1)  # (B, H, T, D), (B, H_kv, T, D), (B, H_kv, T, D)
-        if cache is not None:
-            k, v = cache.update(layer, start, k, v)  # (B, H_kv, start + T, D)
-        # Causal mask: query i (absolute position start + i) sees keys 0..start + i.
-        # One new token sees everything cached: no mask needed. A fresh sequence: the
-        # standard lower-triangular mask. New tokens after a cached prefix: explicit mask.
-        # Rows of different lengths (a BatchKVCache): the per-row mask built once per step.
-        mask, causal = row_mask, False
-        if T > 1 and mask is None:
-            if start == 0:
-                causal = True
-            else:
-                mask = torch.ones(T, start + T, dtype=torch.bool, device=x.device).tril(diagonal=start)
-        y = F.scaled_dot_product_attention(
-            q,
-            k,
-            v,
-            attn_mask=mask,
-            is_causal=causal,
-            dropout_p=self.dropout if self.training else 0.0,
-            enable_gqa=self.gqa,
-        )  # (B, H, T, D)
-        return self.proj(y.transpose(1, 2).reshape(B, T, C))  # heads back side by side: (B, T, H * D)
+        """Attention of normed activations x (B, T, C) at positions ``start`` (an int or (B, T)), through
+        ``cache`` (None: x is a whole sequence); the output before the residual."""
+        store = Uncached(layer + 1) if cache is None else cache
+        w = BlockWeights(None, self.qkv, self.proj, None, None, None)
+        spec = self.spec if spec is None else spec
+        return attend(x, w, spec, store, layer, start, row_mask, self.dropout if self.training else 0.0)
 
 
 class MLP(nn.Module):
     def __init__(self, cfg: GPTConfig) -> None:
         super().__init__()
-        self.fc = nn.Linear(cfg.n_embd, 4 * cfg.n_embd)
-        self.proj = nn.Linear(4 * cfg.n_embd, cfg.n_embd)
+        width = 2 * cfg.hidden if cfg.mlp == "swiglu" else cfg.hidden  # SwiGLU: gate | up in one product
+        self.fc = nn.Linear(cfg.n_embd, width, bias=cfg.bias)
+        self.proj = nn.Linear(cfg.hidden, cfg.n_embd, bias=cfg.bias)
+        self.gated = cfg.mlp == "swiglu"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # GPT-2 uses the tanh approximation of GELU.
-        return self.proj(F.gelu(self.fc(x), approximate="tanh"))
+        return mlp(x, self.fc, self.proj, self.gated)
 
 
 class Block(nn.Module):
     def __init__(self, cfg: GPTConfig) -> None:
         super().__init__()
-        self.ln1 = nn.LayerNorm(cfg.n_embd)
+        self.ln1 = norm(cfg)
         self.attn = CausalSelfAttention(cfg)
-        self.ln2 = nn.LayerNorm(cfg.n_embd)
+        self.ln2 = norm(cfg)
         self.mlp = MLP(cfg)
         self.drop = nn.Dropout(cfg.dropout)
 
     def forward(
-        self, x: torch.Tensor, cache: KVCache | None, layer: int, start: int, row_mask: torch.Tensor | None = None
+        self, x: torch.Tensor, cache: Store | None, layer: int, start: Pos, row_mask: torch.Tensor | None = None,
+        spec: BlockSpec | None = None,
     ) -> torch.Tensor:
-        a = self.attn(self.ln1(x), cache, layer, start, row_mask)
-        x = x + (self.drop(a) if self.training else a)  # dropout is the identity in eval: skip the call
-        m = self.mlp(self.ln2(x))
-        return x + (self.drop(m) if self.training else m)
+        store = Uncached(layer + 1) if cache is None else cache
+        drop = self.drop if self.training and self.drop.p > 0 else None  # dropout is the identity in eval
+        return residual(x, self.ln1, lambda h: self.attn(h, store, layer, start, row_mask, spec), self.ln2,
+                        self.mlp, drop)
 
 
 class GPT(nn.Module):
@@ -154,10 +96,12 @@ class GPT(nn.Module):
             raise BadType(f"GPT(config) needs a GPTConfig, got {type(config).__name__}", arg="config")
         self.config = config
         self.wte = nn.Embedding(config.vocab_size, config.n_embd)
-        self.wpe = nn.Embedding(config.block_size, config.n_embd)
+        # Learned positions (GPT-2): a table; rotary positions (Llama): none, queries and keys are rotated instead.
+        self.wpe = nn.Embedding(config.block_size, config.n_embd) if config.learned_positions else None
         self.drop = nn.Dropout(config.dropout)
         self.blocks = nn.ModuleList([Block(config) for _ in range(config.n_layer)])
-        self.ln_f = nn.LayerNorm(config.n_embd)
+        self.ln_f = norm(config)
+        self.spec = BlockSpec.from_config(config)  # what every block needs of the config (one RoPE table)
         self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
         self.lm_head.weight = self.wte.weight  # weight tying, as in GPT-2
         self.apply(self._init_weights)
@@ -178,7 +122,7 @@ class GPT(nn.Module):
     def num_parameters(self, exclude_positions: bool = False) -> int:
         """Parameters, counting the tied embedding/output matrix once."""
         n = sum(p.numel() for p in self.parameters())
-        return n - self.wpe.weight.numel() if exclude_positions else n
+        return n - self.wpe.weight.numel() if exclude_positions and self.wpe is not None else n
 
     @property
     def device(self) -> torch.device:
@@ -194,11 +138,12 @@ class GPT(nn.Module):
     ) -> torch.Tensor:
         """Logits (B, T, vocab) for token ids idx (B, T).
 
-        Without a cache, idx is the whole sequence from position 0. With a cache, idx holds only
-        the new tokens, at positions cache.length .. + T: ``cache.update`` stores their keys and
-        values, attention reads all of them, and cache.length moves on by T. ``positions`` (B, T)
-        and ``mask`` (B, 1, T, keys) place each row at positions of its own (a ``BatchKVCache``
-        of rows at different lengths, chapter 08): the caller then moves the cache on.
+        Without a cache, idx is the whole sequence from position 0. With a cache (a KV store), idx holds
+        only the new tokens, at positions cache.length .. + T: the store keeps their keys and values,
+        attention reads what it holds, and cache.length moves on by T. ``positions`` (B, T) places each
+        row at positions of its own (a ``BatchKVCache`` of rows at different lengths, chapter 08; the
+        caller then moves the cache on); ``mask`` (B, 1, T, keys), if given, replaces the mask the store
+        derives from the positions (chapter 08's learner passes their own).
         """
         if idx.ndim != 2:
             raise BadValue(f"idx must have shape (batch, time), got {tuple(idx.shape)}", arg="idx")
@@ -218,11 +163,11 @@ class GPT(nn.Module):
                 )
             if cache is not None and cache.batch_size != B:
                 raise BadValue(f"cache was built for batch size {cache.batch_size}, got a batch of {B}", arg="cache")
-            where, pos_emb = start, self.wpe.weight[start:end]  # positions are a slice of wpe
+            where = start
         else:
-            where, pos_emb = positions, self.wpe(positions)  # (B, T, C): each row at its own positions
+            where = positions
         try:
-            x = self.wte(idx) + pos_emb  # (B, T, C)
+            x = self.wte(idx)  # (B, T, C)
         except IndexError:  # the embedding checks the ids as it gathers: nothing to pay when they are fine
             raise BadValue(
                 f"idx holds token ids outside the vocabulary [0, {self.config.vocab_size - 1}]", arg="idx"
@@ -232,16 +177,23 @@ class GPT(nn.Module):
                 raise
             raise BadValue(f"idx is on {idx.device}, the model on {self.wte.weight.device}: pass idx.to(model.device)",
                            arg="idx") from None
-        if cache is not None and getattr(cache, "dtype", x.dtype) != x.dtype:  # a cache of one's own may have none
-            raise BadType(
-                f"the cache holds {cache.dtype} keys and values but the model computes in {x.dtype}: "
-                f"build the cache with dtype={x.dtype} (or convert the model)",
-                arg="cache",
-            )
+        if self.wpe is not None:  # learned positions: a slice of the table, or each row's own
+            x = x + (self.wpe.weight[start:end] if positions is None else self.wpe(positions))
+        if cache is not None:
+            if getattr(cache, "dtype", x.dtype) != x.dtype:  # a cache of one's own may have none
+                raise BadType(
+                    f"the cache holds {cache.dtype} keys and values but the model computes in {x.dtype}: "
+                    f"build the cache with dtype={x.dtype} (or convert the model)",
+                    arg="cache",
+                )
+            fits = getattr(cache, "fits_config", None)
+            if fits is not None:
+                fits(self.config)
         if self.training:
             x = self.drop(x)  # (dropout is the identity in eval: skip the call)
-        for layer, block in enumerate(self.blocks):
-            x = block(x, cache, layer, where, mask)
+        store = Uncached(len(self.blocks)) if cache is None else cache if isinstance(cache, Store) else Updating(cache)
+        for layer, b in enumerate(self.blocks):
+            x = b(x, store, layer, where, mask, self.spec)
         if cache is not None and positions is None:
             cache.length = end
         return self.lm_head(self.ln_f(x))  # (B, T, vocab)
