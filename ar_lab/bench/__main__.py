@@ -16,6 +16,7 @@ from pathlib import Path
 
 from ar_lab.base.timing import machine
 from ar_lab.bench import (
+    against,
     constrained,
     decode,
     lookup,
@@ -45,6 +46,8 @@ BENCHMARKS = {
     "serving": (serving, "static vs continuous batching, tokens/s vs batch size, prefix-cache TTFT (chapter 08)"),
     "paged": (paged, "KV memory in slots vs paged blocks: reserved vs used, requests in a fixed budget (chapter 08)"),
     "quant": (quant, "fp32 vs bf16 vs int8 vs int4 weights in batch-1 decode, against the roofline (chapter 09)"),
+    "against": (against, "this tree's batch-1 decode against another checkout's, in alternating processes "
+                "(a refactor of the engine measured before it lands)"),
 }
 
 

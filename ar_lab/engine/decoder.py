@@ -44,9 +44,10 @@ class Decoder(Protocol):
 
     def fits(self, cache) -> None: ...
 
-    def prefill(self, tokens: torch.Tensor, cache, pos: int = 0) -> torch.Tensor: ...
+    def prefill(self, tokens: torch.Tensor, cache, pos: int = 0, *, mask: torch.Tensor | None = None
+                ) -> torch.Tensor: ...
 
-    def step(self, token, cache, pos: int | None) -> torch.Tensor: ...
+    def step(self, token, cache, pos: int | None, *, mask: torch.Tensor | None = None) -> torch.Tensor: ...
 
     def extend(self, tokens: list[int], cache, pos: int) -> torch.Tensor: ...
 
@@ -102,12 +103,15 @@ class ForwardDecoder:
         cache.check_fits(self.model)
         self._checked = cache
 
-    def prefill(self, tokens: torch.Tensor, cache, pos: int | None = 0) -> torch.Tensor:
+    def prefill(self, tokens: torch.Tensor, cache, pos: int | None = 0, *, mask: torch.Tensor | None = None
+                ) -> torch.Tensor:
+        """``mask``: for rows of a ``BatchKVCache``, a mask of one's own (chapter 08's) instead of the one the
+        store derives from the rows' positions."""
         if cache is None:
             return self.model(tokens)  # (B, T, vocab): the whole sequence, no cache
         self.fits(cache)
-        if isinstance(cache, BatchKVCache):  # rows at lengths of their own: explicit positions and mask
-            positions, mask = cache.begin(tokens.shape[1])
+        if isinstance(cache, BatchKVCache):  # rows at lengths of their own: explicit positions
+            positions, _ = cache.begin(tokens.shape[1])  # (a paged cache takes the blocks the step needs here)
             logits = self.model(tokens, cache, positions=positions, mask=mask)
             cache.advance(tokens.shape[1])
             return logits
@@ -117,7 +121,7 @@ class ForwardDecoder:
             _record(cache, pos, tokens[0].tolist())
         return logits
 
-    def step(self, token, cache, pos: int | None) -> torch.Tensor:
+    def step(self, token, cache, pos: int | None, *, mask: torch.Tensor | None = None) -> torch.Tensor:
         if isinstance(token, int):  # one sequence: (vocab,)
             idx = torch.tensor([[token]], device=self.model.device)
             self.fits(cache)
@@ -128,7 +132,7 @@ class ForwardDecoder:
         if not isinstance(token, torch.Tensor) or token.ndim != 1:
             raise BadType(f"token must be an int (one sequence) or a 1-D tensor of B token ids, got {token!r}",
                           arg="token")
-        return self.prefill(token[:, None], cache, pos)[:, -1]  # (B, vocab): one token for every row
+        return self.prefill(token[:, None], cache, pos, mask=mask)[:, -1]  # (B, vocab): one token for every row
 
     def extend(self, tokens: list[int], cache, pos: int) -> torch.Tensor:
         return self.prefill(torch.tensor([tokens], device=self.model.device), cache, pos)[0]  # (T, vocab)
@@ -149,9 +153,9 @@ class LeanDecoder(ForwardDecoder):
         self.engine = LeanGPT(model)
         self._copies: ExtendCopies | None = None
 
-    def step(self, token, cache, pos: int | None) -> torch.Tensor:
+    def step(self, token, cache, pos: int | None, *, mask: torch.Tensor | None = None) -> torch.Tensor:
         if not isinstance(token, int):
-            return super().step(token, cache, pos)  # a batch of rows: through forward
+            return super().step(token, cache, pos, mask=mask)  # a batch of rows: through forward
         self.fits(cache)
         _rewind(cache, pos)
         return self.engine.step(token, cache)  # records the token itself

@@ -85,9 +85,9 @@ class RMSNorm:
 
 
 class Vector:
-    """A linear layer applied to one row (1, 1, in): a matrix-vector product on the layer's own weight (or a
-    ``QuantizedLinear``'s kernel), the fastest product for one vector; bias added in the same call. The
-    result stays a vector (out,): the block's views and residual additions broadcast it back to (1, 1, out)."""
+    """A linear layer applied to one vector (in,): a matrix-vector product on the layer's own weight (or a
+    ``QuantizedLinear``'s kernel), the fastest product for one vector; bias added in the same call. The step
+    keeps its residual stream as one vector (C,), so no view is needed around the product."""
 
     __slots__ = ("weight", "bias", "mv")
 
@@ -101,7 +101,7 @@ class Vector:
             self.mv = bf16_addmv if slow_addmv else torch.addmv
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return self.mv(self.bias, self.weight, x.view(-1))
+        return self.mv(self.bias, self.weight, x)
 
 
 def _mv(bias: None, weight: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
@@ -223,16 +223,15 @@ class LeanGPT:
         pos = self._check(cache, 1)
         if torch.is_grad_enabled():
             _no_grad_needed()
-        x = self.wte.select(0, token)
+        x = self.wte.select(0, token)  # (C,): the residual stream of one token, as a vector
         if self.wpe is not None:
             x = x + self.wpe.select(0, pos)
-        x = x.view(1, 1, -1)  # (B = 1, T = 1, C)
         spec = self.spec
         for i, w in enumerate(self.layers):
             x = block(x, w, spec, cache, i, pos)
         cache.length = pos + 1
         cache.record(pos, [token])
-        return self.head(self.ln_f(x)).view(-1)  # tied output projection: (vocab,)
+        return self.head(self.ln_f(x))  # tied output projection: (vocab,)
 
     def extend(
         self, tokens: Sequence[int] | torch.Tensor, cache: KVCache, copies: ExtendCopies | None = None

@@ -274,9 +274,7 @@ def processed_logits(
     if not torch.isfinite(x.amax(dim=-1)).all():
         raise _bad_logits(logits, x)
     # SamplingParams checked its values when it was made: the steps run unchecked from here.
-    x = _temperature(x, params.temperature)
-    if params.greedy:
-        return x  # one token left; every filter keeps the most likely token anyway
+    x = _temperature(x, params.temperature)  # greedy: one finite logit left, which every filter keeps
     if params.top_k is not None:
         x = _top_k(x, params.top_k)
     x = _top_p(x, params.top_p)
@@ -306,7 +304,12 @@ def sample(
             f"generator must be a torch.Generator (e.g. torch.Generator().manual_seed(0)) or None, got {generator!r}",
             arg="generator",
         )
-    x = processed_logits(logits, params, history)
+    return _choose(processed_logits(logits, params, history), params, generator)
+
+
+def _choose(x: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> torch.Tensor:
+    """Token ids from processed logits x (vocab,) or (batch, vocab): the argmax when greedy, else one draw per row
+    from softmax(x) with ``generator``. The one place a loop's pick depends on ``params.greedy``."""
     if params.greedy:
         return x.argmax(dim=-1)
     probs = torch.softmax(x, dim=-1)
@@ -386,8 +389,26 @@ class LogitsPipeline:
             if bool(torch.isfinite(logits.gather(-1, ids.unsqueeze(-1))).all()):
                 return ids
         if self.sampler is None:
-            return sample(logits, self.params, generator, history)
+            return _choose(processed_logits(logits, self.params, history), self.params, generator)
         return pick(self.sampler, logits, self.params, generator, history)
+
+    def rows(self, logits: torch.Tensor, generators: list[torch.Generator | None], histories: list | None = None
+             ) -> list[int]:
+        """One token per row of logits (rows, vocab), row i drawing with ``generators[i]`` (a serving batch: each
+        request its own seed). The penalty, temperature and filters run once for the whole batch; only the draws
+        are per row. ``histories``: each row's seen ids (for the repetition penalty), or None."""
+        if self.argmax_only:
+            return self(logits).tolist()
+        if self.sampler is not None:
+            return [int(self(row, g, h)) for row, g, h in zip(logits, generators, histories or [()] * len(logits),
+                                                              strict=True)]
+        seen = None
+        if histories is not None:
+            seen = torch.zeros(logits.shape, dtype=torch.bool, device=logits.device)
+            for i, h in enumerate(histories):
+                seen[i, list(h)] = True
+        x = processed_logits(logits, self.params, () if seen is None else seen)
+        return [int(_choose(row, self.params, g)) for row, g in zip(x, generators, strict=True)]
 
     def one(self, logits: torch.Tensor, generator: torch.Generator | None = None, history=()) -> int:
         """The token id for one row of logits (vocab,): the per-step call of a batch-1 loop."""

@@ -80,7 +80,7 @@ def visible(q_pos: torch.Tensor, k_pos: torch.Tensor, span: Span = FULL) -> torc
     return seen[:, None]  # (B, 1, T, S): one mask for every head
 
 
-def mask_for(pos: Pos, T: int, keys: Keys, span: Span, device: torch.device):
+def mask_for(pos: Pos, T: int, keys: Keys, span: Span):
     """(mask, causal) for ``attention``: no mask where every key a store holds is visible (one query at the
     end of a contiguous cache), ``causal`` for a fresh prompt, else ``visible``'s mask."""
     S = keys.k.shape[2]
@@ -90,6 +90,7 @@ def mask_for(pos: Pos, T: int, keys: Keys, span: Span, device: torch.device):
             return None, False
         if pos == 0 and T == S:
             return None, True
+    device = keys.k.device
     k_pos = torch.arange(S, device=device) if keys.positions is None else keys.positions
     return visible(query_positions(pos, T, device), k_pos, span), False
 
@@ -169,9 +170,9 @@ class Store:
         keys = self.keys(layer, pos, T)
         causal = False
         if mask is None:
-            mask, causal = mask_for(pos, T, keys, span, q.device)
+            mask, causal = mask_for(pos, T, keys, span)
         elif span.window is not None:  # a mask of the caller's (chapter 08's row mask), within the window
-            mask = mask & mask_for(pos, T, keys, span, q.device)[0]
+            mask = mask & mask_for(pos, T, keys, span)[0]
         return attention(q, keys, mask, causal=causal, dropout=dropout, grouped=grouped)
 
 

@@ -98,10 +98,12 @@ def attend(
     h: torch.Tensor, w: BlockWeights, spec: BlockSpec, store: Store, layer: int, pos: Pos,
     mask: torch.Tensor | None = None, dropout: float = 0.0,
 ) -> torch.Tensor:
-    """The attention half of a block on normed activations h (B, T, C): its output (B, T, C) before the residual.
+    """The attention half of a block on normed activations h (B, T, C), or (C,) for one token of one sequence: its
+    output, of h's shape, before the residual.
 
     The new keys and values go to ``store`` at ``pos``; the store's attention reads what it holds."""
-    B, T, C = h.shape
+    *rows, _ = h.shape  # (B, T); none for the lean step's one vector (one token of one sequence)
+    B, T = rows or (1, 1)
     # Heads side by side -> heads as a dimension: (B, T, (H + 2 H_kv) D) -> (B, H + 2 H_kv, T, D); q, k, v are
     # consecutive head ranges (one view and one transpose: rearrange's parsing would cost a decode step time).
     qkv = w.qkv(h).view(B, T, spec.n_head + 2 * spec.n_kv, spec.head_dim).transpose(1, 2)
@@ -110,7 +112,7 @@ def attend(
         q, k = spec.rope(q, pos), spec.rope(k, pos)
     store.write(layer, k, v, pos)
     y = store.attend(layer, q, pos, spec.span, mask, dropout=dropout, grouped=spec.grouped)  # (B, H, T, D)
-    return w.proj(y.transpose(1, 2).reshape(B, T, C))  # heads back side by side
+    return w.proj(y.transpose(1, 2).reshape(h.shape))  # heads back side by side
 
 
 def mlp(h: torch.Tensor, fc: Layer, proj: Layer, gated: bool) -> torch.Tensor:

@@ -156,22 +156,19 @@ class ServerState:
         self.kv_used.append(used)
         self._step_start = self._clock()
         self.steps += 1
-        positions, _ = self.cache.begin(1)  # (rows, 1); a paged cache takes the blocks the step needs here
-        logits = self.model(self._last[:n, None], self.cache, positions=positions, mask=mask.to(self._last.device))
-        self.cache.advance(1)
+        logits = self._decoder.step(self._last[:n], self.cache, None, mask=mask.to(self._last.device))  # (rows, vocab)
         self._pending = set(range(n))
-        return logits[:, -1]  # (rows, vocab)
+        return logits
 
     def pick(self, logits: torch.Tensor) -> list[int]:
         """One token per row from the decode step's logits (rows, vocab), by the run's sampling settings (each
-        request's own generator); all rows' argmax at once when greedy."""
+        request's own generator), in one call of the logits pipeline for the batch."""
         if not isinstance(logits, torch.Tensor) or logits.ndim != 2 or logits.shape[0] != len(self.rows):
             raise BadValue(f"logits must be the decode step's (rows, vocab) = ({len(self.rows)}, vocab), got "
                            f"{tuple(logits.shape) if isinstance(logits, torch.Tensor) else type(logits).__name__}",
                            arg="logits")
-        if self._picker.argmax_only:
-            return self._picker(logits).tolist()
-        return [self._pick(logits[i], j) for i, j in enumerate(self.rows)]
+        histories = [self.results[j].prompt + self.results[j].tokens for j in self.rows] if self._penalised else None
+        return self._picker.rows(logits, [self._generators[j] for j in self.rows], histories)
 
     def record(self, i: int, token: int) -> bool:
         """Give row ``i``'s request its new ``token`` from this step (it is the row's next input); True when that
