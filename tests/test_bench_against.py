@@ -6,10 +6,10 @@ import argparse
 from pathlib import Path
 
 import pytest
+from raising import raises
 
 from ar_lab.base.errors import BadValue
 from ar_lab.bench import against
-from raising import raises
 
 ROOT = Path(__file__).resolve().parents[1]
 
