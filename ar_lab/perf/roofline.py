@@ -392,6 +392,8 @@ def bytes_per_token(model: GPT) -> int:
     if not isinstance(model, GPT):
         raise BadType(f"bytes_per_token takes a GPT as model, got {type(model).__name__}", arg="model")
     total = sum(p.nbytes for p in model.parameters()) + sum(b.nbytes for b in model.buffers())
+    if model.wpe is None:  # rotary positions: no table to read a row of
+        return total
     wpe = model.wpe.weight
     return total - wpe.nbytes + wpe[0].nbytes
 
