@@ -122,8 +122,8 @@ class KVCache(Store):
         self._store(layer, pos, end, k, v)
 
     def _store(self, layer: int, start: int, end: int, k: torch.Tensor, v: torch.Tensor) -> None:
-        self.k[layer][:, :, start:end] = k
-        self.v[layer][:, :, start:end] = v
+        self.k[layer].narrow(2, start, end - start).copy_(k)
+        self.v[layer].narrow(2, start, end - start).copy_(v)
 
     def keys(self, layer: int, pos: Pos, T: int) -> Keys:
         """Positions 0 .. pos + T - 1 (what a query written at pos .. pos + T - 1 may see), in order."""
