@@ -81,17 +81,16 @@ def visible(q_pos: torch.Tensor, k_pos: torch.Tensor, span: Span = FULL) -> torc
 
 
 def mask_for(pos: Pos, T: int, keys: Keys, span: Span):
-    """(mask, causal) for ``attention``: no mask where every key a store holds is visible (one query at the
-    end of a contiguous cache), ``causal`` for a fresh prompt, else ``visible``'s mask."""
-    S = keys.k.shape[2]
-    contiguous = keys.positions is None and isinstance(pos, int)
-    if contiguous and span.window is None:
-        if T == 1 and pos + 1 == S:
+    """(mask, causal) for ``attention``: no mask where every key a store holds is visible (one query at the end
+    of a contiguous store), ``causal`` for a fresh prompt, else ``visible``'s mask. A store whose keys are in
+    order (``keys.positions`` None) at an int ``pos`` holds exactly positions 0 .. pos + T - 1."""
+    if keys.positions is None and isinstance(pos, int) and span.window is None:
+        if T == 1:
             return None, False
-        if pos == 0 and T == S:
+        if pos == 0:
             return None, True
     device = keys.k.device
-    k_pos = torch.arange(S, device=device) if keys.positions is None else keys.positions
+    k_pos = torch.arange(keys.k.shape[2], device=device) if keys.positions is None else keys.positions
     return visible(query_positions(pos, T, device), k_pos, span), False
 
 
@@ -108,7 +107,7 @@ def attention(
     same operations for any number of positions)."""
     B, H, T, D = q.shape
     k, v = keys.k, keys.v
-    Hk, S = k.shape[1], k.shape[2]
+    _, Hk, S, _ = k.shape
     if T == 1 and grouped and not dropout:  # decode: the queries of a KV head as a (G, D) matrix, two products
         G = H // Hk
         kk, vv = k.flatten(0, 1), v.flatten(0, 1)  # (B Hk, S, D)
