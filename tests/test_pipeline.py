@@ -8,7 +8,8 @@ from hypothesis import strategies as st
 
 from ar_lab.base.errors import BadType, BadValue
 from ar_lab.engine.generate import generate, sample_batch
-from ar_lab.engine.sampling import GREEDY, LogitsPipeline, SamplingParams, probabilities, sample
+from ar_lab.engine.pipeline import LogitsPipeline
+from ar_lab.engine.sampling import GREEDY, SamplingParams, probabilities, sample
 from ar_lab.engine.serving import Request, serve
 from ar_lab.engine.speculative import speculative_generate
 from tests.raising import raises

@@ -9,7 +9,8 @@ import torch
 from ar_lab.base.errors import BadType, BadValue
 from ar_lab.course.sampler_view import sampler_view
 from ar_lab.engine.generate import generate, sample_batch
-from ar_lab.engine.sampling import GREEDY, SamplingParams, pick, probabilities, sample
+from ar_lab.engine.pipeline import pick
+from ar_lab.engine.sampling import GREEDY, SamplingParams, probabilities, sample
 from tests.raising import raises
 
 SETTINGS = [

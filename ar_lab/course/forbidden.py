@@ -169,8 +169,8 @@ FORBIDDEN: dict[str, tuple[str, ...]] = {
     # 06_sampling.ipynb
     "ch06-sampler": (
         "ar_lab.engine.sampling.sample",
-        "ar_lab.engine.sampling.LogitsPipeline",
-        "ar_lab.engine.sampling.pick",
+        "ar_lab.engine.pipeline.LogitsPipeline",
+        "ar_lab.engine.pipeline.pick",
         "ar_lab.engine.sampling.probabilities",
         "ar_lab.engine.sampling.processed_logits",
         "ar_lab.engine.sampling.apply_temperature",

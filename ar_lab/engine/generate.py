@@ -28,6 +28,7 @@ import torch
 from ar_lab.base.errors import BadType, BadValue, ContextFull
 from ar_lab.engine.constrained import check_constraint, check_constraint_eos, masked_logits
 from ar_lab.engine.decoder import Decoder, ForwardDecoder, decoder_for
+from ar_lab.engine.pipeline import LogitsPipeline
 from ar_lab.engine.prompts import (
     check_budget,
     check_eos,
@@ -35,7 +36,7 @@ from ar_lab.engine.prompts import (
     prompt_batch,
     stop_list,
 )
-from ar_lab.engine.sampling import GREEDY, LogitsPipeline, Sampler, SamplingParams, check_sampler, check_sampling
+from ar_lab.engine.sampling import GREEDY, Sampler, SamplingParams, check_sampler, check_sampling
 from ar_lab.model.cache import KVCache
 from ar_lab.model.inference import check_inference_ready, inference
 from ar_lab.model.tokenizer import EOS_ID, N_BYTES, StreamDecoder

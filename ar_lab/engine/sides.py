@@ -17,7 +17,8 @@ import torch
 from ar_lab.base.errors import BadType, BadValue
 from ar_lab.base.timing import synchronize
 from ar_lab.engine.lookup import checked_proposal
-from ar_lab.engine.sampling import LogitsPipeline, SamplingParams
+from ar_lab.engine.pipeline import LogitsPipeline
+from ar_lab.engine.sampling import SamplingParams
 from ar_lab.model.cache import KVCache
 
 

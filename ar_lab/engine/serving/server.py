@@ -31,9 +31,10 @@ from ar_lab.base.args import check_seed, positive_int
 from ar_lab.base.errors import BadType, BadValue, ContextFull
 from ar_lab.engine.generate import Generation, GenerationStats
 from ar_lab.engine.paged import PagedKVCache, blocks_for, check_allocator
+from ar_lab.engine.pipeline import LogitsPipeline
 from ar_lab.engine.prefix_cache import PrefixCache
 from ar_lab.engine.prompts import check_eos, checked_prompt
-from ar_lab.engine.sampling import GREEDY, LogitsPipeline, Sampler, SamplingParams
+from ar_lab.engine.sampling import GREEDY, Sampler, SamplingParams
 from ar_lab.engine.scheduling import POLICIES, policy_function, policy_name
 from ar_lab.engine.serving.requests import Request, RequestResult, ServeReport
 from ar_lab.engine.serving.step import ServerState, run_step, serve_step
