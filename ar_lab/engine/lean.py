@@ -171,7 +171,7 @@ class LeanGPT:
                 "model and keep it so", arg="model"
             )
         cfg = model.config
-        self.config, self.model, self.spec = cfg, model, model.spec._replace(grouped=True)
+        self.config, self.model, self.spec = cfg, model, model.spec
         # The parameters themselves (not .detach() aliases, not copies): `p.data = t` swaps what
         # p holds, and a step must see it, as forward() does.
         self.wte = model.wte.weight

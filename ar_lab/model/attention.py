@@ -18,10 +18,10 @@ decode step (none needed: everything cached is earlier), the mask of a verify pa
 prefix, the per-row mask of batched serving, and the sliding window: it is written once, here.
 
 ``attention`` is the arithmetic, once: softmax(q k^T / sqrt(D) + mask) v, with groups of query heads
-sharing a key/value head (GQA). One query per row (decode) runs as two batched matrix products
-with the softmax between; several run through ``torch.nn.functional.scaled_dot_product_attention``,
-whose CPU and GPU kernels never form the T x T matrix (FlashAttention's tiling). An int8 store
-passes the keys' and values' scales, which fold into the scores and the weights.
+sharing a key/value head (GQA), through ``torch.nn.functional.scaled_dot_product_attention``, whose
+CPU and GPU kernels never form the T x T matrix (FlashAttention's tiling). An int8 store passes the
+keys' and values' scales: for one query per row they fold into the scores and the weights (two
+batched products, no dequantized copy of the cache); several queries read a dequantized copy.
 
 The stores: ``Uncached`` (one pass over a whole sequence, no cache), ``KVCache`` and
 ``BatchKVCache`` (``model/cache.py``), ``RollingKVCache`` (here: constant memory for a windowed
@@ -95,33 +95,27 @@ def mask_for(pos: Pos, T: int, keys: Keys, span: Span):
 
 
 def attention(
-    q: torch.Tensor, keys: Keys, mask: torch.Tensor | None = None, *, causal: bool = False, dropout: float = 0.0,
-    grouped: bool = False,
+    q: torch.Tensor, keys: Keys, mask: torch.Tensor | None = None, *, causal: bool = False, dropout: float = 0.0
 ) -> torch.Tensor:
     """softmax(q k^T / sqrt(D) + mask) v for queries q (B, H, T, D) over ``keys`` (B, H_kv, S, D): (B, H, T, D).
 
     H is a multiple of H_kv: query heads h*G .. h*G + G - 1 share key/value head h (G = H / H_kv).
-    ``mask``: bool, broadcastable to (B, H, T, S), True where a key is seen. ``grouped``: one query per row runs
-    as two batched products over the grouped heads (the lean engine's choice: no kernel set-up for one row);
-    otherwise every pass calls ``scaled_dot_product_attention`` (what ``GPT.forward`` does, so a pass calls the
-    same operations for any number of positions)."""
+    ``mask``: bool, broadcastable to (B, H, T, S), True where a key is seen. Every pass calls
+    ``scaled_dot_product_attention`` (a pass calls the same operations for any number of positions), except one
+    query per row over an int8 store: two batched products over the grouped heads with the scales folded in,
+    so no dequantized copy of the cache is made."""
     B, H, T, D = q.shape
     k, v = keys.k, keys.v
     _, Hk, S, _ = k.shape
-    if T == 1 and grouped and not dropout:  # decode: the queries of a KV head as a (G, D) matrix, two products
+    if T == 1 and keys.k_scale is not None and not dropout:  # int8, one query per row: two products
         G = H // Hk
-        kk, vv = k.flatten(0, 1), v.flatten(0, 1)  # (B Hk, S, D)
-        scaled = keys.k_scale is not None
-        if scaled:  # int8: (q . k_int8) x k_scale, then the weights x v_scale
-            kk, vv = kk.to(q.dtype), vv.to(q.dtype)
+        kk, vv = k.flatten(0, 1).to(q.dtype), v.flatten(0, 1).to(q.dtype)  # (B Hk, S, D): int8 values, exactly
+        # (q . k_int8) x k_scale x 1/sqrt(D), then the softmax's weights x v_scale, then . v_int8
         scores = torch.baddbmm(_zero(q), q.reshape(B * Hk, G, D), kk.transpose(1, 2), beta=0, alpha=D**-0.5)
-        if scaled:
-            scores.mul_(keys.k_scale.reshape(B * Hk, 1, S).to(q.dtype))
+        scores.mul_(keys.k_scale.reshape(B * Hk, 1, S).to(q.dtype))
         if mask is not None:
             scores.view(B, Hk, G, S).masked_fill_(~mask, float("-inf"))
-        weights = torch.softmax(scores, -1)  # (B Hk, G, S)
-        if scaled:
-            weights.mul_(keys.v_scale.reshape(B * Hk, 1, S).to(q.dtype))
+        weights = torch.softmax(scores, -1).mul_(keys.v_scale.reshape(B * Hk, 1, S).to(q.dtype))  # (B Hk, G, S)
         return torch.bmm(weights, vv).view(B, H, 1, D)
     if keys.k_scale is not None:
         k, v = dense(keys, q.dtype)
@@ -163,7 +157,7 @@ class Store:
 
     def attend(
         self, layer: int, q: torch.Tensor, pos: Pos, span: Span = FULL, mask: torch.Tensor | None = None,
-        *, dropout: float = 0.0, grouped: bool = False,
+        *, dropout: float = 0.0,
     ) -> torch.Tensor:
         T = q.shape[2]
         keys = self.keys(layer, pos, T)
@@ -172,7 +166,7 @@ class Store:
             mask, causal = mask_for(pos, T, keys, span)
         elif span.window is not None:  # a mask of the caller's (chapter 08's row mask), within the window
             mask = mask & mask_for(pos, T, keys, span)[0]
-        return attention(q, keys, mask, causal=causal, dropout=dropout, grouped=grouped)
+        return attention(q, keys, mask, causal=causal, dropout=dropout)
 
 
 class Uncached(Store):

@@ -81,7 +81,6 @@ class BlockSpec(NamedTuple):
     gated: bool  # SwiGLU
     span: Span
     rope: Rope | None
-    grouped: bool = False  # one query per row as grouped products (the lean engine), not the SDPA kernel
 
     @classmethod
     def from_config(cls, cfg: GPTConfig) -> BlockSpec:
@@ -111,7 +110,7 @@ def attend(
     if spec.rope is not None:
         q, k = spec.rope(q, pos), spec.rope(k, pos)
     store.write(layer, k, v, pos)
-    y = store.attend(layer, q, pos, spec.span, mask, dropout=dropout, grouped=spec.grouped)  # (B, H, T, D)
+    y = store.attend(layer, q, pos, spec.span, mask, dropout=dropout)  # (B, H, T, D)
     return w.proj(y.transpose(1, 2).reshape(h.shape))  # heads back side by side
 
 

@@ -107,8 +107,8 @@ class RollingKVCache(Store):
         V = torch.cat((self.v[layer], v), dim=2)
         return Keys(K, V, torch.cat((self.held, new)))
 
-    def attend(self, layer, q, pos, span=None, mask=None, *, dropout=0.0, grouped=False):
-        y = super().attend(layer, q, pos, self.span, mask, dropout=dropout, grouped=grouped)
+    def attend(self, layer, q, pos, span=None, mask=None, *, dropout=0.0):
+        y = super().attend(layer, q, pos, self.span, mask, dropout=dropout)
         self._roll_in(layer, pos)
         return y
 
