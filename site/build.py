@@ -10,6 +10,7 @@ myst.yml (site/myst.yml with the table of contents written from notebooks/). The
 
 from __future__ import annotations
 
+import argparse
 import os
 import re
 import shutil
@@ -145,7 +146,12 @@ def write_project(out: Path = OUT) -> tuple[list[Path], str]:
     return notebooks, repo_url
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python site/build.py", description=__doc__.split("\n\n")[0],
+        epilog=f"The pages go to {HTML.relative_to(ROOT)}; {OUT.relative_to(ROOT)} is emptied first. Needs Node.js "
+               f"{', '.join(map(str, NODE_MAJORS[:-1]))} or {NODE_MAJORS[-1]}+.")
+    parser.parse_args(argv)  # no options: --help prints this and exits before anything is built or removed
     check_node()
     start = time.perf_counter()
     notebooks, repo_url = write_project()

@@ -19,53 +19,18 @@ from __future__ import annotations
 
 import contextlib
 import math
-import traceback
 import warnings
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 import torch
 
-
-class CheckFailed(AssertionError):
-    """A graded check's verdict: what was checked, what was expected, what came, and a hint.
-
-    In a notebook the verdict is all a learner needs, not the checkers' own frames: IPython shows
-    ``_render_traceback_`` instead of the traceback (nbgrader still sees an error and scores 0). Where
-    the learner's code raised, the lines of that error inside the learner's own cells come after it."""
-
-    def __init__(self, message: str = "", mistake: str | None = None) -> None:
-        super().__init__(message)
-        self.mistake = mistake  # the named mistake the answer matched (its description), if one did
-
-    def _render_traceback_(self) -> list[str]:
-        lines = [f"\N{HEAVY BALLOT X} {type(self).__name__}: {str(self).splitlines()[0] if str(self) else ''}"]
-        lines += str(self).splitlines()[1:]
-        cause = self.__cause__
-        if cause is not None:
-            lines.append(f"Your code raised {type(cause).__name__}: {cause}")
-            lines += [f"  in your cell, line {f.lineno}: {(f.line or '').strip()}"
-                      for f in traceback.extract_tb(cause.__traceback__) if _learner_file(f.filename)]
-        return lines
-
-
-def _learner_file(filename: str) -> bool:
-    """A frame of a notebook cell (ipykernel names them after a temporary file or ``<ipython-input-…>``)."""
-    return "ipykernel_" in filename or filename.startswith("<ipython-input")
-
+from ar_lab.course.answers import require_answer
+from ar_lab.course.verdicts import CheckFailed, Delegated  # the verdicts every checker raises (re-exported here)
 
 # Exercise name -> (its test passed, the learner's objects it ran): what ``yours_or_ours`` reads. One
 # kernel, one record per exercise; re-running a test cell replaces its entry.
 _VERDICTS: dict[str, tuple[bool, tuple]] = {}
-
-
-class Delegated(CheckFailed):
-    """The learner's code called the reference implementation the exercise asks them to write; ``reference``
-    names what it reached (as the verdict does)."""
-
-    def __init__(self, message: str = "", reference: str | None = None) -> None:
-        super().__init__(message)
-        self.reference = reference
 
 
 def _fail(what: str, detail: str, hint: str = "", mistake: str | None = None) -> None:
@@ -125,11 +90,13 @@ def no_delegation(
     code caught the error is caught too. Warnings raised in the block go to stdout
     (``warnings_as_notes``), so they do not fail a graded cell. A builtin captured before the block, or a
     copy of the reference's code, escapes it: this is a learner's feedback; the grade's guarantee is the
-    grading step's (``ar_lab.course.sandbox``).
+    grading step's (``ar_lab.course.sandbox``). An answer that is None, or ar_lab's own function (or a thin wrapper
+    of it), fails at once with ``answers.NoAnswer``: a hook given None would run the package's version.
     """
     from ar_lab.course.channel import Remote
     from ar_lab.course.guard import Gate, forbidden
 
+    require_answer(exercise, *learner)  # None, or ar_lab's own function, is no answer yet: before anything runs
     if learner and all(isinstance(f, Remote) for f in learner):  # the grading step's judge: the learner's code
         _VERDICTS[exercise] = (False, learner)  # runs in its answer process, where the references do not exist
         with warnings_as_notes(exercise):

@@ -18,6 +18,7 @@ from collections.abc import Callable, Iterable
 
 import torch
 
+from ar_lab.course.answers import require_answer
 from ar_lab.course.checks import CheckFailed
 from ar_lab.engine.constrained import DIGITS, STRING_BYTES, JsonObject, describe_ids
 from ar_lab.model.tokenizer import EOS_ID, VOCAB_SIZE
@@ -116,7 +117,9 @@ def _mistake(grammar: JsonObject, prefix: bytes, got: set[int], want: set[int]) 
 def check_allowed_next(
     name: str, fn: Callable[[bytes], Iterable[int]], grammar: JsonObject, prefixes: Iterable[bytes]
 ) -> None:
-    """``fn(prefix)`` must be the set of ids ``grammar`` allows after ``prefix`` (empty for a broken prefix)."""
+    """``fn(prefix)`` must be the set of ids ``grammar`` allows after ``prefix`` (empty for a broken prefix); None,
+    or ar_lab's own function, is no answer yet (``answers.require_answer``)."""
+    require_answer(name, fn)
     for prefix in prefixes:
         want = set(grammar.allowed_after(list(prefix)).nonzero().flatten().tolist())
         what = f"{name}({prefix!r})"

@@ -10,12 +10,14 @@ mistake a learner's output equals. The GPT's modules have theirs in ``ar_lab.cou
 from __future__ import annotations
 
 import math
+import numbers
 from collections import Counter
 from collections.abc import Sequence
 from typing import Any
 
 import torch
 
+from ar_lab.course.answers import is_whole, require_answer, whole_number
 from ar_lab.course.checks import CheckFailed, check_cases, check_equal
 
 
@@ -23,11 +25,9 @@ def _same(got: Any, value: Any) -> bool:
     if isinstance(got, torch.Tensor) or isinstance(value, torch.Tensor):
         got, value = torch.as_tensor(got), torch.as_tensor(value)
         return got.shape == value.shape and bool(torch.allclose(got.double(), value.double(), atol=1e-5, rtol=1e-4))
-    if isinstance(got, float) or isinstance(value, float):
-        try:
-            return math.isclose(float(got), float(value), rel_tol=1e-6, abs_tol=1e-4)
-        except (TypeError, ValueError):
-            return False
+    if isinstance(got, float) or isinstance(value, float):  # numbers only: "0.4" or True is not 0.4 or 1.0
+        numbers_both = all(isinstance(x, numbers.Real) and not isinstance(x, bool) for x in (got, value))
+        return numbers_both and math.isclose(float(got), float(value), rel_tol=1e-6, abs_tol=1e-4)
     return got == value
 
 
@@ -44,7 +44,10 @@ def name_mistake(what: str, got: Any, expected: Any, mistakes: dict[str, Any], h
 
 
 def check_exact(what: str, got: Any, expected: Any, mistakes: dict[str, Any], hint: str = "") -> None:
-    """``check_equal``, naming the mistake whose value ``got`` equals (see ``name_mistake``)."""
+    """``check_equal``, naming the mistake whose value ``got`` equals (see ``name_mistake``). Where ``expected`` is an
+    int (a count), ``got`` must be one too: 1000.0, "1000" or True is not read as the count (``answers``)."""
+    if is_whole(expected):
+        whole_number(what, got, hint)
     name_mistake(what, got, expected, mistakes, hint)
     check_equal(what, got, expected, hint)
 
@@ -353,9 +356,11 @@ def loop_outcome(target, draft, prompt, max_new_tokens: int, gamma: int, iterati
 def check_loop(what: str, iteration, target, draft, prompt, max_new_tokens: int, gamma: int) -> None:
     """Greedy speculative decoding with ``iteration`` against plain greedy decoding (``ar_lab.generate``, no EOS
     stop): the same tokens, and ar_lab's drafts accepted in each iteration; a difference names the slip of
-    ``LOOP_SLIPS`` that gives it (``loop_outcome`` of each)."""
+    ``LOOP_SLIPS`` that gives it (``loop_outcome`` of each). None, or ar_lab's own iteration, is no answer yet
+    (``answers.require_answer``): ``speculative_generate`` would run its own loop."""
     from ar_lab.engine.generate import generate
 
+    require_answer(what, iteration)  # None would run ar_lab's own loop: no answer yet
     got = loop_outcome(target, draft, prompt, max_new_tokens, gamma, iteration)
     if got[0] == "raised" and got[1].startswith("NotImplementedError"):
         raise CheckFailed(f"{what}: not implemented yet\nHint: replace `raise NotImplementedError()` with your code")

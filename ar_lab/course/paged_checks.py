@@ -15,6 +15,7 @@ from collections.abc import Hashable, Sequence
 
 import torch
 
+from ar_lab.course.answers import require_answer
 from ar_lab.course.checks import CheckFailed, check_equal
 from ar_lab.engine.paged import BlockAllocator, OutOfBlocks
 
@@ -73,7 +74,9 @@ _RAISED = {
 
 
 def check_allocator_ops(yours_cls, ops: Sequence[Op], *, num_blocks: int, block_size: int, what: str = "") -> None:
-    """Run ``ops`` on ``yours_cls(num_blocks, block_size)`` and on ``BlockAllocator``; compare after each op."""
+    """Run ``ops`` on ``yours_cls(num_blocks, block_size)`` and on ``BlockAllocator``; compare after each op.
+    None, or ar_lab's own allocator, is no answer yet (``answers.require_answer``)."""
+    require_answer(f"{what}your block allocator", yours_cls)
     yours, ours = yours_cls(num_blocks, block_size), BlockAllocator(num_blocks, block_size)
     live: list[Hashable] = []
     done = []

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from ar_lab.course.checks import CheckFailed, check_matches, check_shape
+from ar_lab.course.checks import CheckFailed, check_close, check_dtype, check_matches, check_shape
 
 
 def _quantize(w: torch.Tensor, scale: torch.Tensor, rounding, levels: int | None, wrap: bool = False):
@@ -102,6 +102,14 @@ def ties(w: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     x = w / s.repeat_interleave(w.shape[-1] // s.shape[-1], dim=-1)  # (out, in)
     tolerance = 8 * torch.finfo(torch.float32).eps * x.abs().clamp_min(1.0)  # a few float32 steps at |x|
     return ((x - x.floor()) - 0.5).abs() <= tolerance
+
+
+def check_dequantized(what: str, got, expected: torch.Tensor, hint: str = "") -> None:
+    """A dequantized matrix: the float32 the exercise states (float64 has the same values in twice the bytes,
+    the opposite of what quantizing is for), equal to ``expected`` to float32 rounding."""
+    check_dtype(what, got, torch.float32, why="the exercise asks for the float32 matrix q and scale stand for",
+                hint=hint or "q.float() * scale[:, None]")
+    check_close(what, got, expected, atol=0, rtol=1e-6, hint=hint)
 
 
 def check_quantized(

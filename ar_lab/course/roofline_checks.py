@@ -17,6 +17,7 @@ import numbers
 
 import torch
 
+from ar_lab.course.answers import is_real, is_whole, real_number, require_answer, whole_number
 from ar_lab.course.checks import CheckFailed
 from ar_lab.perf import peaks
 
@@ -81,6 +82,21 @@ def decode_plan_mistakes(shape, gpu, context: int) -> dict[str, dict[str, float]
     return {key: _apart(w, right[key], tolerance[key]) for key, w in wrong.items()}
 
 
+PLAN_KEYS = {"tpot": "seconds", "max_batch": "batch", "matmul_batch": "batch", "attention_intensity": "ratio"}
+
+
+def read_plan(what: str, plan) -> dict:
+    """``plan`` (exercise 3's ``decode_plan`` result) if it is a dict of the four ``PLAN_KEYS``, each of its
+    kind: the two batches ints (a batch is whole: a float or a str of one is not read as one), the seconds and
+    the FLOPs per byte finite floats; else fail saying which key holds what."""
+    if not isinstance(plan, dict) or sorted(plan) != sorted(PLAN_KEYS):
+        shown = sorted(plan) if isinstance(plan, dict) else type(plan).__name__
+        raise CheckFailed(f"{what}: expected a dict with the keys {sorted(PLAN_KEYS)}, got {shown}"
+                          "\nHint: return a dict with these four keys")
+    return {key: whole_number(f"{what}['{key}']", plan[key], "a batch is a whole number of sequences: an int")
+            if kind == "batch" else real_number(f"{what}['{key}']", plan[key]) for key, kind in PLAN_KEYS.items()}
+
+
 def stream_probe_mistakes(n: int, item: int) -> dict[str, int]:
     """Bytes one call of ``c = a + b`` over three arrays of ``n`` values of ``item`` bytes moves, counted wrongly."""
     right = 3 * n * item
@@ -105,19 +121,19 @@ def matmul_probe_mistakes(m: int, k: int, n: int) -> dict[str, int]:
     return {key: v for key, v in wrong.items() if v != right}
 
 
-def probe_result(what: str, got) -> tuple[float, float]:
-    """``got`` as (count, seconds) if it is a pair of positive finite numbers; else fail saying what came."""
-    ok = isinstance(got, (tuple, list)) and len(got) == 2
-    try:
-        count, seconds = (float(v) for v in got) if ok else (math.nan, math.nan)
-    except (TypeError, ValueError):
-        count = seconds = math.nan
-    if not (math.isfinite(count) and math.isfinite(seconds) and count > 0 and seconds > 0):
+def probe_result(what: str, got) -> tuple[int, float]:
+    """``got`` as (count, seconds) if it is a pair of a positive int (bytes and FLOPs are whole) and a positive
+    finite float; else fail saying what came (a str or a float that reads as the number is not one: ``answers``)."""
+    pair = isinstance(got, (tuple, list)) and len(got) == 2
+    count, seconds = got if pair else (None, None)
+    if not (pair and is_whole(count) and is_real(seconds) and count > 0 and seconds > 0):
         one = isinstance(got, numbers.Real) and not isinstance(got, bool)
-        raise CheckFailed(f"{what}: expected a pair (count, seconds) of positive numbers, got {got!r}"
-                          "\nHint: return the bytes (or FLOPs) of one call and the seconds of the fastest call",
+        kinds = f" ({type(count).__name__}, {type(seconds).__name__})" if pair else ""
+        raise CheckFailed(f"{what}: expected a pair (count, seconds) of a positive int and a positive finite float, "
+                          f"got {got!r}{kinds}\nHint: return the bytes (or FLOPs) of one call, an int, and the "
+                          "seconds of the fastest call, a float",
                           "one number (a rate?) instead of the pair (count, seconds)" if one else None)
-    return count, seconds
+    return int(count), float(seconds)
 
 
 def rate_mistakes(device: torch.device) -> dict[str, tuple[float, float]]:
@@ -140,7 +156,9 @@ def check_probe_rates(stream_probe, matmul_probe, device, dtype, *, hint: str = 
 
     On a CPU both sides run on one thread, whatever the kernel chose (in the grading step the learner's
     probes run in their answer process, ar_lab's in the judge: each on one thread), and one thread cannot
-    wait on a thread that lost its core."""
+    wait on a thread that lost its core. None, or ar_lab's own probes, are no answer yet
+    (``answers.require_answer``)."""
+    require_answer("stream_probe and matmul_probe", stream_probe, matmul_probe)
     device = torch.device(device)
     n, side = RATE_SIZES[device.type]
     calls = {

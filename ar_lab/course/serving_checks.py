@@ -15,6 +15,7 @@ from functools import partial
 
 import torch
 
+from ar_lab.course.answers import require_answer
 from ar_lab.course.checks import check_equal
 from ar_lab.course.mistakes import name_mistake, row_mask_mistakes
 from ar_lab.engine.serving import Request, serve, serve_step
@@ -41,7 +42,9 @@ def server_step_mistakes(model, requests: Sequence[Request], **options) -> dict[
 
 def check_server_step(model, requests: Sequence[Request], step: Callable, **options) -> None:
     """``serve(model, requests, step=step, **options)`` against ``serve``'s own step: the same tokens for each
-    request, the same finish steps and the same rows in every decode step."""
+    request, the same finish steps and the same rows in every decode step. None, or ar_lab's own step, is no
+    answer yet (``answers.require_answer``): ``serve`` would run its own step."""
+    require_answer("my_server_step", step)
     ours = serve(model, requests, **options)
     yours = serve(model, requests, step=step, **options)
     shown = ", ".join(f"{k}={v!r}" for k, v in options.items())

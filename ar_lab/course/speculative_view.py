@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ar_lab.base.args import check_seed
 from ar_lab.base.errors import BadValue
 from ar_lab.base.timing import interleaved, steady_clock
 from ar_lab.engine.generate import generate
@@ -151,6 +152,7 @@ def speculation_view(
         raise BadValue(f"gamma must be a whole number from 1 to max_gamma ({max_gamma}), got {gamma!r}", arg="gamma")
     if not isinstance(repeats, int) or isinstance(repeats, bool) or repeats < 1:
         raise BadValue(f"repeats must be an int >= 1, got {repeats!r}", arg="repeats")
+    check_seed(seed)
     device = target.device
     clock = steady_clock(device) if clock is None else clock
 
@@ -285,8 +287,15 @@ def plot_speculation_view(axes, view):
     return axes
 
 
+PROBS_TOLERANCE = 1e-4  # how far from 1 the probabilities chi_square tests against may sum (float32 rounding)
+
+
 def chi_square(counts: torch.Tensor, probs: torch.Tensor) -> tuple[float, int, float]:
     """Pearson's chi-square test of observed ``counts`` (K,) against exact probabilities ``probs`` (K,).
+
+    ``counts`` must be whole numbers >= 0, not all 0; ``probs`` a distribution (>= 0, summing to 1 within
+    ``PROBS_TOLERANCE``): a ``BadValue`` naming the argument otherwise, since the test would return a p-value
+    for a question that means nothing.
 
     Returns (statistic, degrees of freedom, upper-tail p-value), over the outcomes with probability
     > 0; an outcome of probability 0 that was observed makes the p-value 0 (impossible under ``probs``).
@@ -296,6 +305,16 @@ def chi_square(counts: torch.Tensor, probs: torch.Tensor) -> tuple[float, int, f
     if counts.shape != probs.shape or counts.ndim != 1:
         raise BadValue(f"counts and probs must be 1-D of one length, got {tuple(counts.shape)}, {tuple(probs.shape)}",
                        arg="probs" if counts.ndim == 1 else "counts")
+    if not bool(torch.isfinite(counts).all()) or bool((counts < 0).any()) or bool((counts != counts.round()).any()):
+        raise BadValue(f"counts must be whole numbers >= 0 (how often each outcome was seen), got {counts.tolist()}",
+                       arg="counts")
+    if float(counts.sum()) == 0:
+        raise BadValue("counts are empty: no outcome was observed, so there is nothing to test", arg="counts")
+    total = float(probs.sum())
+    if not bool(torch.isfinite(probs).all()) or bool((probs < 0).any()) or abs(total - 1.0) > PROBS_TOLERANCE:
+        raise BadValue(f"probs must be a distribution: finite, >= 0 and summing to 1 (within {PROBS_TOLERANCE:g}), "
+                       f"got {[round(x, 6) for x in probs.tolist()[:8]]}{' ...' * (len(probs) > 8)}, summing to "
+                       f"{total:.6g}", arg="probs")
     possible = probs > 0
     n = float(counts.sum())
     expected = n * probs[possible]

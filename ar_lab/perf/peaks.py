@@ -187,6 +187,10 @@ def streaming_kernels(
     return kernels, n * item
 
 
+MIN_READ_BYTES = 2**20  # the smallest read reads_from_memory times: 1 MiB takes long enough that a call's overhead
+# does not set its rate, and fits in every CPU's L2 or L3 (a smaller buffer cannot tell a cache from memory)
+
+
 def reads_from_memory(
     nbytes: int, *, reference: int | None = None, repeats: int = 5, device: torch.device | str | None = None
 ) -> dict:
@@ -199,10 +203,15 @@ def reads_from_memory(
     reads faster than the reference; one that comes from memory reads at its rate.
 
     Returns {"bytes_per_s", "reference_bytes_per_s", "reference_bytes", "from_memory"}: ``from_memory`` when
-    the first rate is at most 15 % above the reference's.
+    the first rate is at most 15 % above the reference's. ``nbytes`` must be at least ``MIN_READ_BYTES`` (below,
+    a call's fixed cost sets its rate, which then looks as slow as memory), and ``reference`` at least twice
+    ``nbytes`` (a buffer the same size reads at the same rate wherever it comes from): a ``BadValue`` otherwise.
     """
-    nbytes, repeats = positive_int("nbytes", nbytes), positive_int("repeats", repeats)
-    reference = max(2 * nbytes, 2**30) if reference is None else positive_int("reference", reference, minimum=nbytes)
+    nbytes = positive_int("nbytes", nbytes, minimum=MIN_READ_BYTES)
+    repeats = positive_int("repeats", repeats)
+    if reference is None:
+        reference = max(2 * nbytes, 2**30)
+    reference = positive_int("reference", reference, minimum=2 * nbytes)
     device = default_device() if device is None else checked_device(device)
     sizes = {"buffer": nbytes, "reference": reference}
     kernels = {name: streaming_kernels(device, nbytes=size)[0]["matvec"] for name, size in sizes.items()}

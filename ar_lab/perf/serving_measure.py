@@ -194,7 +194,7 @@ def prefix_ttft(
         for p in prompts:
             plain = generate(model, p, max_new_tokens, eos_id=None)
             t0 = time.perf_counter()
-            cache = pc.cache_for(p, max_new_tokens)
+            cache = pc.cache_for(p, max_new_tokens, model=model)
             synchronize(model.device)
             copy = time.perf_counter() - t0
             reused = generate(model, p, max_new_tokens, eos_id=None, cache=cache)

@@ -12,6 +12,7 @@ the sentence they render stays in. Widgets cannot run on a static page: a note l
 
 from __future__ import annotations
 
+import argparse
 import html
 import json
 import os
@@ -23,8 +24,8 @@ from pathlib import Path
 
 import mistune
 
-CDN = os.environ["CONTENT_CDN"].rstrip("/")
-OUT = Path(os.environ["BUILD_DIRECTORY"])
+CDN = os.environ.get("CONTENT_CDN", "").rstrip("/")  # both set by jupyter-book (main says so when they are not)
+OUT = Path(os.environ.get("BUILD_DIRECTORY", "."))
 THEME = Path(__file__).resolve().parent
 REPO = os.environ.get("AR_LAB_SITE_REPO", "")
 BRANCH = os.environ.get("AR_LAB_BINDER_BRANCH", "main")
@@ -254,7 +255,14 @@ def layout(title: str, site_title: str, nav: str, body: str) -> str:
 """
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(
+        prog="render.py", description=__doc__.split("\n\n")[0],
+        epilog="Takes no options: jupyter-book sets CONTENT_CDN and BUILD_DIRECTORY (site/build.py runs it).")
+    parser.parse_args(argv)  # --help prints this and exits before anything is fetched or written
+    if not CDN or "BUILD_DIRECTORY" not in os.environ:
+        parser.error("CONTENT_CDN and BUILD_DIRECTORY are not set: `make site` (site/build.py) runs this through "
+                     "jupyter-book build --html")
     config = json.loads(fetch("/config.json"))
     project = config["projects"][0]
     site_title = (config.get("options") or {}).get("title") or "ar_lab course"

@@ -251,6 +251,8 @@ def serve(
     if prefix is not None and not isinstance(prefix, PrefixCache):
         raise BadType(f"prefix must be a PrefixCache(model, prefix_text) or None, got {type(prefix).__name__}",
                       arg="prefix")
+    if prefix is not None:
+        prefix.check_model(model, arg="prefix")  # filled by this model, with the weights it has now
     eos_id = check_eos(model, eos_id)  # (an id the model cannot emit would never stop a request)
     if not callable(clock):
         raise BadType(f"clock must be a function returning seconds (e.g. time.perf_counter), got {clock!r}",

@@ -1,0 +1,59 @@
+"""Every command line parses its arguments (issue 64): ``--help`` prints the usage and does nothing else.
+
+``python site/build.py --help`` used to start a build, emptying the previous one. The entry points are found,
+not listed: every module of ar_lab and script of site/ with ``if __name__ == "__main__"``, so a new command is
+held to this too. Each runs with ``--help`` in an empty folder, which stays empty; the site's build folder is
+left as it was.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+MAIN = re.compile(r"""^if __name__ == ["']__main__["']:""", re.M)
+
+
+def entry_points() -> list[list[str]]:
+    """The command that runs each entry point: ``-m module`` for ar_lab's, the script's path for site/'s."""
+    found = []
+    for path in sorted((ROOT / "ar_lab").rglob("*.py")):
+        if MAIN.search(path.read_text()):
+            module = ".".join(path.relative_to(ROOT).with_suffix("").parts)
+            found.append(["-m", module.removesuffix(".__main__")])
+    found += [[str(p)] for p in sorted((ROOT / "site").rglob("*.py")) if MAIN.search(p.read_text())]
+    return found
+
+
+COMMANDS = entry_points()
+
+
+def test_the_entry_points_are_found():
+    names = {c[-1] for c in COMMANDS}
+    assert {"ar_lab.bench", "ar_lab.model.train", str(ROOT / "site" / "build.py")} <= names, names
+
+
+def _state(folder: Path) -> list[tuple[str, int]] | None:
+    return sorted((str(p.relative_to(folder)), p.stat().st_mtime_ns) for p in folder.rglob("*")) \
+        if folder.exists() else None
+
+
+@pytest.mark.parametrize("command", COMMANDS, ids=[c[-1].replace(str(ROOT) + "/", "") for c in COMMANDS])
+def test_help_prints_the_usage_and_does_nothing_else(command, tmp_path):
+    site_build = ROOT / "build" / "site"
+    before = _state(site_build)
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    for name in ("CONTENT_CDN", "BUILD_DIRECTORY"):  # what jupyter-book would set for the theme's renderer
+        env.pop(name, None)
+    run = subprocess.run([sys.executable, *command, "--help"], cwd=tmp_path, env=env, capture_output=True,
+                         text=True, timeout=120)
+    assert run.returncode == 0, f"{command} --help exited {run.returncode}: {run.stderr[-500:]}"
+    assert run.stdout.startswith("usage:"), f"{command} --help printed {run.stdout[:300]!r}"
+    assert list(tmp_path.iterdir()) == [], f"{command} --help wrote {list(tmp_path.iterdir())}"
+    assert _state(site_build) == before, f"{command} --help changed {site_build}"
