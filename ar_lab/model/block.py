@@ -126,13 +126,14 @@ def mlp(h: torch.Tensor, fc: Layer, proj: Layer, gated: bool) -> torch.Tensor:
 
 
 def residual(x: torch.Tensor, norm1: Layer, attention: Layer, norm2: Layer, feed_forward: Layer,
-             drop: Callable | None = None) -> torch.Tensor:
+             drop: Callable | None = None, *, fresh: bool = False) -> torch.Tensor:
     """The pre-norm residual structure of every block: x + attention(norm1(x)), then + feed_forward(norm2(x));
-    ``drop``: residual dropout while training (None: none)."""
+    ``drop``: residual dropout while training (None: none). ``fresh``: the two branches return tensors of their own
+    (the lean engine's products), so the sums are made in them, without allocating another."""
     a = attention(norm1(x))
-    x = x + (a if drop is None else drop(a))
+    x = a.add_(x) if fresh else x + (a if drop is None else drop(a))
     m = feed_forward(norm2(x))
-    return x + (m if drop is None else drop(m))
+    return m.add_(x) if fresh else x + (m if drop is None else drop(m))
 
 
 def block(
@@ -140,8 +141,9 @@ def block(
     mask: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One transformer block on the residual stream x (B, T, C) at positions ``pos``, from its weights
-    (what the lean engine runs; ``GPT``'s ``Block`` module runs ``residual`` over its own submodules)."""
+    (what the lean engine runs, whose products return tensors of their own; ``GPT``'s ``Block`` module runs
+    ``residual`` over its own submodules)."""
     return residual(
         x, w.norm1, lambda h: attend(h, w, spec, store, layer, pos, mask), w.norm2,
-        lambda h: mlp(h, w.fc, w.mlp_proj, spec.gated),
+        lambda h: mlp(h, w.fc, w.mlp_proj, spec.gated), fresh=True,
     )
