@@ -21,6 +21,7 @@ from ar_lab.engine import lean
 from ar_lab.engine.beam import beam_search
 from ar_lab.engine.generate import generate
 from ar_lab.engine.kv_quant import Int8KVCache
+from ar_lab.engine.lookup import PromptLookup
 from ar_lab.engine.paged import PagedKVCache
 from ar_lab.engine.serving.requests import Request
 from ar_lab.engine.serving.server import serve
@@ -115,14 +116,15 @@ def test_the_lean_engine_runs_the_same_block(name):
 
 @pytest.mark.parametrize("name", ["modern", "window", "sinks"])
 def test_every_loop_runs_the_modern_model(name):
-    """generate (lean and forward), speculative decoding, beam search with one beam and serving on
-    contiguous and paged memory all give the same greedy tokens on a Llama-shaped model."""
+    """generate (lean and forward), speculative decoding (a draft model, prompt lookup), beam search with one beam
+    and serving on contiguous and paged memory all give the same greedy tokens on a Llama-shaped model."""
     model, draft = MODELS[name], _model(name, seed=5)
     prompt, n = [3, 14, 15, 92, 65, 35], 12
     greedy = generate(model, prompt, n, eos_id=None).tokens
     assert generate(model, prompt, n, lean=False, eos_id=None).tokens == greedy
     assert generate(model, prompt, n, use_cache=False, eos_id=None).tokens == greedy
     assert speculative_generate(model, draft, prompt, n, gamma=3, eos_id=None).tokens == greedy
+    assert speculative_generate(model, PromptLookup(), prompt, n, gamma=3, eos_id=None).tokens == greedy
     assert beam_search(model, prompt, n, num_beams=1, eos_id=None).best.tokens == greedy
     for kv in ("contiguous", "paged"):
         report = serve(model, [Request(prompt, n), Request(prompt[:3], n)], kv=kv, eos_id=None)
