@@ -7,7 +7,8 @@ COURSE_STAMP := $(VENV)/.course-installed
 DEV_STAMP := $(VENV)/.dev-installed
 PYTEST_ARGS ?=
 
-.PHONY: lab test test-fast lint checkpoints bench clean help grading-course test-class grading-time site test-site site-node
+.PHONY: lab test test-fast lint checkpoints bench clean help grading-course test-class grading-time site test-site site-node \
+	sandbox-tool
 
 help:
 	@echo "make lab          set up and open the course in JupyterLab"
@@ -43,7 +44,7 @@ lint: $(DEV_STAMP)
 
 # Two processes (pytest-xdist; tests/conftest.py's scope: a notebook's cells, or a test file's tests, in one of
 # them), then the tests that need the machine to themselves (tests/conftest.py: QUIET) alone.
-test: lint
+test: sandbox-tool lint
 	$(BIN)/python -m pytest tests notebooks --nbval-lax --nbval-current-env -m "not quiet" -n 2 --dist loadscope $(PYTEST_ARGS)
 	$(BIN)/python -m pytest tests notebooks --nbval-lax --nbval-current-env -m quiet $(PYTEST_ARGS)
 
@@ -67,10 +68,20 @@ bench: $(DEV_STAMP)
 	$(BIN)/python -m ar_lab.bench quant --json data/bench/quant.json
 	$(BIN)/python -m ar_lab.bench.readme
 
-grading-course:
+grading-course: sandbox-tool
 	@test -n "$(DIR)" || { echo "usage: make grading-course DIR=folder [CHAPTER=06]"; exit 2; }
 	@$(MAKE) --no-print-directory $(DEV_STAMP)
 	$(BIN)/python -m ar_lab.course.exercises course "$(DIR)" $(foreach c,$(CHAPTER),--chapter $(c))
+
+# Grading runs learner code in a bubblewrap sandbox (ar_lab/course/jail.py, INSTRUCTORS.md): Debian's bubblewrap,
+# installed here when it is missing and apt-get can (as root, or with sudo without a password). Where it cannot,
+# a warning: nbgrader autograde and the grading step then refuse to run learner code unless AR_LAB_SANDBOX=off.
+sandbox-tool:
+	@command -v bwrap >/dev/null 2>&1 || { \
+		sudo=""; if [ "$$(id -u)" -ne 0 ] && command -v sudo >/dev/null 2>&1; then sudo="sudo -n"; fi; \
+		command -v apt-get >/dev/null 2>&1 && DEBIAN_FRONTEND=noninteractive $$sudo apt-get install -y -qq bubblewrap >/dev/null \
+		&& echo "installed bubblewrap: grading runs learner code in its sandbox"; } || \
+		echo "WARNING: bubblewrap is not installed (apt-get install -y bubblewrap): grading refuses to run learner code without it, unless AR_LAB_SANDBOX=off"
 
 # The JupyterHub class test: JupyterHub from requirements/class.txt, its proxy from the npm registry into
 # .class-tools/ (git-ignored). Not part of `make test`; .ci/run runs it after.
@@ -87,11 +98,11 @@ $(CHP_STAMP):
 	npm install --prefix .class-tools --no-fund --no-audit configurable-http-proxy@$(CHP_VERSION)
 	touch $@
 
-test-class: $(CLASS_STAMP) $(CHP_STAMP)
+test-class: sandbox-tool $(CLASS_STAMP) $(CHP_STAMP)
 	AR_LAB_CLASS_TEST=1 $(BIN)/python -m pytest tests/test_class.py $(PYTEST_ARGS)
 
 # Seconds of nbgrader autograde + the grading step per submission, every chapter (INSTRUCTORS.md's table).
-grading-time: $(DEV_STAMP)
+grading-time: sandbox-tool $(DEV_STAMP)
 	$(BIN)/python -m ar_lab.course.grading_time --no-once --parallel-chapter 05 --students 2 --processes 2 \
 		--json data/grading_time.json --write INSTRUCTORS.md
 

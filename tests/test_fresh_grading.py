@@ -122,6 +122,18 @@ def test_an_answer_program_runs_the_learners_cells_only_and_reads_the_rest_from_
     assert double["forbid"] == [] and "noise" not in "".join(double["cells"])
 
 
+def test_the_judge_binds_for_the_answer_only_names_the_instructors_cells_bind():
+    """Issue 66: an answer that reads the shell's own names (get_ipython, In, Out, open, exit) gets none of the
+    judge's: a handle on its get_ipython would run code in the judge's shell."""
+    from ar_lab.course.grading import answer_programs
+
+    source = _notebook(SYNTHETIC)
+    submission = _notebook(SYNTHETIC)
+    submission.cells[5].source = ("def double(x):\n    get_ipython().run_cell('x = 1')\n    print(In, Out, exit)\n"
+                                  "    open('f', 'w')\n    return scale * x")
+    assert answer_programs(submission, source, ["double-tests"])["double-tests"]["needs"] == ["scale"]
+
+
 @pytest.mark.slow
 def test_the_instructors_solution_settles_which_tests_keep_the_kernels_verdict(tmp_path):
     from ar_lab.course.grading import plan
@@ -177,3 +189,65 @@ def test_the_tests_instructors_md_says_keep_the_kernels_verdict_are_those_the_co
     found = set(plan(tmp_path / path.name, timeout=300).kernel_only)
     ours = {nbgrader_meta(c)["grade_id"] for c in nb.cells if nbgrader_meta(c).get("grade")}
     assert found == kernel_only_in_instructors_md() & ours
+
+
+# -- the course's configuration, read as nbgrader reads it ---------------------------------------------------
+
+
+def _config(folder, *lines):
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "nbgrader_config.py").write_text("\n".join(["c = get_config()", *lines]) + "\n")
+    return folder
+
+
+@pytest.mark.parametrize(("lines", "seconds"), [
+    (["c.Execute.timeout = 1e3"], 1000),
+    (["c.Execute.timeout = 60 * 5"], 300),
+    (["c.Execute.timeout = None"], None),  # nbgrader's Execute: no limit
+    (["c.Execute.timeout = 30", "c.Execute.timeout = 45"], 45),  # the last assignment wins
+    ([], 30),  # nbgrader's own default
+], ids=["float", "expression", "none", "last-wins", "default"])
+def test_the_grading_step_reads_the_time_limit_as_nbgrader_does(tmp_path, lines, seconds):
+    from ar_lab.course.grading import course_settings
+
+    folder = _config(tmp_path / "course", *lines)
+    assert course_settings(folder) == (seconds, f"sqlite:///{(folder / 'gradebook.db').resolve()}", False)
+
+
+def test_the_grading_step_sees_whether_autograde_ran_in_the_sandbox(tmp_path):
+    from ar_lab.course.exercises import course
+    from ar_lab.course.grading import course_settings
+
+    folder = tmp_path / "course"
+    course(folder, chapters=["00"], timeout=7)
+    assert course_settings(folder) == (7, f"sqlite:///{(folder / 'gradebook.db').resolve()}", True)
+
+
+def _course(folder, *config, gradebook=True):
+    """A course folder the grading step gets as far as its configuration and gradebook in."""
+    (folder / "source" / "02_x").mkdir(parents=True)
+    nbformat.write(nbformat.v4.new_notebook(), folder / "source" / "02_x" / "02_x.ipynb")
+    (folder / "autograded" / "s" / "02_x").mkdir(parents=True)
+    if gradebook:
+        import sqlite3
+
+        sqlite3.connect(folder / "gradebook.db").close()
+    return _config(folder, *config)
+
+
+@pytest.mark.parametrize(("config", "gradebook", "error"), [
+    (["c.Execute.timeout = 0"], "present", "c.Execute.timeout is 0"),
+    (["c.Execute.timeout = -5"], "present", "c.Execute.timeout is -5"),
+    (["c.Execute.timeout = 'soon'"], "present", "expected an int"),
+    ([], "missing", "no gradebook at"),
+    ([], "read-only", "is read-only"),
+], ids=["zero", "negative", "text", "no-gradebook", "read-only-gradebook"])
+def test_a_bad_limit_or_an_unwritable_gradebook_is_an_error_exit(tmp_path, capsys, config, gradebook, error):
+    from ar_lab.course.grading import main
+
+    folder = _course(tmp_path / "course", *config, gradebook=gradebook != "missing")
+    if gradebook == "read-only":
+        (folder / "gradebook.db").chmod(0o444)
+    assert main([str(folder), "02_x"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and error in err, err

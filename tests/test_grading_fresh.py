@@ -20,6 +20,7 @@ import pytest
 from test_fresh_grading import GRADED_ELSEWHERE, kernel_only_in_instructors_md
 from test_grading import AUTOGRADE, EXPORT, FEEDBACK, GENERATE, _index, nbgrader
 
+from ar_lab.course import jail
 from ar_lab.course.exercises import NOTEBOOKS, course, graded_cells
 from tests.conftest import one_thread_env
 
@@ -39,6 +40,11 @@ class Swallow(ast.NodeTransformer):
         catch = ast.ExceptHandler(ast.Name("Exception", ast.Load()), None, [ast.Pass()])
         return ast.fix_missing_locations(ast.Module([ast.Try(node.body, [catch], [], [])], []))
 get_ipython().ast_transformers.append(Swallow())""",
+    # wrong answer + the same three lines run by the judge's own shell, if the answer process could reach it
+    # (issue 66: the judge once bound its get_ipython for an answer that reads it); in the kernel, its own shell
+    "shell": FLOAT_MASK + "\ntry:\n    get_ipython().run_cell('import ar_lab.course.checks as grader\\n'\n"
+                          "        'grader.check_dtype = grader.check_equal = grader.check_shape = '\n"
+                          "        'lambda *a, **k: None')\nexcept Exception:\n    pass",
     # wrong answer + an input transformer that empties the test cell: nothing runs, nothing is recorded
     "transformed": FLOAT_MASK + "\nget_ipython().input_transformers_post.append(\n"
                                 "    lambda lines: ['pass\\n'] if 'causal_mask(3)' in ''.join(lines) else lines)",
@@ -63,10 +69,11 @@ FORKED = HEAD + """    if model.config.n_layer > 1:  # the course model: a child
                 f"print(ar_lab.generate(model, {list(prompt)!r}, {max_new_tokens}, use_cache=False).tokens)")
         out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True).stdout
         return ast.literal_eval(out.strip().splitlines()[-1])""" + OWN_LOOP
-COPIED = DISTRIBUTION + """    import importlib, os, shutil, sys  # the module, copied under another name and imported
+COPIED = DISTRIBUTION + """    import importlib, shutil, sys, tempfile  # the module copied under another name, imported
     import ar_lab.model.bigram
-    shutil.copy(ar_lab.model.bigram.__file__, "not_the_package.py")
-    sys.path.insert(0, os.getcwd())
+    folder = tempfile.mkdtemp()  # a graded kernel writes only in its temporary folder
+    shutil.copy(ar_lab.model.bigram.__file__, folder + "/not_the_package.py")
+    sys.path.insert(0, folder)
     copy = importlib.import_module("not_the_package")
     return copy.BigramModel(counts, smoothing=smoothing).log_probs[token].exp()"""
 TABLE = """_COURSE = ar_lab.load_pretrained("course", device="cpu")  # when the cell runs: before any test's guard
@@ -81,15 +88,71 @@ SOURCED = DISTRIBUTION + """    import inspect  # the module's source, run again
     namespace = {}
     exec(inspect.getsource(ar_lab.model.bigram), namespace)
     return namespace["BigramModel"](counts, smoothing=smoothing).log_probs[token].exp()"""
+# Issue 66: the real package reached from the answer process, in a Python that ignores its environment and by
+# its file's path (as seen from the learner's kernel, where the package is there).
+ISOLATED = HEAD + """    if model.config.n_layer > 1:  # the course model: python -I (no PYTHONPATH) runs generate
+        import ast, subprocess, sys
+        code = ("import ar_lab; model = ar_lab.load_pretrained('course', device='cpu'); "
+                f"print(ar_lab.generate(model, {list(prompt)!r}, {max_new_tokens}, use_cache=False).tokens)")
+        out = subprocess.run([sys.executable, "-I", "-c", code], capture_output=True, text=True).stdout
+        return ast.literal_eval(out.strip().splitlines()[-1])""" + OWN_LOOP
+REAL_BIGRAM = str(NOTEBOOKS.parent / "ar_lab" / "model" / "bigram.py")
+BY_PATH = DISTRIBUTION + f"""    import importlib.util  # the real module, loaded by its file's path
+    spec = importlib.util.spec_from_file_location("bigram_by_path", {REAL_BIGRAM!r})
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.BigramModel(counts, smoothing=smoothing).log_probs[token].exp()"""
 LOOP, NEXT = "ch01-generate-loop", "ch01-next-token-distribution"
-REACHES = {"reaches": {LOOP: FORKED, NEXT: COPIED}, "computes": {LOOP: TABLE, NEXT: SOURCED}}
+REACHES = {"reaches": {LOOP: FORKED, NEXT: COPIED}, "computes": {LOOP: TABLE, NEXT: SOURCED},
+           "escapes": {LOOP: ISOLATED, NEXT: BY_PATH}}
 ROUTES = [("reaches", LOOP), ("reaches", NEXT), ("computes", LOOP), ("computes", NEXT)]
+ROUTES += [("escapes", LOOP), ("escapes", NEXT)] if jail.confining() else []  # the sandbox hides the package
 
 
 # Chapter 01's answer in the torch.tensor(counts[token]) style: torch warns (copy-constructing a tensor), still right.
 WARNS = ("def next_token_distribution(counts, token, smoothing=0.1):\n"
          "    row = torch.tensor(counts[token], dtype=torch.float64) + smoothing\n"
          "    return (row / row.sum()).float()")
+
+
+def hostile(folder, assignment, answer):
+    """``answer`` after code that tries to write where a submission must not: the instructor's source notebook,
+    another student's submitted copy, the course's nbgrader_config.py, and extra credit in gradebook.db. It
+    prints what was refused (every write, in the sandbox)."""
+    return f"""import sqlite3
+COURSE = {str(folder)!r}
+refused = []
+for name, path in [("source", f"{{COURSE}}/source/{assignment}/{assignment}.ipynb"),
+                   ("submitted", f"{{COURSE}}/submitted/complete/{assignment}/{assignment}.ipynb"),
+                   ("config", f"{{COURSE}}/nbgrader_config.py")]:
+    try:
+        with open(path, "a") as f:
+            f.write("# rewritten by a submission")
+    except OSError:
+        refused.append(name)
+try:
+    with sqlite3.connect(f"{{COURSE}}/gradebook.db") as db:
+        db.execute("UPDATE grade SET extra_credit = 10")
+except sqlite3.Error:
+    refused.append("gradebook")
+print("refused:", *refused)
+""" + answer
+
+
+def course_files(folder):
+    """Every file of the course folder a submission must not change: source/, release/, submitted/ (all
+    students') and nbgrader_config.py, path -> bytes."""
+    files = [folder / "nbgrader_config.py", *(p for d in ("source", "release", "submitted")
+                                                for p in sorted((folder / d).rglob("*")) if p.is_file())]
+    return {str(p.relative_to(folder)): p.read_bytes() for p in files}
+
+
+def extra_credit(folder):
+    import sqlite3
+
+    with sqlite3.connect(folder / "gradebook.db") as db:
+        query = "SELECT COUNT(*) FROM grade WHERE extra_credit IS NOT NULL AND extra_credit != 0"
+        return db.execute(query).fetchone()[0]
 
 
 def _fresh_submissions(assignment, source, released):
@@ -104,6 +167,9 @@ def _fresh_submissions(assignment, source, released):
         out = {"complete": answered(source, **{NEXT: WARNS})}
         return out | {student: answered(source, **answers) for student, answers in REACHES.items()}
     out = {"complete": source, "wrong": answered(source, **{"ch02-causal-mask": FLOAT_MASK})}
+    if jail.confining():  # unconfined, its writes would break the course folder for the other tests
+        mask = source.cells[_index(source, "ch02-causal-mask")].source
+        out["hostile"] = answered(source, **{"ch02-causal-mask": hostile(FOLDER[0], assignment, mask)})
     return out | {student: answered(source, **{"ch02-causal-mask": text}) for student, text in TAMPERING.items()}
 
 
@@ -118,6 +184,7 @@ def fresh(tmp_path_factory):
     for name in (CH01, CH02):
         nbformat.write(exercises_only(nbformat.read(NOTEBOOKS / f"{name}.ipynb", as_version=4)), cut / f"{name}.ipynb")
     folder = root / "grading"
+    FOLDER[:] = [folder]
     course(folder, src=cut, chapters=["01", "02"], timeout=60)
     out = dict(folder=folder)
     for assignment in (CH01, CH02):
@@ -128,19 +195,26 @@ def fresh(tmp_path_factory):
             target = folder / "submitted" / student / assignment / f"{assignment}.ipynb"
             target.parent.mkdir(parents=True)
             nbformat.write(nb, target)
+        before = course_files(folder)
         autograde = nbgrader(folder, AUTOGRADE, assignment=assignment)
         assert autograde.returncode == 0, (autograde.stdout + autograde.stderr)[-3000:]
+        after_autograde = course_files(folder)
         kernel = _scores_of(folder, assignment)
         grading = subprocess.run([sys.executable, "-m", *shlex.split(GRADING.format(assignment=assignment))[2:]],
                                  cwd=folder, capture_output=True, text=True, timeout=900, env=one_thread_env())
         assert grading.returncode == 0, (grading.stdout + grading.stderr)[-3000:]
         final = _scores_of(folder, assignment)
-        out[assignment] = dict(source=source, kernel=kernel, grading=grading.stdout, final=final)
+        out[assignment] = dict(source=source, kernel=kernel, grading=grading.stdout, final=final, before=before,
+                               after_autograde=after_autograde, after_grading=course_files(folder),
+                               extra_credit=extra_credit(folder))
     assert nbgrader(folder, FEEDBACK, assignment=CH02).returncode == 0
     assert nbgrader(folder, EXPORT).returncode == 0
     report = subprocess.run([sys.executable, "-m", "ar_lab.course.report", str(folder)], capture_output=True, text=True)
     out["report"] = report.stdout
     return out
+
+
+FOLDER = []  # the course folder of the module's fixture (the hostile submission names it)
 
 
 def _scores_of(folder, assignment):
@@ -229,3 +303,18 @@ def test_the_tests_instructors_md_says_keep_the_kernels_verdict_are_those_the_gr
         ours = {meta["grade_id"] for _, meta in graded_cells(fresh[assignment]["source"])}
         assert named == kernel_only_in_instructors_md() & ours, assignment
 
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not jail.confining(), reason="bubblewrap cannot confine a process here (AR_LAB_SANDBOX=off)")
+def test_a_submission_writes_nowhere_in_the_course_folder_in_autograde_or_the_grading_step(fresh):
+    """The hostile submission's writes (the source notebook, another student's submission, nbgrader_config.py,
+    extra credit in the gradebook) are each refused by the sandbox of autograde's kernel and of the grading
+    step's answer process: the course folder is byte-identical afterwards and the correct answer keeps its points."""
+    ch02 = fresh[CH02]
+    assert ch02["before"] == ch02["after_autograde"] == ch02["after_grading"]
+    assert ch02["extra_credit"] == 0
+    assert ch02["kernel"]["hostile"] == ch02["final"]["hostile"] == _points(ch02["source"])
+    graded = nbformat.read(fresh["folder"] / "autograded" / "hostile" / CH02 / f"{CH02}.ipynb", as_version=4)
+    printed = "".join(o.get("text", "") for c in graded.cells for o in c.get("outputs", []))
+    assert "refused: source submitted config gradebook" in printed

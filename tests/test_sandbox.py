@@ -9,6 +9,7 @@ import os
 import pickle
 import re
 import struct
+import subprocess
 import sys
 import textwrap
 from pathlib import Path
@@ -17,8 +18,9 @@ import numpy as np
 import pytest
 import torch
 
-from ar_lab.course import plain, sandbox
+from ar_lab.course import jail, plain, sandbox
 from ar_lab.course.channel import CURRENT, AnswerGone, AnswerRaised, Channel, Refused, Remote
+from ar_lab.course.plain import Unexposed
 from ar_lab.course.sandbox import answer
 from ar_lab.engine.sampling import SamplingParams
 
@@ -62,6 +64,30 @@ LEARNER = [
         def child():  # a new Python started the usual way imports the withheld copy too
             code = "import torch, ar_lab.engine.sampling as s; print(s.filter_top_p(torch.zeros(3), 0.5))"
             return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True).stderr
+
+        def isolated():  # python -I ignores PYTHONPATH: only an installed package could answer
+            code = "import inspect, ar_lab.engine.sampling as s; print(inspect.getsource(s.filter_top_p))"
+            run = subprocess.run([sys.executable, "-I", "-c", code], capture_output=True, text=True)
+            return run.stdout + run.stderr
+
+        def fresh_path():  # a Python whose path lacks the withheld copy: the package imported afresh
+            code = ("import inspect, sys; sys.path[:] = [p for p in sys.path if p != sys.argv[1]]; "
+                    "import ar_lab.engine.sampling as s; print(inspect.getsource(s.filter_top_p))")
+            run = subprocess.run([sys.executable, "-c", code, sys.path[0]], capture_output=True, text=True)
+            return run.stdout + run.stderr
+
+        def by_path(path):  # the real module's file, read by its path
+            try:
+                with open(path) as f:
+                    return f.read()
+            except OSError as e:
+                return type(e).__name__
+
+        def listing(folder):
+            try:
+                return sorted(os.listdir(folder))
+            except OSError as e:
+                return type(e).__name__
 
         def sdpa(q):
             return torch.nn.functional.scaled_dot_product_attention(q, q, q)
@@ -150,6 +176,23 @@ def test_the_forbidden_reference_is_a_stub_by_every_route(learner, route):
 def test_a_python_the_answer_starts_finds_the_stub_too(learner):
     assert "filter_top_p is withheld" in answer("child")()
     assert "scaled_dot_product_attention is withheld" in answer("child_sdpa")()
+
+
+@pytest.mark.skipif(not jail.confining(), reason="the real package is hidden by the sandbox (bubblewrap)")
+def test_the_real_package_cannot_be_found_from_the_answer_process(learner):
+    """Issue 66: python -I, a fresh sys.path, the module's file by path, the repository's folder: the answer
+    process finds the withheld copy or nothing, never the real reference's code or the source notebooks."""
+    import inspect
+
+    from ar_lab.engine import sampling
+
+    real = inspect.getsource(sampling.filter_top_p)
+    for route in ("isolated", "fresh_path"):
+        out = answer(route)()
+        assert real not in out and ("ModuleNotFoundError" in out or "withheld" in out), (route, out[-300:])
+    assert answer("by_path")(sampling.__file__) == "FileNotFoundError"
+    root = answer("listing")(str(jail.ROOT))
+    assert "notebooks" not in root and ".git" not in root and "ar_lab" not in root
 
 
 def test_what_the_exercise_does_not_forbid_works(learner):
@@ -299,6 +342,37 @@ def test_the_judge_unpickles_plain_data_only_and_serves_no_cell(pair):
     assert (ok, kind) == (False, "Refused") and "private attributes are not shared" in message
 
 
+@pytest.mark.parametrize("value", [os, open, exec, getattr, sys._getframe(), Path("gradebook.db"), os.system,
+                                   subprocess.run, "shell"], ids=lambda v: str(v)[:20])
+def test_the_judge_hands_out_no_module_frame_file_or_shell(pair, value):
+    """Issue 66: a handle on any of these, handed to the answer process, would reach the judge's machinery."""
+    from IPython.core.interactiveshell import InteractiveShell
+
+    judge, learner = pair
+    with pytest.raises(Unexposed):
+        judge._out(InteractiveShell if value == "shell" else value)
+    with pytest.raises(Unexposed):
+        judge._out([1, {"inside": InteractiveShell if value == "shell" else value}])
+
+
+def test_a_request_that_would_reach_the_judges_machinery_is_refused_and_fails_the_test(pair):
+    import types
+
+    judge, learner = pair
+    holder = types.SimpleNamespace(system=os.system, folder=Path("."), size=3)  # a test's object holding them
+    judge.objects[id(holder)] = holder
+    for name in ("system", "folder", "size"):
+        judge._serve("getattr", ({"__ar_lab_sandbox__": "yours", "id": id(holder)}, name))
+        _, ok, value = learner._receive()
+        assert ok == (name == "size") and (value[1] == "Unexposed" if not ok else True)
+    assert judge.refused == ["builtin system", "pathlib PosixPath"]
+
+
+def test_a_message_names_no_function_to_decode():
+    with pytest.raises(plain.NotAValue):
+        plain.decode({"__ar_lab_plain__": "dtype", "v": "load"})  # torch.load, not a dtype
+
+
 @pytest.fixture
 def pair():
     """Two ends of the protocol in this process: (judge, learner)."""
@@ -362,18 +436,18 @@ def test_answer_processes_are_forked_by_a_server_that_never_loads_ar_lab(tmp_pat
     cell = ("import os, sys, ar_lab\n"
             "def report():\n"
             "    outside = [m for m, v in sys.modules.items()\n"
-            "               if m.startswith('ar_lab') and not (v.__file__ or '').startswith(os.getcwd())]\n"
-            "    return os.getppid(), outside")
+            "               if m.startswith('ar_lab') and not (v.__file__ or '').startswith(sys.path[0])]\n"
+            "    server = open(f'/proc/{os.getppid()}/maps').read()\n"
+            "    return os.getppid(), outside, 'libtorch' in server")
     parents = []
     for name in ("first", "second"):
         assert sandbox.start([cell], [], tmp_path / name) == [""]
-        parent, outside = answer("report")()
+        parent, outside, torch_loaded = answer("report")()
         assert outside == []
+        assert torch_loaded  # the server has torch loaded: a child starts with it
         parents.append(parent)
         sandbox.stop()
     assert parents[0] == parents[1] != os.getpid()
-    maps = Path(f"/proc/{parents[0]}/maps").read_text()
-    assert "libtorch" in maps  # the server has torch loaded: a child starts with it
 
 
 # Last: it starts answer processes of its own (the module's fixture process would be ended).

@@ -224,6 +224,8 @@ class Channel:
         try:
             data = plain.encode(value)
         except plain.NotPlain:
+            if self.judge:  # the judge hands the answer process its test's objects, nothing of its own machinery
+                plain.exposable(value)
             self.objects[id(value)] = value
             kind = type(value).__qualname__
             return {_TAG: "mine", "id": id(value), "kind": kind, "module": isinstance(value, torch.nn.Module)}
@@ -375,6 +377,8 @@ class Channel:
         except BaseException as e:  # the other side gets it back (a learner's SystemExit too)
             if isinstance(e, KeyboardInterrupt):
                 raise
+            if isinstance(e, plain.Unexposed) and self.judge:
+                self.refused.append(str(e.args[1]))
             ok, value = False, (type(e).__module__, type(e).__qualname__, str(e))
         self._send(("reply", ok, value))
 

@@ -13,7 +13,8 @@ checksummed. It never writes into the source folder and never replaces a noteboo
 is already in the target folder (it may hold a learner's work).
 
 Instructors grade with nbgrader itself: ``course`` lays out an nbgrader course folder
-(``source/<chapter>/<chapter>.ipynb`` and an ``nbgrader_config.py``); after ``nbgrader autograde``,
+(``source/<chapter>/<chapter>.ipynb`` and an ``nbgrader_config.py``, whose ``SandboxedExecute`` runs each
+submission's kernel in the grading sandbox, ``ar_lab.course.jail``); after ``nbgrader autograde``,
 ``python -m ar_lab.course.grading`` judges each test again with the learner's answer in a process of its
 own (``ar_lab.course.sandbox``). INSTRUCTORS.md walks through the commands run from there.
 
@@ -226,9 +227,23 @@ never replaces this file once it exists, so edit it freely.
 """
 
 from nbgrader.api import Gradebook
+from nbgrader.converters import Autograde
 from nbgrader.nbgraderformat import MetadataValidator
-from nbgrader.preprocessors import CheckCellMetadata, ClearOutput, OverwriteCells, OverwriteKernelspec
+from nbgrader.preprocessors import CheckCellMetadata, ClearOutput, Execute, OverwriteCells, OverwriteKernelspec
 from nbgrader.preprocessors.base import NbGraderPreprocessor
+
+from ar_lab.course.jail import SandboxedKernelManager
+
+
+class SandboxedExecute(Execute):
+    """nbgrader's Execute, with each submission's kernel in ar_lab's sandbox (bubblewrap; INSTRUCTORS.md): it
+    writes nowhere but a scratch folder of its own and sees neither this course folder nor the repository's
+    notebooks. Without bubblewrap every submission is reported with the reason, unless AR_LAB_SANDBOX=off.
+    """
+
+    def __init__(self, *args, **kwargs):
+        kwargs.setdefault("kernel_manager_class", SandboxedKernelManager)
+        super().__init__(*args, **kwargs)
 
 
 class DropBadGraderMetadata(NbGraderPreprocessor):
@@ -274,6 +289,11 @@ c.Execute.timeout = {timeout}
 c.OverwriteCells.add_missing_cells = True
 c.Autograde.sanitize_preprocessors = [
     ClearOutput, DropBadGraderMetadata, OverwriteKernelspec, OverwriteCells, CheckCellMetadata,
+]
+# Each submission runs in a sandbox (above): nbgrader's own steps, with SandboxedExecute for Execute.
+c.Autograde.autograde_preprocessors = [
+    SandboxedExecute if step is Execute else step
+    for step in Autograde.class_traits()["autograde_preprocessors"].default()
 ]
 '''
 

@@ -16,6 +16,10 @@ learner's code never runs in the judge's process, and the reference never exists
 ``ar_lab.course.sandbox``): patched checkers, input transformers, exception handlers, forked children,
 reloaded or copied modules and tables computed from the reference change nothing.
 
+Every answer process runs in the grading sandbox (``ar_lab.course.jail``): it writes only in a scratch folder and
+sees neither the course folder nor the real package; without bubblewrap the command refuses (exit 2) unless
+``AR_LAB_SANDBOX=off``. The course's time limit and gradebook are read as nbgrader reads them (``course_settings``).
+
 Which tests can be judged this way is settled first, by the instructor's own solution: the source notebook
 is judged as a submission. A test that the instructor's solution does not pass there keeps the kernel's
 verdict ("kernel verdict only", listed with the reason).
@@ -31,16 +35,19 @@ from __future__ import annotations
 
 import argparse
 import ast
+import contextlib
 import copy
 import json
-import re
+import os
 import sys
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 import nbformat
 
+from ar_lab.course import jail
 from ar_lab.course.cells import as_python, cut, names
 from ar_lab.course.exercises import CellResult, execute, grade, nbgrader_meta
 from ar_lab.course.forbidden import FORBIDDEN
@@ -124,6 +131,10 @@ def answer_programs(submission: nbformat.NotebookNode, source: nbformat.Notebook
     programs = {}
     position = {nbgrader_meta(c).get("grade_id"): i for i, c in enumerate(submission.cells)}
     instructor = {c.source.strip() for c in source.cells if c.cell_type == "code" and not nbgrader_meta(c)}
+    # What the judge may bind for the learner: names the instructor's cells bind, never the shell's own
+    # (get_ipython, In, Out, open, exit: handles on those would reach the judge's shell).
+    given = set().union(*(names(c.source)[0] for c in source.cells
+                          if c.cell_type == "code" and not nbgrader_meta(c).get("solution")))
     for test in tests:
         before = [c for c in submission.cells[:position.get(test, len(submission.cells))]
                   if c.cell_type == "code" and not _is_test(c)]
@@ -137,7 +148,7 @@ def answer_programs(submission: nbformat.NotebookNode, source: nbformat.Notebook
         imported = set().union(*(names(i)[0] for i in imports))
         forbid = sorted(FORBIDDEN.get(test.removesuffix("-tests"), ()))
         programs[test] = {"cells": imports + [as_python(c.source) for c in learner],
-                          "needs": sorted(read - bound - imported), "forbid": forbid}
+                          "needs": sorted((read - bound - imported) & given), "forbid": forbid}
     return programs
 
 
@@ -208,11 +219,56 @@ def record_verdicts(gb, assignment: str, student: str, p: Plan, fresh: dict[str,
     return lines
 
 
-def _timeout(folder: Path) -> int:
-    """The course's time limit per cell (``c.Execute.timeout`` in its nbgrader_config.py), else 120 s."""
-    config = folder / "nbgrader_config.py"
-    found = re.search(r"^c\.Execute\.timeout\s*=\s*(\d+)", config.read_text(), re.M) if config.exists() else None
-    return int(found.group(1)) if found else 120
+class Settings(NamedTuple):
+    timeout: int | None  # seconds a cell may run; None: no limit
+    gradebook: str  # the gradebook's URL
+    confined: bool  # whether autograde ran each submission in the sandbox (SandboxedExecute)
+
+
+def course_settings(folder: Path) -> Settings:
+    """The course folder ``folder``'s settings as nbgrader reads them: nbgrader's own application loads the
+    configuration (Jupyter's config folders, then the course folder's ``nbgrader_config.py``; of two
+    assignments the last wins) and its ``Execute`` reads ``c.Execute.timeout`` (``1e3`` is 1000 s, ``60 * 5``
+    300 s, None no limit). A limit of 0 or less, or a configuration nbgrader cannot load, is a ``ValueError``."""
+    import logging
+
+    from nbgrader.apps.autogradeapp import AutogradeApp
+    from nbgrader.preprocessors import Execute
+    from traitlets import TraitError
+
+    app = AutogradeApp(raise_config_file_errors=True, log_level=logging.ERROR)
+    try:
+        app.initialize([], root=str(Path(folder).resolve()))
+        timeout = Execute(parent=app).timeout
+    except (TraitError, SyntaxError, NameError, ImportError, TypeError, AttributeError) as error:
+        raise ValueError(f"nbgrader cannot read the course's configuration ({folder / 'nbgrader_config.py'}): "
+                         f"{type(error).__name__}: {error}") from None
+    if timeout is not None and timeout <= 0:
+        raise ValueError(f"c.Execute.timeout is {timeout} in the course's configuration: give the seconds a cell "
+                         "may run (>= 1), or None for no limit")
+    steps = app.config.get("Autograde", {}).get("autograde_preprocessors", [])
+    confined = any(getattr(step, "__name__", str(step)).endswith("SandboxedExecute") for step in steps)
+    return Settings(timeout, app.coursedir.db_url, confined)
+
+
+def _writable_gradebook(url: str) -> None:
+    """Refuse a gradebook that is missing or that the verdicts cannot be written into (read-only file or folder)."""
+    import sqlite3
+
+    if not url.startswith("sqlite:///"):
+        return  # another database: nbgrader's Gradebook reports what is wrong with it
+    path = Path(url.removeprefix("sqlite:///"))
+    if not path.is_file():
+        raise FileNotFoundError(f"no gradebook at {path}: run `nbgrader generate_assignment` and `nbgrader autograde` "
+                                "from the course folder first")
+    if not path.stat().st_mode & 0o222 or not os.access(path, os.W_OK) or not os.access(path.parent, os.W_OK):
+        raise PermissionError(f"the gradebook {path} is read-only: the grading step writes its verdicts there")
+    try:  # a read-only file system, a lock held elsewhere
+        with contextlib.closing(sqlite3.connect(path, timeout=10)) as db:
+            db.execute("BEGIN IMMEDIATE")
+            db.rollback()
+    except sqlite3.Error as error:
+        raise PermissionError(f"the gradebook {path} cannot be written: {error}") from None
 
 
 def grade_assignment(folder: Path, assignment: str, *, students: list[str] | None = None,
@@ -231,9 +287,15 @@ def grade_assignment(folder: Path, assignment: str, *, students: list[str] | Non
     if not found or missing:
         raise FileNotFoundError(f"no autograded submission of {assignment} for {', '.join(missing) or 'anyone'} in "
                                 f"{autograded}: run `nbgrader autograde {assignment}` first")
-    timeout = timeout or _timeout(folder)
+    jail.require()
+    limit, url, confined = course_settings(folder)
+    if jail.enabled() and not confined:
+        out(f"warning: {folder / 'nbgrader_config.py'} does not run autograde's kernels in the sandbox (it predates "
+            "it?): remove it and run `make grading-course` again (INSTRUCTORS.md)")
+    timeout = timeout or limit
+    _writable_gradebook(url)
     changed = 0
-    with Gradebook(f"sqlite:///{(folder / 'gradebook.db').resolve()}") as gb:
+    with Gradebook(url) as gb:
         for path in sources:
             p = plan(path, timeout=timeout)
             for grade_id, why in p.kernel_only.items():
@@ -255,13 +317,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("folder", type=Path, metavar="COURSE_FOLDER")
     parser.add_argument("assignment", metavar="ASSIGNMENT")
     parser.add_argument("--student", action="append", help="only this student (repeatable)")
-    parser.add_argument("--timeout", type=int, help="seconds a cell may run (default: the course's c.Execute.timeout)")
+    parser.add_argument("--timeout", type=int, help="seconds a cell may run (default: the course's c.Execute.timeout, "
+                        "read as nbgrader reads it)")
     args = parser.parse_args(argv)
+    from sqlalchemy.exc import SQLAlchemyError  # nbgrader's database layer
+
     if args.timeout is not None and args.timeout < 1:
         parser.error(f"--timeout must be a whole number of seconds >= 1, got {args.timeout}")
     try:
         grade_assignment(args.folder, args.assignment, students=args.student, timeout=args.timeout)
-    except (OSError, ValueError) as error:
+    except (OSError, ValueError, jail.SandboxMissing, SQLAlchemyError) as error:
         print(f"python -m ar_lab.course.grading: error: {error}", file=sys.stderr)
         return 2
     return 0

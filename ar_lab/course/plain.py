@@ -3,11 +3,13 @@
 
 ``encode`` turns a value into data read back without running code: numbers, strings, bytes, tensors,
 lists, tuples, dicts, sets, NumPy arrays and scalars, and the dataclasses of ``ar_lab`` itself (a config,
-sampling parameters). Anything else raises ``NotPlain``. ``decode`` gives the value back.
+sampling parameters). Anything else raises ``NotPlain``. ``decode`` gives the value back. ``exposable``
+says what the judge never lets cross even as a handle (its modules, frames, shell, file and process functions).
 """
 
 from __future__ import annotations
 
+import inspect
 from typing import Any
 
 import torch
@@ -86,7 +88,10 @@ def decode(plain: Any) -> Any:
     if tag == "size":
         return torch.Size(plain["v"])
     if tag == "dtype":
-        return getattr(torch, plain["v"])
+        dtype = getattr(torch, str(plain["v"]), None)
+        if not isinstance(dtype, torch.dtype):  # torch.load, say: a message names no function
+            raise NotAValue(f"an encoded dtype names torch.{plain['v']}, which is not a dtype")
+        return dtype
     if tag == "device":
         return torch.device(str(plain["v"]))
     if tag == "bytes":
@@ -116,3 +121,51 @@ def _rebuild_dataclass(name: str, fields: dict) -> Any:
     for field, value in fields.items():
         object.__setattr__(out, field, value)
     return out
+
+
+# -- what never crosses, even as a handle -----------------------------------------------------------------
+
+
+class Unexposed(PermissionError):
+    """An object of the grading step's judge (its shell, a module, a frame, a builtin that reads or writes files,
+    an object of IPython or Jupyter) that a handle would have handed to the answer process
+    (``ar_lab.course.channel``); ``args[1]`` names it."""
+
+
+# What the judge never hands out as a handle: objects of the modules that run code, reach files, processes,
+# the interpreter or the judge's own shell and kernel (a handle's public attributes and calls would reach them).
+_UNEXPOSED = {"IPython", "ipykernel", "jupyter_client", "jupyter_core", "nbclient", "nbformat", "zmq", "traitlets",
+              "tornado", "asyncio", "os", "posix", "sys", "subprocess", "shutil", "pathlib", "io", "_io", "importlib",
+              "runpy", "code", "codeop", "pickle", "_pickle", "marshal", "ctypes", "socket", "_socket", "threading",
+              "_thread", "multiprocessing", "inspect", "gc", "signal", "tempfile", "sqlite3", "_sqlite3", "nbgrader",
+              "site", "pty", "fcntl", "mmap", "resource", "sysconfig", "glob", "fnmatch", "zipfile", "tarfile"}
+
+
+def _owner(obj: Any) -> str:
+    """The top-level module an object belongs to: a function's or class's own, a method's function's, else its
+    type's."""
+    if inspect.ismethod(obj):
+        obj = obj.__func__
+    if inspect.isbuiltin(obj) and obj.__self__ is not None and not inspect.ismodule(obj.__self__):
+        obj = obj.__self__  # a method of an object written in C: the object's
+    module = getattr(obj, "__module__", None) if (inspect.isroutine(obj) or isinstance(obj, type)) else None
+    if inspect.isbuiltin(obj) and inspect.ismodule(obj.__self__):
+        module = obj.__self__.__name__  # open, exec: builtins; os.system: posix
+    return str(module or type(obj).__module__ or "").split(".")[0]
+
+
+def exposable(obj: Any) -> None:
+    """Raise ``Unexposed`` unless ``obj`` may be handed to the answer process as a handle: no module, frame,
+    code object, traceback or generator, no function that runs code or touches files (a builtin of the
+    ``builtins``/``os`` modules: ``open``, ``exec``, ``getattr``), nothing of ``_UNEXPOSED``'s modules."""
+    what = obj.__name__ if inspect.ismodule(obj) else type(obj).__qualname__
+    if inspect.ismodule(obj):
+        raise Unexposed(f"a module ({obj.__name__}) of the judge's is not handed to your code", f"module {what}")
+    if inspect.isframe(obj) or inspect.iscode(obj) or inspect.istraceback(obj):
+        raise Unexposed(f"an interpreter object ({what}) of the judge's is not handed to your code", what)
+    if inspect.isbuiltin(obj) and (obj.__self__ is None or inspect.ismodule(obj.__self__)) \
+            and _owner(obj) not in {"torch", "math", "_operator", "operator", "numpy"}:
+        raise Unexposed(f"the judge's builtin {obj.__name__} is not handed to your code", f"builtin {obj.__name__}")
+    owner = _owner(obj)
+    if owner in _UNEXPOSED:
+        raise Unexposed(f"an object of {owner} ({what}) in the judge is not handed to your code", f"{owner} {what}")

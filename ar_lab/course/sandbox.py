@@ -11,6 +11,10 @@ reference's outputs computed when the cell runs) finds no reference to run.
 
 The two talk over a pair of pipes: ``ar_lab.course.channel``. On Linux an answer process is forked by a
 server that has imported torch and nothing of ar_lab (``_FORK_SERVER``): it starts in ~0.1 s, not ~1.4 s.
+The server, and so every answer process, runs in bubblewrap's sandbox (``ar_lab.course.jail``, ``confined``):
+the answer folders read-only, one scratch folder writable, the real package, the repository's notebooks and
+the course folder hidden, no network; the judge ends an answer process through a pidfd, valid across the
+sandbox's PID namespace.
 """
 
 from __future__ import annotations
@@ -231,7 +235,8 @@ while True:
             null = os.open(os.devnull, os.O_RDONLY); os.dup2(null, 0); os.close(null)
             signal.signal(signal.SIGCHLD, signal.SIG_DFL)
             signal.signal(signal.SIGINT, signal.default_int_handler)
-            os.chdir(job["folder"])
+            os.makedirs(job["work"], exist_ok=True)
+            os.chdir(job["work"])
             os.environ.clear(); os.environ.update(job["env"])
             random.seed()  # as a new process would draw
             sys.argv = ["-c", job["folder"], str(to_child), str(from_child), json.dumps(job["forbid"])]
@@ -246,55 +251,96 @@ while True:
         os._exit(code)
     for fd in fds:
         os.close(fd)
-    server.send(str(pid).encode())
+    pidfd = os.pidfd_open(pid)  # how the judge ends it: a PID means nothing outside the sandbox's namespace
+    socket.send_fds(server, [str(pid).encode()], [pidfd])
+    os.close(pidfd)
 """
-_SERVER: dict[str, Any] = {}  # "socket", "process": this process's fork server, started on first use
+_SERVER: dict[str, Any] = {}  # "socket", "process", "root", "scratch": this process's fork server (on first use)
 
 
 class _Forked:
-    """An answer process forked by the fork server: ``kill`` ends it; the server reaps it."""
+    """An answer process forked by the fork server, held by a pidfd (valid across the sandbox's PID namespace):
+    ``kill`` ends it; the server reaps it."""
 
-    def __init__(self, pid: int):
-        self.pid = pid
+    def __init__(self, pidfd: int):
+        self.pidfd = pidfd
 
     def kill(self) -> None:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(self.pid, signal.SIGKILL)
+        if self.pidfd < 0:
+            return
+        with contextlib.suppress(ProcessLookupError, OSError):
+            signal.pidfd_send_signal(self.pidfd, signal.SIGKILL)
+        os.close(self.pidfd)
+        self.pidfd = -1
 
     def wait(self) -> None:
         return None
 
 
-def _fork_server(env: dict[str, str]) -> socket.socket:
-    if _SERVER and _SERVER["process"].poll() is None:
+def confined(root: Path) -> tuple[list[str], Path]:
+    """(the bwrap command line that starts an answer process, or the fork server, in the grading sandbox;
+    the one folder it may write in) for answer folders under ``root``: ``root`` read-only (each answer's
+    withheld package), ``root/scratch`` writable, the real package and the repository's notebooks hidden
+    (``ar_lab.course.jail``). An empty command line when the instructor opted out (``AR_LAB_SANDBOX=off``)."""
+    from ar_lab.course import jail
+
+    scratch = Path(root) / "scratch"
+    scratch.mkdir(exist_ok=True)
+    return jail.command(readable=[root], writable=[scratch], package=False, cwd=scratch), scratch
+
+
+def _fork_server(env: dict[str, str], root: Path) -> socket.socket:
+    """The fork server for answer folders under ``root`` (started, in the sandbox, on first use or when
+    ``root`` changes)."""
+    from ar_lab.course.jail import ignoring_interrupts, scratch_env
+
+    if _SERVER and _SERVER["process"].poll() is None and _SERVER["root"] == root:
         return _SERVER["socket"]
+    _stop_server()
+    prefix, scratch = confined(root)
     ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     base = {k: v for k, v in env.items() if k != "PYTHONPATH"}  # a child gets its own (the job's env)
-    process = subprocess.Popen([sys.executable, "-I", "-c", _FORK_SERVER, str(theirs.fileno())],
-                               pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL, env=base, cwd=os.sep)
+    base |= scratch_env(scratch / "tmp") if prefix else {}
+    process = subprocess.Popen(ignoring_interrupts(prefix) + [sys.executable, "-I", "-c", _FORK_SERVER,
+                                                             str(theirs.fileno())],
+                               pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL, env=base,
+                               cwd=scratch if prefix else os.sep)
     theirs.close()
-    _SERVER.update(socket=ours, process=process)
+    _SERVER.update(socket=ours, process=process, root=root, scratch=scratch if prefix else None)
     return ours
 
 
+def _stop_server() -> None:
+    if _SERVER:
+        _SERVER["socket"].close()
+        with contextlib.suppress(OSError):
+            _SERVER["process"].kill()
+            _SERVER["process"].wait()
+        _SERVER.clear()
+
+
 def _spawn(folder: Path, env: dict[str, str], forbid: list[str], fds: tuple[int, int, int]):
-    """Start the answer process: forked by the fork server on Linux, else a new Python. ``fds``: the pipe
-    ends it reads and writes, and its log."""
+    """Start the answer process, confined (``confined``): forked by the fork server on Linux, else a new
+    Python. ``fds``: the pipe ends it reads and writes, and its log."""
     args = [str(folder), str(fds[0]), str(fds[1]), json.dumps(forbid)]
     if sys.platform != "linux":  # forking after torch is loaded is not safe everywhere (macOS)
-        return subprocess.Popen([sys.executable, "-I", "-c", _BOOT, *args], pass_fds=fds[:2], stdin=subprocess.DEVNULL,
-                                stdout=fds[2], stderr=fds[2], cwd=folder, env=env)
-    job = json.dumps({"folder": str(folder), "env": env, "forbid": forbid, "boot": _BOOT}).encode()
+        prefix, scratch = confined(folder.parent)
+        return subprocess.Popen(prefix + [sys.executable, "-I", "-c", _BOOT, *args], pass_fds=fds[:2],
+                                stdin=subprocess.DEVNULL, stdout=fds[2], stderr=fds[2],
+                                cwd=scratch if prefix else folder, env=env)
     for _ in (1, 2):  # a server that has died (killed by a learner's code, say) is started again
-        server = _fork_server(env)
+        server = _fork_server(env, folder.parent)
+        scratch = _SERVER["scratch"]
+        work = scratch / folder.name if scratch is not None else folder  # where the answer may write
+        job = json.dumps({"folder": str(folder), "work": str(work), "env": env, "forbid": forbid, "boot": _BOOT})
         try:
-            socket.send_fds(server, [job], list(fds))
-            reply = server.recv(64)
-            if reply:
-                return _Forked(int(reply))
+            socket.send_fds(server, [job.encode()], list(fds))
+            reply, pidfds, _, _ = socket.recv_fds(server, 64, 1)
+            if reply and pidfds:
+                return _Forked(pidfds[0])
         except OSError:
             pass
-        _SERVER.clear()
+        _stop_server()
     raise AnswerGone("the fork server that starts answer processes did not answer")
 
 
@@ -315,7 +361,9 @@ def answer_process(test: str) -> None:
     if test not in programs:
         raise AnswerGone(f"no answer program for {test}: the submission has no notebook for it")
     program, here = programs[test], sys._getframe(1).f_globals
-    values = {name: here[name] for name in program["needs"] if name in here}
+    shell = here.get("get_ipython", lambda: None)()
+    hidden = getattr(shell, "user_ns_hidden", {})  # the shell's own names: never handed to the learner's code
+    values = {name: here[name] for name in program["needs"] if name in here and name not in hidden}
     errors = start(program["cells"], program["forbid"], Path.cwd() / f"answer-{test}", values)
     for cell, error in zip(program["cells"], errors, strict=True):
         if error:

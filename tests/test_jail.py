@@ -1,0 +1,74 @@
+"""The sandbox learner code runs in when it is graded (ar_lab.course.jail): bubblewrap, or a clear refusal."""
+
+import subprocess
+import sys
+import textwrap
+
+import nbformat
+import pytest
+
+from ar_lab.course import jail
+from ar_lab.course.grading import main as grading_main
+
+needs_bwrap = pytest.mark.skipif(not jail.confining(), reason="bubblewrap cannot confine a process here")
+
+
+@pytest.fixture
+def no_bwrap(monkeypatch, tmp_path):
+    """A PATH without bwrap (the probe's answer forgotten before and after)."""
+    monkeypatch.setenv("PATH", str(tmp_path / "empty-bin"))
+    monkeypatch.delenv(jail.OPT_OUT, raising=False)
+    jail._probe.cache_clear()
+    yield
+    jail._probe.cache_clear()
+
+
+def _course(folder, assignment="02_x"):
+    """A course folder the grading step gets past its first checks in: a source notebook and its autograde."""
+    (folder / "source" / assignment).mkdir(parents=True)
+    nbformat.write(nbformat.v4.new_notebook(), folder / "source" / assignment / f"{assignment}.ipynb")
+    (folder / "autograded" / "s" / assignment).mkdir(parents=True)
+    return folder
+
+
+def test_without_bubblewrap_grading_refuses_unless_the_instructor_opts_out(no_bwrap, tmp_path, capsys, monkeypatch):
+    with pytest.raises(jail.SandboxMissing, match=f"{jail.OPT_OUT}=off"):
+        jail.require()
+    with pytest.raises(jail.SandboxMissing, match="bubblewrap"):  # what autograde's kernel manager and the fork
+        jail.command(cwd=tmp_path)  # server start their process with: no unconfined start
+    assert grading_main([str(_course(tmp_path / "course")), "02_x"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "bubblewrap (bwrap) is not installed" in err and "AR_LAB_SANDBOX=off" in err
+    monkeypatch.setenv(jail.OPT_OUT, "off")  # the instructor's explicit choice
+    jail.require()
+    assert jail.command(cwd=tmp_path) == []
+
+
+@needs_bwrap
+def test_a_confined_process_writes_only_its_scratch_and_sees_no_course_or_solutions(tmp_path):
+    course = tmp_path / "course"
+    (course / "source").mkdir(parents=True)
+    (course / "gradebook.db").write_text("grades")
+    readable, scratch = tmp_path / "readable", tmp_path / "scratch"
+    readable.mkdir()
+    scratch.mkdir()
+    probe = textwrap.dedent(f"""
+        import os
+        def write(path):
+            try:
+                with open(path, "a") as f:
+                    f.write("x")
+                return "written"
+            except OSError as e:
+                return type(e).__name__
+        print(write({str(course / "gradebook.db")!r}), write({str(course / "source" / "new.ipynb")!r}),
+              write({str(readable / "f")!r}), write({str(scratch / "f")!r}), write({str(jail.ROOT / "x")!r}),
+              os.path.exists({str(course / "gradebook.db")!r}), os.path.exists({str(jail.ROOT / "notebooks")!r}),
+              os.path.exists({str(jail.PACKAGE / "engine" / "sampling.py")!r}))
+        """)
+    cmd = jail.command(cwd=scratch, readable=[readable], writable=[scratch], hidden=[course], package=False)
+    out = subprocess.run([*cmd, sys.executable, "-I", "-c", probe], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["OSError", "FileNotFoundError", "OSError", "written", "OSError",
+                                  "False", "False", "False"]
+    assert (course / "gradebook.db").read_text() == "grades" and not (readable / "f").exists()
