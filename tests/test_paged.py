@@ -448,3 +448,25 @@ def test_random_ops_catch_every_mistake():
             except CheckFailed:
                 caught[wrong] += 1
     assert min(caught[w] for w in (OffByOne, EarlyFree, Leaky)) >= 6, caught
+
+
+class _AliasingAllocator(BlockAllocator):
+    """A learner's allocator with a bug: every request's first block is block 0."""
+
+    def table(self, request):
+        t = super().table(request)
+        return [0, *t[1:]] if t else t
+
+
+def test_a_block_handed_to_two_running_requests_is_refused_naming_the_allocator():
+    """Two requests writing one block would mix their keys and values: serving refuses instead of decoding on."""
+    from ar_lab.engine.serving.requests import Request
+    from ar_lab.engine.serving.server import serve
+
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(block_size=64, n_layer=1, n_head=2, n_embd=16)).eval()
+    requests = [Request([1, 2, 3], 4), Request([4, 5, 6], 4)]
+    with raises(BadValue, "allocator"):
+        serve(model, requests, kv="paged", allocator=_AliasingAllocator(16, 4), block_size=None)
+    good = serve(model, requests, kv="paged", allocator=BlockAllocator(16, 4), eos_id=None)
+    assert [r.tokens for r in good.results] == [r.tokens for r in serve(model, requests, eos_id=None).results]

@@ -381,12 +381,30 @@ class PagedKVCache(BatchKVCache):
         for i in range(self.rows):
             self.allocator.grow(self.ids[i], self.lengths[i] + T)
             tables.append(self.allocator.table(self.ids[i]))
+        for i, t in enumerate(tables):  # the blocks this step writes are each row's own
+            self.check_owned(self.ids[i], t[self.lengths[i] // bs : blocks_for(self.lengths[i] + T, bs)])
         width = blocks_for(self._end, bs)
         padded = [t + [0] * (width - len(t)) for t in tables]  # (masked beyond each row's length)
         self._table = torch.tensor(padded, device=self.device)  # (rows, blocks)
         block = torch.gather(self._table, 1, positions // bs)  # (rows, T)
         self._where = (block, positions % bs)
         return positions, mask
+
+    def check_owned(self, request: Hashable, blocks: list[int]) -> None:
+        """Raise unless ``blocks``, which ``request`` is about to write, are in no other live request's table (a
+        running row, the request being prefilled, the held prefix). Blocks shared by ``fork`` are full ones of the
+        prefix, which nobody writes; a block two requests write would mix their keys and values silently."""
+        mine = set(blocks)
+        live = [*self.ids[: self.rows], self._pending, self._prefix]
+        for other in live:
+            if other is None or other == request:
+                continue
+            both = mine.intersection(self.allocator.table(other))
+            if both:
+                raise BadValue(
+                    f"the allocator gave block {min(both)} to request {request!r}, which writes it, while request "
+                    f"{other!r} holds it too: a block a request writes must be its own (fork shares only full "
+                    "prefix blocks, never written again)", arg="allocator")
 
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, pos) -> None:
         """Scatter k, v (rows, H_kv, T, D) into each row's blocks, at the positions ``begin`` gave."""

@@ -27,8 +27,11 @@ class PagedSlot(KVCache):
         if end > self._held:
             paged.allocator.grow(self.request, end)
             self._held = end
+        owned = paged.allocator.table(self.request)
+        if layer == 0:  # once per write: the blocks it fills are the request's own
+            paged.check_owned(self.request, owned[start // paged.block_size : -(-end // paged.block_size)])
         pos = torch.arange(start, end, device=paged.device)
-        table = torch.tensor(paged.allocator.table(self.request), device=paged.device)
+        table = torch.tensor(owned, device=paged.device)
         block, offset = table[pos // paged.block_size], pos % paged.block_size  # (T,) each
         paged.k[layer][block, :, offset] = k[0].transpose(0, 1)  # (T, H_kv, D) into the blocks
         paged.v[layer][block, :, offset] = v[0].transpose(0, 1)
