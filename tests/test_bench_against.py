@@ -17,8 +17,8 @@ ROOT = Path(__file__).resolve().parents[1]
 @pytest.mark.slow
 def test_a_checkout_against_itself_gives_the_same_tokens_and_a_finite_ratio():
     seen = []
-    res = against.against_benchmark(ROOT, tokens=4, rounds=2, prompt="def ", say=seen.append)
-    assert res["same_tokens"] and len(seen) == 2 and len(res["runs"]["other"]) == 2
+    res = against.against_benchmark(ROOT, tokens=4, rounds=1, prompt="def ", say=seen.append)
+    assert res["same_tokens"] and len(seen) == 1 and len(res["runs"]["other"]) == 1
     assert 0 < res["s_per_token"]["this tree"] and 0 < res["this_over_other_median_ratio"] < 100
     assert "median of the per-round ratios" in against.format_against(res)
 
