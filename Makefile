@@ -14,7 +14,7 @@ help:
 	@echo "make lab          set up and open the course in JupyterLab"
 	@echo "make test         set up and run every test (ruff, unit/property tests, notebooks)"
 	@echo "make test-fast    ruff and the tests not marked slow (no notebooks, no browser): about 2 minutes"
-	@echo "make checkpoints  retrain the shipped checkpoints in data/ (under an hour on 2 cores)"
+	@echo "make checkpoints  retrain the shipped checkpoints in data/ (README's checkpoint table gives each one's time)"
 	@echo "make bench        run every benchmark into data/bench/*.json and regenerate the README tables from them"
 	@echo "make grading-course DIR=grading [CHAPTER=06]  lay out an nbgrader course folder (INSTRUCTORS.md)"
 	@echo "make site         build the course as a static website (Jupyter Book 2; needs Node.js) into build/site/_build/html"
@@ -53,6 +53,7 @@ test-fast: lint
 
 checkpoints: $(COURSE_STAMP)
 	$(BIN)/python -m ar_lab.model.train --preset course --threads 2
+	$(BIN)/python -m ar_lab.model.train --preset modern --threads 2
 	$(BIN)/python -m ar_lab.model.train --preset draft --threads 2
 
 bench: $(DEV_STAMP)

@@ -21,7 +21,7 @@ def _copy_root(tmp_path: Path) -> Path:
     """A folder with the README and the data the tables are generated from."""
     (tmp_path / "data").mkdir()
     shutil.copytree(ROOT / "data" / "bench", tmp_path / "data" / "bench")
-    for name in ("course.safetensors", "draft.safetensors"):
+    for name in ("course.safetensors", "modern.safetensors", "draft.safetensors"):
         shutil.copy(ROOT / "data" / name, tmp_path / "data" / name)
     shutil.copy(README, tmp_path / "README.md")
     return tmp_path
@@ -78,8 +78,8 @@ def test_missing_json_and_markers_are_clear_errors(tmp_path):
 
 
 def test_checkpoint_rows_agree_with_the_models():
-    table = readme.checkpoint_table([ROOT / "data" / "course.safetensors", ROOT / "data" / "draft.safetensors"])
-    for name in ("course", "draft"):
+    table = readme.checkpoint_table([ROOT / "data" / f"{name}.safetensors" for name in ("course", "modern", "draft")])
+    for name in ("course", "modern", "draft"):
         model = load_checkpoint(ROOT / "data" / f"{name}.safetensors", device="cpu")
         cfg = model.config
         row = next(line for line in table.splitlines() if f"`{name}.safetensors`" in line)

@@ -69,7 +69,7 @@ def test_the_course_protocol_is_named_and_the_shipped_records_use_it():
     n = whole_windows(COURSE_EVAL, validation_tokens())
     assert f"{n} windows, {n * 1024:,} positions" in COURSE_EVAL.describe()
     assert protocol_for(1024) is COURSE_EVAL and protocol_for(64).window == 64 and protocol_for(64).name == "val-64"
-    for name in ("course", "draft"):
+    for name in ("course", "modern", "draft"):
         record = read_checkpoint_metadata(data_dir() / f"{name}.safetensors")["record"]
         assert record["eval"] == COURSE_EVAL.name
     course = ar_lab.load_pretrained("course", "cpu")

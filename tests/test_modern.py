@@ -222,3 +222,20 @@ def test_a_modern_checkpoint_round_trips(tmp_path):
     idx = torch.tensor([[1, 2, 3, 4, 5, 6, 7, 8]])
     with torch.no_grad():
         torch.testing.assert_close(loaded(idx), model(idx))
+
+
+@pytest.mark.skipif(not have_transformers(), reason="transformers is the reference peer (dev extra)")
+def test_the_shipped_modern_checkpoint_is_llama_and_decodes_alike_everywhere():
+    """data/modern.safetensors (make checkpoints): a Llama-shaped model whose logits are transformers' Llama's,
+    decoding the same text lean, through forward and from a paged server."""
+    from ar_lab.model.train import load_pretrained
+
+    model = load_pretrained("modern", "cpu")
+    assert model.config.positions == "rope" and model.config.kv_heads < model.config.n_head and model.wpe is None
+    idx = torch.tensor([list(b"def __init__(self, name):\n        self.")])
+    with torch.no_grad():
+        torch.testing.assert_close(to_hf(model)(idx).logits, model(idx), atol=1e-4, rtol=1e-4)
+    prompt = list(b"The assert statement")
+    lean_tokens = generate(model, prompt, 24, eos_id=None).tokens
+    assert lean_tokens == generate(model, prompt, 24, eos_id=None, lean=False).tokens
+    assert serve(model, [Request(prompt, 24)], kv="paged", eos_id=None).results[0].tokens == lean_tokens

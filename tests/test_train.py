@@ -88,7 +88,7 @@ def test_unknown_checkpoint_name():
         checkpoint_path("gpt5")
 
 
-@pytest.mark.parametrize("name", ["course", "draft"])
+@pytest.mark.parametrize("name", ["course", "modern", "draft"])
 def test_shipped_checkpoints_load_and_beat_chance(name):
     model = load_pretrained(name, "cpu")
     record = model.checkpoint_record

@@ -300,12 +300,21 @@ def checkpoint_table(paths: list[Path]) -> str:
         halves = rec.get("val_halves_nats")
         by_half = f" (positions 0–511: {halves[0]:.2f}, 512–1,023: {halves[1]:.2f})" if halves else ""
         lines.append(
-            f"| `{path.name}` | {rec['parameters']:,} | {cfg['n_layer']} × {cfg['n_embd']}, {cfg['n_head']} heads | "
+            f"| `{path.name}` | {rec['parameters']:,} | {cfg['n_layer']} × {cfg['n_embd']}, {_heads(cfg)} | "
             f"{rec['train_tokens'] / 1e6:.1f} M tokens ({how}) | {rec['val_loss_nats']:.3f} nats = "
             f"{rec['val_bits_per_byte']:.2f} bits/byte{by_half} | {rec['train_seconds'] / 60:.0f} min, "
             f"{_threads(phases, rec['threads'])}, torch {rec['torch']} |"
         )
     return "\n".join(lines + ([""] + notes if notes else []))
+
+
+def _heads(cfg: dict) -> str:
+    """"4 heads", or for a Llama-shaped block "4 heads (2 KV); RMSNorm, RoPE, SwiGLU"."""
+    kv = cfg.get("n_kv_heads")
+    text = f"{cfg['n_head']} heads" + (f" ({kv} KV)" if kv not in (None, cfg["n_head"]) else "")
+    modern = [name for key, value, name in (("norm", "rmsnorm", "RMSNorm"), ("positions", "rope", "RoPE"),
+                                            ("mlp", "swiglu", "SwiGLU")) if cfg.get(key) == value]
+    return text + (f"; {', '.join(modern)}" if modern else "")
 
 
 def _threads(phases: list[dict], default: int) -> str:
@@ -340,7 +349,7 @@ def render(readme: str, root: Path) -> str:
     """``readme`` with both generated tables rewritten from ``root``'s data folder."""
     data = root / "data"
     text = _replace(readme, BENCH_START, BENCH_END, bench_table(data / "bench"))
-    checkpoints = [data / "course.safetensors", data / "draft.safetensors"]
+    checkpoints = [data / f"{name}.safetensors" for name in ("course", "modern", "draft")]
     return _replace(text, CHECKPOINT_START, CHECKPOINT_END, checkpoint_table(checkpoints))
 
 

@@ -257,6 +257,12 @@ PRESETS: dict[str, tuple[GPTConfig, list[TrainConfig]]] = {
             TrainConfig(steps=600, batch_size=8, block_size=1024, lr=5e-4, warmup_steps=10, eval_every=100, seed=1342),
         ],
     ),
+    # The modern model: the course model's size, Llama-shaped (RMSNorm, RoPE, SwiGLU, two KV heads). Rotary positions
+    # learn order from the first steps; phase 2 trains the full window (distances past 511 appear only there).
+    "modern": (GPTConfig.modern(block_size=1024), [
+        TrainConfig(steps=700, batch_size=16, block_size=512, lr=3e-3, warmup_steps=30, eval_every=100),
+        TrainConfig(steps=250, batch_size=8, block_size=1024, lr=1e-3, warmup_steps=10, eval_every=50, seed=1343),
+    ]),
     # The draft for speculative decoding: same tokenizer, a fraction of the cost.
     "draft": (
         GPTConfig(block_size=1024, n_layer=1, n_head=2, n_embd=128, dropout=0.0),
