@@ -7,7 +7,8 @@ turns ``--rounds`` times so that whatever else the machine does falls on both. E
 the CPU time of its one thread, the wall time kept beside (on the shared 2-core virtual machine this was
 written on, the two agreed, and both moved by up to 2x between consecutive runs: take the ratio over
 many rounds, and more than one run, before reading a few percent into it). It reports each side's
-median seconds per token and the median of the per-round ratios, and checks that both gave the same tokens. A refactor of the engine is measured this way before it lands.
+median seconds per token and the median of the per-round ratios, and checks that both gave the same
+tokens. A refactor of the engine is measured this way before it lands.
 """
 
 from __future__ import annotations
