@@ -19,7 +19,8 @@ prefix, the per-row mask of batched serving, and the sliding window: it is writt
 
 ``attention`` is the arithmetic, once: softmax(q k^T / sqrt(D) + mask) v, with groups of query heads
 sharing a key/value head (GQA), through ``torch.nn.functional.scaled_dot_product_attention``, whose
-CPU and GPU kernels never form the T x T matrix (FlashAttention's tiling). An int8 store passes the
+fused kernels work in tiles without forming the T x T score matrix where they apply (FlashAttention's
+scheme; PyTorch picks its plain path for some masks and shapes). An int8 store passes the
 keys' and values' scales: for one query per row they fold into the scores and the weights (two
 batched products, no dequantized copy of the cache); several queries read a dequantized copy.
 
