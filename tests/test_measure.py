@@ -62,6 +62,7 @@ class Recorder(torch.nn.Module):
         return self.model(idx, cache)
 
 
+@pytest.mark.quiet  # the other test process's reads share the last-level cache: alone, after the others
 def test_a_buffer_in_cache_does_not_read_from_memory():
     """1 MiB fits in every CPU's L2 or L3 and is long enough a read that the call's overhead does not set its
     rate: it reads faster than 256 MiB, which comes from memory on any CPU whose share of the L3 is smaller
