@@ -24,7 +24,7 @@ import torch
 
 from ar_lab.base.errors import BadValue
 from ar_lab.engine.decoder import ForwardDecoder
-from ar_lab.engine.prompts import check_eos, prompt_batch
+from ar_lab.engine.prompts import check_eos, loop_model, prompt_batch
 from ar_lab.model.cache import KVCache
 from ar_lab.model.inference import inference
 from ar_lab.model.tokenizer import EOS_ID, decode
@@ -227,6 +227,7 @@ def beam_search_batch(
     exact), which never changes the result. With ``num_beams`` >= vocab ** max_new_tokens
     nothing is pruned and the result is the exact best sequence; ``num_beams=1`` is greedy.
     """
+    loop_model(model)
     if not isinstance(num_beams, int) or isinstance(num_beams, bool) or num_beams < 1:
         raise BadValue(f"num_beams must be an int >= 1, got {num_beams!r}", arg="num_beams")
     real = isinstance(length_penalty, numbers.Real) and not isinstance(length_penalty, bool)

@@ -19,8 +19,9 @@ Two decoders implement it. ``LeanDecoder`` runs a stock ``GPT`` with a batch-1 c
 inference engine does (``ar_lab.engine.lean``: no module layers in the decode step).
 ``ForwardDecoder`` calls ``model(idx, cache)``: any model that keeps the cache contract (the
 learner's own, a quantized or wrapped one), any batch, and rows at different lengths.
-``decoder_for(model)`` picks the lean one where it reproduces the model. Decoders trust the token
-ids they are given (the public functions check them once, before the first token), but check each
+``decoder_for(model)`` picks the lean one where it reproduces the model (``pick_decoder`` the same for a
+loop that has checked the model already). Decoders trust the model and the token ids they are given (the
+public functions check them once, before the first token), but check each
 cache the first time they see it (``check_fits``: its type, shape, dtype and device against the
 model), so a cache built for another model is refused before it reaches torch's attention kernel.
 """
@@ -88,8 +89,6 @@ class ForwardDecoder:
     """Every pass through ``model(idx, cache)``: any model keeping the cache contract, any batch."""
 
     def __init__(self, model) -> None:
-        if not isinstance(model, torch.nn.Module):
-            raise BadType(f"model must be a torch.nn.Module (an ar_lab GPT), got {type(model).__name__}", arg="model")
         check_one_dtype(model)
         self.model = model
         self._checked: object = ForwardDecoder  # the cache last checked against the model (none yet)
@@ -179,6 +178,11 @@ def decoder_for(model, *, lean: bool = True) -> Decoder:
         raise BadType(f"lean must be True or False, got {lean!r}", arg="lean")
     if not isinstance(model, torch.nn.Module):
         raise BadType(f"model must be a torch.nn.Module (an ar_lab GPT), got {type(model).__name__}", arg="model")
+    return pick_decoder(model, lean=lean)
+
+
+def pick_decoder(model, *, lean: bool) -> Decoder:
+    """``decoder_for`` for a loop that has checked ``model`` and ``lean`` at its own entry point."""
     if lean:
         try:
             return LeanDecoder(model)  # checks and gathers the weights in one walk over the model

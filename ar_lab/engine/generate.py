@@ -27,12 +27,13 @@ import torch
 
 from ar_lab.base.errors import BadType, BadValue, ContextFull
 from ar_lab.engine.constrained import check_constraint, check_constraint_eos, masked_logits
-from ar_lab.engine.decoder import Decoder, ForwardDecoder, decoder_for
+from ar_lab.engine.decoder import Decoder, ForwardDecoder, pick_decoder
 from ar_lab.engine.pipeline import LogitsPipeline
 from ar_lab.engine.prompts import (
     check_budget,
     check_eos,
     checked_prompt,
+    loop_model,
     prompt_batch,
     stop_list,
 )
@@ -130,6 +131,7 @@ def _plan(
     constraint=None,
 ) -> _Plan:
     """Check every option of ``token_steps`` against ``model`` and pick the decoder: the public boundary."""
+    loop_model(model)  # the model is checked here, once: what follows trusts it
     max_new_tokens = check_budget(max_new_tokens)  # an int from here on (a numpy integer is taken)
     ids = checked_prompt(model, prompt, max_new_tokens)
     picker = LogitsPipeline(sampling, sampler)  # checks both
@@ -141,7 +143,7 @@ def _plan(
         _check_cache(cache, use_cache, ids, max_new_tokens)
     check_constraint(constraint, model.config.vocab_size)
     check_inference_ready(model)
-    decoder = decoder_for(model, lean=lean and use_cache)
+    decoder = pick_decoder(model, lean=lean and use_cache)
     if cache is not None:
         decoder.fits(cache)  # the cache against the model, here at the call; the decoder remembers it
     stats = _stats(stats)
@@ -411,6 +413,7 @@ def sample_batch(
     each row's token instead of ``sample`` (called row by row, in order, with the one generator). ``constraint``:
     see ``generate`` (each row keeps its own grammar state).
     """
+    loop_model(model)
     check_sampling(sampling)
     check_sampler(sampler)
     check_eos(model, eos_id)

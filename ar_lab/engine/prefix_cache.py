@@ -18,10 +18,9 @@ import torch
 
 from ar_lab.base.errors import BadType, BadValue, ContextFull
 from ar_lab.base.timing import synchronize
-from ar_lab.engine.decoder import decoder_for
-from ar_lab.engine.prompts import check_prompt, prompt_ids
+from ar_lab.engine.decoder import pick_decoder
+from ar_lab.engine.prompts import check_prompt, loop_model, prompt_ids
 from ar_lab.model.cache import KVCache, reusable_length  # reusable_length: re-exported for chapter 08
-from ar_lab.model.gpt import GPTConfig
 from ar_lab.model.inference import check_inference_ready, inference
 
 
@@ -34,10 +33,8 @@ class PrefixCache:
     """
 
     def __init__(self, model, prefix: str | Sequence[int]) -> None:
-        check_inference_ready(model)  # a torch module (in eval mode where that matters)
-        if not isinstance(getattr(model, "config", None), GPTConfig):
-            raise BadType(f"model must be an ar_lab GPT (a module with a GPTConfig), got {type(model).__name__}",
-                          arg="model")
+        loop_model(model)
+        check_inference_ready(model)  # in eval mode where that matters
         try:
             self.tokens = prompt_ids(prefix)
         except (BadType, BadValue) as e:  # the prompt checks, about the prefix
@@ -58,7 +55,7 @@ class PrefixCache:
         self.cache = KVCache.for_model(model, max_len=len(self.tokens))
         with inference(model):
             t0 = time.perf_counter()
-            decoder_for(model).prefill(torch.tensor([self.tokens], device=model.device), self.cache)
+            pick_decoder(model, lean=True).prefill(torch.tensor([self.tokens], device=model.device), self.cache)
             synchronize(model.device)
             self.build_time = time.perf_counter() - t0  # paid once, not per request
 

@@ -56,6 +56,20 @@ def stop_list(stop_strings) -> tuple[str, ...]:
 
 
 
+def loop_model(model, name: str = "model"):
+    """``model`` if a decode loop can run it: a ``torch.nn.Module`` whose ``.config`` gives its vocabulary and
+    context window (an ar_lab GPT, a quantized copy, a model of one's own with a ``GPTConfig``); else a BadType
+    naming ``name``. The one check of the model a loop makes, at its public entry point: what runs after it
+    (the prompt's check, the decoder, the cache) trusts it."""
+    cfg = getattr(model, "config", None)
+    if not isinstance(model, torch.nn.Module) or not all(
+        isinstance(getattr(cfg, a, None), int) for a in ("block_size", "vocab_size")
+    ):
+        raise BadType(f"{name} must be an ar_lab model (a GPT, e.g. load_pretrained('course'), or a module with a "
+                      f"GPTConfig .config), got {type(model).__name__}", arg=name)
+    return model
+
+
 def check_eos(model, eos_id) -> int | None:
     """``eos_id`` if it is None (no end token) or a token id of ``model``'s vocabulary."""
     vocab = model.config.vocab_size
@@ -73,12 +87,10 @@ def check_budget(max_new_tokens) -> int:
 def check_prompt(model, ids: list[int], max_new_tokens: int) -> None:
     """Raise if ``ids`` holds a token outside the vocabulary or the window cannot hold the text.
 
-    The last new token is never fed back, so the model sees at most P + N - 1 positions.
+    The last new token is never fed back, so the model sees at most P + N - 1 positions. ``model``: checked by
+    the caller (``loop_model``), or anything whose ``.config`` gives the vocabulary and window.
     """
     check_budget(max_new_tokens)
-    if not hasattr(getattr(model, "config", None), "block_size"):
-        raise BadType(f"model must be an ar_lab model (a GPT, or anything with a GPTConfig .config), got {model!r}",
-                      arg="model")
     vocab, window = model.config.vocab_size, model.config.block_size
     bad = [t for t in ids if not 0 <= t < vocab]
     if bad:

@@ -32,7 +32,7 @@ The theory (Leviathan et al., 2023, section 3): with a per-token acceptance
 probability alpha = sum_x min(p(x), q(x)) = 1 - TV(p, q), an iteration emits
 (1 - alpha^(gamma+1)) / (1 - alpha) tokens on average, and if a draft step costs c
 target steps, the expected wall-clock speedup is that divided by (gamma c + 1);
-``ar_lab.course.speculative_view`` measures all of this on real prompts (chapter 07's explorer).
+``ar_lab.course.views.speculative_view`` measures all of this on real prompts (chapter 07's explorer).
 """
 
 from __future__ import annotations
@@ -48,9 +48,9 @@ from ar_lab.base.args import finite_number, positive_int
 from ar_lab.base.errors import BadType, BadValue
 from ar_lab.base.timing import synchronize
 from ar_lab.engine.accept import Accept, AcceptRule, draw
-from ar_lab.engine.decoder import decoder_for
+from ar_lab.engine.decoder import pick_decoder
 from ar_lab.engine.lookup import is_proposer
-from ar_lab.engine.prompts import check_eos, check_prompt, prompt_ids
+from ar_lab.engine.prompts import check_eos, check_prompt, loop_model, prompt_ids
 from ar_lab.engine.sampling import GREEDY, SamplingParams
 from ar_lab.engine.sides import Distributions, ProposerSide, Side, check_rolled_back, checked_emitted
 from ar_lab.model.cache import KVCache
@@ -292,9 +292,9 @@ class Speculation:
         # Each call has its own decoders (their working memory and the verify pass's weight copies are
         # this call's, taken from the weights as they are now: this is not a generator).
         held = prompt[:-1]  # each side holds the prompt but its last token (read with its first pass)
-        self.target = Side(target, cache(target), decoder_for(target, lean=lean), clock, "target", held)
+        self.target = Side(target, cache(target), pick_decoder(target, lean=lean), clock, "target", held)
         self.draft = (ProposerSide(draft, V) if is_proposer(draft)
-                      else Side(draft, cache(draft), decoder_for(draft, lean=lean), clock, "draft", held))
+                      else Side(draft, cache(draft), pick_decoder(draft, lean=lean), clock, "draft", held))
         self.accept = Accept(accept, V, generator)
         self.probs = Distributions(sampling, V)
         self.generator = generator
@@ -346,15 +346,17 @@ def _check_pair(target, draft, prompt, max_new_tokens: int, gamma: int, sampling
     if (bad_generator := generator is not None and not isinstance(generator, torch.Generator)) or not callable(clock):
         raise BadType(f"generator must be None or a torch.Generator, clock a function: got {generator!r}, {clock!r}",
                       arg="generator" if bad_generator else "clock")
+    loop_model(target, "target")
     if is_proposer(draft):  # a proposer function: only the target is a model
         check_prompt(target, ids, max_new_tokens)
         return ids
-    for role, model in (("target", target), ("draft", draft)):  # each a model, the text within its window
+    loop_model(draft, "draft")
+    for role, model in (("target", target), ("draft", draft)):  # the text within each one's window
         try:
             check_prompt(model, ids, max_new_tokens)
-        except (BadType, BadValue) as e:  # a draft of another vocabulary: said as such, just below
-            if isinstance(e, TypeError) or model.config.vocab_size == target.config.vocab_size:
-                raise type(e)(f"{role} model: {e}", arg=role if e.arg == "model" else e.arg) from None
+        except BadValue as e:  # a draft of another vocabulary: said as such, just below
+            if model.config.vocab_size == target.config.vocab_size:
+                raise type(e)(f"{role} model: {e}", arg=e.arg) from None
     if (vocab := draft.config.vocab_size) != target.config.vocab_size:
         raise BadValue(f"draft and target must share the vocabulary: {vocab} vs {target.config.vocab_size} tokens",
                        arg="draft")

@@ -33,7 +33,7 @@ from ar_lab.engine.generate import Generation, GenerationStats
 from ar_lab.engine.paged import PagedKVCache, blocks_for, check_allocator
 from ar_lab.engine.pipeline import LogitsPipeline
 from ar_lab.engine.prefix_cache import PrefixCache
-from ar_lab.engine.prompts import check_eos, checked_prompt
+from ar_lab.engine.prompts import check_eos, checked_prompt, loop_model
 from ar_lab.engine.sampling import GREEDY, Sampler, SamplingParams
 from ar_lab.engine.scheduling import POLICIES, policy_function, policy_name
 from ar_lab.engine.serving.requests import Request, RequestResult, ServeReport
@@ -245,6 +245,7 @@ def serve(
     loop checks what it left and raises ``StepError`` for a finished row left in the batch, a row without its
     token, or a step that changed nothing.
     """
+    loop_model(model)
     admit = policy_function(policy)  # a name of POLICIES or a function; anything else is refused here
     max_batch = positive_int("max_batch", max_batch)
     picker = LogitsPipeline(sampling, sampler)  # checks both
@@ -300,6 +301,7 @@ def generate_batch(
     token for the whole batch). Greedy output is the same as ``generate`` on each prompt
     alone; sampled output too when each prompt's seed seeds its own generator.
     """
+    loop_model(model)
     if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Sequence) or not prompts:
         raise BadValue("prompts must be a non-empty list of prompts (texts or lists of token ids)", arg="prompts")
     if (bad_counts := not isinstance(max_new_tokens, (int, Sequence))) or not isinstance(seeds, (Sequence, type(None))):
