@@ -325,9 +325,9 @@ def test_layer_weights_are_the_blocks_own_parameters_by_name(tiny_model):
     """Each field of a layer's weights is the block's parameter it names: no copies to go stale."""
     engine = lean.for_model(tiny_model)
     for w, b in zip(engine.layers, tiny_model.blocks, strict=True):
-        assert w.norm1.weight is b.ln1.weight and w.norm2.bias is b.ln2.bias and w.proj.bias is b.attn.proj.bias
-        assert w.qkv.weight is b.attn.qkv.weight and w.qkv.bias is b.attn.qkv.bias
-        assert w.fc.weight is b.mlp.fc.weight and w.mlp_proj.weight is b.mlp.proj.weight
+        assert w.norm1.weight is b.ln1.weight and w.norm2.bias is b.ln2.bias  # products: partial(addmv, bias, weight)
+        assert w.proj.args[0] is b.attn.proj.bias and w.qkv.args == (b.attn.qkv.bias, b.attn.qkv.weight)
+        assert w.fc.args[1] is b.mlp.fc.weight and w.mlp_proj.args[1] is b.mlp.proj.weight
     assert engine.wte is tiny_model.wte.weight is tiny_model.lm_head.weight
 
 

@@ -40,7 +40,8 @@ Call it under ``torch.inference_mode()``; the decode loops reach it through ``Le
 from __future__ import annotations
 
 import numbers
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from functools import partial
 from typing import NamedTuple
 
 import torch
@@ -84,32 +85,16 @@ class RMSNorm:
         return torch.rms_norm(x, self.shape, self.weight, self.eps)
 
 
-class Vector:
+def vector(m: nn.Linear | QuantizedLinear, slow_addmv: bool) -> Callable[[torch.Tensor], torch.Tensor]:
     """A linear layer applied to one vector (in,): a matrix-vector product on the layer's own weight (or a
     ``QuantizedLinear``'s kernel), the fastest product for one vector; bias added in the same call. The step
-    keeps its residual stream as one vector (C,), so no view is needed around the product."""
-
-    __slots__ = ("weight", "bias", "mv")
-
-    def __init__(self, m: nn.Linear | QuantizedLinear, slow_addmv: bool) -> None:
-        self.weight, self.bias = (m, m.bias) if type(m) is QuantizedLinear else (m.weight, m.bias)
-        if type(m) is QuantizedLinear:
-            self.mv = _quantized_mv
-        elif self.bias is None:
-            self.mv = _mv
-        else:
-            self.mv = bf16_addmv if slow_addmv else torch.addmv
-
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return self.mv(self.bias, self.weight, x)
-
-
-def _mv(bias: None, weight: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-    return torch.mv(weight, x)
-
-
-def _quantized_mv(bias, layer: QuantizedLinear, x: torch.Tensor) -> torch.Tensor:
-    return layer.addmv(bias, x)
+    keeps its residual stream as one vector (C,), so no view is needed around the product. A ``partial`` of
+    torch's function itself: the step's 17 products a token call the kernel with no Python frame between."""
+    if type(m) is QuantizedLinear:
+        return partial(m.addmv, m.bias)
+    if m.bias is None:
+        return partial(torch.mv, m.weight)
+    return partial(bf16_addmv if slow_addmv else torch.addmv, m.bias, m.weight)
 
 
 class Rows:
@@ -180,12 +165,12 @@ class LeanGPT:
         slow_addmv = dtype == torch.bfloat16 and self.device.type == "cpu"  # (see quant.bf16_addmv)
         self.blocks = blocks
         self.layers = [
-            BlockWeights(_norm(b.ln1), Vector(b.attn.qkv, slow_addmv), Vector(b.attn.proj, slow_addmv),
-                         _norm(b.ln2), Vector(b.mlp.fc, slow_addmv), Vector(b.mlp.proj, slow_addmv))
+            BlockWeights(_norm(b.ln1), vector(b.attn.qkv, slow_addmv), vector(b.attn.proj, slow_addmv),
+                         _norm(b.ln2), vector(b.mlp.fc, slow_addmv), vector(b.mlp.proj, slow_addmv))
             for b in blocks
         ]
         self.ln_f = _norm(model.ln_f)
-        self.head = Vector(model.lm_head, slow_addmv)
+        self.head = vector(model.lm_head, slow_addmv)
 
     def _check(self, cache: KVCache, T: int) -> int:
         if not isinstance(cache, KVCache):

@@ -81,16 +81,14 @@ class BlockSpec(NamedTuple):
     gated: bool  # SwiGLU
     span: Span
     rope: Rope | None
+    split: tuple[int, int, int]  # q, k, v head counts: how the fused projection's heads divide
 
     @classmethod
     def from_config(cls, cfg: GPTConfig) -> BlockSpec:
         rope = Rope(cfg.head_dim, cfg.rope_theta, cfg.block_size) if cfg.positions == "rope" else None
         span = FULL if cfg.window is None else Span(cfg.window, cfg.sinks)
-        return cls(cfg.n_head, cfg.kv_heads, cfg.head_dim, cfg.mlp == "swiglu", span, rope)
-
-    @property
-    def split(self) -> tuple[int, int, int]:
-        return (self.n_head, self.n_kv, self.n_kv)
+        split = (cfg.n_head, cfg.kv_heads, cfg.kv_heads)
+        return cls(cfg.n_head, cfg.kv_heads, cfg.head_dim, cfg.mlp == "swiglu", span, rope, split)
 
 
 def attend(

@@ -54,6 +54,14 @@ def _checked_prompt(model, prompt, max_new_tokens: int, where: str, args: dict[s
         raise type(e)(f"{where}: {e}", arg=args[e.arg]) from None
 
 
+def _check_prefix(prefix, model) -> None:
+    if prefix is not None and not isinstance(prefix, PrefixCache):
+        raise BadType(f"prefix must be a PrefixCache(model, prefix_text) or None, got {type(prefix).__name__}",
+                      arg="prefix")
+    if prefix is not None:
+        prefix.check_model(model, arg="prefix")  # filled by this model, with the weights it has now
+
+
 def _check_requests(model, requests) -> list[list[int]]:
     if isinstance(requests, (str, bytes)) or not isinstance(requests, Sequence) or not requests:
         raise BadValue("requests must be a non-empty list of Request objects", arg="requests")
@@ -249,11 +257,7 @@ def serve(
     admit = policy_function(policy)  # a name of POLICIES or a function; anything else is refused here
     max_batch = positive_int("max_batch", max_batch)
     picker = LogitsPipeline(sampling, sampler)  # checks both
-    if prefix is not None and not isinstance(prefix, PrefixCache):
-        raise BadType(f"prefix must be a PrefixCache(model, prefix_text) or None, got {type(prefix).__name__}",
-                      arg="prefix")
-    if prefix is not None:
-        prefix.check_model(model, arg="prefix")  # filled by this model, with the weights it has now
+    _check_prefix(prefix, model)
     eos_id = check_eos(model, eos_id)  # (an id the model cannot emit would never stop a request)
     if not callable(clock):
         raise BadType(f"clock must be a function returning seconds (e.g. time.perf_counter), got {clock!r}",
