@@ -38,6 +38,8 @@ def test_dense_figures_from_the_datasheets():
         "A100 80GB SXM": (312, 2.039, 80),
         "H100 SXM": (989.5, 3.35, 80),
         "H200 SXM": (989.5, 4.8, 141),
+        "B200 (HGX)": (2250, 8.0, 180),
+        "MI300X": (1307.4, 5.3, 192),
         "RTX 4090": (165.2, 1.008, 24),
     }
     for name, (tflops, tbs, gb) in expected.items():

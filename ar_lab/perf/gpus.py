@@ -10,7 +10,8 @@ Chapter 05 places prefill and decode of real models on these rooflines
   accumulation modes (GeForce cards run fp32 accumulation at half the fp16 rate) the row
   takes the fp32-accumulate figure.
 * ``fp32_flops``: plain (non-tensor) fp32 FLOP/s, the roof of fp32 weights: PyTorch does
-  not use TF32 for fp32 matmuls unless asked to.
+  not use TF32 for fp32 matmuls unless asked to. (AMD's CDNA matrix cores compute full fp32,
+  and fp32 GEMMs run on them: the MI300X row takes that matrix figure.)
 * ``bandwidth``: peak memory bandwidth in bytes/s; ``memory``: capacity in bytes, taken as
   the datasheet's GB x 10^9 (cards hold a little more in binary GiB, and the driver,
   the CUDA context and activations take some back).
@@ -156,6 +157,29 @@ GPUS: dict[str, GPUSpec] = {
             source="NVIDIA H200 Tensor Core GPU datasheet",
             quoted="BF16 / FP16 Tensor Core 1,979 TFLOPS, printed with sparsity: dense is half, 989.5",
             device_names=r"\bH200\b(?!.*NVL)",
+        ),
+        GPUSpec(
+            "B200 (HGX)",
+            36 * 1000 * TFLOP / 8 / 2,
+            600 * TFLOP / 8,
+            64 * TB / 8,
+            1440 * GB / 8,
+            source="NVIDIA HGX B200 datasheet figures (the HGX platform's specifications for an "
+            "8-GPU board: each figure here is one eighth)",
+            quoted="FP16 / BF16 Tensor Core 36 PFLOPS for 8 GPUs, printed with sparsity: dense is half, "
+            "2,250 TFLOPS per GPU; HBM3e 1,440 GB and 64 TB/s for the board: 180 GB, 8 TB/s each",
+            device_names=r"\bB200\b",
+        ),
+        GPUSpec(
+            "MI300X",
+            1307.4 * TFLOP,
+            163.4 * TFLOP,
+            5.3 * TB,
+            192 * GB,
+            source="AMD Instinct MI300X accelerator datasheet",
+            quoted="Peak FP16 / BF16 1,307.4 TFLOPS dense (2,614.9 with sparsity); FP32 matrix 163.4 TFLOPS "
+            "(full fp32 on the matrix cores, where rocBLAS runs fp32 GEMMs; 81.7 on the vector units)",
+            device_names=r"MI300X",
         ),
         GPUSpec(
             "RTX 4090",
