@@ -17,6 +17,7 @@ from pathlib import Path
 from ar_lab.base.timing import machine
 from ar_lab.bench import (
     against,
+    attention,
     constrained,
     decode,
     lookup,
@@ -46,6 +47,8 @@ BENCHMARKS = {
     "serving": (serving, "static vs continuous batching, tokens/s vs batch size, prefix-cache TTFT (chapter 08)"),
     "paged": (paged, "KV memory in slots vs paged blocks: reserved vs used, requests in a fixed budget (chapter 08)"),
     "quant": (quant, "fp32 vs bf16 vs int8 vs int4 weights in batch-1 decode, against the roofline (chapter 09)"),
+    "attention": (attention, "attention materialised vs in tiles (FlashAttention-2) vs SDPA: peak bytes and time "
+                  "against T (chapter 10)"),
     "against": (against, "this tree's batch-1 decode against another checkout's, in alternating processes "
                 "(a refactor of the engine measured before it lands)"),
 }
