@@ -9,6 +9,13 @@ written on, the two agreed, and both moved by up to 2x between consecutive runs:
 many rounds, and more than one run, before reading a few percent into it). It reports each side's
 median seconds per token and the median of the per-round ratios, and checks that both gave the same
 tokens. A refactor of the engine is measured this way before it lands.
+
+``--instructions``: instead of time, the instructions one decode step executes, counted by valgrind's
+callgrind (which must be installed): each side generates ``SHORT`` and then ``--tokens`` tokens under it, and
+the difference over the extra tokens is one step's count, the start-up and the prompt cancelling. A count
+does not move with the machine's load, so a few percent are visible in one run; it weighs an instruction
+alike whatever it waits for, so it sees the Python and dispatch work around the products (what a refactor
+changes), not the weights' memory traffic (the same on both sides).
 """
 
 from __future__ import annotations
@@ -16,8 +23,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
+import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 from ar_lab.base.args import positive_int
@@ -47,6 +57,47 @@ def add_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tokens", type=int, default=500, help="new tokens per generation (default 500)")
     p.add_argument("--rounds", type=int, default=7, help="turns each side takes (default 7)")
     p.add_argument("--prompt", default="Python ", help="prompt text (default 'Python ')")
+    p.add_argument("--instructions", action="store_true",
+                   help="count each side's instructions per decode step with valgrind's callgrind, not time")
+
+
+SHORT = 20  # tokens of the shorter run whose count --instructions subtracts
+
+
+def _instructions(root: Path, prompt: str, tokens: int) -> int:
+    """Instructions a run of ``_SIDE`` for ``tokens`` new tokens executes in the side at ``root`` (callgrind)."""
+    env = {**os.environ, "PYTHONPATH": str(root), "OMP_NUM_THREADS": "1", "PYTHONHASHSEED": "0"}
+    with tempfile.TemporaryDirectory() as tmp:
+        done = subprocess.run(["valgrind", "--tool=callgrind", f"--callgrind-out-file={tmp}/out",
+                               sys.executable, "-c", _SIDE, prompt, str(tokens)],
+                              env=env, cwd=root, capture_output=True, text=True, check=False)
+    found = re.search(r"Collected : (\d+)", done.stderr)
+    if done.returncode != 0 or found is None:
+        raise RuntimeError(f"the side in {root} failed under callgrind:\n{done.stderr[-2000:]}")
+    return int(found.group(1))
+
+
+def instructions_benchmark(other: Path, *, tokens: int, prompt: str, say=print) -> dict:
+    """Instructions per decode step of each side: (count at ``tokens`` - count at ``SHORT``) / the difference."""
+    if shutil.which("valgrind") is None:
+        raise BadValue("--instructions needs valgrind (e.g. apt-get install valgrind)", arg="instructions")
+    if tokens <= SHORT:
+        raise BadValue(f"--instructions needs --tokens above {SHORT}, got {tokens}", arg="tokens")
+    here = Path(__file__).resolve().parents[2]
+    per_step = {}
+    for name, root in (("this tree", here), ("other", other)):
+        counts = [_instructions(root, prompt, n) for n in (SHORT, tokens)]
+        per_step[name] = (counts[1] - counts[0]) / (tokens - SHORT)
+        say(f"{name}: {per_step[name]:,.0f} instructions per decode step")
+    return {
+        "benchmark": "against",
+        "other": str(other),
+        "tokens": tokens,
+        "counter": "valgrind callgrind, instructions (Ir) of the whole process, 1 thread, PYTHONHASHSEED=0",
+        "instructions_per_step": per_step,
+        "this_over_other_instructions": per_step["this tree"] / per_step["other"],
+        "machine": machine(),
+    }
 
 
 def _side(root: Path, prompt: str, tokens: int) -> dict:
@@ -91,6 +142,10 @@ def against_benchmark(other: Path, *, tokens: int, rounds: int, prompt: str, say
 
 
 def format_against(res: dict) -> str:
+    if "instructions_per_step" in res:
+        rows = [[name, f"{n:,.0f}"] for name, n in res["instructions_per_step"].items()]
+        table = format_table(["side", "instructions per decode step (callgrind)"], rows)
+        return f"{table}\nthis tree / other: {res['this_over_other_instructions']:.3f}"
     rows = [[name, f"{s * 1e3:.3f}"] for name, s in res["s_per_token"].items()]
     table = format_table(["side", "ms per token (median, CPU time)"], rows)
     return (f"{table}\nthis tree / other, median of the per-round ratios: {res['this_over_other_median_ratio']:.3f}"
@@ -104,6 +159,9 @@ def run(args: argparse.Namespace) -> dict:
     if not (other / "ar_lab" / "__init__.py").is_file() or not (other / "data" / "course.safetensors").exists():
         raise BadValue(f"--checkout {other} is not an ar_lab checkout with its data/course.safetensors",
                        arg="checkout")
-    res = against_benchmark(other, tokens=args.tokens, rounds=args.rounds, prompt=args.prompt)
+    if getattr(args, "instructions", False):
+        res = instructions_benchmark(other, tokens=args.tokens, prompt=args.prompt)
+    else:
+        res = against_benchmark(other, tokens=args.tokens, rounds=args.rounds, prompt=args.prompt)
     print(format_against(res))
     return res
