@@ -102,14 +102,16 @@ def attend(
     *rows, _ = h.shape  # (B, T); none for the lean step's one vector (one token of one sequence)
     B, T = rows or (1, 1)
     # Heads side by side -> heads as a dimension: (B, T, (H + 2 H_kv) D) -> (B, H + 2 H_kv, T, D); q, k, v are
-    # consecutive head ranges (one view and one transpose: rearrange's parsing would cost a decode step time).
-    qkv = w.qkv(h).view(B, T, spec.n_head + 2 * spec.n_kv, spec.head_dim).transpose(1, 2)
+    # consecutive head ranges (one view and one transpose: rearrange's parsing would cost a decode step time;
+    # for one position the view alone, the transpose moving a dimension of size 1).
+    N = spec.n_head + 2 * spec.n_kv
+    qkv = w.qkv(h).view(B, N, 1, spec.head_dim) if T == 1 else w.qkv(h).view(B, T, N, spec.head_dim).transpose(1, 2)
     q, k, v = qkv.split_with_sizes(spec.split, 1)  # (B, H, T, D), (B, H_kv, T, D), (B, H_kv, T, D)
     if spec.rope is not None:
         q, k = spec.rope(q, pos), spec.rope(k, pos)
     store.write(layer, k, v, pos)
     y = store.attend(layer, q, pos, spec.span, mask, dropout=dropout)  # (B, H, T, D)
-    return w.proj(y.transpose(1, 2).reshape(h.shape))  # heads back side by side
+    return w.proj((y if T == 1 else y.transpose(1, 2)).reshape(h.shape))  # heads back side by side
 
 
 def mlp(h: torch.Tensor, fc: Layer, proj: Layer, gated: bool) -> torch.Tensor:
