@@ -36,7 +36,7 @@ $(DEV_STAMP): requirements/dev.txt $(COURSE_STAMP)
 	touch $@
 
 lab: $(COURSE_STAMP)
-	$(BIN)/python -m ar_lab.course.exercises release --out course
+	$(BIN)/python -m ar_lab.course.grading.exercises release --out course
 	$(BIN)/jupyter lab $(if $(filter 0,$(shell id -u)),--allow-root) course/00_start_here.ipynb
 
 lint: $(DEV_STAMP)
@@ -72,9 +72,9 @@ bench: $(DEV_STAMP)
 grading-course: sandbox-tool
 	@test -n "$(DIR)" || { echo "usage: make grading-course DIR=folder [CHAPTER=06]"; exit 2; }
 	@$(MAKE) --no-print-directory $(DEV_STAMP)
-	$(BIN)/python -m ar_lab.course.exercises course "$(DIR)" $(foreach c,$(CHAPTER),--chapter $(c))
+	$(BIN)/python -m ar_lab.course.grading.exercises course "$(DIR)" $(foreach c,$(CHAPTER),--chapter $(c))
 
-# Grading runs learner code in a bubblewrap sandbox (ar_lab/course/jail.py, INSTRUCTORS.md): Debian's bubblewrap,
+# Grading runs learner code in a bubblewrap sandbox (ar_lab/course/grading/jail.py, INSTRUCTORS.md): Debian's bubblewrap,
 # installed here when it is missing and apt-get can (as root, or with sudo without a password). Where it cannot,
 # a warning: nbgrader autograde and the grading step then refuse to run learner code unless AR_LAB_SANDBOX=off.
 sandbox-tool:
@@ -104,7 +104,7 @@ test-class: sandbox-tool $(CLASS_STAMP) $(CHP_STAMP)
 
 # Seconds of nbgrader autograde + the grading step per submission, every chapter (INSTRUCTORS.md's table).
 grading-time: sandbox-tool $(DEV_STAMP)
-	$(BIN)/python -m ar_lab.course.grading_time --no-once --parallel-chapter 05 --students 2 --processes 2 \
+	$(BIN)/python -m ar_lab.course.grading.timing --no-once --parallel-chapter 05 --students 2 --processes 2 \
 		--json data/grading_time.json --write INSTRUCTORS.md
 
 # The static site (site/, Jupyter Book 2 from requirements/site.txt on the machine's Node.js): the student

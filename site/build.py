@@ -1,7 +1,7 @@
 """Build the course's static site with Jupyter Book 2: ``make site`` runs ``python site/build.py``.
 
 Writes the MyST project into build/site/ (never into notebooks/): the student version of every
-notebook, as a learner gets it (``ar_lab.course.exercises.student_version``: solutions stubbed, hidden
+notebook, as a learner gets it (``ar_lab.course.grading.exercises.student_version``: solutions stubbed, hidden
 tests removed), with the committed outputs of every cell but the answer cells; the glossary; index.md,
 the landing page, made from README.md (its start and the course map) so the two cannot drift; and
 myst.yml (site/myst.yml with the table of contents written from notebooks/). Then it runs
@@ -34,7 +34,7 @@ NEED_NODE = "make site needs Node.js 18, 20 or 22+ (node and npm): apt-get insta
 
 def site_notebook(nb: nbformat.NotebookNode) -> nbformat.NotebookNode:
     """The student version of ``nb`` with the committed outputs of every cell that is not an answer cell."""
-    from ar_lab.course.exercises import nbgrader_meta, student_version  # imports torch: not before check_node
+    from ar_lab.course.grading.exercises import nbgrader_meta, student_version  # imports torch: not before check_node
 
     page = student_version(nb)
     for source, cell in zip(nb.cells, page.cells, strict=True):

@@ -6,13 +6,13 @@ import pytest
 import torch
 from hypothesis import settings
 
-from ar_lab.course import jail
+from ar_lab.course.grading import jail
 from ar_lab.model.gpt import GPT, GPTConfig
 
 settings.register_profile("ar_lab", deadline=None, max_examples=30, derandomize=True)
 settings.load_profile("ar_lab")
 
-# Grading confines learner code with bubblewrap (ar_lab.course.jail), which .ci/run installs on Linux. Where it
+# Grading confines learner code with bubblewrap (ar_lab.course.grading.jail), which .ci/run installs on Linux. Where it
 # cannot run (macOS; a Linux without user namespaces), the grading tests opt out as an instructor would, and the
 # tests of the sandbox itself are skipped, saying why.
 if not jail.available() and jail.enabled():

@@ -1,7 +1,7 @@
 """Answers that only call the package's reference (or PyTorch's ready-made kernel) for each exercise.
 
 Each would pass its graded test if nothing stopped it; ``tests/test_delegation.py`` proves that
-``ar_lab.course.checks.no_delegation`` makes every one of them fail. Keyed by the solution cell's grade_id.
+``ar_lab.course.checkers.checks.no_delegation`` makes every one of them fail. Keyed by the solution cell's grade_id.
 """
 
 DELEGATING = {
@@ -33,7 +33,7 @@ def my_generate(model, prompt, max_new_tokens, eos_id=EOS_ID):
     "ch02-embeddings": """
 def embed(idx, wte, wpe):
     from ar_lab.model.gpt import GPT, GPTConfig
-    from ar_lab.course.model_checks import record_calls
+    from ar_lab.course.checkers.model_checks import record_calls
     gpt = GPT(GPTConfig(vocab_size=wte.shape[0], block_size=wpe.shape[0], n_layer=1, n_head=1, n_embd=wte.shape[1]))
     gpt.wte.weight.data, gpt.wpe.weight.data = wte, wpe
     return record_calls(gpt, lambda: gpt(idx))["blocks.0"][0]

@@ -36,7 +36,7 @@ def raises(kind: type[BaseException], arg: str | None) -> Iterator[pytest.Except
 @contextlib.contextmanager
 def delegated(to: str = "") -> Iterator[pytest.ExceptionInfo]:
     """``pytest.raises(Delegated)`` whose ``reference`` (what the learner's code reached) contains ``to``."""
-    from ar_lab.course.checks import Delegated
+    from ar_lab.course.checkers.checks import Delegated
 
     with pytest.raises(Delegated) as info:
         yield info
@@ -47,7 +47,7 @@ def delegated(to: str = "") -> Iterator[pytest.ExceptionInfo]:
 def mistaken(named: str) -> Iterator[pytest.ExceptionInfo]:
     """``pytest.raises(CheckFailed)`` for an answer the checker recognised as a named mistake: its ``mistake``
     (the mistake's description, the key of a ``*_mistakes`` table) contains ``named``."""
-    from ar_lab.course.checks import CheckFailed
+    from ar_lab.course.checkers.checks import CheckFailed
 
     with pytest.raises(CheckFailed) as info:
         yield info

@@ -36,8 +36,8 @@ import torch
 
 from ar_lab.base import timing
 from ar_lab.base.errors import ArLabError, BadType, BadValue, ContextFull
-from ar_lab.course import kv_calculator, quiz, speculative_view, widgets
-from ar_lab.course.sampler_view import sampler_view
+from ar_lab.course.views import kv_calculator, quiz, speculative_view, widgets
+from ar_lab.course.views.sampler_view import sampler_view
 from ar_lab.engine import beam, lean, prefix_cache, prompts, sampling, serving, speculative
 from ar_lab.engine.generate import generate, sample_batch, stream, token_steps
 from ar_lab.engine.lean import NotLean
@@ -1146,7 +1146,7 @@ COMMANDS = [
 # exercises.py is being rewritten by another helper (issue 20): probed, not fixed here.
 EXERCISES = [
     Command(
-        "ar_lab.course.exercises",
+        "ar_lab.course.grading.exercises",
         ["release", "--chapter", "abc", "--out", "OUT"],
         "chapter",
         {"OUT": lambda: str(f("released"))},

@@ -32,7 +32,7 @@ import pytest
 import torch
 
 from ar_lab.base.errors import BadType, BadValue, ContextFull
-from ar_lab.course import exercises
+from ar_lab.course.grading import exercises
 from ar_lab.engine import serving, speculative
 from ar_lab.engine.quant import quantize_model
 from ar_lab.engine.serving import Request
@@ -335,7 +335,7 @@ def test_release_refuses_an_empty_choice(tmp_path, monkeypatch, kwargs, arg):
 
 # --- command lines: one error line and exit 2, before any work --------------------------------
 
-BENCH, TRAIN, EXERCISES = "ar_lab.bench", "ar_lab.model.train", "ar_lab.course.exercises"
+BENCH, TRAIN, EXERCISES = "ar_lab.bench", "ar_lab.model.train", "ar_lab.course.grading.exercises"
 
 
 @dataclass(frozen=True)

@@ -16,10 +16,10 @@ import pytest
 import torch
 
 from ar_lab.base.errors import ArLabError, BadType, BadValue, ContextFull
-from ar_lab.course import gpu_view as gv
-from ar_lab.course.claims import ClaimFailed, claim, magnitude, plural, say
-from ar_lab.course.gpu_explorer import GPUExplorer, format_time, scenario_html
-from ar_lab.course.quant_view import quant_explorer, quant_view, weight_bytes
+from ar_lab.course.checkers.claims import ClaimFailed, claim, magnitude, plural, say
+from ar_lab.course.views import gpu_view as gv
+from ar_lab.course.views.gpu_explorer import GPUExplorer, format_time, scenario_html
+from ar_lab.course.views.quant_view import quant_explorer, quant_view, weight_bytes
 from ar_lab.model.gpt import GPT, GPTConfig
 from ar_lab.perf import gpus
 from ar_lab.perf import llm_costs as lc

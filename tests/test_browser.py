@@ -38,7 +38,7 @@ from pathlib import Path
 
 import pytest
 
-from ar_lab.course.quiz import questions
+from ar_lab.course.views.quiz import questions
 
 pytestmark = pytest.mark.browser
 
@@ -71,7 +71,7 @@ def browser_copy(source: Path, target: Path) -> None:
     cells that change what those bind (e.g. set an explorer's controls from code) and what all of them need."""
     import nbformat
 
-    from ar_lab.course.cells import changes, cut, names
+    from ar_lab.course.grading.cells import changes, cut, names
 
     nb = nbformat.read(source, as_version=4)
     if source.name != FULL_RUN:
@@ -394,8 +394,8 @@ def test_kv_cache_calculator_shows_ar_lab_sizes_as_the_controls_change(ran):
 def test_gpu_explorer_shows_ar_lab_predictions_as_the_controls_change(ran):
     from playwright.sync_api import expect
 
-    from ar_lab.course.gpu_explorer import format_time
-    from ar_lab.course.gpu_view import gpu_scenario
+    from ar_lab.course.views.gpu_explorer import format_time
+    from ar_lab.course.views.gpu_view import gpu_scenario
 
     nb = ran("05_prefill_vs_decode.ipynb")
     ex = widget_output(nb, "decode context")
@@ -452,7 +452,7 @@ def test_quant_explorer_shows_ar_lab_errors_and_refuses_a_bad_group_size(ran):
     from playwright.sync_api import expect
 
     import ar_lab
-    from ar_lab.course.quant_view import check_group_size, group_error
+    from ar_lab.course.views.quant_view import check_group_size, group_error
 
     nb = ran("09_quantization.ipynb")
     ex = widget_output(nb, "group size")
@@ -700,7 +700,7 @@ def test_the_quizzes_of_the_chapters_without_another_widget_run_in_one_page(lab)
     assert len(QUIZ_ONLY) >= 2, "the chapters whose only widget is the quiz"
     chapters = sorted(QUIZ_ONLY)
     name = generated_notebook(lab, "zz_quizzes.ipynb",
-                              ["from ar_lab.course.quiz import show", *(f'show("{ch}")' for ch in chapters)])
+                              ["from ar_lab.course.views.quiz import show", *(f'show("{ch}")' for ch in chapters)])
     try:
         nb = lab.notebook(name, 120)
         assert not nb.run.problems, nb.run.problems
@@ -735,7 +735,7 @@ def test_run_all_reaches_the_end_of_a_student_version(lab):
     learner's piece run on ar_lab's and say so."""
     import nbformat
 
-    from ar_lab.course.exercises import nbgrader_meta, student_version
+    from ar_lab.course.grading.exercises import nbgrader_meta, student_version
 
     chapter = "02_attention_and_the_causal_mask.ipynb"
     student = student_version(nbformat.read(ROOT / "notebooks" / chapter, as_version=4))

@@ -5,7 +5,7 @@ import pytest
 from nbformat.v4 import new_code_cell, new_markdown_cell, new_notebook
 
 from ar_lab.base.errors import BadType, BadValue
-from ar_lab.course.cells import changes, cut, names
+from ar_lab.course.grading.cells import changes, cut, names
 from tests.raising import raises
 
 
@@ -67,7 +67,7 @@ def test_cut_refuses_what_is_not_a_notebook():
 def test_cut_of_every_chapter_keeps_its_exercises_in_order():
     from pathlib import Path
 
-    from ar_lab.course.exercises import exercises_only, graded_cells, nbgrader_meta
+    from ar_lab.course.grading.exercises import exercises_only, graded_cells, nbgrader_meta
 
     for path in sorted((Path(__file__).resolve().parent.parent / "notebooks").glob("[0-9][0-9]*_*.ipynb")):
         nb = nbformat.read(path, as_version=4)

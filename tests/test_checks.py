@@ -7,8 +7,8 @@ import torch
 import torch.nn.functional as F
 
 from ar_lab.base.errors import BadValue
-from ar_lab.course import checks
-from ar_lab.course.checks import (
+from ar_lab.course.checkers import checks
+from ar_lab.course.checkers.checks import (
     CheckFailed,
     Delegated,
     check_cases,
@@ -283,7 +283,7 @@ def test_yours_or_ours_follows_the_verdict_of_the_exercises_test(capsys):
     """A later cell gets the learner's piece only once its test passed on that very object."""
     import pytest
 
-    from ar_lab.course.checks import CheckFailed, check_equal, exercise_passed, no_delegation, yours_or_ours
+    from ar_lab.course.checkers.checks import CheckFailed, check_equal, exercise_passed, no_delegation, yours_or_ours
 
     def double(x):
         return 2 * x

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from ar_lab.base.errors import BadType, BadValue
-from ar_lab.course.claims import ClaimFailed, claim, magnitude, plural, timed_claim
+from ar_lab.course.checkers.claims import ClaimFailed, claim, magnitude, plural, timed_claim
 from tests.raising import raises
 
 

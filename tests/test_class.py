@@ -18,7 +18,7 @@ websocket) would add a websocket client and prove nothing more about nbgrader: t
 in the same home with the same environment.
 
 The chapter is 00, cut to its exercises (as tests/test_grading.py): the instructor lays out the course
-(``python -m ar_lab.course.exercises course``), generates and releases it; each learner fetches it; one
+(``python -m ar_lab.course.grading.exercises course``), generates and releases it; each learner fetches it; one
 solves it, one gives a wrong answer to the first exercise (code points instead of UTF-8 bytes), one submits it
 untouched; the instructor collects, autogrades, runs the course's grading step (``python -m
 ar_lab.course.grading``), generates and releases feedback; each learner fetches theirs.
@@ -58,7 +58,7 @@ from pathlib import Path
 import nbformat
 import pytest
 
-from ar_lab.course.exercises import NOTEBOOKS, exercises_only, nbgrader_meta
+from ar_lab.course.grading.exercises import NOTEBOOKS, exercises_only, nbgrader_meta
 
 if os.environ.get("AR_LAB_CLASS_TEST") != "1":
     pytest.skip("the JupyterHub class test runs with `make test-class`", allow_module_level=True)
@@ -275,7 +275,7 @@ def _term(hub: Hub) -> dict:
     cut.mkdir()
     source = exercises_only(nbformat.read(NOTEBOOKS / f"{ASSIGNMENT}.ipynb", as_version=4))
     nbformat.write(source, cut / f"{ASSIGNMENT}.ipynb")
-    hub.run(INSTRUCTOR, "python", "-m", "ar_lab.course.exercises", "course", "course", "--src", "cut",
+    hub.run(INSTRUCTOR, "python", "-m", "ar_lab.course.grading.exercises", "course", "course", "--src", "cut",
             "--chapter", "00", "--timeout", "30")
     hub.run(INSTRUCTOR, "nbgrader", "generate_assignment", ASSIGNMENT, cwd=course)
     hub.run(INSTRUCTOR, "nbgrader", "release_assignment", ASSIGNMENT, cwd=course)

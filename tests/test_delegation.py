@@ -1,6 +1,6 @@
 """No graded exercise can be passed by calling the package (or PyTorch's ready-made kernel).
 
-Every graded test runs the learner's code inside ``ar_lab.course.checks.no_delegation``, which makes
+Every graded test runs the learner's code inside ``ar_lab.course.checkers.checks.no_delegation``, which makes
 the package's reference for that exercise raise when the learner's code calls it. Here each
 chapter's exercises (``exercises_only``: answers, tests and the cells they need) are executed
 with every solution replaced by an answer that only delegates
@@ -16,10 +16,10 @@ from pathlib import Path
 import nbformat
 import pytest
 
-from ar_lab.course import grading
-from ar_lab.course.exercises import execute, exercises_only, grade, graded_cells, nbgrader_meta
-from ar_lab.course.forbidden import FORBIDDEN
-from ar_lab.course.grading import Plan, judge_notebook
+from ar_lab.course.grading import judge as grading
+from ar_lab.course.grading.exercises import execute, exercises_only, grade, graded_cells, nbgrader_meta
+from ar_lab.course.grading.forbidden import FORBIDDEN
+from ar_lab.course.grading.judge import Plan, judge_notebook
 from tests.conftest import one_thread_env
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -53,7 +53,7 @@ def test_every_graded_test_runs_the_learners_code_under_no_delegation():
 
 
 def test_each_graded_test_names_its_own_forbid_list_and_every_list_is_used():
-    """The forbid lists live in the course layer (ar_lab.course.forbidden); a test cell names its own."""
+    """The forbid lists live in the course layer (ar_lab.course.grading.forbidden); a test cell names its own."""
     named = {}
     for path in WITH_EXERCISES:
         for cell in nbformat.read(path, as_version=4).cells:
@@ -62,7 +62,8 @@ def test_each_graded_test_names_its_own_forbid_list_and_every_list_is_used():
                 for key in re.findall(r'forbid="([^"]+)"', cell.source):
                     assert key == gid, f"{gid}'s test forbids what {key} forbids"
                     named[key] = path.name
-                assert "forbid=[" not in cell.source, f"{gid}: its forbid list belongs in ar_lab/course/forbidden.py"
+                assert "forbid=[" not in cell.source, (
+                    f"{gid}: its forbid list belongs in ar_lab/course/grading/forbidden.py")
     assert set(named) == set(FORBIDDEN), f"forbid lists no test names: {sorted(set(FORBIDDEN) - set(named))}"
 
 

@@ -14,8 +14,8 @@ import nbformat
 import pytest
 
 from ar_lab.base.errors import BadValue
-from ar_lab.course.cells import names
-from ar_lab.course.exercises import (
+from ar_lab.course.grading.cells import names
+from ar_lab.course.grading.exercises import (
     CODE_STUB,
     cell_checksum,
     execute,
@@ -93,7 +93,8 @@ def test_a_correct_answer_that_makes_torch_warn_keeps_its_points(tmp_path):
         "    return float(loss)\n    ### END SOLUTION"
     )
     answer.metadata["nbgrader"] = {"solution": True, "grade": False, "grade_id": "step", "locked": False}
-    guarded = "from ar_lab.course.checks import no_delegation\n\nwith no_delegation(train_step, exercise='step'):\n"
+    guarded = ("from ar_lab.course.checkers.checks import no_delegation\n\n"
+               "with no_delegation(train_step, exercise='step'):\n")
     guarded += "    assert train_step(torch.ones(3, requires_grad=True)) == 6.0"
     test = new_code_cell(guarded)
     test.metadata["nbgrader"] = {"solution": False, "grade": True, "grade_id": "step-test", "points": 3, "locked": True}
@@ -142,7 +143,7 @@ def test_release_refuses_the_source_folder_however_it_is_spelled(tmp_path, monke
 
 
 def test_release_command_line(tmp_path, capsys):
-    from ar_lab.course.exercises import main
+    from ar_lab.course.grading.exercises import main
 
     assert main(["release", "--chapter", "00", "--out", str(tmp_path / "c")]) == 0
     assert sorted(p.name for p in (tmp_path / "c").iterdir()) == ["00_start_here.ipynb", "glossary.md"]
@@ -243,7 +244,7 @@ def test_the_installed_package_carries_no_solution(tmp_path):
     import sys
     import zipfile
 
-    from ar_lab.course.exercises import _SOLUTION
+    from ar_lab.course.grading.exercises import _SOLUTION
 
     root = Path(__file__).resolve().parent.parent
     subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", str(root),
@@ -302,7 +303,7 @@ def my_sample(logits, params, generator=None):
 def test_a_wrong_sampler_fails_the_distribution_comparison(mistake):
     """Chapter 06's whole-sampler exercise, answered with a classic mistake: its graded test fails at the
     setting that exposes it (the distribution, or the draws), while the other exercises keep passing."""
-    from ar_lab.course.exercises import exercises_only
+    from ar_lab.course.grading.exercises import exercises_only
 
     path = NOTEBOOKS / "06_sampling.ipynb"
     nb = nbformat.read(path, as_version=4)
@@ -312,7 +313,7 @@ def test_a_wrong_sampler_fails_the_distribution_comparison(mistake):
     results = {r.grade_id: r for r in grade(execute(exercises_only(nb), path.parent))}
     verdict = results["ch06-sampler-tests"]
     assert not verdict.passed and verdict.error.startswith("CheckFailed") and where in verdict.error, verdict.error
-    if mistake.startswith("min-p"):  # a mistake ar_lab.course.mistakes knows is named
+    if mistake.startswith("min-p"):  # a mistake ar_lab.course.checkers.mistakes knows is named
         assert "what min-p before the temperature (on the untempered distribution) gives" in verdict.error
     assert all(r.passed for gid, r in results.items() if gid != "ch06-sampler-tests"), results
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import nbformat
 import pytest
 
-from ar_lab.course.exercises import NOTEBOOKS, nbgrader_meta
+from ar_lab.course.grading.exercises import NOTEBOOKS, nbgrader_meta
 
 
 def _notebook(cells) -> nbformat.NotebookNode:
@@ -42,8 +42,8 @@ class _Gradebook:
 
 
 def test_the_gradebook_gets_a_zero_only_where_the_kernel_gave_points_and_no_person_graded():
-    from ar_lab.course.exercises import CellResult
-    from ar_lab.course.grading import COMMENT, Plan, record_verdicts
+    from ar_lab.course.grading.exercises import CellResult
+    from ar_lab.course.grading.judge import COMMENT, Plan, record_verdicts
 
     tests = ["a-tests", "b-tests", "c-tests", "d-tests"]
     plan = Plan("nb", None, None, tests, {}, {t: t.removesuffix("-tests") for t in tests})
@@ -68,7 +68,7 @@ def test_the_gradebook_gets_a_zero_only_where_the_kernel_gave_points_and_no_pers
 
 
 SYNTHETIC = [  # (nbgrader metadata or None, source): a setup cell, three exercises and cells between
-    (None, "import torch\nfrom ar_lab.course.checks import check_close, check_equal, no_delegation"),
+    (None, "import torch\nfrom ar_lab.course.checkers.checks import check_close, check_equal, no_delegation"),
     ({"solution": True, "grade_id": "layer"}, "class Layer(torch.nn.Module):\n    ### BEGIN SOLUTION\n"
                                               "    def forward(self, x):\n        return x\n    ### END SOLUTION"),
     ({"grade": True, "grade_id": "layer-tests", "points": 1},
@@ -89,7 +89,7 @@ SYNTHETIC = [  # (nbgrader metadata or None, source): a setup cell, three exerci
 
 
 def test_the_judge_notebook_holds_handles_for_the_answers_and_an_answer_process_per_test():
-    from ar_lab.course.grading import judge_notebook
+    from ar_lab.course.grading.judge import judge_notebook
 
     judge, tests, answers = judge_notebook(_notebook(SYNTHETIC))
     assert tests == ["layer-tests", "double-tests", "grad-tests"]
@@ -106,7 +106,7 @@ def test_the_judge_notebook_holds_handles_for_the_answers_and_an_answer_process_
 
 
 def test_an_answer_program_runs_the_learners_cells_only_and_reads_the_rest_from_the_judge():
-    from ar_lab.course.grading import answer_programs
+    from ar_lab.course.grading.judge import answer_programs
 
     source = _notebook(SYNTHETIC)
     submission = _notebook(SYNTHETIC)
@@ -125,7 +125,7 @@ def test_an_answer_program_runs_the_learners_cells_only_and_reads_the_rest_from_
 def test_the_judge_binds_for_the_answer_only_names_the_instructors_cells_bind():
     """Issue 66: an answer that reads the shell's own names (get_ipython, In, Out, open, exit) gets none of the
     judge's: a handle on its get_ipython would run code in the judge's shell."""
-    from ar_lab.course.grading import answer_programs
+    from ar_lab.course.grading.judge import answer_programs
 
     source = _notebook(SYNTHETIC)
     submission = _notebook(SYNTHETIC)
@@ -136,7 +136,7 @@ def test_the_judge_binds_for_the_answer_only_names_the_instructors_cells_bind():
 
 @pytest.mark.slow
 def test_the_instructors_solution_settles_which_tests_keep_the_kernels_verdict(tmp_path):
-    from ar_lab.course.grading import plan
+    from ar_lab.course.grading.judge import plan
 
     nbformat.write(_notebook(SYNTHETIC), tmp_path / "synthetic.ipynb")
     p = plan(tmp_path / "synthetic.ipynb", timeout=60)
@@ -146,7 +146,7 @@ def test_the_instructors_solution_settles_which_tests_keep_the_kernels_verdict(t
 
 
 def test_the_command_refuses_a_folder_without_the_assignment_or_its_autograde(tmp_path, capsys):
-    from ar_lab.course.grading import main
+    from ar_lab.course.grading.judge import main
 
     assert main([str(tmp_path), "02_attention_and_the_causal_mask"]) == 2
     assert "no notebook in" in capsys.readouterr().err
@@ -180,8 +180,8 @@ def test_the_tests_instructors_md_says_keep_the_kernels_verdict_are_those_the_co
 ):
     """INSTRUCTORS.md names the tests whose verdict the fresh run cannot judge: the command's own plan of each
     chapter (cut to its exercises, run with the solutions) finds exactly those of that chapter."""
-    from ar_lab.course.exercises import exercises_only
-    from ar_lab.course.grading import plan
+    from ar_lab.course.grading.exercises import exercises_only
+    from ar_lab.course.grading.judge import plan
 
     monkeypatch.setenv("OMP_NUM_THREADS", "1")  # the plan's kernels only grade (tests/conftest.py: one_thread_env)
     nb = nbformat.read(path, as_version=4)
@@ -208,15 +208,15 @@ def _config(folder, *lines):
     ([], 30),  # nbgrader's own default
 ], ids=["float", "expression", "none", "last-wins", "default"])
 def test_the_grading_step_reads_the_time_limit_as_nbgrader_does(tmp_path, lines, seconds):
-    from ar_lab.course.grading import course_settings
+    from ar_lab.course.grading.judge import course_settings
 
     folder = _config(tmp_path / "course", *lines)
     assert course_settings(folder) == (seconds, f"sqlite:///{(folder / 'gradebook.db').resolve()}", False)
 
 
 def test_the_grading_step_sees_whether_autograde_ran_in_the_sandbox(tmp_path):
-    from ar_lab.course.exercises import course
-    from ar_lab.course.grading import course_settings
+    from ar_lab.course.grading.exercises import course
+    from ar_lab.course.grading.judge import course_settings
 
     folder = tmp_path / "course"
     course(folder, chapters=["00"], timeout=7)
@@ -243,7 +243,7 @@ def _course(folder, *config, gradebook=True):
     ([], "read-only", "is read-only"),
 ], ids=["zero", "negative", "text", "no-gradebook", "read-only-gradebook"])
 def test_a_bad_limit_or_an_unwritable_gradebook_is_an_error_exit(tmp_path, capsys, config, gradebook, error):
-    from ar_lab.course.grading import main
+    from ar_lab.course.grading.judge import main
 
     folder = _course(tmp_path / "course", *config, gradebook=gradebook != "missing")
     if gradebook == "read-only":

@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 import ar_lab
 import ar_lab.engine.prompts
 from ar_lab.base.errors import BadType, BadValue, ContextFull
-from ar_lab.course.sampler_view import sampler_view
+from ar_lab.course.views.sampler_view import sampler_view
 from ar_lab.engine.generate import generate, sample_batch, stream, token_steps
 from ar_lab.engine.sampling import GREEDY, SamplingParams, probabilities
 from ar_lab.model.cache import KVCache, common_prefix_length
@@ -262,7 +262,7 @@ def test_sampler_view_is_a_pure_function_of_its_arguments(tiny_model):
 @pytest.mark.slow
 def test_sampler_explorer_widget_headless(tiny_model):
     pytest.importorskip("ipywidgets")
-    from ar_lab.course.widgets import sampler_explorer
+    from ar_lab.course.views.widgets import sampler_explorer
 
     w = sampler_explorer(tiny_model, prompt="hello", n_samples=2, max_new_tokens=5)
     assert w.view.n_kept == tiny_model.config.vocab_size and w.error == ""

@@ -6,8 +6,8 @@ import matplotlib.pyplot as plt
 import pytest
 
 from ar_lab.base.errors import BadValue, ContextFull
-from ar_lab.course import gpu_view as gv
-from ar_lab.course.gpu_explorer import GPUExplorer, format_time
+from ar_lab.course.views import gpu_view as gv
+from ar_lab.course.views.gpu_explorer import GPUExplorer, format_time
 from ar_lab.model.gpt import GPTConfig
 from ar_lab.perf import gpus, measure
 from ar_lab.perf import llm_costs as lc

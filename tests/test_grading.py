@@ -21,7 +21,14 @@ import nbformat
 import pytest
 
 from ar_lab.base.errors import BadValue
-from ar_lab.course.exercises import NOTEBOOKS, course, graded_cells, nbgrader_config, nbgrader_meta, student_version
+from ar_lab.course.grading.exercises import (
+    NOTEBOOKS,
+    course,
+    graded_cells,
+    nbgrader_config,
+    nbgrader_meta,
+    student_version,
+)
 from tests.conftest import one_thread_env
 from tests.raising import raises
 
@@ -101,7 +108,7 @@ def test_course_never_writes_into_the_source_notebooks(tmp_path):
 
 
 def test_course_command_line(tmp_path, capsys):
-    from ar_lab.course.exercises import main
+    from ar_lab.course.grading.exercises import main
 
     assert main(["course", str(tmp_path / "g"), "--chapter", "00", "--timeout", "30"]) == 0
     assert "c.Execute.timeout = 30" in (tmp_path / "g" / "nbgrader_config.py").read_text()
@@ -185,7 +192,7 @@ def _scores(folder):
 @pytest.fixture(scope="module")
 def graded(tmp_path_factory):
     """Lay out the course, release, grade every submission once, regrade the renamed one, feedback, export."""
-    from ar_lab.course.exercises import exercises_only
+    from ar_lab.course.grading.exercises import exercises_only
 
     root = tmp_path_factory.mktemp("graded")
     cut = root / "cut"  # the chapter cut to its exercises: eleven autograde runs of the experiments would add minutes
@@ -281,7 +288,7 @@ def test_renamed_submission_regraded_then_feedback_and_export(graded):
 @pytest.mark.slow
 def test_release_matches_nbgrader_generate_assignment_for_every_chapter(tmp_path):
     """nbgrader's generate_assignment (no gradebook needed) against ``release``, whole notebooks."""
-    from ar_lab.course.exercises import release
+    from ar_lab.course.grading.exercises import release
 
     snapshot = tmp_path / "notebooks"  # both read the same files, whatever happens to notebooks/ meanwhile
     snapshot.mkdir()

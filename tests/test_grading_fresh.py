@@ -20,8 +20,8 @@ import pytest
 from test_fresh_grading import GRADED_ELSEWHERE, kernel_only_in_instructors_md
 from test_grading import AUTOGRADE, EXPORT, FEEDBACK, GENERATE, _index, nbgrader
 
-from ar_lab.course import jail
-from ar_lab.course.exercises import NOTEBOOKS, course, graded_cells
+from ar_lab.course.grading import jail
+from ar_lab.course.grading.exercises import NOTEBOOKS, course, graded_cells
 from tests.conftest import one_thread_env
 
 GRADING = "python -m ar_lab.course.grading . {assignment}"  # the guide's step after autograde, from the course folder
@@ -29,7 +29,7 @@ CH01, CH02 = "01_the_autoregressive_loop", "02_attention_and_the_causal_mask"
 FLOAT_MASK = "def causal_mask(T: int) -> torch.Tensor:\n    return torch.ones(T, T).tril()"  # a float 0/1 mask: wrong
 TAMPERING = {
     # wrong answer + three lines that patch the checkers the test cell imports: the kernel passes it
-    "patched": FLOAT_MASK + "\nimport ar_lab.course.checks as grader\nok = lambda *args, **kwargs: None\n"
+    "patched": FLOAT_MASK + "\nimport ar_lab.course.checkers.checks as grader\nok = lambda *args, **kwargs: None\n"
                             "grader.check_dtype = grader.check_equal = grader.check_shape = ok",
     # wrong answer + an IPython AST transformer that wraps every later cell in try/except: the kernel passes it
     # (a handler set with set_custom_exc hides the traceback, but nbgrader 0.9.6 reads the error from the reply)
@@ -42,7 +42,7 @@ class Swallow(ast.NodeTransformer):
 get_ipython().ast_transformers.append(Swallow())""",
     # wrong answer + the same three lines run by the judge's own shell, if the answer process could reach it
     # (issue 66: the judge once bound its get_ipython for an answer that reads it); in the kernel, its own shell
-    "shell": FLOAT_MASK + "\ntry:\n    get_ipython().run_cell('import ar_lab.course.checks as grader\\n'\n"
+    "shell": FLOAT_MASK + "\ntry:\n    get_ipython().run_cell('import ar_lab.course.checkers.checks as grader\\n'\n"
                           "        'grader.check_dtype = grader.check_equal = grader.check_shape = '\n"
                           "        'lambda *a, **k: None')\nexcept Exception:\n    pass",
     # wrong answer + an input transformer that empties the test cell: nothing runs, nothing is recorded
@@ -176,7 +176,7 @@ def _fresh_submissions(assignment, source, released):
 @pytest.fixture(scope="module")
 def fresh(tmp_path_factory):
     """Chapters 01 and 02 (cut to their exercises) through generate, autograde, then the grading step, export."""
-    from ar_lab.course.exercises import exercises_only
+    from ar_lab.course.grading.exercises import exercises_only
 
     root = tmp_path_factory.mktemp("fresh")
     cut = root / "cut"
@@ -209,7 +209,8 @@ def fresh(tmp_path_factory):
                                extra_credit=extra_credit(folder))
     assert nbgrader(folder, FEEDBACK, assignment=CH02).returncode == 0
     assert nbgrader(folder, EXPORT).returncode == 0
-    report = subprocess.run([sys.executable, "-m", "ar_lab.course.report", str(folder)], capture_output=True, text=True)
+    report = subprocess.run([sys.executable, "-m", "ar_lab.course.grading.report", str(folder)],
+                            capture_output=True, text=True)
     out["report"] = report.stdout
     return out
 

@@ -10,8 +10,8 @@ import nbformat
 import pytest
 
 from ar_lab.base.errors import BadValue
-from ar_lab.course.exercises import NOTEBOOKS, graded_cells
-from ar_lab.course.grading_time import TABLE_END, TABLE_START, hours, main, table, write_table
+from ar_lab.course.grading.exercises import NOTEBOOKS, graded_cells
+from ar_lab.course.grading.timing import TABLE_END, TABLE_START, hours, main, table, write_table
 from tests.raising import raises
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -35,7 +35,7 @@ def test_the_results_cover_every_chapter_with_exercises():
 def test_instructors_md_shows_the_json():
     guide = (ROOT / "INSTRUCTORS.md").read_text()
     shown = guide.split(TABLE_START, 1)[1].split(TABLE_END, 1)[0].strip()
-    assert shown == table(json.loads(RESULTS.read_text())), "run python -m ar_lab.course.grading_time --write ..."
+    assert shown == table(json.loads(RESULTS.read_text())), "run python -m ar_lab.course.grading.timing --write ..."
 
 
 def test_hours_for_a_class():

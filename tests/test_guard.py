@@ -22,9 +22,9 @@ import torch
 import torch.nn.functional as F
 
 from ar_lab.base.errors import BadValue
-from ar_lab.course.checks import no_delegation, own_work
-from ar_lab.course.exercises import NOTEBOOKS, graded_cells
-from ar_lab.course.forbidden import FORBIDDEN
+from ar_lab.course.checkers.checks import no_delegation, own_work
+from ar_lab.course.grading.exercises import NOTEBOOKS, graded_cells
+from ar_lab.course.grading.forbidden import FORBIDDEN
 from ar_lab.engine import sampling
 from ar_lab.engine.sampling import filter_top_k
 from ar_lab.model.cache import KVCache
@@ -155,7 +155,7 @@ def test_an_unknown_operator_is_a_clear_error():
 
 def test_a_check_inside_the_block_keeps_the_outer_watch():
     """check_cases and own_work open their own block inside the test's: the test's forbid list still holds."""
-    from ar_lab.course.checks import check_cases
+    from ar_lab.course.checkers.checks import check_cases
 
     def delegating(logits, k):
         return filter_top_k(logits, k)

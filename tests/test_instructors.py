@@ -9,7 +9,7 @@ from pathlib import Path
 import nbformat
 import pytest
 
-from ar_lab.course.exercises import main as exercises_main
+from ar_lab.course.grading.exercises import main as exercises_main
 
 ROOT = Path(__file__).resolve().parent.parent
 GUIDE = (ROOT / "INSTRUCTORS.md").read_text()
@@ -53,10 +53,10 @@ def test_the_guides_nbgrader_commands_are_the_ones_the_end_to_end_test_runs():
 
 
 def test_the_guides_project_commands_exist(capsys):
-    shown = [line for line in COMMAND_LINES if "python -m ar_lab.course.exercises" in line]
-    assert {line.split("ar_lab.course.exercises ")[1].split()[0] for line in shown} == {"release", "course"}
+    shown = [line for line in COMMAND_LINES if "python -m ar_lab.course.grading.exercises" in line]
+    assert {line.split("ar_lab.course.grading.exercises ")[1].split()[0] for line in shown} == {"release", "course"}
     for line in shown:
-        sub, *args = line.split("ar_lab.course.exercises ")[1].split()
+        sub, *args = line.split("ar_lab.course.grading.exercises ")[1].split()
         with pytest.raises(SystemExit) as stop:
             exercises_main([sub, "--help"])
         assert stop.value.code == 0
@@ -70,4 +70,4 @@ def test_the_guides_make_target_calls_the_course_command():
     [line] = [line for line in COMMAND_LINES if line.startswith("make grading-course")]
     dry_run = subprocess.run(["make", "-n", *line.split()[1:]], cwd=ROOT, capture_output=True, text=True)
     assert dry_run.returncode == 0, dry_run.stderr
-    assert '-m ar_lab.course.exercises course "grading" --chapter 06' in dry_run.stdout
+    assert '-m ar_lab.course.grading.exercises course "grading" --chapter 06' in dry_run.stdout

@@ -1,4 +1,4 @@
-"""The sandbox learner code runs in when it is graded (ar_lab.course.jail): bubblewrap, or a clear refusal."""
+"""The sandbox learner code runs in when it is graded (ar_lab.course.grading.jail): bubblewrap, or a clear refusal."""
 
 import subprocess
 import sys
@@ -7,8 +7,8 @@ import textwrap
 import nbformat
 import pytest
 
-from ar_lab.course import jail
-from ar_lab.course.grading import main as grading_main
+from ar_lab.course.grading import jail
+from ar_lab.course.grading.judge import main as grading_main
 
 needs_bwrap = pytest.mark.skipif(not jail.confining(), reason="bubblewrap cannot confine a process here")
 

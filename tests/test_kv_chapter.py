@@ -132,7 +132,7 @@ def test_our_model_nbytes_shrinks_with_fewer_kv_heads():
 
 
 def test_calculator_widget_shows_the_preset_and_follows_the_controls():
-    from ar_lab.course.kv_calculator import kv_cache_calculator
+    from ar_lab.course.views.kv_calculator import kv_cache_calculator
 
     calc = kv_cache_calculator("Llama 2 7B", dtype="bfloat16")
     assert calc.sizes["MHA"] == 2 * GiB and calc.error == ""
@@ -164,7 +164,7 @@ def test_calculator_widget_shows_the_preset_and_follows_the_controls():
 
 
 def test_calculator_rejects_unknown_presets():
-    from ar_lab.course.kv_calculator import kv_cache_calculator, kv_cache_table_html
+    from ar_lab.course.views.kv_calculator import kv_cache_calculator, kv_cache_table_html
 
     with raises(BadValue, 'preset'):
         kv_cache_calculator("GPT-5")
@@ -178,7 +178,7 @@ def test_calculator_says_when_a_scheme_saves_nothing():
     is MHA itself; a real GQA model's row is the ratio of its heads."""
     import re
 
-    from ar_lab.course.kv_calculator import kv_cache_table_html
+    from ar_lab.course.views.kv_calculator import kv_cache_table_html
 
     def column(name):
         table = kv_cache_table_html(KV_PRESETS[name], 64, 1, "bfloat16")[1]

@@ -1,13 +1,13 @@
-"""Chapter 04's checks (ar_lab.course.kv_checks): a copy of the cache is named without addresses, and each
+"""Chapter 04's checks (ar_lab.course.checkers.kv_checks): a copy of the cache is named without addresses, and each
 classic slip of the bytes-per-token exercise is named; a right answer never is."""
 
 
 import pytest
 import torch
 
-from ar_lab.course.checks import CheckFailed
-from ar_lab.course.kv_checks import check_view, kv_bytes_mistakes
-from ar_lab.course.mistakes import check_exact
+from ar_lab.course.checkers.checks import CheckFailed
+from ar_lab.course.checkers.kv_checks import check_view, kv_bytes_mistakes
+from ar_lab.course.checkers.mistakes import check_exact
 from tests.raising import fails_naming
 
 

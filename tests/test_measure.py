@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from ar_lab.base.errors import BadValue, ContextFull
-from ar_lab.course.plots import plot_roofline
+from ar_lab.course.views.plots import plot_roofline
 from ar_lab.model.gpt import GPT, GPTConfig
 from ar_lab.perf import measure, peaks, side_by_side
 from ar_lab.perf.roofline import decode_cost, forward_cost, prefill_cost

@@ -6,8 +6,8 @@ import math
 import pytest
 import torch
 
-from ar_lab.course.checks import CheckFailed, check_close, check_log_prob, check_matches
-from ar_lab.course.mistakes import (
+from ar_lab.course.checkers.checks import CheckFailed, check_close, check_log_prob, check_matches
+from ar_lab.course.checkers.mistakes import (
     check_exact,
     distribution_mistakes,
     generation_mistakes,
@@ -19,7 +19,7 @@ from ar_lab.course.mistakes import (
     temperature_mistakes,
     top_p_mistakes,
 )
-from ar_lab.course.model_checks import attention_mistakes
+from ar_lab.course.checkers.model_checks import attention_mistakes
 from ar_lab.model.gpt import GPT, GPTConfig
 from tests.raising import fails_naming
 

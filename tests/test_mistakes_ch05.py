@@ -15,9 +15,9 @@ import pytest
 import torch
 
 from ar_lab.base.timing import synchronize
-from ar_lab.course import roofline_checks
-from ar_lab.course.checks import CheckFailed
-from ar_lab.course.exercises import NOTEBOOKS, nbgrader_meta
+from ar_lab.course.checkers import roofline_checks
+from ar_lab.course.checkers.checks import CheckFailed
+from ar_lab.course.grading.exercises import NOTEBOOKS, nbgrader_meta
 from tests.raising import mistaken
 
 CHAPTER = NOTEBOOKS / "05_prefill_vs_decode.ipynb"

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 import ar_lab
-from ar_lab.course.checks import CheckFailed
-from ar_lab.course.mistakes import LOOP_SLIPS, check_loop
+from ar_lab.course.checkers.checks import CheckFailed
+from ar_lab.course.checkers.mistakes import LOOP_SLIPS, check_loop
 from ar_lab.engine.accept import draw
 from ar_lab.model.data import benchmark_prompts
 

@@ -3,15 +3,15 @@
 import pytest
 import torch
 
-from ar_lab.course.checks import CheckFailed
-from ar_lab.course.mistakes import check_exact
+from ar_lab.course.checkers.checks import CheckFailed
+from ar_lab.course.checkers.mistakes import check_exact
 from tests.raising import fails_naming, raises
 
 
 def test_chapter_08_mistakes_are_named():
     """The row mask and the two admission policies: each classic slip, written out by hand, is named; the right
     answer passes."""
-    from ar_lab.course.mistakes import admission_mistakes, row_mask_mistakes
+    from ar_lab.course.checkers.mistakes import admission_mistakes, row_mask_mistakes
     from ar_lab.engine.scheduling import continuous_admit, static_admit
     from ar_lab.model.cache import BatchKVCache
 
@@ -72,7 +72,7 @@ def test_each_classic_wrong_server_step_fails_the_graded_check_with_its_mistake_
     """The graded test's own check on its workload (7 requests, 3 rows, both policies): a finished row left in the
     batch, a padding position attended (or no mask at all), a token that does not see itself, each fails naming
     its mistake; admitting one request per step fails on the schedule; the right step passes."""
-    from ar_lab.course.serving_checks import check_server_step
+    from ar_lab.course.checkers.serving_checks import check_server_step
     from ar_lab.engine.serving import StepError
     from ar_lab.perf.serving_measure import mixed_workload
 

@@ -6,8 +6,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from ar_lab.course.checks import CheckFailed, check_matches
-from ar_lab.course.model_checks import (
+from ar_lab.course.checkers.checks import CheckFailed, check_matches
+from ar_lab.course.checkers.model_checks import (
     Piece,
     attention_mistakes,
     block_mistakes,

@@ -19,11 +19,11 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from ar_lab.course import roofline_checks
-from ar_lab.course.answers import NoAnswer, package_origin, real_number, require_answer, whole_number
-from ar_lab.course.checks import CheckFailed, Delegated, no_delegation
-from ar_lab.course.mistakes import check_exact, check_loop
-from ar_lab.course.serving_checks import check_server_step
+from ar_lab.course.checkers import roofline_checks
+from ar_lab.course.checkers.answers import NoAnswer, package_origin, real_number, require_answer, whole_number
+from ar_lab.course.checkers.checks import CheckFailed, Delegated, no_delegation
+from ar_lab.course.checkers.mistakes import check_exact, check_loop
+from ar_lab.course.checkers.serving_checks import check_server_step
 from ar_lab.engine.scheduling import static_admit
 from ar_lab.engine.serving import serve_step
 from ar_lab.engine.speculative import Speculation, speculative_iteration
@@ -85,8 +85,8 @@ def test_the_server_step_check_refuses_what_would_run_ar_labs_step(answer):
 
 
 def test_the_other_checkers_handed_a_learners_callable_refuse_none_and_the_packages_own():
-    from ar_lab.course.grammar_checks import check_allowed_next
-    from ar_lab.course.paged_checks import check_allocator_ops
+    from ar_lab.course.checkers.grammar_checks import check_allowed_next
+    from ar_lab.course.checkers.paged_checks import check_allocator_ops
     from ar_lab.engine.paged import BlockAllocator
     from ar_lab.perf import peaks
 
@@ -103,8 +103,8 @@ def test_the_other_checkers_handed_a_learners_callable_refuse_none_and_the_packa
 def test_in_the_grading_step_a_name_holding_none_or_never_defined_is_no_answer_yet(tmp_path):
     """The grading step's judge holds handles on the learner's names (``sandbox.answer``): a handle on None would
     reach ``speculative_generate(iteration=...)`` as a true object and run ar_lab's loop if nothing asked first."""
-    from ar_lab.course import sandbox
-    from ar_lab.course.sandbox import answer
+    from ar_lab.course.grading import sandbox
+    from ar_lab.course.grading.sandbox import answer
 
     errors = sandbox.start(["my_iteration = None", "def mine(x):\n    return x + 1"],
                            ["ar_lab.engine.speculative.speculative_iteration"], tmp_path / "answer")
@@ -181,7 +181,7 @@ def test_an_exact_count_must_be_an_int(n):
 @given(st.fractions(0, 1).map(float))
 def test_a_fraction_given_as_text_is_not_the_fraction(x):
     """Chapter 06's repeated n-gram fraction (``check_ngram_cases``): "0.4" was read as 0.4 and passed."""
-    from ar_lab.course.mistakes import check_ngram_cases
+    from ar_lab.course.checkers.mistakes import check_ngram_cases
 
     check_ngram_cases("f", lambda tokens, n: x, [(([1, 2], 1), x)])
     for text in (str(x), repr(x)):
@@ -192,7 +192,7 @@ def test_a_fraction_given_as_text_is_not_the_fraction(x):
 def test_a_dequantized_matrix_must_be_the_stated_float32():
     import torch
 
-    from ar_lab.course.quant_checks import check_dequantized
+    from ar_lab.course.checkers.quant_checks import check_dequantized
 
     q, scale = torch.tensor([[1, -2], [3, 4]], dtype=torch.int8), torch.tensor([0.5, 0.25])
     expected = q.float() * scale[:, None]
@@ -243,7 +243,7 @@ def decode_plan(shape, gpu, context):
 @pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(WRONG))
 def test_each_graded_test_fails_a_missing_answer_or_strings_for_numbers(name):
-    from ar_lab.course.exercises import execute, exercises_only, grade, nbgrader_meta
+    from ar_lab.course.grading.exercises import execute, exercises_only, grade, nbgrader_meta
     from tests.conftest import one_thread_env
 
     path = NOTEBOOKS / f"{name}.ipynb"

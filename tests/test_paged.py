@@ -424,8 +424,8 @@ SHARED = [("allocate", "a", 8), ("fork", "a", "b", 8), ("free", "a"), ("free", "
     ],
 )
 def test_allocator_checker_names_the_mistake(cls, ops, hint):
-    from ar_lab.course.checks import CheckFailed
-    from ar_lab.course.paged_checks import check_allocator_ops
+    from ar_lab.course.checkers.checks import CheckFailed
+    from ar_lab.course.checkers.paged_checks import check_allocator_ops
 
     check_allocator_ops(Plain, ops, num_blocks=3, block_size=4)  # the same operations pass when done right
     with pytest.raises(CheckFailed, match=hint):
@@ -433,8 +433,8 @@ def test_allocator_checker_names_the_mistake(cls, ops, hint):
 
 
 def test_random_ops_catch_every_mistake():
-    from ar_lab.course.checks import CheckFailed
-    from ar_lab.course.paged_checks import check_allocator_ops, random_ops
+    from ar_lab.course.checkers.checks import CheckFailed
+    from ar_lab.course.checkers.paged_checks import check_allocator_ops, random_ops
 
     caught = Counter()
     for seed in range(8):

@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from ar_lab.course import gpu_view as gv
-from ar_lab.course.mistakes import name_mistake
-from ar_lab.course.roofline_checks import decode_plan_mistakes, predict_tpot_mistakes
+from ar_lab.course.checkers.mistakes import name_mistake
+from ar_lab.course.checkers.roofline_checks import decode_plan_mistakes, predict_tpot_mistakes
+from ar_lab.course.views import gpu_view as gv
 from ar_lab.perf import gpus, measure
 from ar_lab.perf import llm_costs as lc
 from ar_lab.perf import roofline as rl

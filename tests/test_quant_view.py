@@ -1,13 +1,14 @@
-"""Chapter 09's explorer (ar_lab.course.quant_view) and exercise checkers (ar_lab.course.quant_checks)."""
+"""Chapter 09's explorer (ar_lab.course.views.quant_view) and exercise checkers
+(ar_lab.course.checkers.quant_checks)."""
 
 import pytest
 import torch
 
 import ar_lab
 from ar_lab.base.errors import BadValue
-from ar_lab.course.checks import CheckFailed
-from ar_lab.course.quant_checks import check_quantized, int4_mistakes, int8_mistakes
-from ar_lab.course.quant_view import (
+from ar_lab.course.checkers.checks import CheckFailed
+from ar_lab.course.checkers.quant_checks import check_quantized, int4_mistakes, int8_mistakes
+from ar_lab.course.views.quant_view import (
     check_group_size,
     group_error,
     levels,

@@ -4,8 +4,8 @@ from pathlib import Path
 import pytest
 
 from ar_lab.base.errors import BadValue
-from ar_lab.course.quiz import Question, QuizWidget, check_answer, display_order, questions
-from ar_lab.course.quiz_bank import QUIZZES, TF
+from ar_lab.course.views.quiz import Question, QuizWidget, check_answer, display_order, questions
+from ar_lab.course.views.quiz_bank import QUIZZES, TF
 from tests.raising import raises
 
 

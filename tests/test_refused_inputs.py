@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 from ar_lab.base.args import SEED_MAX
 from ar_lab.base.errors import BadValue
-from ar_lab.course.speculative_view import PROBS_TOLERANCE, chi_square, speculation_view
+from ar_lab.course.views.speculative_view import PROBS_TOLERANCE, chi_square, speculation_view
 from ar_lab.engine.generate import generate
 from ar_lab.engine.prefix_cache import PrefixCache, weights_fingerprint
 from ar_lab.model.cache import KVCache

@@ -1,4 +1,4 @@
-"""The submissions report (ar_lab.course.report): each kind of cheat is flagged where it is, and
+"""The submissions report (ar_lab.course.grading.report): each kind of cheat is flagged where it is, and
 the course's own solutions and plain torch code are not flagged at all.
 
 Synthetic submissions are built as nbgrader writes a learner's copy: the solution cell keeps
@@ -12,8 +12,8 @@ from pathlib import Path
 import nbformat
 import pytest
 
-from ar_lab.course import report
-from ar_lab.course.report import scan_course, scan_notebook, solution_cells
+from ar_lab.course.grading import report
+from ar_lab.course.grading.report import scan_course, scan_notebook, solution_cells
 
 NOTEBOOKS = Path(__file__).resolve().parent.parent / "notebooks"
 SETUP = "\n".join(
@@ -75,9 +75,9 @@ CHEATS = [
     ("w = torch.load(path)\na = np.load('answers.npy')", [("file-read", 1), ("file-read", 2)]),
     ("from ar_lab.engine.sampling import _softmax", [("internal-import", 1)]),
     ("import ar_lab.model._impl", [("internal-import", 1)]),
-    ("from ar_lab.course.checks import passed", [("grader-import", 1)]),
-    ("import ar_lab.course.exercises as ex", [("grader-import", 1)]),
-    ("from ar_lab.course import checks", [("grader-import", 1)]),
+    ("from ar_lab.course.checkers.checks import passed", [("grader-import", 1)]),
+    ("import ar_lab.course.grading.exercises as ex", [("grader-import", 1)]),
+    ("from ar_lab.course.checkers import checks", [("grader-import", 1)]),
     ("torch.softmax = lambda *a, **k: None", [("monkeypatch", 1)]),
     ("x = 1\nsetattr(rl, 'matmul_parameters', fake)", [("monkeypatch", 2)]),
     ("def f():\n    pass\nf.__code__ = g.__code__", [("function-internals", 3)]),
@@ -154,7 +154,7 @@ def write_course(root: Path) -> Path:
     answers = {
         ("alice", "04_kv_cache"): ["import threading", "y = 2"],
         ("bob", "04_kv_cache"): ["y = torch.zeros(3)"],
-        ("bob", "06_sampling"): ["x = 1\nfrom ar_lab.course.checks import passed"],
+        ("bob", "06_sampling"): ["x = 1\nfrom ar_lab.course.checkers.checks import passed"],
     }
     for (student, assignment), cells in answers.items():
         folder = course / "submitted" / student / assignment
@@ -181,7 +181,7 @@ def test_the_command_prints_the_report(tmp_path, capsys):
     assert lines[1].startswith("  04_kv_cache.ipynb cell ") and "(ex-0) line 1: threads: import threading" in lines[1]
     assert lines[2] == "bob / 04_kv_cache: ok"
     assert lines[3] == "bob / 06_sampling: 1 flag"
-    assert "(ex-0) line 2: grader-import: from ar_lab.course.checks import passed" in lines[4]
+    assert "(ex-0) line 2: grader-import: from ar_lab.course.checkers.checks import passed" in lines[4]
     assert lines[-1] == "2 flags in 2 of 3 submissions (2 students)"
     assert len(lines) == 6
 

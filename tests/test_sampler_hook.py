@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from ar_lab.base.errors import BadType, BadValue
-from ar_lab.course.sampler_view import sampler_view
+from ar_lab.course.views.sampler_view import sampler_view
 from ar_lab.engine.generate import generate, sample_batch
 from ar_lab.engine.pipeline import pick
 from ar_lab.engine.sampling import GREEDY, SamplingParams, probabilities, sample
@@ -74,7 +74,7 @@ def test_a_sampler_that_answers_anything_but_a_token_id_is_refused(tiny_model):
 
 
 def test_the_explorer_shows_the_same_samples_for_either_sampler_and_says_which(tiny_model):
-    from ar_lab.course.widgets import sampler_explorer
+    from ar_lab.course.views.widgets import sampler_explorer
 
     params = SamplingParams(temperature=0.9, top_p=0.95)
     views = [sampler_view(tiny_model, "ab", params, seed=3, n_samples=3, max_new_tokens=12, sampler=s)

@@ -1,4 +1,4 @@
-"""The answer process of the grading step (ar_lab.course.sandbox): the reference does not exist there, and a
+"""The answer process of the grading step (ar_lab.course.grading.sandbox): the reference does not exist there, and a
 test driven from here through handles behaves as it would in one process.
 
 One answer process serves most tests (a module fixture); its cells are the "learner's"."""
@@ -18,10 +18,10 @@ import numpy as np
 import pytest
 import torch
 
-from ar_lab.course import jail, plain, sandbox
-from ar_lab.course.channel import CURRENT, AnswerGone, AnswerRaised, Channel, Refused, Remote
-from ar_lab.course.plain import Unexposed
-from ar_lab.course.sandbox import answer
+from ar_lab.course.grading import jail, plain, sandbox
+from ar_lab.course.grading.channel import CURRENT, AnswerGone, AnswerRaised, Channel, Refused, Remote
+from ar_lab.course.grading.plain import Unexposed
+from ar_lab.course.grading.sandbox import answer
 from ar_lab.engine.sampling import SamplingParams
 
 LEARNER = [
@@ -208,7 +208,7 @@ def test_pytorchs_forbidden_function_and_operator_are_stubbed(learner, route):
 
 
 def test_the_private_helpers_only_the_references_reach_go_with_them(tmp_path):
-    from ar_lab.course.forbidden import FORBIDDEN
+    from ar_lab.course.grading.forbidden import FORBIDDEN
 
     sandbox.withheld_package(list(FORBIDDEN["ch06-top-p"]), tmp_path)
     text = (tmp_path / "ar_lab" / "engine" / "sampling.py").read_text()
@@ -216,8 +216,8 @@ def test_the_private_helpers_only_the_references_reach_go_with_them(tmp_path):
         assert f"raise RuntimeError('ar_lab.engine.sampling.{name} is withheld" in text, name
     for name in ("filter_top_k", "_top_k", "sample"):  # sample draws through probabilities: a stub when called
         assert f"ar_lab.engine.sampling.{name} is withheld" not in text, name
-    view = (tmp_path / "ar_lab" / "course" / "sampler_view.py").read_text()
-    assert "ar_lab.course.sampler_view.sampler_view is withheld" in view
+    view = (tmp_path / "ar_lab" / "course" / "views" / "sampler_view.py").read_text()
+    assert "ar_lab.course.views.sampler_view.sampler_view is withheld" in view
     assert not list(tmp_path.rglob("*.pyc"))  # no compiled copy of the reference either
 
 
@@ -464,8 +464,8 @@ def test_renaming_an_internal_function_changes_no_verdict(tmp_path, monkeypatch)
 
     import nbformat
 
-    from ar_lab.course.exercises import nbgrader_meta
-    from ar_lab.course.forbidden import FORBIDDEN
+    from ar_lab.course.grading.exercises import nbgrader_meta
+    from ar_lab.course.grading.forbidden import FORBIDDEN
 
     package = tmp_path / "renamed" / "ar_lab"
     shutil.copytree(sandbox.PACKAGE, package, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))

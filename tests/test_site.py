@@ -32,7 +32,7 @@ from pathlib import Path
 import nbformat
 import pytest
 
-from ar_lab.course.exercises import nbgrader_meta, student_version
+from ar_lab.course.grading.exercises import nbgrader_meta, student_version
 
 pytestmark = pytest.mark.site
 

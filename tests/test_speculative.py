@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 
 from ar_lab.base.errors import BadType, BadValue, ContextFull
 from ar_lab.base.timing import steady_clock
-from ar_lab.course.speculative_view import chi_square, speculation_view
+from ar_lab.course.views.speculative_view import chi_square, speculation_view
 from ar_lab.engine.accept import accept_step, accepted_count, residual_distribution
 from ar_lab.engine.generate import generate
 from ar_lab.engine.sampling import SamplingParams, probabilities
@@ -502,7 +502,7 @@ def test_speculation_view_measures_and_predicts():
 @pytest.mark.slow
 def test_speculation_explorer_widget_headless():
     pytest.importorskip("ipywidgets")
-    from ar_lab.course.widgets import speculation_explorer
+    from ar_lab.course.views.widgets import speculation_explorer
 
     target, draft = _tiny(0), _tiny(1, n_layer=1, n_embd=16)
     w = speculation_explorer(target, {"tiny draft": draft, "the target itself": target}, "hello", 2, 20)
@@ -632,7 +632,7 @@ def test_a_loop_that_leaves_a_cache_off_the_text_stops_with_an_error(slip, parti
     """A forgotten rollback, a dropped bonus token, a draft fed only the text's last token: each leaves a cache
     holding what the text does not, which would make the next pass wrong; the loop stops (CacheMismatch)
     instead of returning a wrong text. The right loop runs on the same models."""
-    from ar_lab.course.mistakes import slipped_iteration
+    from ar_lab.course.checkers.mistakes import slipped_iteration
     from ar_lab.engine.sides import CacheMismatch
 
     target = _tiny(2)

@@ -8,10 +8,10 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from ar_lab.course.checks import CheckFailed, check_matches
-from ar_lab.course.mistakes import accept_dist_mistakes, accepted_count_mistakes, check_exact, check_raises
-from ar_lab.course.plots import COLORS
-from ar_lab.course.speculative_view import SpeculationView, speculation_text_html
+from ar_lab.course.checkers.checks import CheckFailed, check_matches
+from ar_lab.course.checkers.mistakes import accept_dist_mistakes, accepted_count_mistakes, check_exact, check_raises
+from ar_lab.course.views.plots import COLORS
+from ar_lab.course.views.speculative_view import SpeculationView, speculation_text_html
 from ar_lab.engine.accept import accept_step
 from ar_lab.engine.sampling import GREEDY
 from ar_lab.engine.speculative import SpeculativeStats
@@ -105,7 +105,7 @@ def test_the_view_runs_an_iteration_of_ones_own_and_measures_the_verify_cost():
     """speculation_view(..., iteration=) runs the loop's round passed in (chapter 07's section 6 runs the learner's):
     ar_lab's own round gives the default's tokens and counts; the verify cost is the target's time per call in
     plain decode steps, and the prediction with it uses that cost in place of one step."""
-    from ar_lab.course.speculative_view import speculation_view
+    from ar_lab.course.views.speculative_view import speculation_view
     from ar_lab.engine.speculative import expected_tokens_per_iteration, speculative_iteration
     from ar_lab.model.gpt import GPT, GPTConfig
 

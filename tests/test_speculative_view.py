@@ -10,8 +10,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from ar_lab.base.errors import BadValue
-from ar_lab.course.plots import COLORS
-from ar_lab.course.speculative_view import speculation_text_html, speculation_view, token_pieces
+from ar_lab.course.views.plots import COLORS
+from ar_lab.course.views.speculative_view import speculation_text_html, speculation_view, token_pieces
 from ar_lab.engine.speculative import SpeculativeStats
 from ar_lab.model.tokenizer import EOS_ID, decode, encode
 from tests.conftest import ScriptedModel
@@ -68,7 +68,7 @@ def test_the_explorer_text_of_a_real_run_is_not_garbled():
 
 
 def test_chi_square_against_known_values():
-    from ar_lab.course.speculative_view import chi_square
+    from ar_lab.course.views.speculative_view import chi_square
 
     stat, dof, p = chi_square(torch.tensor([25.0, 25, 50]), torch.tensor([0.25, 0.25, 0.5]))
     assert stat == 0 and dof == 2 and abs(p - 1) < 1e-12

@@ -6,7 +6,7 @@ themselves: ``measure_prefill``, ``measure_decode`` and the general ``measure_fo
 (time per pass -> achieved FLOP/s and bytes/s, a ``Point``); ``ar_lab.perf.side_by_side`` times
 a decode step in interleaved pairs against another call. ``run_roofline`` gathers peaks
 and points in the JSON-ready dict that ``python -m ar_lab.bench roofline`` writes and chapter 05 plots
-(``ar_lab.course.plots.plot_roofline``); reference runs made by the same command lie in the
+(``ar_lab.course.views.plots.plot_roofline``); reference runs made by the same command lie in the
 data folder as ``roofline_<name>.json`` (``reference_files``, ``load_result``).
 On a CPU the passes run in fp32, on CUDA in bf16, timed by ``ar_lab.base.timing``.
 """

@@ -24,7 +24,7 @@ decoder-only transformer: ``from_gpt_config`` gives the course model's, and
 ``ar_lab.perf.llm_costs`` uses the same count for production models (gated MLPs,
 untied heads, 8- and 4-bit weights). The ``approx_*`` functions are the seed arithmetic
 from a parameter count alone. Measuring the roofs and the passes on this machine is ``ar_lab.perf.measure``;
-drawing them is ``ar_lab.course.plots.plot_roofline``.
+drawing them is ``ar_lab.course.views.plots.plot_roofline``.
 """
 
 from __future__ import annotations
