@@ -40,14 +40,18 @@ class BlockWeights(NamedTuple):
 
 
 class Rope:
-    """Rotary position embeddings: the pair (x_i, x_{i + D/2}) of a query or key at position p is rotated
-    by the angle p * theta^(-2i/D). Rotating both before their dot product makes it depend on their
-    positions' difference only; keys are stored rotated, at the position they were written at.
+    """Rotary position embeddings: the pair (x_i, x_{i + D/2}) of a query or key at position p is
+    rotated by the angle p * theta^(-2i/D). Rotating both before their dot product makes it depend
+    on their positions' difference only; keys are stored rotated, at the position they were written
+    at.
 
-    The tables (positions x D/2, float32) are computed once for the context window; ``on`` moves them."""
+    The tables (positions x D/2, float32) are computed once for the context window; ``on`` moves
+    them."""
 
     def __init__(self, head_dim: int, theta: float, max_len: int) -> None:
-        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+        inv_freq = 1.0 / (
+            theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim)
+        )
         angles = torch.outer(torch.arange(max_len, dtype=torch.float32), inv_freq)  # (T_max, D/2)
         self.cos, self.sin = angles.cos(), angles.sin()
         self.half = head_dim // 2
@@ -85,7 +89,9 @@ class BlockSpec(NamedTuple):
 
     @classmethod
     def from_config(cls, cfg: GPTConfig) -> BlockSpec:
-        rope = Rope(cfg.head_dim, cfg.rope_theta, cfg.block_size) if cfg.positions == "rope" else None
+        rope = (
+            Rope(cfg.head_dim, cfg.rope_theta, cfg.block_size) if cfg.positions == "rope" else None
+        )
         span = FULL if cfg.window is None else Span(cfg.window, cfg.sinks)
         split = (cfg.n_head, cfg.kv_heads, cfg.kv_heads)
         return cls(cfg.n_head, cfg.kv_heads, cfg.head_dim, cfg.mlp == "swiglu", span, rope, split)
@@ -95,27 +101,29 @@ def attend(
     h: torch.Tensor, w: BlockWeights, spec: BlockSpec, store: Store, layer: int, pos: Pos,
     mask: torch.Tensor | None = None, dropout: float = 0.0,
 ) -> torch.Tensor:
-    """The attention half of a block on normed activations h (B, T, C), or (C,) for one token of one sequence: its
-    output, of h's shape, before the residual.
+    """The attention half of a block on normed activations h (B, T, C), or (C,) for one token of one
+    sequence: its output, of h's shape, before the residual.
 
-    The new keys and values go to ``store`` at ``pos``; the store's attention reads what it holds."""
+    The new keys and values go to ``store`` at ``pos``; the store's attention reads what it
+    holds."""
     *rows, _ = h.shape  # (B, T); none for the lean step's one vector (one token of one sequence)
     B, T = rows or (1, 1)
-    # Heads side by side -> heads as a dimension: (B, T, (H + 2 H_kv) D) -> (B, H + 2 H_kv, T, D); q, k, v are
-    # consecutive head ranges (one view and one transpose: rearrange's parsing would cost a decode step time;
-    # for one position the view alone, the transpose moving a dimension of size 1).
+    # Heads side by side -> heads as a dimension: (B, T, (H + 2 H_kv) D) -> (B, H + 2 H_kv, T, D);
+    # q, k, v are consecutive head ranges (one view and one transpose: rearrange's parsing would
+    # cost a decode step time); the same calls for one position as for many (chapter 04 counts).
     N = spec.n_head + 2 * spec.n_kv
-    qkv = w.qkv(h).view(B, N, 1, spec.head_dim) if T == 1 else w.qkv(h).view(B, T, N, spec.head_dim).transpose(1, 2)
+    qkv = w.qkv(h).view(B, T, N, spec.head_dim).transpose(1, 2)
     q, k, v = qkv.split_with_sizes(spec.split, 1)  # (B, H, T, D), (B, H_kv, T, D), (B, H_kv, T, D)
     if spec.rope is not None:
         q, k = spec.rope(q, pos), spec.rope(k, pos)
     store.write(layer, k, v, pos)
     y = store.attend(layer, q, pos, spec.span, mask, dropout=dropout)  # (B, H, T, D)
-    return w.proj((y if T == 1 else y.transpose(1, 2)).reshape(h.shape))  # heads back side by side
+    return w.proj(y.transpose(1, 2).reshape(h.shape))  # heads back side by side
 
 
 def mlp(h: torch.Tensor, fc: Layer, proj: Layer, gated: bool) -> torch.Tensor:
-    """The MLP half of a block on normed activations h (..., C): GELU (GPT-2's tanh form) or SwiGLU."""
+    """The MLP half of a block on normed activations h (..., C): GELU (GPT-2's tanh form) or
+    SwiGLU."""
     u = fc(h)
     if gated:
         gate, up = u.chunk(2, dim=-1)
@@ -127,9 +135,10 @@ def mlp(h: torch.Tensor, fc: Layer, proj: Layer, gated: bool) -> torch.Tensor:
 
 def residual(x: torch.Tensor, norm1: Layer, attention: Layer, norm2: Layer, feed_forward: Layer,
              drop: Callable | None = None, *, fresh: bool = False) -> torch.Tensor:
-    """The pre-norm residual structure of every block: x + attention(norm1(x)), then + feed_forward(norm2(x));
-    ``drop``: residual dropout while training (None: none). ``fresh``: the two branches return tensors of their own
-    (the lean engine's products), so the sums are made in them, without allocating another."""
+    """The pre-norm residual structure of every block: x + attention(norm1(x)), then +
+    feed_forward(norm2(x)); ``drop``: residual dropout while training (None: none). ``fresh``: the
+    two branches return tensors of their own (the lean engine's products), so the sums are made in
+    them, without allocating another."""
     a = attention(norm1(x))
     x = a.add_(x) if fresh else x + (a if drop is None else drop(a))
     m = feed_forward(norm2(x))
@@ -140,9 +149,9 @@ def block(
     x: torch.Tensor, w: BlockWeights, spec: BlockSpec, store: Store, layer: int, pos: Pos,
     mask: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """One transformer block on the residual stream x (B, T, C) at positions ``pos``, from its weights
-    (what the lean engine runs, whose products return tensors of their own; ``GPT``'s ``Block`` module runs
-    ``residual`` over its own submodules)."""
+    """One transformer block on the residual stream x (B, T, C) at positions ``pos``, from its
+    weights (what the lean engine runs, whose products return tensors of their own; ``GPT``'s
+    ``Block`` module runs ``residual`` over its own submodules)."""
     return residual(
         x, w.norm1, lambda h: attend(h, w, spec, store, layer, pos, mask), w.norm2,
         lambda h: mlp(h, w.fc, w.mlp_proj, spec.gated), fresh=True,
