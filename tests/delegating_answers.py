@@ -1,7 +1,9 @@
-"""Answers that only call the package's reference (or PyTorch's ready-made kernel) for each exercise.
+"""Answers that only call the package's reference (or PyTorch's ready-made kernel) for each
+exercise.
 
 Each would pass its graded test if nothing stopped it; ``tests/test_delegation.py`` proves that
-``ar_lab.course.checkers.checks.no_delegation`` makes every one of them fail. Keyed by the solution cell's grade_id.
+``ar_lab.course.checkers.checks.no_delegation`` makes every one of them fail. Keyed by the solution
+cell's grade_id.
 """
 
 DELEGATING = {
@@ -24,7 +26,9 @@ def next_token_distribution(counts, token, smoothing=0.1):
 def sequence_log_prob(log_probs, tokens):
     from ar_lab.model.bigram import BigramModel
     lp = BigramModel(log_probs.exp(), smoothing=0.0)(torch.tensor([tokens]))[0]
-    return float(lp[torch.arange(len(tokens) - 1), torch.tensor(tokens[1:], dtype=torch.long)].sum())
+    return float(
+        lp[torch.arange(len(tokens) - 1), torch.tensor(tokens[1:], dtype=torch.long)].sum()
+    )
 """,
     "ch01-generate-loop": """
 def my_generate(model, prompt, max_new_tokens, eos_id=EOS_ID):
@@ -34,7 +38,15 @@ def my_generate(model, prompt, max_new_tokens, eos_id=EOS_ID):
 def embed(idx, wte, wpe):
     from ar_lab.model.gpt import GPT, GPTConfig
     from ar_lab.course.checkers.model_checks import record_calls
-    gpt = GPT(GPTConfig(vocab_size=wte.shape[0], block_size=wpe.shape[0], n_layer=1, n_head=1, n_embd=wte.shape[1]))
+    gpt = GPT(
+        GPTConfig(
+            vocab_size=wte.shape[0],
+            block_size=wpe.shape[0],
+            n_layer=1,
+            n_head=1,
+            n_embd=wte.shape[1],
+        )
+    )
     gpt.wte.weight.data, gpt.wpe.weight.data = wte, wpe
     return record_calls(gpt, lambda: gpt(idx))["blocks.0"][0]
 """,
@@ -45,7 +57,9 @@ def attention(q, k, v, mask=None):
     "ch02-multi-head": """
 def multi_head_attention(x, W_qkv, b_qkv, W_proj, b_proj, n_head):
     T, C = x.shape
-    q, k, v = (rearrange(t, "t (h d) -> h t d", h=n_head) for t in (x @ W_qkv.T + b_qkv).split(C, dim=-1))
+    q, k, v = (
+        rearrange(t, "t (h d) -> h t d", h=n_head) for t in (x @ W_qkv.T + b_qkv).split(C, dim=-1)
+    )
     y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
     return rearrange(y, "h t d -> t (h d)") @ W_proj.T + b_proj
 """,
@@ -59,7 +73,9 @@ class MyAttention(nn.Module):
 
     def forward(self, x):
         B, T, C = x.shape
-        q, k, v = (t.view(B, T, self.n_head, -1).transpose(1, 2) for t in self.qkv(x).split(C, dim=-1))
+        q, k, v = (
+            t.view(B, T, self.n_head, -1).transpose(1, 2) for t in self.qkv(x).split(C, dim=-1)
+        )
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         return self.proj(y.transpose(1, 2).reshape(B, T, C))
 """,
@@ -152,7 +168,9 @@ def cache_write(k_buf, v_buf, start, k, v):
     "ch04-cached-attention": """
 def cached_attention(attn, x, cache, layer, start):
     B, T, C = x.shape
-    q, k, v = (rearrange(t, "b t (h d) -> b h t d", h=attn.n_head) for t in attn.qkv(x).split(C, dim=-1))
+    q, k, v = (
+        rearrange(t, "b t (h d) -> b h t d", h=attn.n_head) for t in attn.qkv(x).split(C, dim=-1)
+    )
     if cache is not None:
         k, v = cache_write(cache.k[layer], cache.v[layer], start, k, v)
     sees = torch.ones(T, start + T, dtype=torch.bool).tril(diagonal=start)
@@ -160,7 +178,9 @@ def cached_attention(attn, x, cache, layer, start):
     return attn.proj(rearrange(y, "b h t d -> b t (h d)"))
 """,
     "ch04-scheme-bytes": """
-def kv_bytes_per_token(scheme, n_layer, n_head, n_kv_heads, head_dim, latent_dim, rope_dim, bytes_per_value):
+def kv_bytes_per_token(
+    scheme, n_layer, n_head, n_kv_heads, head_dim, latent_dim, rope_dim, bytes_per_value
+):
     from ar_lab.perf.kv_sizing import AttentionShape, cache_sizes
     shape = AttentionShape(n_layer, n_head, n_kv_heads, head_dim, latent_dim, rope_dim)
     return cache_sizes(shape, 1, 1, bytes_per_value)[scheme]
@@ -185,8 +205,12 @@ def predict_tpot(n_params, bytes_per_param, bandwidth, kv_cache_bytes=0.0):
     "ch05-decode-plan": """
 def decode_plan(shape, gpu, context):
     place = lc.place_decode(shape, gpu, context)
-    return {"tpot": lc.predicted_time(lc.decode_cost(shape, context), gpu), "max_batch": place.max_batch,
-            "matmul_batch": place.matmul_compute_bound_batch, "attention_intensity": place.attention_intensity}
+    return {
+        "tpot": lc.predicted_time(lc.decode_cost(shape, context), gpu),
+        "max_batch": place.max_batch,
+        "matmul_batch": place.matmul_compute_bound_batch,
+        "attention_intensity": place.attention_intensity,
+    }
 """,
     "ch06-temperature": """
 from ar_lab.engine.sampling import GREEDY_EPS
@@ -251,7 +275,9 @@ def my_continuous_admit(waiting, running, max_batch):
 """,
     "ch08-row-mask": """
 def my_row_mask(lengths, T):
-    c = BatchKVCache(n_layer=1, max_batch=len(lengths), n_kv_heads=1, max_len=max(lengths) + T, head_dim=1)
+    c = BatchKVCache(
+        n_layer=1, max_batch=len(lengths), n_kv_heads=1, max_len=max(lengths) + T, head_dim=1
+    )
     for n in lengths:
         c.add(n)
     return c.begin(T)[1]
@@ -308,14 +334,30 @@ def my_quantize_int4(w, group_size):
     qt = quantize_int4(w, group_size)
     return qt.q, qt.scale
 """,
+    "ch10-online-softmax": """
+def my_online_softmax(x, chunk):
+    from ar_lab.model.tiled import online_softmax
+    return online_softmax(x, chunk=chunk)
+""",
+    "ch10-tiled-attention": """
+def my_tiled_attention(q, k, v, offset, tile_q, tile_k):
+    from ar_lab.model.tiled import tiled_attention
+    return tiled_attention(q, k, v, offset=offset, tile_q=tile_q, tile_k=tile_k)
+""",
+    "ch10-split-decode": """
+def my_split_decode(q, k, v, splits):
+    from ar_lab.model.tiled import split_decode
+    return split_decode(q, k, v, splits=splits)
+""",
 }
 
 # Exercises with no reference in the package to delegate to (their graded tests need no guard).
 NO_REFERENCE = {"ch02-causal-mask"}
 
-# The same delegation by other routes (issue 33), some of which the kernel's name-swapping gate does not see
-# (a default argument, a C function, a copy of a helper's source): under the grading step each must fail,
-# naming the withheld reference. Keyed by grade_id; each chapter's routes are judged together.
+# The same delegation by other routes (issue 33), some of which the kernel's name-swapping gate does
+# not see (a default argument, a C function, a copy of a helper's source): under the grading step
+# each must fail, naming the withheld reference. Keyed by grade_id; each chapter's routes are judged
+# together.
 ROUTES = {
     "ch00-to-tokens": """
 import concurrent.futures
@@ -339,7 +381,9 @@ def attention(q, k, v, mask=None):  # PyTorch's operator, under its aten name
 """,
     "ch03-cross-entropy": """
 def cross_entropy(logits, targets):  # the C function F.cross_entropy calls
-    return torch._C._nn.cross_entropy_loss(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+    return torch._C._nn.cross_entropy_loss(
+        logits.reshape(-1, logits.shape[-1]), targets.reshape(-1)
+    )
 """,
     "ch03-param-count": """
 from ar_lab.perf.roofline import from_gpt_config

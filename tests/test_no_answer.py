@@ -1,10 +1,12 @@
-"""No default passes for a missing answer (issue 64), and graded checks read back values of the stated kind.
+"""No default passes for a missing answer (issue 64), and graded checks read back values of the
+stated kind.
 
-A hook of the package given None runs the package's own version (``speculative_generate(iteration=None)``,
-``serve(step=None)``): a graded test handed None, the package's own function or a thin wrapper of it must fail
-with ``answers.NoAnswer`` ("no answer yet") before anything runs, in the learner's kernel and in the grading
-step's answer process. A value that only converts to the right one (a str of a number, a float for a count, a
-bool) fails the check that reads it.
+A hook of the package given None runs the package's own version
+(``speculative_generate(iteration=None)``, ``serve(step=None)``): a graded test handed None, the
+package's own function or a thin wrapper of it must fail with ``answers.NoAnswer`` ("no answer yet")
+before anything runs, in the learner's kernel and in the grading step's answer process. A value that
+only converts to the right one (a str of a number, a float for a count, a bool) fails the check that
+reads it.
 """
 
 from __future__ import annotations
@@ -20,7 +22,13 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from ar_lab.course.checkers import roofline_checks
-from ar_lab.course.checkers.answers import NoAnswer, package_origin, real_number, require_answer, whole_number
+from ar_lab.course.checkers.answers import (
+    NoAnswer,
+    package_origin,
+    real_number,
+    require_answer,
+    whole_number,
+)
 from ar_lab.course.checkers.checks import CheckFailed, Delegated, no_delegation
 from ar_lab.course.checkers.mistakes import check_exact, check_loop
 from ar_lab.course.checkers.serving_checks import check_server_step
@@ -31,7 +39,8 @@ from ar_lab.engine.speculative import Speculation, speculative_iteration
 NOTEBOOKS = Path(__file__).resolve().parent.parent / "notebooks"
 
 
-def my_iteration(target, draft, seq, gamma, accept, probs, generator):  # a learner's own (its body is not run)
+# a learner's own (its body is not run)
+def my_iteration(target, draft, seq, gamma, accept, probs, generator):
     return [0]
 
 
@@ -58,22 +67,26 @@ PACKAGES_OWN = {
 def test_none_or_the_packages_own_is_no_answer_yet(answer):
     with pytest.raises(NoAnswer, match="no answer yet"):
         require_answer("my_iteration", answer)
-    with pytest.raises(NoAnswer, match="no answer yet"):  # every graded test's guard refuses it before running
+    # every graded test's guard refuses it before running
+    with pytest.raises(NoAnswer, match="no answer yet"):
         with no_delegation(my_iteration, answer, exercise="my_iteration"):
             pytest.fail("the block ran on a missing answer")
-    assert issubclass(NoAnswer, Delegated) and issubclass(NoAnswer, CheckFailed)  # nbgrader: a failed test
+    # nbgrader: a failed test
+    assert issubclass(NoAnswer, Delegated) and issubclass(NoAnswer, CheckFailed)
 
 
 def test_the_learners_own_code_is_an_answer():
-    require_answer("x", my_iteration, MyAllocator, lambda server: None, functools.partial(my_iteration, None))
+    require_answer(
+        "x", my_iteration, MyAllocator, lambda server: None, functools.partial(my_iteration, None)
+    )
     assert package_origin(my_iteration) is None and package_origin(MyAllocator) is None
     assert package_origin(wrapped) == "ar_lab.engine.speculative.speculative_iteration"
 
 
 @pytest.mark.parametrize("answer", [None, speculative_iteration])
 def test_the_speculative_loop_check_refuses_what_would_run_ar_labs_loop(answer):
-    """speculative_generate(iteration=None) runs ar_lab's loop: the check refuses it before running anything (the
-    models are never touched here)."""
+    """speculative_generate(iteration=None) runs ar_lab's loop: the check refuses it before running
+    anything (the models are never touched here)."""
     with pytest.raises(NoAnswer):
         check_loop("greedy, γ = 1", answer, None, None, [1, 2], 8, 1)
 
@@ -101,8 +114,9 @@ def test_the_other_checkers_handed_a_learners_callable_refuse_none_and_the_packa
 
 
 def test_in_the_grading_step_a_name_holding_none_or_never_defined_is_no_answer_yet(tmp_path):
-    """The grading step's judge holds handles on the learner's names (``sandbox.answer``): a handle on None would
-    reach ``speculative_generate(iteration=...)`` as a true object and run ar_lab's loop if nothing asked first."""
+    """The grading step's judge holds handles on the learner's names (``sandbox.answer``): a handle
+    on None would reach ``speculative_generate(iteration=...)`` as a true object and run ar_lab's
+    loop if nothing asked first."""
     from ar_lab.course.grading import sandbox
     from ar_lab.course.grading.sandbox import answer
 
@@ -120,7 +134,7 @@ def test_in_the_grading_step_a_name_holding_none_or_never_defined_is_no_answer_y
         sandbox.stop()
 
 
-# --- what a graded check reads back -------------------------------------------------------------------------
+# --- what a graded check reads back ---------------------------------------------------------------
 
 
 @given(st.integers(-10**15, 10**15))
@@ -147,10 +161,16 @@ def test_nan_infinity_and_containers_are_not_numbers(bad):
 
 @given(count=st.integers(1, 10**12), seconds=st.floats(1e-9, 1e3))
 def test_a_probe_returning_strings_or_a_float_count_fails(count, seconds):
-    """Chapter 05's probes: (bytes or FLOPs, seconds) as (int, float); their text, or a float count, is not read."""
+    """Chapter 05's probes: (bytes or FLOPs, seconds) as (int, float); their text, or a float count,
+    is not read."""
     assert roofline_checks.probe_result("stream_probe(8)", (count, seconds)) == (count, seconds)
-    for got in [(str(count), str(seconds)), (count, str(seconds)), (str(count), seconds), (float(count), seconds),
-                (True, seconds)]:
+    for got in [
+        (str(count), str(seconds)),
+        (count, str(seconds)),
+        (str(count), seconds),
+        (float(count), seconds),
+        (True, seconds),
+    ]:
         with pytest.raises(CheckFailed, match=r"expected a pair \(count, seconds\)"):
             roofline_checks.probe_result("stream_probe(8)", got)
 
@@ -158,9 +178,18 @@ def test_a_probe_returning_strings_or_a_float_count_fails(count, seconds):
 PLAN = {"tpot": 0.0123, "max_batch": 37, "matmul_batch": 296, "attention_intensity": 4.0}
 
 
-@pytest.mark.parametrize("key, bad", [("max_batch", 37.0), ("max_batch", "37"), ("max_batch", True),
-                                      ("matmul_batch", 296.0), ("tpot", "0.0123"), ("tpot", math.nan),
-                                      ("attention_intensity", "4")])
+@pytest.mark.parametrize(
+    "key, bad",
+    [
+        ("max_batch", 37.0),
+        ("max_batch", "37"),
+        ("max_batch", True),
+        ("matmul_batch", 296.0),
+        ("tpot", "0.0123"),
+        ("tpot", math.nan),
+        ("attention_intensity", "4"),
+    ],
+)
 def test_a_decode_plan_of_the_wrong_kinds_fails(key, bad):
     """decode_plan's max_batch as a float or a str was read back with int(...) and passed."""
     assert roofline_checks.read_plan("decode_plan(...)", PLAN) == PLAN
@@ -180,7 +209,8 @@ def test_an_exact_count_must_be_an_int(n):
 
 @given(st.fractions(0, 1).map(float))
 def test_a_fraction_given_as_text_is_not_the_fraction(x):
-    """Chapter 06's repeated n-gram fraction (``check_ngram_cases``): "0.4" was read as 0.4 and passed."""
+    """Chapter 06's repeated n-gram fraction (``check_ngram_cases``): "0.4" was read as 0.4 and
+    passed."""
     from ar_lab.course.checkers.mistakes import check_ngram_cases
 
     check_ngram_cases("f", lambda tokens, n: x, [(([1, 2], 1), x)])
@@ -202,9 +232,10 @@ def test_a_dequantized_matrix_must_be_the_stated_float32():
             check_dequantized("my_dequantize_int8", wrong, expected)
 
 
-# --- the graded tests themselves, run on such answers ---------------------------------------------------------
+# --- the graded tests themselves, run on such answers ---------------------------------------------
 
-WRONG = {  # notebook -> {grade_id of the answer cell: an answer that passed its graded test before issue 64}
+# notebook -> {grade_id of the answer cell: an answer that passed its graded test before issue 64}
+WRONG = {
     "05_prefill_vs_decode": {
         "ch05-probes": """
 def stream_probe(n, repeats=5):
@@ -213,7 +244,8 @@ def stream_probe(n, repeats=5):
 
 
 def matmul_probe(m, k, n, repeats=5):
-    a, b = torch.rand(m, k, device=device, dtype=dtype), torch.rand(k, n, device=device, dtype=dtype)
+    a = torch.rand(m, k, device=device, dtype=dtype)
+    b = torch.rand(k, n, device=device, dtype=dtype)
     return str(2 * m * k * n), str(min(_t(lambda: a @ b) for _ in range(repeats)))
 
 
@@ -232,11 +264,13 @@ def decode_plan(shape, gpu, context):
     weights_read = (shape.parameters - (shape.vocab - 1) * shape.d_model) * 2
     return {"tpot": (weights_read + cache) / gpu.bandwidth,
             "max_batch": float(math.floor((gpu.memory - shape.parameters * 2) / cache)),
-            "matmul_batch": math.ceil(gpu.ridge), "attention_intensity": shape.q_width / shape.kv_width}
+            "matmul_batch": math.ceil(gpu.ridge),
+            "attention_intensity": shape.q_width / shape.kv_width}
 """,
     },
     "07_speculative_decoding": {"ch07-loop": "my_iteration = None"},
     "08_in_production": {"ch08-server-step": "my_server_step = None"},
+    "10_attention_as_engines_compute_it": {"ch10-split-decode": "my_split_decode = None"},
 }
 
 
@@ -252,9 +286,13 @@ def test_each_graded_test_fails_a_missing_answer_or_strings_for_numbers(name):
         gid = nbgrader_meta(cell).get("grade_id")
         if nbgrader_meta(cell).get("solution") and gid in WRONG[name]:
             cell.source = WRONG[name][gid].strip()
-    results = {r.grade_id: r for r in grade(execute(exercises_only(nb), path.parent, env=one_thread_env()))}
+    results = {
+        r.grade_id: r for r in grade(execute(exercises_only(nb), path.parent, env=one_thread_env()))
+    }
     for gid in WRONG[name]:
         result = results[f"{gid}-tests"]
-        assert not result.passed, f"{name}: {gid}'s graded test passes the answer {WRONG[name][gid][:60]!r}"
+        assert not result.passed, (
+            f"{name}: {gid}'s graded test passes the answer {WRONG[name][gid][:60]!r}"
+        )
         said = "no answer yet" if "None" in WRONG[name][gid] else "expected"
         assert said in result.error, f"{name}: {gid} failed without saying so: {result.error[:300]}"

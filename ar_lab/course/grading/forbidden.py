@@ -1,16 +1,17 @@
 """What each graded test forbids: the package's references for the exercise, made to raise while the
 learner's code runs (``checks.no_delegation(..., forbid="chNN-name")``).
 
-A test cell names its exercise's entry instead of listing the references, so it reads as the checks it
-makes. An entry lists ar_lab's public functions, methods or classes by dotted name, PyTorch's, or PyTorch
-operators as ``aten::name`` (``guard.forbidden`` resolves them). Never a private ar_lab name: the private
-helpers a reference reaches, and no allowed function of its module does, are forbidden with it
-(``guard.private_helpers``), so renaming an internal function changes no verdict.
+A test cell names its exercise's entry instead of listing the references, so it reads as the checks
+it makes. An entry lists ar_lab's public functions, methods or classes by dotted name, PyTorch's, or
+PyTorch operators as ``aten::name`` (``guard.forbidden`` resolves them). Never a private ar_lab
+name: the private helpers a reference reaches, and no allowed function of its module does, are
+forbidden with it (``guard.private_helpers``), so renaming an internal function changes no verdict.
 """
 
 from ar_lab.base.errors import BadValue
 
-# PyTorch's and ar_lab's ready-made attention, fused or not: what an exercise that writes attention forbids.
+# PyTorch's and ar_lab's ready-made attention, fused or not: what an exercise that writes attention
+# forbids.
 ATTENTION = (
     "torch.nn.functional.scaled_dot_product_attention",
     "ar_lab.model.gpt.CausalSelfAttention",
@@ -20,6 +21,27 @@ ATTENTION = (
     "torch.nn.MultiheadAttention",
     "torch.nn.functional.multi_head_attention_forward",
     "aten::_native_multi_head_attention",
+)
+
+# ar_lab.model.tiled's ways of computing attention and its softmax: what chapter 10's exercises
+# write.
+TILED = (
+    "ar_lab.model.tiled.online_softmax",
+    "ar_lab.model.tiled.softmax_stats",
+    "ar_lab.model.tiled.materialised_attention",
+    "ar_lab.model.tiled.tile_plan",
+    "ar_lab.model.tiled.tiled_attention",
+    "ar_lab.model.tiled.decode_partials",
+    "ar_lab.model.tiled.merge_partials",
+    "ar_lab.model.tiled.split_decode",
+)
+
+# A whole row's softmax in one call: what a softmax computed chunk by chunk must not call (by name:
+# the aten operators are left out, as the answer process's own PyTorch code runs them).
+SOFTMAX = (
+    "torch.softmax",
+    "torch.nn.functional.softmax",
+    "torch.logsumexp",
 )
 
 FORBIDDEN: dict[str, tuple[str, ...]] = {
@@ -261,12 +283,19 @@ FORBIDDEN: dict[str, tuple[str, ...]] = {
         "ar_lab.course.views.quant_view.quantize_groups",
         "ar_lab.course.views.quant_view.dequantize_groups",
     ),
+    # 10_attention_as_engines_compute_it.ipynb
+    "ch10-online-softmax": TILED + SOFTMAX,
+    "ch10-split-decode": ATTENTION + TILED,
+    "ch10-tiled-attention": ATTENTION + TILED + SOFTMAX,
 }
 
 
 def references(exercise: str) -> tuple[str, ...]:
     """The references ``exercise``'s graded test forbids (its grade id without ``-tests``)."""
     if exercise not in FORBIDDEN:
-        raise BadValue(f"no forbid list for the exercise {exercise!r}: add it to ar_lab/course/grading/forbidden.py "
-                       f"(known: {', '.join(sorted(FORBIDDEN))})", arg="exercise")
+        raise BadValue(
+            f"no forbid list for the exercise {exercise!r}: add it to "
+            f"ar_lab/course/grading/forbidden.py (known: {', '.join(sorted(FORBIDDEN))})",
+            arg="exercise",
+        )
     return FORBIDDEN[exercise]
