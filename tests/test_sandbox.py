@@ -1,5 +1,5 @@
-"""The answer process of the grading step (ar_lab.course.grading.sandbox): the reference does not exist there, and a
-test driven from here through handles behaves as it would in one process.
+"""The answer process of the grading step (ar_lab.course.grading.sandbox): the reference does not
+exist there, and a test driven from here through handles behaves as it would in one process.
 
 One answer process serves most tests (a module fixture); its cells are the "learner's"."""
 
@@ -19,7 +19,14 @@ import pytest
 import torch
 
 from ar_lab.course.grading import jail, plain, sandbox
-from ar_lab.course.grading.channel import CURRENT, AnswerGone, AnswerRaised, Channel, Refused, Remote
+from ar_lab.course.grading.channel import (
+    CURRENT,
+    AnswerGone,
+    AnswerRaised,
+    Channel,
+    Refused,
+    Remote,
+)
 from ar_lab.course.grading.plain import Unexposed
 from ar_lab.course.grading.sandbox import answer
 from ar_lab.engine.sampling import SamplingParams
@@ -43,7 +50,8 @@ LEARNER = [
             exec(inspect.getsource(sampling), namespace)
             return namespace["filter_top_p"](logits, p)
 
-        def captured(logits, p, keep=sampling.filter_top_p):  # the kernel's gate does not see these three
+        # the kernel's gate does not see these three
+        def captured(logits, p, keep=sampling.filter_top_p):
             return keep(logits, p)
 
         _snapshot = dict(vars(sampling))
@@ -62,18 +70,23 @@ LEARNER = [
             return importlib.import_module("my_sampling").filter_top_p(logits, p)
 
         def child():  # a new Python started the usual way imports the withheld copy too
-            code = "import torch, ar_lab.engine.sampling as s; print(s.filter_top_p(torch.zeros(3), 0.5))"
-            return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True).stderr
+            code = ("import torch, ar_lab.engine.sampling as s; "
+                    "print(s.filter_top_p(torch.zeros(3), 0.5))")
+            run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+            return run.stderr
 
         def isolated():  # python -I ignores PYTHONPATH: only an installed package could answer
-            code = "import inspect, ar_lab.engine.sampling as s; print(inspect.getsource(s.filter_top_p))"
+            code = ("import inspect, ar_lab.engine.sampling as s; "
+                    "print(inspect.getsource(s.filter_top_p))")
             run = subprocess.run([sys.executable, "-I", "-c", code], capture_output=True, text=True)
             return run.stdout + run.stderr
 
-        def fresh_path():  # a Python whose path lacks the withheld copy: the package imported afresh
+        # a Python whose path lacks the withheld copy: the package imported afresh
+        def fresh_path():
             code = ("import inspect, sys; sys.path[:] = [p for p in sys.path if p != sys.argv[1]]; "
                     "import ar_lab.engine.sampling as s; print(inspect.getsource(s.filter_top_p))")
-            run = subprocess.run([sys.executable, "-c", code, sys.path[0]], capture_output=True, text=True)
+            run = subprocess.run([sys.executable, "-c", code, sys.path[0]], capture_output=True,
+                                 text=True)
             return run.stdout + run.stderr
 
         def by_path(path):  # the real module's file, read by its path
@@ -93,8 +106,10 @@ LEARNER = [
             return torch.nn.functional.scaled_dot_product_attention(q, q, q)
 
         def child_sdpa():  # PyTorch's forbidden function, in a new Python started the usual way
-            code = "import torch; q = torch.ones(1, 2, 3); torch.nn.functional.scaled_dot_product_attention(q, q, q)"
-            return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True).stderr
+            code = ("import torch; q = torch.ones(1, 2, 3); "
+                    "torch.nn.functional.scaled_dot_product_attention(q, q, q)")
+            run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+            return run.stderr
 
         def aten_sdpa(q):
             return torch.ops.aten.scaled_dot_product_attention(q, q, q)
@@ -103,7 +118,9 @@ LEARNER = [
             return [int(torch.multinomial(probs, 1, generator=generator)) for _ in range(n)]
 
         def through(fn, generator):  # a callback of the test's, with the test's generator
-            return [fn(generator), int(torch.randint(100, (1,), generator=generator)), fn(generator)]
+            first = fn(generator)  # in this order: the callback draws, the answer, the callback
+            drawn = int(torch.randint(100, (1,), generator=generator))
+            return [first, drawn, fn(generator)]
 
         def fill(buffer):
             buffer[0] = 7.0
@@ -157,8 +174,15 @@ LEARNER = [
 @pytest.fixture(scope="module")
 def learner(tmp_path_factory):
     folder = tmp_path_factory.mktemp("answer") / "process"
-    errors = sandbox.start(LEARNER, ["ar_lab.engine.sampling.filter_top_p", "torch.nn.functional.scaled_dot_product_"
-                                     "attention", "aten::scaled_dot_product_attention"], folder)
+    errors = sandbox.start(
+        LEARNER,
+        [
+            "ar_lab.engine.sampling.filter_top_p",
+            "torch.nn.functional.scaled_dot_product_attention",
+            "aten::scaled_dot_product_attention",
+        ],
+        folder,
+    )
     assert errors == [""] * len(LEARNER)
     yield folder
     sandbox.stop()
@@ -167,9 +191,13 @@ def learner(tmp_path_factory):
 LOGITS = torch.tensor([3.0, 1.0, 0.5, -1.0])
 
 
-@pytest.mark.parametrize("route", ["top_p", "captured", "snapshot", "on_a_thread", "reloaded", "from_source", "copied"])
+@pytest.mark.parametrize(
+    "route", ["top_p", "captured", "snapshot", "on_a_thread", "reloaded", "from_source", "copied"]
+)
 def test_the_forbidden_reference_is_a_stub_by_every_route(learner, route):
-    with pytest.raises(RuntimeError, match="filter_top_p is withheld while this exercise is graded"):
+    with pytest.raises(
+        RuntimeError, match="filter_top_p is withheld while this exercise is graded"
+    ):
         answer(route)(LOGITS, 0.5)
 
 
@@ -178,10 +206,13 @@ def test_a_python_the_answer_starts_finds_the_stub_too(learner):
     assert "scaled_dot_product_attention is withheld" in answer("child_sdpa")()
 
 
-@pytest.mark.skipif(not jail.confining(), reason="the real package is hidden by the sandbox (bubblewrap)")
+@pytest.mark.skipif(
+    not jail.confining(), reason="the real package is hidden by the sandbox (bubblewrap)"
+)
 def test_the_real_package_cannot_be_found_from_the_answer_process(learner):
-    """Issue 66: python -I, a fresh sys.path, the module's file by path, the repository's folder: the answer
-    process finds the withheld copy or nothing, never the real reference's code or the source notebooks."""
+    """Issue 66: python -I, a fresh sys.path, the module's file by path, the repository's folder:
+    the answer process finds the withheld copy or nothing, never the real reference's code or the
+    source notebooks."""
     import inspect
 
     from ar_lab.engine import sampling
@@ -189,7 +220,10 @@ def test_the_real_package_cannot_be_found_from_the_answer_process(learner):
     real = inspect.getsource(sampling.filter_top_p)
     for route in ("isolated", "fresh_path"):
         out = answer(route)()
-        assert real not in out and ("ModuleNotFoundError" in out or "withheld" in out), (route, out[-300:])
+        assert real not in out and ("ModuleNotFoundError" in out or "withheld" in out), (
+            route,
+            out[-300:],
+        )
     assert answer("by_path")(sampling.__file__) == "FileNotFoundError"
     root = answer("listing")(str(jail.ROOT))
     assert "notebooks" not in root and ".git" not in root and "ar_lab" not in root
@@ -212,9 +246,11 @@ def test_the_private_helpers_only_the_references_reach_go_with_them(tmp_path):
 
     sandbox.withheld_package(list(FORBIDDEN["ch06-top-p"]), tmp_path)
     text = (tmp_path / "ar_lab" / "engine" / "sampling.py").read_text()
-    for name in ("filter_top_p", "probabilities", "_top_p"):  # _top_p: reached by these only (not by top-k's)
+    # _top_p: reached by these only (not by top-k's)
+    for name in ("filter_top_p", "probabilities", "_top_p"):
         assert f"raise RuntimeError('ar_lab.engine.sampling.{name} is withheld" in text, name
-    for name in ("filter_top_k", "_top_k", "sample"):  # sample draws through probabilities: a stub when called
+    # sample draws through probabilities: a stub when called
+    for name in ("filter_top_k", "_top_k", "sample"):
         assert f"ar_lab.engine.sampling.{name} is withheld" not in text, name
     view = (tmp_path / "ar_lab" / "course" / "views" / "sampler_view.py").read_text()
     assert "ar_lab.course.views.sampler_view.sampler_view is withheld" in view
@@ -224,8 +260,11 @@ def test_the_private_helpers_only_the_references_reach_go_with_them(tmp_path):
 def test_generators_draw_as_one_across_the_two_processes(learner):
     probs = torch.tensor([0.1, 0.2, 0.3, 0.4])
     g, same = torch.Generator().manual_seed(3), torch.Generator().manual_seed(3)
-    assert answer("draws")(probs, g, 5) == [int(torch.multinomial(probs, 1, generator=same)) for _ in range(5)]
-    assert torch.equal(torch.rand(4, generator=g), torch.rand(4, generator=same))  # moved on as the answer moved it
+    assert answer("draws")(probs, g, 5) == [
+        int(torch.multinomial(probs, 1, generator=same)) for _ in range(5)
+    ]
+    # moved on as the answer moved it
+    assert torch.equal(torch.rand(4, generator=g), torch.rand(4, generator=same))
 
     def callback(generator):  # the test's code, called back from the answer, on the same generator
         return int(torch.randint(100, (1,), generator=generator))
@@ -294,7 +333,9 @@ def test_a_class_of_the_learners_is_built_and_used_through_handles(learner):
         getattr(doubler, "_modules")  # noqa: B009 (the attribute read is the point)
 
 
-def test_the_answer_cannot_reach_a_private_attribute_or_a_forbidden_reference_through_the_tests_objects(learner):
+def test_the_answer_cannot_reach_a_private_attribute_or_a_forbidden_reference_via_the_tests_objects(
+    learner,
+):
     class Box:  # what a test might hand over
         secret = 1
 
@@ -313,7 +354,8 @@ def test_the_answer_cannot_reach_a_private_attribute_or_a_forbidden_reference_th
     channel = sandbox.current()
     with pytest.raises(Refused, match="filter_top_p` is withheld"):
         answer("use")(Box(), "filter", LOGITS)
-    assert channel.refused == ["ar_lab.engine.sampling.filter_top_p"]  # the test fails even if it was caught
+    # the test fails even if it was caught
+    assert channel.refused == ["ar_lab.engine.sampling.filter_top_p"]
     with pytest.raises(Refused, match="withheld"):
         sandbox.answers_checked("some-tests")
     assert "channel" not in CURRENT  # answers_checked ends the process
@@ -329,14 +371,18 @@ def test_the_judge_unpickles_plain_data_only_and_serves_no_cell(pair):
     data = pickle.dumps((True, {}, {}, ("request", "call", Evil())), protocol=4)
     learner.writer.write(struct.pack("<Q", len(data)) + data)
     learner.writer.flush()
-    with pytest.raises(pickle.UnpicklingError, match="names builtins.print: only plain data may cross"):
+    with pytest.raises(
+        pickle.UnpicklingError, match="names builtins.print: only plain data may cross"
+    ):
         judge._receive()
-    for op in ("run", "bind", "name", "close", "delattr"):  # the judge serves calls and attributes, not these
+    # the judge serves calls and attributes, not these
+    for op in ("run", "bind", "name", "close", "delattr"):
         judge._serve(op, judge._out((None, "import os")))
         _, ok, (module, kind, message) = learner._receive()
         assert (ok, kind) == (False, "Refused") and f"no request {op!r} is served here" in message
     box = torch.nn.Linear(2, 2)
-    judge.objects[id(box)] = box  # as if handed to the answer: a request by hand for its private attribute
+    # as if handed to the answer: a request by hand for its private attribute
+    judge.objects[id(box)] = box
     judge._serve("getattr", ({"__ar_lab_sandbox__": "yours", "id": id(box)}, "_parameters"))
     _, ok, (module, kind, message) = learner._receive()
     assert (ok, kind) == (False, "Refused") and "private attributes are not shared" in message
@@ -344,11 +390,35 @@ def test_the_judge_unpickles_plain_data_only_and_serves_no_cell(pair):
 
 @pytest.mark.parametrize(
     "value",
-    [os, open, exec, getattr, sys._getframe(), Path("gradebook.db"), os.system, subprocess.run, "shell"],
-    ids=["module", "open", "exec", "getattr", "frame", "path", "os.system", "subprocess.run", "shell"],  # stable
-)  # (ids of their own: a frame's repr holds its address, which differs between pytest-xdist's workers)
+    [
+        os,
+        open,
+        exec,
+        getattr,
+        sys._getframe(),
+        Path("gradebook.db"),
+        os.system,
+        subprocess.run,
+        "shell",
+    ],
+    # stable
+    ids=[
+        "module",
+        "open",
+        "exec",
+        "getattr",
+        "frame",
+        "path",
+        "os.system",
+        "subprocess.run",
+        "shell",
+    ],
+    # (ids of their own: a frame's repr holds its address, which differs between pytest-xdist's
+    # workers)
+)
 def test_the_judge_hands_out_no_module_frame_file_or_shell(pair, value):
-    """Issue 66: a handle on any of these, handed to the answer process, would reach the judge's machinery."""
+    """Issue 66: a handle on any of these, handed to the answer process, would reach the judge's
+    machinery."""
     from IPython.core.interactiveshell import InteractiveShell
 
     judge, learner = pair
@@ -362,7 +432,8 @@ def test_a_request_that_would_reach_the_judges_machinery_is_refused_and_fails_th
     import types
 
     judge, learner = pair
-    holder = types.SimpleNamespace(system=os.system, folder=Path("."), size=3)  # a test's object holding them
+    # a test's object holding them
+    holder = types.SimpleNamespace(system=os.system, folder=Path("."), size=3)
     judge.objects[id(holder)] = holder
     for name in ("system", "folder", "size"):
         judge._serve("getattr", ({"__ar_lab_sandbox__": "yours", "id": id(holder)}, name))
@@ -388,12 +459,31 @@ def pair():
         channel.writer.close()
 
 
-@pytest.mark.parametrize("value", [
-    None, True, 3, 2.5, 1 + 2j, "text", b"bytes", b"", [1, (2.0, "a")], {"k": torch.arange(3)}, {"b", "a"},
-    frozenset({3}), torch.Size([2, 3]), torch.float16, torch.device("cpu"), torch.randn(2, 3, requires_grad=True),
-    np.arange(4.0),
-    np.float32(1.5), np.int64(7), SamplingParams(top_k=3),
-])
+@pytest.mark.parametrize(
+    "value",
+    [
+        None,
+        True,
+        3,
+        2.5,
+        1 + 2j,
+        "text",
+        b"bytes",
+        b"",
+        [1, (2.0, "a")],
+        {"k": torch.arange(3)},
+        {"b", "a"},
+        frozenset({3}),
+        torch.Size([2, 3]),
+        torch.float16,
+        torch.device("cpu"),
+        torch.randn(2, 3, requires_grad=True),
+        np.arange(4.0),
+        np.float32(1.5),
+        np.int64(7),
+        SamplingParams(top_k=3),
+    ],
+)
 def test_plain_values_cross_by_value_equal_and_of_the_same_type(pair, value):
     judge, learner = pair
     judge._send(("reply", True, judge._out(value)))
@@ -415,7 +505,9 @@ def _equal(a, b) -> bool:
     return a == b
 
 
-@pytest.mark.parametrize("value", [torch.nn.Linear(2, 2), object(), {1.5: 2}, np.array([object()]), lambda: 0])
+@pytest.mark.parametrize(
+    "value", [torch.nn.Linear(2, 2), object(), {1.5: 2}, np.array([object()]), lambda: 0]
+)
 def test_other_values_cross_as_handles(pair, value):
     judge, learner = pair
     with pytest.raises(plain.NotPlain):
@@ -432,16 +524,18 @@ def test_an_answer_process_that_ends_is_reported(tmp_path):
 
 
 def test_answer_processes_are_forked_by_a_server_that_never_loads_ar_lab(tmp_path):
-    """On Linux each answer process is forked by one server (a Python that imported torch once): two in a row
-    share it, every ar_lab module a child holds comes from its own withheld copy, and the server holds none."""
+    """On Linux each answer process is forked by one server (a Python that imported torch once): two
+    in a row share it, every ar_lab module a child holds comes from its own withheld copy, and the
+    server holds none."""
     if sys.platform != "linux":
         pytest.skip("the fork server is Linux's (elsewhere each answer process is a new Python)")
-    cell = ("import os, sys, ar_lab\n"
-            "def report():\n"
-            "    outside = [m for m, v in sys.modules.items()\n"
-            "               if m.startswith('ar_lab') and not (v.__file__ or '').startswith(sys.path[0])]\n"
-            "    server = open(f'/proc/{os.getppid()}/maps').read()\n"
-            "    return os.getppid(), outside, 'libtorch' in server")
+    cell = (
+        "import os, sys, ar_lab\ndef report():\n    outside = [m for m, v in "
+        "sys.modules.items()\n               if m.startswith('ar_lab') and not (v.__file__ or "
+        "'').startswith(sys.path[0])]\n    server = "
+        "open(f'/proc/{os.getppid()}/maps').read()\n    return os.getppid(), outside, 'libtorch' "
+        "in server"
+    )
     parents = []
     for name in ("first", "second"):
         assert sandbox.start([cell], [], tmp_path / name) == [""]
@@ -455,9 +549,9 @@ def test_answer_processes_are_forked_by_a_server_that_never_loads_ar_lab(tmp_pat
 
 # Last: it starts answer processes of its own (the module's fixture process would be ended).
 def test_renaming_an_internal_function_changes_no_verdict(tmp_path, monkeypatch):
-    """The package with its private top-p filter under another name (the source file and the live module): the
-    forbid list (public names) still withholds it, so a cheat through the renamed helper meets a stub, and a
-    top-p written by hand still passes chapter 06's own test."""
+    """The package with its private top-p filter under another name (the source file and the live
+    module): the forbid list (public names) still withholds it, so a cheat through the renamed
+    helper meets a stub, and a top-p written by hand still passes chapter 06's own test."""
     import importlib
     import shutil
     import sys
@@ -471,14 +565,21 @@ def test_renaming_an_internal_function_changes_no_verdict(tmp_path, monkeypatch)
     shutil.copytree(sandbox.PACKAGE, package, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
     module = package / "engine" / "sampling.py"
     module.write_text(re.sub(r"\b_top_p\b", "_nucleus_mask", module.read_text()))
-    assert "def _nucleus_mask(" in module.read_text() and not re.search(r"\b_top_p\b", module.read_text())
+    assert "def _nucleus_mask(" in module.read_text() and not re.search(
+        r"\b_top_p\b", module.read_text()
+    )
     spec = importlib.util.spec_from_file_location("ar_lab.engine.sampling", module)
     live = importlib.util.module_from_spec(spec)
-    monkeypatch.setitem(sys.modules, "ar_lab.engine.sampling", live)  # what the forbid list resolves against
+    # what the forbid list resolves against
+    monkeypatch.setitem(sys.modules, "ar_lab.engine.sampling", live)
     spec.loader.exec_module(live)
     monkeypatch.setattr(sandbox, "PACKAGE", package)
-    nb = nbformat.read(Path(__file__).resolve().parents[1] / "notebooks" / "06_sampling.ipynb", as_version=4)
-    test = next(c.source for c in nb.cells if nbgrader_meta(c).get("grade_id") == "ch06-top-p-tests")
+    nb = nbformat.read(
+        Path(__file__).resolve().parents[1] / "notebooks" / "06_sampling.ipynb", as_version=4
+    )
+    test = next(
+        c.source for c in nb.cells if nbgrader_meta(c).get("grade_id") == "ch06-top-p-tests"
+    )
     by_hand = textwrap.dedent("""
         import torch
 
@@ -487,13 +588,21 @@ def test_renaming_an_internal_function_changes_no_verdict(tmp_path, monkeypatch)
             before = ranked.double().cumsum(0) - ranked.double()
             return torch.zeros_like(before, dtype=torch.bool).scatter_(0, order, before < p)
         """)
-    cheat = ("import ar_lab.engine.sampling as s\n"
-             "def my_top_p_keep(probs, p):\n    return s._nucleus_mask(probs.log(), p) > float('-inf')")
+    cheat = (
+        "import ar_lab.engine.sampling as s\ndef my_top_p_keep(probs, p):\n    return "
+        "s._nucleus_mask(probs.log(), p) > float('-inf')"
+    )
     verdicts = {}
     for name, answer_cell in [("by hand", by_hand), ("cheat", cheat)]:
-        sandbox.start([answer_cell], sorted(FORBIDDEN["ch06-top-p"]), tmp_path / name.replace(" ", "_"))
+        sandbox.start(
+            [answer_cell], sorted(FORBIDDEN["ch06-top-p"]), tmp_path / name.replace(" ", "_")
+        )
         try:
-            namespace = {"my_top_p_keep": answer("my_top_p_keep"), "torch": torch, "filter_top_p": live.filter_top_p}
+            namespace = {
+                "my_top_p_keep": answer("my_top_p_keep"),
+                "torch": torch,
+                "filter_top_p": live.filter_top_p,
+            }
             exec(test, namespace)
             verdicts[name] = "passed"
         except Exception as e:

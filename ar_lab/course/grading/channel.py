@@ -2,19 +2,21 @@
 process (the learner's cells, ``ar_lab.course.grading.sandbox``).
 
 The two talk over a pair of pipes (``Channel``). Plain values (``plain.encode``: numbers, tensors,
-lists, dicts, ar_lab's dataclasses) cross by value; anything else stays in the process that made it and
-the other side holds a ``Remote`` handle, whose calls, public attributes, items, length and iteration go
-back to it. The test calls the learner's functions and builds and uses the learner's classes through
-handles; the learner's code uses what the test hands it (a model, a server) the same way. A request
-from the answer process for a private attribute, or one that reaches a forbidden reference in the judge,
-is refused (and the test fails: ``Channel.refused``). A tensor crosses as a copy whose in-place changes (a
-cache written into, say) go back to the original with the next message; one tensor sent again arrives as the
-same copy (tied weights stay tied), and a view of a copy comes back as the same view of the original (a
-cache's returned prefix shares the buffer). A random generator handed over is copied once, and the states
-of both copies, torch's global random state, grad mode and the thread count travel with every message, so
-the two processes draw and compute as one would. Only plain
-data is ever unpickled (``_PlainUnpickler``: tensors as dtype, shape and bytes): the learner's process
-cannot run code in the judge's.
+lists, dicts, ar_lab's dataclasses) cross by value; anything else stays in the process that made it
+and the other side holds a ``Remote`` handle, whose calls, public attributes, items, length and
+iteration go back to it. The test calls the learner's functions and builds and uses the learner's
+classes through handles; the learner's code uses what the test hands it (a model, a server) the same
+way. A request from the answer process for a private attribute, or one that reaches a forbidden
+reference in the judge, is refused (and the test fails: ``Channel.refused``). A tensor crosses as a
+copy whose in-place changes (a cache written into, say) go back to the original with the next
+message; one tensor sent again arrives as the same copy (tied weights stay tied), and a view of a
+copy comes back as the same view of the original (a cache's returned prefix shares the buffer):
+``lending``, which also takes back a write into a copy the code has dropped, one through ``.data``,
+and one into a temporary of the sender's that shares the original's storage (``state_dict()``'s
+tensors). A random generator handed over is copied once, and the states of both copies, torch's
+global random state, grad mode and the thread count travel with every message, so the two processes
+draw and compute as one would. Only plain data is ever unpickled (``_PlainUnpickler``: tensors as
+dtype, shape and bytes): the learner's process cannot run code in the judge's.
 """
 
 from __future__ import annotations
@@ -32,9 +34,10 @@ from typing import Any
 import torch
 
 from ar_lab.course.grading import plain
+from ar_lab.course.grading.lending import Ledger
 
 _TAG = "__ar_lab_sandbox__"
-_OPS = {"call", "getattr", "setattr", "getitem", "len", "list", "bool"}  # what either side may ask
+_OPS = {"call", "getattr", "setattr", "getitem", "len", "list", "next", "bool"}  # either side asks
 _JUDGE_OPS = {"run", "bind", "name", "close"}  # what only the judge may ask (the answer process serves them)
 _NAMES = {"__name__", "__qualname__"}  # the private attributes a handle reads: a function's or a class's name
 WITHHELD = "is withheld while this exercise is graded: the exercise asks you to write it yourself"
@@ -100,6 +103,9 @@ class Remote:
 
     def __iter__(self):
         return iter(self._ask("list"))
+
+    def __next__(self) -> Any:  # next(model.parameters()): the other side's iterator moves on
+        return self._ask("next")
 
     def __bool__(self) -> bool:
         return self._ask("bool")
@@ -195,12 +201,7 @@ class Channel:
         self.owned: dict[int, weakref.ref] = {}  # id -> a generator of this side's that the other side uses
         self.copies: dict[int, torch.Generator] = {}  # the other side's id -> this side's copy of its generator
         self.known: dict = {}  # the random states both sides know (see _states)
-        self.lent: dict[int, weakref.ref] = {}  # number -> a tensor of this side's sent as a copy
-        self.numbers: dict[int, tuple] = {}  # id(a lent tensor) -> (weakref to it, its number): one number each
-        # the other side's number -> (weakref to this side's copy, an alias of it, its version): the alias
-        # (``detach``: the same storage and version counter) keeps a write into a copy that the code then
-        # dropped until the next message takes it back (``_returns``)
-        self.borrowed: dict[int, tuple] = {}
+        self.ledger = Ledger()  # tensors lent as copies, and copies held: their writes go back
         self.refuse = {id(obj): name for name, obj in refuse}
         self.refused: list[str] = []
         self.judge = judge
@@ -232,25 +233,9 @@ class Channel:
             self.objects[id(value)] = value
             kind = type(value).__qualname__
             return {_TAG: "mine", "id": id(value), "kind": kind, "module": isinstance(value, torch.nn.Module)}
-        if isinstance(value, torch.Tensor):  # lent: an in-place change of the copy comes back (_returns)
-            ref, number = self.numbers.get(id(value), (lambda: None, 0))
-            if ref() is not value:  # the same tensor sent again keeps its number, so it arrives as the same copy
-                number = len(self.lent) + 1
-                self.lent[number] = weakref.ref(value)
-                self.numbers[id(value)] = (self.lent[number], number)
-            return {_TAG: "value", "v": data, "lent": number, "view": self._view(value)}
+        if isinstance(value, torch.Tensor):  # lent: the copy's in-place changes come back (lending)
+            return {_TAG: "value", "v": data, **self.ledger.lend(value)}
         return {_TAG: "value", "v": data}
-
-    def _view(self, value: torch.Tensor) -> list | None:
-        """Where ``value`` lies in a copy this side holds of a tensor of the other side's, when it is a view of
-        one: [the copy's number, storage offset, size, stride] (the other side then makes the same view of its
-        original), else None."""
-        pointer = value.untyped_storage().data_ptr()
-        for number, (ref, _, _) in self.borrowed.items():
-            copy = ref()
-            if copy is not None and copy is not value and copy.untyped_storage().data_ptr() == pointer:
-                return [number, value.storage_offset(), list(value.shape), list(value.stride())]
-        return None
 
     def _in(self, data: Any) -> Any:
         if type(data) in (list, tuple):
@@ -281,20 +266,9 @@ class Channel:
                 self.copies[data["gid"]].set_state(data["state"])
             return self.copies[data["gid"]]
         value = plain.decode(data["v"])
-        if not isinstance(value, torch.Tensor) or type(data.get("lent")) is not int or value.is_inference():
+        if not isinstance(value, torch.Tensor):
             return value
-        view = data.get("view")
-        original = self.lent.get(view[0], lambda: None)() if type(view) is list and len(view) == 4 else None
-        if original is not None and original.is_contiguous() and original.dtype == value.dtype:
-            with contextlib.suppress(RuntimeError):  # a view of one of ours comes back as the same view of it
-                return original.as_strided(view[2], view[3], original.storage_offset() + view[1])
-        copy = self.borrowed.get(data["lent"], (lambda: None,))[0]()
-        if copy is not None and copy.shape == value.shape and copy.dtype == value.dtype:
-            with torch.no_grad():  # the same tensor again: the same copy, brought up to date
-                copy.copy_(value)
-            value = copy
-        self.borrowed[data["lent"]] = (weakref.ref(value), value.detach(), value._version)
-        return value
+        return self.ledger.borrow(value, data.get("lent"), data.get("view"))
 
     def _states(self) -> dict:
         """The random states that changed since both sides last knew them: torch's global one and each shared
@@ -307,25 +281,13 @@ class Channel:
         self.known.update(changed)
         return changed
 
-    def _returns(self) -> dict:
-        """The borrowed copies changed in place since they came or last went back: number -> the copy. A copy
-        the code no longer holds (a parameter of a loop over ``named_parameters()``, a buffer written through
-        ``cache.k[layer][:, :, a:b] = k``) goes back one last time if it was written, then is forgotten: in
-        one process that write would have landed in the original."""
-        out, alive = {}, {}
-        for number, (ref, alias, version) in self.borrowed.items():
-            if alias._version != version:
-                out[number] = alias
-            if ref() is not None:
-                alive[number] = (ref, alias, alias._version)
-        self.borrowed = alive
-        return out
-
     def _send(self, message: tuple) -> None:
         buffer = io.BytesIO()
         pickler = pickle.Pickler(buffer, protocol=4)
         pickler.persistent_id = _tensor_bytes
-        pickler.dump((torch.is_grad_enabled(), torch.get_num_threads(), self._states(), self._returns(), message))
+        state = (torch.is_grad_enabled(), torch.get_num_threads(), self._states(),
+                 self.ledger.returns())
+        pickler.dump((*state, message))
         data = buffer.getvalue()
         try:
             self.writer.write(struct.pack("<Q", len(data)) + data)
@@ -342,11 +304,7 @@ class Channel:
         torch.set_grad_enabled(bool(grad))
         if type(threads) is int and threads != torch.get_num_threads() and 0 < threads <= (os.cpu_count() or 1):
             torch.set_num_threads(threads)  # the two sides compute on as many threads, as in one process
-        for number, copy in returns.items():  # what the other side changed in place in the copies it holds
-            original = self.lent.get(number, lambda: None)()
-            if original is not None and isinstance(copy, torch.Tensor) and original.shape == copy.shape:
-                with torch.no_grad():
-                    original.copy_(copy)
+        self.ledger.take_back(returns)  # what the other side wrote in place into its copies
         for key, state in states.items():
             if key == "rng":
                 torch.set_rng_state(state)
@@ -412,6 +370,8 @@ class Channel:
             result = len(target)
         elif op == "list":
             result = list(target)
+        elif op == "next":
+            result = next(target)
         else:
             result = bool(target)
         self._check(result, "")
