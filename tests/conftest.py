@@ -12,35 +12,43 @@ from ar_lab.model.gpt import GPT, GPTConfig
 settings.register_profile("ar_lab", deadline=None, max_examples=30, derandomize=True)
 settings.load_profile("ar_lab")
 
-# Grading confines learner code with bubblewrap (ar_lab.course.grading.jail), which .ci/run installs on Linux. Where it
-# cannot run (macOS; a Linux without user namespaces), the grading tests opt out as an instructor would, and the
-# tests of the sandbox itself are skipped, saying why.
+# Grading confines learner code with bubblewrap (ar_lab.course.grading.jail), which .ci/run installs
+# on Linux. Where it cannot run (macOS; a Linux without user namespaces), the grading tests opt out
+# as an instructor would, and the tests of the sandbox itself are skipped, saying why.
 if not jail.available() and jail.enabled():
-    print(f"WARNING: {jail.reason()}: the grading tests run learner code unconfined ({jail.OPT_OUT}=off)",
-          file=sys.stderr)
+    print(
+        f"WARNING: {jail.reason()}: the grading tests run learner code unconfined ({jail.OPT_OUT}"
+        "=off)",
+        file=sys.stderr,
+    )
     os.environ[jail.OPT_OUT] = "off"
 
 
-# Appendix A1 times a neighbour it starts itself: beside another test process its quiet baseline is not quiet.
-# Chapter 05 measures this machine's roofs on every core it has (the probe's thread count): beside another test
-# process its threads wait for one another (a batch-1 step 6x slower, batch 4 25x, seen in CI), so it runs
-# alone too, the source notebook's cells and the student version's Run All.
+# Appendix A1 times a neighbour it starts itself: beside another test process its quiet baseline is
+# not quiet. Chapter 05 measures this machine's roofs on every core it has (the probe's thread
+# count): beside another test process its threads wait for one another (a batch-1 step 6x slower,
+# batch 4 25x, seen in CI), so it runs alone too, the source notebook's cells and the student
+# version's Run All.
 QUIET = {"A1_measuring_time.ipynb", "05_prefill_vs_decode.ipynb"}
 # Test files whose tests share no module fixture: each test can go to whichever process is free.
 SPREAD = {"test_exercises.py", "test_delegation.py", "test_fresh_grading.py"}
 
 
 def pytest_collection_modifyitems(config, items):
-    """Browser tests and notebook cells (nbval) are slow by nature: ``-m "not slow"`` leaves them out. The quiet
-    ones are marked ``quiet``: ``make test`` runs them alone, after the others."""
+    """Browser tests and notebook cells (nbval) are slow by nature: ``-m "not slow"`` leaves them
+    out. The quiet ones are marked ``quiet``: ``make test`` runs them alone, after the others."""
     site = [item for item in items if item.get_closest_marker("site")]
-    if site and "site" not in (config.getoption("markexpr", "") or ""):  # make test-site runs them (-m site)
+    # make test-site runs them (-m site)
+    if site and "site" not in (config.getoption("markexpr", "") or ""):
         config.hook.pytest_deselected(items=site)
         items[:] = [item for item in items if not item.get_closest_marker("site")]
     for item in items:
         if item.get_closest_marker("browser") or type(item).__name__ == "IPyNbCell":
             item.add_marker(pytest.mark.slow)
-        run_all = getattr(item, "originalname", "") == "test_run_all_reaches_the_end_of_the_student_version"
+        run_all = (
+            getattr(item, "originalname", "")
+            == "test_run_all_reaches_the_end_of_the_student_version"
+        )
         if item.path.name in QUIET or (run_all and f"{item.callspec.id}.ipynb" in QUIET):
             item.add_marker(pytest.mark.quiet)
     weight: dict[str, float] = {}
@@ -51,16 +59,18 @@ def pytest_collection_modifyitems(config, items):
     items.sort(key=lambda item: (-weight[scope(item.nodeid)], scope(item.nodeid), order[id(item)]))
 
 
-# Scopes whose module fixture does most of the work, in seconds (make test --durations, 2 processes on 2 cores).
+# Scopes whose module fixture does most of the work, in seconds (make test --durations, 2 processes
+# on 2 cores).
 FIXTURE_SECONDS = {"test_grading_fresh.py": 265.0, "test_grading.py": 65.0, "test_browser.py": 60.0}
 CHAPTERS = {p.stem for p in (Path(__file__).resolve().parent.parent / "notebooks").glob("*.ipynb")}
 
 
 def _cost(item) -> float:
-    """A rough guess of an item's seconds, to start the longest scopes first so that make test's two processes
-    end together (pytest-xdist's own order, by number of tests, left the one-test scopes that run a chapter,
-    a minute each, for the end): a notebook cell ~3 s, a slow test that runs a chapter ~40 s, another slow
-    test ~5 s, any other ~0.1 s, plus FIXTURE_SECONDS once per scope (on its first item)."""
+    """A rough guess of an item's seconds, to start the longest scopes first so that make test's two
+    processes end together (pytest-xdist's own order, by number of tests, left the one-test scopes
+    that run a chapter, a minute each, for the end): a notebook cell ~3 s, a slow test that runs a
+    chapter ~40 s, another slow test ~5 s, any other ~0.1 s, plus FIXTURE_SECONDS once per scope (on
+    its first item)."""
     if type(item).__name__ == "IPyNbCell":
         return 3.0
     if not item.get_closest_marker("slow"):
@@ -70,21 +80,23 @@ def _cost(item) -> float:
 
 
 def scope(nodeid: str) -> str:
-    """What one process runs in order: a notebook's cells (one kernel), a test file's tests (its module fixtures
-    computed once), or, in SPREAD, one test."""
+    """What one process runs in order: a notebook's cells (one kernel), a test file's tests (its
+    module fixtures computed once), or, in SPREAD, one test."""
     path = str(nodeid).split("::", 1)[0]
     return str(nodeid) if path.rsplit("/", 1)[-1] in SPREAD else path
 
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_xdist_make_scheduler(config, log):
-    """With ``-n 2 --dist loadscope`` (make test), the scopes are ``scope``'s: pytest-xdist's own by-group scheduling
-    marks items by rewriting their node ids, which pytest 9.2's nodes no longer take."""
+    """With ``-n 2 --dist loadscope`` (make test), the scopes are ``scope``'s: pytest-xdist's own
+    by-group scheduling marks items by rewriting their node ids, which pytest 9.2's nodes no longer
+    take."""
     if config.getoption("dist") != "loadscope":
         return None
     from xdist.scheduler import LoadScopeScheduling
 
-    config.option.loadscopereorder = False  # the items come in pytest_collection_modifyitems's order: longest first
+    # the items come in pytest_collection_modifyitems's order: longest first
+    config.option.loadscopereorder = False
     class ByScope(LoadScopeScheduling):
         def _split_scope(self, nodeid: str) -> str:
             return scope(nodeid)
@@ -93,17 +105,19 @@ def pytest_xdist_make_scheduler(config, log):
 
 
 def one_thread_env(env: dict[str, str] | None = None) -> dict[str, str]:
-    """``env`` (default: this process's) for a kernel or command that only grades: one OpenMP thread, since make
-    test's two processes each start kernels on two cores (the experiments' kernels keep the machine's count)."""
+    """``env`` (default: this process's) for a kernel or command that only grades: one OpenMP
+    thread, since make test's two processes each start kernels on two cores (the experiments'
+    kernels keep the machine's count)."""
     return {**(os.environ if env is None else env), "OMP_NUM_THREADS": "1"}
 
 
 @pytest.fixture(autouse=True, scope="session")
 def one_torch_thread():
-    """Every test runs with one torch intra-op thread (a test that times threads sets its own count and puts
-    this one back). The tests decode tiny models: a chain of small kernels, where a second thread mostly waits
-    for the first, and make test runs two test processes on two cores, so that a kernel split over two threads
-    waits for whichever was descheduled (a layer norm of a few hundred values: 15 ms instead of 15 µs)."""
+    """Every test runs with one torch intra-op thread (a test that times threads sets its own count
+    and puts this one back). The tests decode tiny models: a chain of small kernels, where a second
+    thread mostly waits for the first, and make test runs two test processes on two cores, so that a
+    kernel split over two threads waits for whichever was descheduled (a layer norm of a few hundred
+    values: 15 ms instead of 15 µs)."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     yield

@@ -6,9 +6,10 @@ from ar_lab.model.tokenizer import encode
 
 
 def assert_same_greedy(model, prompt, expected, got, near: float = 1e-4):
-    """Tokens equal; if they ever differ, it must be a genuine near-tie of the model's top two logits there
-    (within ``near``: float rounding differs with the kernel, the batch a row shares, the rows a pass
-    covers), and the comparison stops at that token, after which the texts may part."""
+    """Tokens equal; if they ever differ, it must be a genuine near-tie of the model's top two
+    logits there (within ``near``: float rounding differs with the kernel, the batch a row shares,
+    the rows a pass covers), and the comparison stops at that token, after which the texts may
+    part."""
     ids = encode(prompt) if isinstance(prompt, str) else list(prompt)
     for i, (a, b) in enumerate(zip(expected, got, strict=True)):
         if a != b:
@@ -17,6 +18,7 @@ def assert_same_greedy(model, prompt, expected, got, near: float = 1e-4):
             gap = float(logits[[a, b]].max() - logits[[a, b]].min())
             top = float(logits.max())
             assert gap < near and top - float(logits[[a, b]].max()) < near, (
-                f"token {i} differs ({a} vs {b}) without a near-tie: logits {float(logits[a]):.5f} vs "
-                f"{float(logits[b]):.5f} (top {top:.5f})")
+                f"token {i} differs ({a} vs {b}) without a near-tie: logits "
+                f"{float(logits[a]):.5f} vs {float(logits[b]):.5f} (top {top:.5f})"
+            )
             return

@@ -85,7 +85,8 @@ def _with_header(header: dict, body: bytes) -> bytes:
 
 
 def _edited(raw: bytes, **metadata: str | None) -> bytes:
-    """The checkpoint ``raw`` with header metadata entries replaced (None: removed), tensors untouched."""
+    """The checkpoint ``raw`` with header metadata entries replaced (None: removed), tensors
+    untouched."""
     header, body = _header(raw)
     for key, value in metadata.items():
         if value is None:
@@ -107,7 +108,9 @@ def files() -> Path:
     broken = {
         "truncated": raw[: len(raw) // 2],
         "header_only": raw[: 8 + int.from_bytes(raw[:8], "little")],
-        "random": bytes(torch.randint(0, 256, (4096,), generator=torch.Generator().manual_seed(1)).tolist()),
+        "random": bytes(
+            torch.randint(0, 256, (4096,), generator=torch.Generator().manual_seed(1)).tolist()
+        ),
         "empty": b"",
         "text": b"this is not a checkpoint\n",
         "config_edited": _edited(raw, config=json.dumps({**config, "n_head": 1})),
@@ -128,7 +131,13 @@ def files() -> Path:
     (d / "a_file").write_text("a file, not a folder")
     (d / "not_json.json").write_text("{oops")
     (d / "list.json").write_text("[1, 2]")
-    result = {"schema": measure.SCHEMA, "device": {}, "dtype": "float32", "versions": {}, "date": ""}
+    result = {
+        "schema": measure.SCHEMA,
+        "device": {},
+        "dtype": "float32",
+        "versions": {},
+        "date": "",
+    }
     (d / "bad_peaks.json").write_text(json.dumps({**result, "peaks": "fast", "points": []}))
     (d / "corrupt_data").mkdir()
     for name in ("course", "draft"):
@@ -147,7 +156,9 @@ def report(total_time: float) -> serving.ServeReport:
 
 
 def greedy_view(prompt: str = "ab", **kw):
-    return speculative_view.speculation_view(tiny(), tiny(), prompt, max_new_tokens=3, repeats=1, **kw)
+    return speculative_view.speculation_view(
+        tiny(), tiny(), prompt, max_new_tokens=3, repeats=1, **kw
+    )
 
 
 # --- 1. calls --------------------------------------------------------------------------------
@@ -158,60 +169,123 @@ class Call:
     name: str
     run: Callable[[], object]
     error: type[BaseException]
-    arg: str | None  # the argument an ar_lab error names (its .arg); for a built-in error, what its message names
+    # the argument an ar_lab error names (its .arg); for a built-in error, what its message names
+    arg: str | None
 
 
 def check_call(case: Call) -> None:
-    """``case`` raises its error type naming its argument (``tests/raising.check_error``), not a given wording."""
+    """``case`` raises its error type naming its argument (``tests/raising.check_error``), not a
+    given wording."""
     with pytest.raises(case.error) as info:
         case.run()
     if isinstance(info.value, ArLabError):
         check_error(info.value, case.error, case.arg)
     else:  # a missing file: the built-in error, whose message names what was asked for
-        assert case.arg in str(info.value), f"{case.name}: {type(info.value).__name__}: {info.value}"
+        assert case.arg in str(info.value), (
+            f"{case.name}: {type(info.value).__name__}: {info.value}"
+        )
 
 
 NAN, INF = math.nan, math.inf
 
 CALLS = [
     # tokenizer
-    Call("decode('hello')", lambda: tokenizer.decode("hello"), BadType, 'ids'),
-    Call("decode([104.0, 105.0])", lambda: tokenizer.decode([104.0, 105.0]), BadType, 'ids'),
-    Call("decode([1.5])", lambda: tokenizer.decode([1.5]), BadType, 'ids'),
-    Call("decode([True, False])", lambda: tokenizer.decode([True, False]), BadType, 'ids'),
-    Call("decode([300])", lambda: tokenizer.decode([300]), BadValue, 'ids'),
-    Call("decode([-1])", lambda: tokenizer.decode([-1]), BadValue, 'ids'),
-    Call("decode(104)", lambda: tokenizer.decode(104), BadType, 'ids'),
-    Call("decode(None)", lambda: tokenizer.decode(None), BadType, 'ids'),
-    Call("decode(float tensor)", lambda: tokenizer.decode(torch.tensor([104.0])), BadType, 'ids'),
-    Call("decode(2-D tensor)", lambda: tokenizer.decode(torch.tensor([[104, 105]])), BadValue, 'ids'),
-    Call("decode([104], stop_at_eos='no')", lambda: tokenizer.decode([104], "no"), BadType, 'stop_at_eos'),
-    Call("encode(123)", lambda: tokenizer.encode(123), BadType, 'text'),
-    Call("encode(None)", lambda: tokenizer.encode(None), BadType, 'text'),
-    Call("StreamDecoder().feed('a')", lambda: tokenizer.StreamDecoder().feed("a"), BadType, 'token_id'),
-    Call("StreamDecoder().feed(1.5)", lambda: tokenizer.StreamDecoder().feed(1.5), BadType, 'token_id'),
-    Call("StreamDecoder().feed(999)", lambda: tokenizer.StreamDecoder().feed(999), BadValue, 'token_id'),
+    Call("decode('hello')", lambda: tokenizer.decode("hello"), BadType, "ids"),
+    Call("decode([104.0, 105.0])", lambda: tokenizer.decode([104.0, 105.0]), BadType, "ids"),
+    Call("decode([1.5])", lambda: tokenizer.decode([1.5]), BadType, "ids"),
+    Call("decode([True, False])", lambda: tokenizer.decode([True, False]), BadType, "ids"),
+    Call("decode([300])", lambda: tokenizer.decode([300]), BadValue, "ids"),
+    Call("decode([-1])", lambda: tokenizer.decode([-1]), BadValue, "ids"),
+    Call("decode(104)", lambda: tokenizer.decode(104), BadType, "ids"),
+    Call("decode(None)", lambda: tokenizer.decode(None), BadType, "ids"),
+    Call("decode(float tensor)", lambda: tokenizer.decode(torch.tensor([104.0])), BadType, "ids"),
+    Call(
+        "decode(2-D tensor)", lambda: tokenizer.decode(torch.tensor([[104, 105]])), BadValue, "ids"
+    ),
+    Call(
+        "decode([104], stop_at_eos='no')",
+        lambda: tokenizer.decode([104], "no"),
+        BadType,
+        "stop_at_eos",
+    ),
+    Call("encode(123)", lambda: tokenizer.encode(123), BadType, "text"),
+    Call("encode(None)", lambda: tokenizer.encode(None), BadType, "text"),
+    Call(
+        "StreamDecoder().feed('a')",
+        lambda: tokenizer.StreamDecoder().feed("a"),
+        BadType,
+        "token_id",
+    ),
+    Call(
+        "StreamDecoder().feed(1.5)",
+        lambda: tokenizer.StreamDecoder().feed(1.5),
+        BadType,
+        "token_id",
+    ),
+    Call(
+        "StreamDecoder().feed(999)",
+        lambda: tokenizer.StreamDecoder().feed(999),
+        BadValue,
+        "token_id",
+    ),
     # data
-    Call("load_text('missing.txt')", lambda: data.load_text(f("missing.txt")), FileNotFoundError, "missing.txt"),
+    Call(
+        "load_text('missing.txt')",
+        lambda: data.load_text(f("missing.txt")),
+        FileNotFoundError,
+        "missing.txt",
+    ),
     Call("load_text(folder)", lambda: data.load_text(files()), IsADirectoryError, "folder"),
     Call("load_text(binary file)", lambda: data.load_text(f("binary.txt")), BadValue, 'path'),
     Call("load_text(blank file)", lambda: data.load_text(f("blank.txt")), BadValue, 'path'),
     Call("load_text(123)", lambda: data.load_text(123), BadType, 'path'),
     Call(
-        "corpus_tokens('missing.txt')", lambda: data.corpus_tokens(f("missing.txt")), FileNotFoundError, "missing.txt",
+        "corpus_tokens('missing.txt')",
+        lambda: data.corpus_tokens(f("missing.txt")),
+        FileNotFoundError,
+        "missing.txt",
     ),
-    Call("tokenize_documents('one text')", lambda: data.tokenize_documents("a text"), BadType, 'documents'),
-    Call("tokenize_documents([])", lambda: data.tokenize_documents([]), BadValue, 'documents'),
-    Call("tokenize_documents([1, 2])", lambda: data.tokenize_documents([1, 2]), BadType, 'documents'),
-    Call("train_val_split([1, 2, 3])", lambda: data.train_val_split([1, 2, 3]), BadType, 'tokens'),
-    Call("train_val_split(t, 1.5)", lambda: data.train_val_split(tokens(), 1.5), BadValue, 'val_fraction'),
-    Call("train_val_split(t, nan)", lambda: data.train_val_split(tokens(), NAN), BadValue, 'val_fraction'),
-    Call("train_val_split(t, '0.1')", lambda: data.train_val_split(tokens(), "0.1"), BadValue, 'val_fraction'),
-    Call("train_val_split(2-D)", lambda: data.train_val_split(tokens().view(10, 20)), BadValue, 'tokens'),
-    Call("get_batch(t, 2.5, 8)", lambda: data.get_batch(tokens(), 2.5, 8), BadValue, 'batch_size'),
-    Call("get_batch(t, 0, 8)", lambda: data.get_batch(tokens(), 0, 8), BadValue, 'batch_size'),
-    Call("get_batch(t, 2, 1000)", lambda: data.get_batch(tokens(), 2, 1000), BadValue, 'block_size'),
-    Call("get_batch([1, 2], 1, 1)", lambda: data.get_batch([1, 2, 3], 1, 1), BadType, 'tokens'),
+    Call(
+        "tokenize_documents('one text')",
+        lambda: data.tokenize_documents("a text"),
+        BadType,
+        "documents",
+    ),
+    Call("tokenize_documents([])", lambda: data.tokenize_documents([]), BadValue, "documents"),
+    Call(
+        "tokenize_documents([1, 2])", lambda: data.tokenize_documents([1, 2]), BadType, "documents"
+    ),
+    Call("train_val_split([1, 2, 3])", lambda: data.train_val_split([1, 2, 3]), BadType, "tokens"),
+    Call(
+        "train_val_split(t, 1.5)",
+        lambda: data.train_val_split(tokens(), 1.5),
+        BadValue,
+        "val_fraction",
+    ),
+    Call(
+        "train_val_split(t, nan)",
+        lambda: data.train_val_split(tokens(), NAN),
+        BadValue,
+        "val_fraction",
+    ),
+    Call(
+        "train_val_split(t, '0.1')",
+        lambda: data.train_val_split(tokens(), "0.1"),
+        BadValue,
+        "val_fraction",
+    ),
+    Call(
+        "train_val_split(2-D)",
+        lambda: data.train_val_split(tokens().view(10, 20)),
+        BadValue,
+        "tokens",
+    ),
+    Call("get_batch(t, 2.5, 8)", lambda: data.get_batch(tokens(), 2.5, 8), BadValue, "batch_size"),
+    Call("get_batch(t, 0, 8)", lambda: data.get_batch(tokens(), 0, 8), BadValue, "batch_size"),
+    Call(
+        "get_batch(t, 2, 1000)", lambda: data.get_batch(tokens(), 2, 1000), BadValue, "block_size"
+    ),
+    Call("get_batch([1, 2], 1, 1)", lambda: data.get_batch([1, 2, 3], 1, 1), BadType, "tokens"),
     # model config
     Call("GPTConfig(n_kv_heads=True)", lambda: GPTConfig(n_kv_heads=True), BadValue, 'n_kv_heads'),
     Call("GPTConfig(n_layer=True)", lambda: GPTConfig(n_layer=True), BadValue, 'n_layer'),
@@ -225,26 +299,55 @@ CALLS = [
     Call("GPTConfig(dropout='0.1')", lambda: GPTConfig(dropout="0.1"), BadValue, 'dropout'),
     Call("GPTConfig(dropout=False)", lambda: GPTConfig(dropout=False), BadValue, 'dropout'),
     # prompts (shared by every decode loop)
-    Call("prompt_ids('')", lambda: prompts.prompt_ids(""), BadValue, 'prompt'),
-    Call("prompt_ids([])", lambda: prompts.prompt_ids([]), BadValue, 'prompt'),
-    Call("prompt_ids([1.5])", lambda: prompts.prompt_ids([1.5]), BadType, 'prompt'),
-    Call("prompt_ids(None)", lambda: prompts.prompt_ids(None), BadType, 'prompt'),
-    Call("prompt_ids(b'abc')", lambda: prompts.prompt_ids(b"abc"), BadType, 'prompt'),
-    Call("prompt_ids(float tensor)", lambda: prompts.prompt_ids(torch.tensor([1.0])), BadType, 'prompt'),
-    Call("checked_prompt(m, [300], 1)", lambda: prompts.checked_prompt(tiny(), [300], 1), BadValue, 'prompt'),
-    Call("checked_prompt(m, 'x' * 40, 1)", lambda: prompts.checked_prompt(tiny(), "x" * 40, 1), ContextFull, 'prompt'),
-    Call("check_budget(0)", lambda: prompts.check_budget(0), BadValue, 'max_new_tokens'),
+    Call("prompt_ids('')", lambda: prompts.prompt_ids(""), BadValue, "prompt"),
+    Call("prompt_ids([])", lambda: prompts.prompt_ids([]), BadValue, "prompt"),
+    Call("prompt_ids([1.5])", lambda: prompts.prompt_ids([1.5]), BadType, "prompt"),
+    Call("prompt_ids(None)", lambda: prompts.prompt_ids(None), BadType, "prompt"),
+    Call("prompt_ids(b'abc')", lambda: prompts.prompt_ids(b"abc"), BadType, "prompt"),
+    Call(
+        "prompt_ids(float tensor)",
+        lambda: prompts.prompt_ids(torch.tensor([1.0])),
+        BadType,
+        "prompt",
+    ),
+    Call(
+        "checked_prompt(m, [300], 1)",
+        lambda: prompts.checked_prompt(tiny(), [300], 1),
+        BadValue,
+        "prompt",
+    ),
+    Call(
+        "checked_prompt(m, 'x' * 40, 1)",
+        lambda: prompts.checked_prompt(tiny(), "x" * 40, 1),
+        ContextFull,
+        "prompt",
+    ),
+    Call("check_budget(0)", lambda: prompts.check_budget(0), BadValue, "max_new_tokens"),
     # generate (the loops themselves)
-    Call("generate(m, 'hi', 0)", lambda: generate(tiny(), "hi", 0), BadValue, 'max_new_tokens'),
-    Call("generate(m, 'hi', -1)", lambda: generate(tiny(), "hi", -1), BadValue, 'max_new_tokens'),
-    Call("generate(m, 'hi', 2.5)", lambda: generate(tiny(), "hi", 2.5), BadValue, 'max_new_tokens'),
-    Call("generate(m, 'hi', nan)", lambda: generate(tiny(), "hi", NAN), BadValue, 'max_new_tokens'),
-    Call("generate(m, '', 5)", lambda: generate(tiny(), "", 5), BadValue, 'prompt'),
-    Call("generate(m, [300], 5)", lambda: generate(tiny(), [300], 5), BadValue, 'prompt'),
-    Call("generate(m, long prompt, 5)", lambda: generate(tiny(), "x" * 40, 5), ContextFull, 'prompt'),
-    Call("generate(m with one block in float64, 'hi', 2)", lambda: generate(mixed(), "hi", 2), BadValue, "model"),
-    Call("sample_batch(mixed, ['hi'], 2)", lambda: sample_batch(mixed(), ["hi"], 2), BadValue, "model"),
-    Call("generate(m, 'hi', 100)", lambda: generate(tiny(), "hi", 100), ContextFull, 'max_new_tokens'),
+    Call("generate(m, 'hi', 0)", lambda: generate(tiny(), "hi", 0), BadValue, "max_new_tokens"),
+    Call("generate(m, 'hi', -1)", lambda: generate(tiny(), "hi", -1), BadValue, "max_new_tokens"),
+    Call("generate(m, 'hi', 2.5)", lambda: generate(tiny(), "hi", 2.5), BadValue, "max_new_tokens"),
+    Call("generate(m, 'hi', nan)", lambda: generate(tiny(), "hi", NAN), BadValue, "max_new_tokens"),
+    Call("generate(m, '', 5)", lambda: generate(tiny(), "", 5), BadValue, "prompt"),
+    Call("generate(m, [300], 5)", lambda: generate(tiny(), [300], 5), BadValue, "prompt"),
+    Call(
+        "generate(m, long prompt, 5)", lambda: generate(tiny(), "x" * 40, 5), ContextFull, "prompt"
+    ),
+    Call(
+        "generate(m with one block in float64, 'hi', 2)",
+        lambda: generate(mixed(), "hi", 2),
+        BadValue,
+        "model",
+    ),
+    Call(
+        "sample_batch(mixed, ['hi'], 2)",
+        lambda: sample_batch(mixed(), ["hi"], 2),
+        BadValue,
+        "model",
+    ),
+    Call(
+        "generate(m, 'hi', 100)", lambda: generate(tiny(), "hi", 100), ContextFull, "max_new_tokens"
+    ),
     Call(
         "generate(m, 'hi', sampling='greedy')",
         lambda: generate(tiny(), "hi", 2, sampling="greedy"),
@@ -284,18 +387,38 @@ CALLS = [
         'params',
     ),
     # sampling
-    Call("SamplingParams(temperature=-1)", lambda: SamplingParams(temperature=-1), BadValue, 'temperature'),
-    Call("SamplingParams(temperature=nan)", lambda: SamplingParams(temperature=NAN), BadValue, 'temperature'),
-    Call("SamplingParams(temperature=inf)", lambda: SamplingParams(temperature=INF), BadValue, 'temperature'),
-    Call("SamplingParams(temperature='1')", lambda: SamplingParams(temperature="1"), BadValue, 'temperature'),
-    Call("SamplingParams(top_k=0)", lambda: SamplingParams(top_k=0), BadValue, 'top_k'),
-    Call("SamplingParams(top_k=2.5)", lambda: SamplingParams(top_k=2.5), BadValue, 'top_k'),
-    Call("SamplingParams(top_k=True)", lambda: SamplingParams(top_k=True), BadValue, 'top_k'),
-    Call("SamplingParams(top_p=0)", lambda: SamplingParams(top_p=0), BadValue, 'top_p'),
-    Call("SamplingParams(top_p=1.5)", lambda: SamplingParams(top_p=1.5), BadValue, 'top_p'),
-    Call("SamplingParams(top_p=nan)", lambda: SamplingParams(top_p=NAN), BadValue, 'top_p'),
-    Call("SamplingParams(min_p=-0.1)", lambda: SamplingParams(min_p=-0.1), BadValue, 'min_p'),
-    Call("SamplingParams(min_p=nan)", lambda: SamplingParams(min_p=NAN), BadValue, 'min_p'),
+    Call(
+        "SamplingParams(temperature=-1)",
+        lambda: SamplingParams(temperature=-1),
+        BadValue,
+        "temperature",
+    ),
+    Call(
+        "SamplingParams(temperature=nan)",
+        lambda: SamplingParams(temperature=NAN),
+        BadValue,
+        "temperature",
+    ),
+    Call(
+        "SamplingParams(temperature=inf)",
+        lambda: SamplingParams(temperature=INF),
+        BadValue,
+        "temperature",
+    ),
+    Call(
+        "SamplingParams(temperature='1')",
+        lambda: SamplingParams(temperature="1"),
+        BadValue,
+        "temperature",
+    ),
+    Call("SamplingParams(top_k=0)", lambda: SamplingParams(top_k=0), BadValue, "top_k"),
+    Call("SamplingParams(top_k=2.5)", lambda: SamplingParams(top_k=2.5), BadValue, "top_k"),
+    Call("SamplingParams(top_k=True)", lambda: SamplingParams(top_k=True), BadValue, "top_k"),
+    Call("SamplingParams(top_p=0)", lambda: SamplingParams(top_p=0), BadValue, "top_p"),
+    Call("SamplingParams(top_p=1.5)", lambda: SamplingParams(top_p=1.5), BadValue, "top_p"),
+    Call("SamplingParams(top_p=nan)", lambda: SamplingParams(top_p=NAN), BadValue, "top_p"),
+    Call("SamplingParams(min_p=-0.1)", lambda: SamplingParams(min_p=-0.1), BadValue, "min_p"),
+    Call("SamplingParams(min_p=nan)", lambda: SamplingParams(min_p=NAN), BadValue, "min_p"),
     Call(
         "SamplingParams(repetition_penalty=0)",
         lambda: SamplingParams(repetition_penalty=0),
@@ -308,17 +431,33 @@ CALLS = [
         BadValue,
         'repetition_penalty',
     ),
-    Call("sample([0.1, 0.9])", lambda: sampling.sample([0.1, 0.9]), BadType, 'logits'),
-    Call("sample(int tensor)", lambda: sampling.sample(torch.tensor([1, 2])), BadType, 'logits'),
-    Call("sample(3-D logits)", lambda: sampling.sample(torch.zeros(1, 1, 5)), BadValue, 'logits'),
-    Call("sample(NaN logits)", lambda: sampling.sample(torch.full((5,), NAN)), BadValue, 'logits'),
-    Call("sample(-inf logits)", lambda: sampling.sample(torch.full((5,), -INF)), BadValue, 'logits'),
-    Call("sample(logits, 'greedy')", lambda: sampling.sample(logits(), "greedy"), BadType, 'params'),
-    Call("sample(logits, generator=0)", lambda: sampling.sample(logits(), generator=0), BadType, 'generator'),
-    Call("apply_temperature(logits, -1)", lambda: sampling.apply_temperature(logits(), -1), BadValue, 'temperature'),
-    Call("filter_top_k(logits, 0)", lambda: sampling.filter_top_k(logits(), 0), BadValue, 'k'),
-    Call("filter_top_p(logits, 2)", lambda: sampling.filter_top_p(logits(), 2), BadValue, 'p'),
-    Call("filter_min_p(logits, -1)", lambda: sampling.filter_min_p(logits(), -1), BadValue, 'min_p'),
+    Call("sample([0.1, 0.9])", lambda: sampling.sample([0.1, 0.9]), BadType, "logits"),
+    Call("sample(int tensor)", lambda: sampling.sample(torch.tensor([1, 2])), BadType, "logits"),
+    Call("sample(3-D logits)", lambda: sampling.sample(torch.zeros(1, 1, 5)), BadValue, "logits"),
+    Call("sample(NaN logits)", lambda: sampling.sample(torch.full((5,), NAN)), BadValue, "logits"),
+    Call(
+        "sample(-inf logits)", lambda: sampling.sample(torch.full((5,), -INF)), BadValue, "logits"
+    ),
+    Call(
+        "sample(logits, 'greedy')", lambda: sampling.sample(logits(), "greedy"), BadType, "params"
+    ),
+    Call(
+        "sample(logits, generator=0)",
+        lambda: sampling.sample(logits(), generator=0),
+        BadType,
+        "generator",
+    ),
+    Call(
+        "apply_temperature(logits, -1)",
+        lambda: sampling.apply_temperature(logits(), -1),
+        BadValue,
+        "temperature",
+    ),
+    Call("filter_top_k(logits, 0)", lambda: sampling.filter_top_k(logits(), 0), BadValue, "k"),
+    Call("filter_top_p(logits, 2)", lambda: sampling.filter_top_p(logits(), 2), BadValue, "p"),
+    Call(
+        "filter_min_p(logits, -1)", lambda: sampling.filter_min_p(logits(), -1), BadValue, "min_p"
+    ),
     Call(
         "apply_repetition_penalty(logits, [1], 0)",
         lambda: sampling.apply_repetition_penalty(logits(), [1], 0),
@@ -349,9 +488,19 @@ CALLS = [
         BadType,
         'history',
     ),
-    Call("entropy_bits([0.5, 0.5])", lambda: sampling.entropy_bits([0.5, 0.5]), BadType, 'probs'),
-    Call("repeated_ngram_fraction('abc')", lambda: sampling.repeated_ngram_fraction("abcd"), BadType, 'tokens'),
-    Call("repeated_ngram_fraction([1, 2], 0)", lambda: sampling.repeated_ngram_fraction([1, 2], 0), BadValue, 'n'),
+    Call("entropy_bits([0.5, 0.5])", lambda: sampling.entropy_bits([0.5, 0.5]), BadType, "probs"),
+    Call(
+        "repeated_ngram_fraction('abc')",
+        lambda: sampling.repeated_ngram_fraction("abcd"),
+        BadType,
+        "tokens",
+    ),
+    Call(
+        "repeated_ngram_fraction([1, 2], 0)",
+        lambda: sampling.repeated_ngram_fraction([1, 2], 0),
+        BadValue,
+        "n",
+    ),
     # beam search
     Call(
         "beam_search(m, 'hi', 2, num_beams=0)",
@@ -377,13 +526,31 @@ CALLS = [
         BadValue,
         'eos_id',
     ),
-    Call("beam_search(m, '', 2)", lambda: beam.beam_search(tiny(), "", 2), BadValue, 'prompts'),
-    Call("beam_search(m, 'hi', 0)", lambda: beam.beam_search(tiny(), "hi", 0), BadValue, 'max_new_tokens'),
-    Call("beam_search(m, long prompt, 2)", lambda: beam.beam_search(tiny(), "x" * 40, 2), ContextFull, 'prompts'),
+    Call("beam_search(m, '', 2)", lambda: beam.beam_search(tiny(), "", 2), BadValue, "prompts"),
     Call(
-        "beam_search_batch(m, 'hi', 2)", lambda: beam.beam_search_batch(tiny(), "hi", 2), BadValue, 'prompts'
+        "beam_search(m, 'hi', 0)",
+        lambda: beam.beam_search(tiny(), "hi", 0),
+        BadValue,
+        "max_new_tokens",
     ),
-    Call("length_normalised(-1.0, 0, 1.0)", lambda: beam.length_normalised(-1.0, 0, 1.0), BadValue, 'length'),
+    Call(
+        "beam_search(m, long prompt, 2)",
+        lambda: beam.beam_search(tiny(), "x" * 40, 2),
+        ContextFull,
+        "prompts",
+    ),
+    Call(
+        "beam_search_batch(m, 'hi', 2)",
+        lambda: beam.beam_search_batch(tiny(), "hi", 2),
+        BadValue,
+        "prompts",
+    ),
+    Call(
+        "length_normalised(-1.0, 0, 1.0)",
+        lambda: beam.length_normalised(-1.0, 0, 1.0),
+        BadValue,
+        "length",
+    ),
     # bigram
     Call("bigram_counts([1, 2, 3])", lambda: bigram.bigram_counts([1, 2, 3]), BadType, 'tokens'),
     Call(
@@ -392,8 +559,18 @@ CALLS = [
         BadValue,
         'tokens',
     ),
-    Call("bigram_counts(float tensor)", lambda: bigram.bigram_counts(torch.tensor([1.0, 2.0])), BadType, 'tokens'),
-    Call("bigram_counts(tensor([5]))", lambda: bigram.bigram_counts(torch.tensor([5])), BadValue, 'tokens'),
+    Call(
+        "bigram_counts(float tensor)",
+        lambda: bigram.bigram_counts(torch.tensor([1.0, 2.0])),
+        BadType,
+        "tokens",
+    ),
+    Call(
+        "bigram_counts(tensor([5]))",
+        lambda: bigram.bigram_counts(torch.tensor([5])),
+        BadValue,
+        "tokens",
+    ),
     Call(
         "BigramModel.from_tokens(t, smoothing=-1)",
         lambda: bigram.BigramModel.from_tokens(tokens(), smoothing=-1),
@@ -406,19 +583,54 @@ CALLS = [
         BadValue,
         'smoothing',
     ),
-    Call("BigramModel([[1, 2], [3, 4]])", lambda: bigram.BigramModel([[1, 2], [3, 4]]), BadType, 'counts'),
+    Call(
+        "BigramModel([[1, 2], [3, 4]])",
+        lambda: bigram.BigramModel([[1, 2], [3, 4]]),
+        BadType,
+        "counts",
+    ),
     # quiz
-    Call("questions('99')", lambda: quiz.questions("99"), BadValue, 'chapter'),
-    Call("questions(None)", lambda: quiz.questions(None), BadValue, 'chapter'),
-    Call("check_answer(q, 10)", lambda: quiz.check_answer(quiz.questions("01")[0], 10), BadValue, 'choice'),
-    Call("check_answer(q, -1)", lambda: quiz.check_answer(quiz.questions("01")[0], -1), BadValue, 'choice'),
-    Call("check_answer(q, '1')", lambda: quiz.check_answer(quiz.questions("01")[0], "1"), BadType, 'choice'),
-    Call("check_answer(q, 1.5)", lambda: quiz.check_answer(quiz.questions("01")[0], 1.5), BadType, 'choice'),
-    Call("check_answer(q, True)", lambda: quiz.check_answer(quiz.questions("01")[0], True), BadType, 'choice'),
-    Call("show('01').check(99)", lambda: quiz.show("01").check(99), BadValue, 'i'),
+    Call("questions('99')", lambda: quiz.questions("99"), BadValue, "chapter"),
+    Call("questions(None)", lambda: quiz.questions(None), BadValue, "chapter"),
+    Call(
+        "check_answer(q, 10)",
+        lambda: quiz.check_answer(quiz.questions("01")[0], 10),
+        BadValue,
+        "choice",
+    ),
+    Call(
+        "check_answer(q, -1)",
+        lambda: quiz.check_answer(quiz.questions("01")[0], -1),
+        BadValue,
+        "choice",
+    ),
+    Call(
+        "check_answer(q, '1')",
+        lambda: quiz.check_answer(quiz.questions("01")[0], "1"),
+        BadType,
+        "choice",
+    ),
+    Call(
+        "check_answer(q, 1.5)",
+        lambda: quiz.check_answer(quiz.questions("01")[0], 1.5),
+        BadType,
+        "choice",
+    ),
+    Call(
+        "check_answer(q, True)",
+        lambda: quiz.check_answer(quiz.questions("01")[0], True),
+        BadType,
+        "choice",
+    ),
+    Call("show('01').check(99)", lambda: quiz.show("01").check(99), BadValue, "i"),
     # prefix cache
-    Call("PrefixCache(m, '')", lambda: prefix_cache.PrefixCache(tiny(), ""), BadValue, 'prefix'),
-    Call("PrefixCache(m, 'x' * 40)", lambda: prefix_cache.PrefixCache(tiny(), "x" * 40), ContextFull, 'prefix'),
+    Call("PrefixCache(m, '')", lambda: prefix_cache.PrefixCache(tiny(), ""), BadValue, "prefix"),
+    Call(
+        "PrefixCache(m, 'x' * 40)",
+        lambda: prefix_cache.PrefixCache(tiny(), "x" * 40),
+        ContextFull,
+        "prefix",
+    ),
     Call(
         "PrefixCache(m, 'ab').cache_for('abc', 0)",
         lambda: prefix_cache.PrefixCache(tiny(), "ab").cache_for("abc", 0),
@@ -437,17 +649,56 @@ CALLS = [
         ContextFull,
         'max_new_tokens',
     ),
-    Call("reusable_length([1], [])", lambda: prefix_cache.reusable_length([1], []), BadValue, 'prompt'),
+    Call(
+        "reusable_length([1], [])",
+        lambda: prefix_cache.reusable_length([1], []),
+        BadValue,
+        "prompt",
+    ),
     # serving
-    Call("latency_budget(nan, 0.1, 5)", lambda: serving.latency_budget(NAN, 0.1, 5), BadValue, 'ttft'),
-    Call("latency_budget('1', 0.1, 5)", lambda: serving.latency_budget("1", 0.1, 5), BadValue, 'ttft'),
-    Call("latency_budget(0.1, 0.1, 0)", lambda: serving.latency_budget(0.1, 0.1, 0), BadValue, 'n_tokens'),
-    Call("tokens_within(nan, 0.1, 0.01)", lambda: serving.tokens_within(NAN, 0.1, 0.01), BadValue, 'budget'),
-    Call("tokens_within(inf, 0.1, 0.01)", lambda: serving.tokens_within(INF, 0.1, 0.01), BadValue, 'budget'),
-    Call("tokens_within(-1, 0.1, 0.01)", lambda: serving.tokens_within(-1, 0.1, 0.01), BadValue, 'budget'),
-    Call("tokens_within(1, 0.1, 0)", lambda: serving.tokens_within(1, 0.1, 0), BadValue, 'tpot'),
-    Call("tokens_within('1', 0.1, 0.01)", lambda: serving.tokens_within("1", 0.1, 0.01), BadValue, 'budget'),
-    Call("ServeReport(total_time=0).throughput", lambda: report(0.0).throughput, BadValue, 'total_time'),
+    Call(
+        "latency_budget(nan, 0.1, 5)", lambda: serving.latency_budget(NAN, 0.1, 5), BadValue, "ttft"
+    ),
+    Call(
+        "latency_budget('1', 0.1, 5)", lambda: serving.latency_budget("1", 0.1, 5), BadValue, "ttft"
+    ),
+    Call(
+        "latency_budget(0.1, 0.1, 0)",
+        lambda: serving.latency_budget(0.1, 0.1, 0),
+        BadValue,
+        "n_tokens",
+    ),
+    Call(
+        "tokens_within(nan, 0.1, 0.01)",
+        lambda: serving.tokens_within(NAN, 0.1, 0.01),
+        BadValue,
+        "budget",
+    ),
+    Call(
+        "tokens_within(inf, 0.1, 0.01)",
+        lambda: serving.tokens_within(INF, 0.1, 0.01),
+        BadValue,
+        "budget",
+    ),
+    Call(
+        "tokens_within(-1, 0.1, 0.01)",
+        lambda: serving.tokens_within(-1, 0.1, 0.01),
+        BadValue,
+        "budget",
+    ),
+    Call("tokens_within(1, 0.1, 0)", lambda: serving.tokens_within(1, 0.1, 0), BadValue, "tpot"),
+    Call(
+        "tokens_within('1', 0.1, 0.01)",
+        lambda: serving.tokens_within("1", 0.1, 0.01),
+        BadValue,
+        "budget",
+    ),
+    Call(
+        "ServeReport(total_time=0).throughput",
+        lambda: report(0.0).throughput,
+        BadValue,
+        "total_time",
+    ),
     Call(
         "StreamSummary(total=0).tokens_per_s",
         lambda: serving.StreamSummary(0.0, 0.0, 3, 0.0).tokens_per_s,
@@ -500,7 +751,9 @@ CALLS = [
     ),
     Call(
         "serve(m, [Request('hi', 2, seed='a')])",
-        lambda: serving.serve(tiny(), [serving.Request("hi", 2, seed="a")], sampling=SamplingParams()),
+        lambda: serving.serve(
+            tiny(), [serving.Request("hi", 2, seed="a")], sampling=SamplingParams()
+        ),
         BadValue,
         'requests',
     ),
@@ -528,7 +781,10 @@ CALLS = [
         'repeats',
     ),
     Call(
-        "decode_throughput(m, [0])", lambda: serving_measure.decode_throughput(tiny(), [0]), BadValue, 'batch_sizes'
+        "decode_throughput(m, [0])",
+        lambda: serving_measure.decode_throughput(tiny(), [0]),
+        BadValue,
+        "batch_sizes",
     ),
     Call(
         "decode_throughput(m, [1], context=8, steps=0)",
@@ -554,26 +810,78 @@ CALLS = [
         BadType,
         'suffixes',
     ),
-    Call("prefix_ttft(m, 'ab', [])", lambda: serving_measure.prefix_ttft(tiny(), "ab", []), BadValue, 'suffixes'),
-    # roofline arithmetic
-    Call("parameter_count('small')", lambda: roofline.parameter_count("small"), BadType, 'cfg'),
-    Call("forward_cost(cfg, 0, 1, 0)", lambda: roofline.forward_cost(GPTConfig(), 0, 1, 0), BadValue, 'batch'),
-    Call("forward_cost(cfg, 1, 1, -1)", lambda: roofline.forward_cost(GPTConfig(), 1, 1, -1), BadValue, 'past'),
-    Call("forward_cost(cfg, 1, 1, True)", lambda: roofline.forward_cost(GPTConfig(), 1, 1, True), BadValue, 'past'),
-    Call("prefill_cost(cfg, 5000)", lambda: roofline.prefill_cost(GPTConfig(), 5000), ContextFull, 'prompt_len'),
-    Call("decode_cost(cfg, 0)", lambda: roofline.decode_cost(GPTConfig(), 0), BadValue, 'context'),
-    Call("ridge_point(0, 1e9)", lambda: roofline.ridge_point(0, 1e9), BadValue, 'peak_flops'),
-    Call("ridge_point(inf, 1e9)", lambda: roofline.ridge_point(INF, 1e9), BadValue, 'peak_flops'),
-    Call("ridge_point('1e12', 1e9)", lambda: roofline.ridge_point("1e12", 1e9), BadValue, 'peak_flops'),
     Call(
-        "attainable_flops(nan, 1e12, 1e9)", lambda: roofline.attainable_flops(NAN, 1e12, 1e9), BadValue, 'intensity'
+        "prefix_ttft(m, 'ab', [])",
+        lambda: serving_measure.prefix_ttft(tiny(), "ab", []),
+        BadValue,
+        "suffixes",
     ),
-    Call("attainable_flops(-1, 1e12, 1e9)", lambda: roofline.attainable_flops(-1, 1e12, 1e9), BadValue, 'intensity'),
-    Call("attainable_flops('a', 1e12, 1e9)", lambda: roofline.attainable_flops("a", 1e12, 1e9), BadType, 'intensity'),
-    Call("approx_prefill_flops(-1, 5)", lambda: roofline.approx_prefill_flops(-1, 5), BadValue, 'n_params'),
-    Call("approx_ttft(1e6, 10, 0)", lambda: roofline.approx_ttft(1e6, 10, 0), BadValue, 'peak_flops'),
-    Call("approx_tpot(1e6, 0)", lambda: roofline.approx_tpot(1e6, 0), BadValue, 'bandwidth'),
-    Call("approx_decode_bytes(nan)", lambda: roofline.approx_decode_bytes(NAN), BadValue, 'n_params'),
+    # roofline arithmetic
+    Call("parameter_count('small')", lambda: roofline.parameter_count("small"), BadType, "cfg"),
+    Call(
+        "forward_cost(cfg, 0, 1, 0)",
+        lambda: roofline.forward_cost(GPTConfig(), 0, 1, 0),
+        BadValue,
+        "batch",
+    ),
+    Call(
+        "forward_cost(cfg, 1, 1, -1)",
+        lambda: roofline.forward_cost(GPTConfig(), 1, 1, -1),
+        BadValue,
+        "past",
+    ),
+    Call(
+        "forward_cost(cfg, 1, 1, True)",
+        lambda: roofline.forward_cost(GPTConfig(), 1, 1, True),
+        BadValue,
+        "past",
+    ),
+    Call(
+        "prefill_cost(cfg, 5000)",
+        lambda: roofline.prefill_cost(GPTConfig(), 5000),
+        ContextFull,
+        "prompt_len",
+    ),
+    Call("decode_cost(cfg, 0)", lambda: roofline.decode_cost(GPTConfig(), 0), BadValue, "context"),
+    Call("ridge_point(0, 1e9)", lambda: roofline.ridge_point(0, 1e9), BadValue, "peak_flops"),
+    Call("ridge_point(inf, 1e9)", lambda: roofline.ridge_point(INF, 1e9), BadValue, "peak_flops"),
+    Call(
+        "ridge_point('1e12', 1e9)",
+        lambda: roofline.ridge_point("1e12", 1e9),
+        BadValue,
+        "peak_flops",
+    ),
+    Call(
+        "attainable_flops(nan, 1e12, 1e9)",
+        lambda: roofline.attainable_flops(NAN, 1e12, 1e9),
+        BadValue,
+        "intensity",
+    ),
+    Call(
+        "attainable_flops(-1, 1e12, 1e9)",
+        lambda: roofline.attainable_flops(-1, 1e12, 1e9),
+        BadValue,
+        "intensity",
+    ),
+    Call(
+        "attainable_flops('a', 1e12, 1e9)",
+        lambda: roofline.attainable_flops("a", 1e12, 1e9),
+        BadType,
+        "intensity",
+    ),
+    Call(
+        "approx_prefill_flops(-1, 5)",
+        lambda: roofline.approx_prefill_flops(-1, 5),
+        BadValue,
+        "n_params",
+    ),
+    Call(
+        "approx_ttft(1e6, 10, 0)", lambda: roofline.approx_ttft(1e6, 10, 0), BadValue, "peak_flops"
+    ),
+    Call("approx_tpot(1e6, 0)", lambda: roofline.approx_tpot(1e6, 0), BadValue, "bandwidth"),
+    Call(
+        "approx_decode_bytes(nan)", lambda: roofline.approx_decode_bytes(NAN), BadValue, "n_params"
+    ),
     Call(
         "prefill_cost(cfg, 8).time_at(0, 1e9)",
         lambda: roofline.prefill_cost(GPTConfig(), 8).time_at(0, 1e9),
@@ -582,12 +890,17 @@ CALLS = [
     ),
     Call("format_si('a', 'B')", lambda: roofline.format_si("a", "B"), BadType, 'value'),
     # timing and devices
-    Call("synchronize('banana')", lambda: timing.synchronize("banana"), BadValue, 'device'),
-    Call("steady_clock('banana')", lambda: timing.steady_clock("banana"), BadValue, 'device'),
-    Call("device_name('banana')", lambda: timing.device_name("banana"), BadValue, 'device'),
-    Call("machine('mps')", lambda: timing.machine("mps"), BadValue, 'device'),
-    Call("time_call('f')", lambda: timing.time_call("f"), BadType, 'fn'),
-    Call("time_call(f, repeats=0)", lambda: timing.time_call(lambda: None, repeats=0), BadValue, 'repeats'),
+    Call("synchronize('banana')", lambda: timing.synchronize("banana"), BadValue, "device"),
+    Call("steady_clock('banana')", lambda: timing.steady_clock("banana"), BadValue, "device"),
+    Call("device_name('banana')", lambda: timing.device_name("banana"), BadValue, "device"),
+    Call("machine('mps')", lambda: timing.machine("mps"), BadValue, "device"),
+    Call("time_call('f')", lambda: timing.time_call("f"), BadType, "fn"),
+    Call(
+        "time_call(f, repeats=0)",
+        lambda: timing.time_call(lambda: None, repeats=0),
+        BadValue,
+        "repeats",
+    ),
     Call(
         "time_call(f, device='banana')",
         lambda: timing.time_call(lambda: None, device="banana"),
@@ -596,24 +909,51 @@ CALLS = [
     ),
     Call("median([])", lambda: timing.median([]), BadValue, 'values'),
     # peaks and measurements
-    Call("measure_matmul_peak('banana')", lambda: peaks.measure_matmul_peak("banana"), BadValue, 'device'),
-    Call("measure_matmul_peak('mps')", lambda: peaks.measure_matmul_peak("mps"), BadValue, 'device'),
-    Call("measure_matmul_peak('cpu', size=0)", lambda: peaks.measure_matmul_peak("cpu", size=0), BadValue, 'size'),
+    Call(
+        "measure_matmul_peak('banana')",
+        lambda: peaks.measure_matmul_peak("banana"),
+        BadValue,
+        "device",
+    ),
+    Call(
+        "measure_matmul_peak('mps')", lambda: peaks.measure_matmul_peak("mps"), BadValue, "device"
+    ),
+    Call(
+        "measure_matmul_peak('cpu', size=0)",
+        lambda: peaks.measure_matmul_peak("cpu", size=0),
+        BadValue,
+        "size",
+    ),
     Call(
         "measure_bandwidth('cpu', nbytes=10)",
         lambda: peaks.measure_bandwidth("cpu", nbytes=10),
         BadValue,
         'nbytes',
     ),
-    Call("measure_peaks('banana')", lambda: peaks.measure_peaks("banana"), BadValue, 'device'),
-    Call("default_dtype('banana')", lambda: peaks.default_dtype("banana"), BadValue, 'device'),
-    Call("measure_prefill(m, 0)", lambda: measure.measure_prefill(tiny(), 0), BadValue, 'prompt_len'),
-    Call("measure_prefill(m, 100)", lambda: measure.measure_prefill(tiny(), 100), ContextFull, 'prompt_len'),
-    Call("measure_decode(m, 0)", lambda: measure.measure_decode(tiny(), 0), BadValue, 'context'),
+    Call("measure_peaks('banana')", lambda: peaks.measure_peaks("banana"), BadValue, "device"),
+    Call("default_dtype('banana')", lambda: peaks.default_dtype("banana"), BadValue, "device"),
     Call(
-        "measure_decode(m, 8, repeats=0)", lambda: measure.measure_decode(tiny(), 8, repeats=0), BadValue, 'repeats'
+        "measure_prefill(m, 0)", lambda: measure.measure_prefill(tiny(), 0), BadValue, "prompt_len"
     ),
-    Call("fastest_threads(m, candidates=[0])", lambda: measure.fastest_threads(tiny(), 8, [0]), BadValue, 'candidates'),
+    Call(
+        "measure_prefill(m, 100)",
+        lambda: measure.measure_prefill(tiny(), 100),
+        ContextFull,
+        "prompt_len",
+    ),
+    Call("measure_decode(m, 0)", lambda: measure.measure_decode(tiny(), 0), BadValue, "context"),
+    Call(
+        "measure_decode(m, 8, repeats=0)",
+        lambda: measure.measure_decode(tiny(), 8, repeats=0),
+        BadValue,
+        "repeats",
+    ),
+    Call(
+        "fastest_threads(m, candidates=[0])",
+        lambda: measure.fastest_threads(tiny(), 8, [0]),
+        BadValue,
+        "candidates",
+    ),
     Call(
         "build_model(cfg, 'banana')",
         lambda: measure.build_model(GPTConfig(n_layer=1), "banana"),
@@ -623,11 +963,18 @@ CALLS = [
     Call("build_model('small')", lambda: measure.build_model("small"), BadType, 'cfg'),
     Call(
         "run_roofline(m, prompt_lens=[100], peaks=...)",
-        lambda: measure.run_roofline(tiny(), [100], peaks={"matmul_flops_per_s": 1.0, "bandwidth_bytes_per_s": 1.0}),
+        lambda: measure.run_roofline(
+            tiny(), [100], peaks={"matmul_flops_per_s": 1.0, "bandwidth_bytes_per_s": 1.0}
+        ),
         ContextFull,
         'prompt_lens',
     ),
-    Call("run_roofline(m, peaks={})", lambda: measure.run_roofline(tiny(), [4], [1], 8, peaks={}), BadValue, 'peaks'),
+    Call(
+        "run_roofline(m, peaks={})",
+        lambda: measure.run_roofline(tiny(), [4], [1], 8, peaks={}),
+        BadValue,
+        "peaks",
+    ),
     Call(
         "decode_bandwidth_fraction(m, pairs=0)",
         lambda: side_by_side.decode_bandwidth_fraction(tiny(), 8, pairs=0),
@@ -640,11 +987,25 @@ CALLS = [
         FileNotFoundError,
         "no roofline result",
     ),
-    Call("load_result(folder)", lambda: measure.load_result(files()), FileNotFoundError, "no roofline result"),
-    Call("load_result(binary file)", lambda: measure.load_result(f("binary.txt")), BadValue, 'path'),
-    Call("load_result(not json)", lambda: measure.load_result(f("not_json.json")), BadValue, 'path'),
-    Call("load_result(a list)", lambda: measure.load_result(f("list.json")), BadValue, 'path'),
-    Call("load_result(peaks='fast')", lambda: measure.load_result(f("bad_peaks.json")), BadValue, 'path'),
+    Call(
+        "load_result(folder)",
+        lambda: measure.load_result(files()),
+        FileNotFoundError,
+        "no roofline result",
+    ),
+    Call(
+        "load_result(binary file)", lambda: measure.load_result(f("binary.txt")), BadValue, "path"
+    ),
+    Call(
+        "load_result(not json)", lambda: measure.load_result(f("not_json.json")), BadValue, "path"
+    ),
+    Call("load_result(a list)", lambda: measure.load_result(f("list.json")), BadValue, "path"),
+    Call(
+        "load_result(peaks='fast')",
+        lambda: measure.load_result(f("bad_peaks.json")),
+        BadValue,
+        "path",
+    ),
     Call(
         "reference_files('missing_dir')",
         lambda: measure.reference_files(f("missing_dir")),
@@ -652,10 +1013,16 @@ CALLS = [
         "no folder",
     ),
     # speculative explorer's function
-    Call("speculation_view(m, d, '')", lambda: greedy_view(""), BadValue, 'prompt'),
-    Call("speculation_view(m, d, 'ab', gamma=100)", lambda: greedy_view(gamma=100), BadValue, 'gamma'),
-    Call("speculation_view(m, d, 'ab', gamma=-1)", lambda: greedy_view(gamma=-1), BadValue, 'gamma'),
-    Call("speculation_view(m, d, long prompt)", lambda: greedy_view("x" * 40), ContextFull, 'prompt'),
+    Call("speculation_view(m, d, '')", lambda: greedy_view(""), BadValue, "prompt"),
+    Call(
+        "speculation_view(m, d, 'ab', gamma=100)", lambda: greedy_view(gamma=100), BadValue, "gamma"
+    ),
+    Call(
+        "speculation_view(m, d, 'ab', gamma=-1)", lambda: greedy_view(gamma=-1), BadValue, "gamma"
+    ),
+    Call(
+        "speculation_view(m, d, long prompt)", lambda: greedy_view("x" * 40), ContextFull, "prompt"
+    ),
     Call(
         "speculation_view(m, d, 'ab', repeats=0)",
         lambda: speculative_view.speculation_view(tiny(), tiny(), "ab", repeats=0),
@@ -676,12 +1043,25 @@ CALLS = [
         BadValue,
         'dtype',
     ),
-    Call("kv_cache_calculator('GPT-9')", lambda: kv_calculator.kv_cache_calculator("GPT-9"), BadValue,
-         'preset'),
-    Call("kv_cache_calculator(dtype='fp7')", lambda: kv_calculator.kv_cache_calculator(dtype="fp7"), BadValue,
-         'dtype'),
-    Call("sampler_explorer(None)", lambda: widgets.sampler_explorer(None), BadType, 'model'),
-    Call("speculation_explorer(m, {})", lambda: widgets.speculation_explorer(tiny(), {}), BadValue, 'drafts'),
+    Call(
+        "kv_cache_calculator('GPT-9')",
+        lambda: kv_calculator.kv_cache_calculator("GPT-9"),
+        BadValue,
+        "preset",
+    ),
+    Call(
+        "kv_cache_calculator(dtype='fp7')",
+        lambda: kv_calculator.kv_cache_calculator(dtype="fp7"),
+        BadValue,
+        "dtype",
+    ),
+    Call("sampler_explorer(None)", lambda: widgets.sampler_explorer(None), BadType, "model"),
+    Call(
+        "speculation_explorer(m, {})",
+        lambda: widgets.speculation_explorer(tiny(), {}),
+        BadValue,
+        "drafts",
+    ),
     # checkpoints
     Call(
         "load_checkpoint('missing')",
@@ -749,7 +1129,10 @@ CALLS = [
         'device',
     ),
     Call(
-        "save_checkpoint(path, 'model')", lambda: train.save_checkpoint(f("x.safetensors"), "model"), BadType, 'model'
+        "save_checkpoint(path, 'model')",
+        lambda: train.save_checkpoint(f("x.safetensors"), "model"),
+        BadType,
+        "model",
     ),
     Call(
         "save_checkpoint(path, m, record={'f': print})",
@@ -757,21 +1140,44 @@ CALLS = [
         BadValue,
         'record',
     ),
-    Call("save_checkpoint(folder, m)", lambda: train.save_checkpoint(files(), tiny()), BadValue, 'path'),
-    # training
-    Call("TrainConfig(steps=0)", lambda: train.TrainConfig(steps=0), BadValue, 'steps'),
-    Call("TrainConfig(steps=True)", lambda: train.TrainConfig(steps=True), BadValue, 'steps'),
-    Call("TrainConfig(lr=nan)", lambda: train.TrainConfig(lr=NAN), BadValue, 'lr'),
-    Call("TrainConfig(lr=inf)", lambda: train.TrainConfig(lr=INF), BadValue, 'lr'),
-    Call("TrainConfig(lr='1e-3')", lambda: train.TrainConfig(lr="1e-3"), BadValue, 'lr'),
-    Call("TrainConfig(warmup_steps=-5)", lambda: train.TrainConfig(warmup_steps=-5), BadValue, 'warmup_steps'),
-    Call("TrainConfig(min_lr_ratio=-1)", lambda: train.TrainConfig(min_lr_ratio=-1), BadValue, 'min_lr_ratio'),
-    Call("TrainConfig(weight_decay=-0.1)", lambda: train.TrainConfig(weight_decay=-0.1), BadValue, 'weight_decay'),
-    Call("TrainConfig(grad_clip=0)", lambda: train.TrainConfig(grad_clip=0), BadValue, 'grad_clip'),
-    Call("TrainConfig(seed='a')", lambda: train.TrainConfig(seed="a"), BadValue, 'seed'),
-    Call("TrainConfig(teacher=1)", lambda: train.TrainConfig(teacher=1), BadValue, 'teacher'),
     Call(
-        "train(m, t, t, tc='fast')", lambda: train.train(tiny(), tokens(), tokens(), "fast"), BadType, 'tc'
+        "save_checkpoint(folder, m)",
+        lambda: train.save_checkpoint(files(), tiny()),
+        BadValue,
+        "path",
+    ),
+    # training
+    Call("TrainConfig(steps=0)", lambda: train.TrainConfig(steps=0), BadValue, "steps"),
+    Call("TrainConfig(steps=True)", lambda: train.TrainConfig(steps=True), BadValue, "steps"),
+    Call("TrainConfig(lr=nan)", lambda: train.TrainConfig(lr=NAN), BadValue, "lr"),
+    Call("TrainConfig(lr=inf)", lambda: train.TrainConfig(lr=INF), BadValue, "lr"),
+    Call("TrainConfig(lr='1e-3')", lambda: train.TrainConfig(lr="1e-3"), BadValue, "lr"),
+    Call(
+        "TrainConfig(warmup_steps=-5)",
+        lambda: train.TrainConfig(warmup_steps=-5),
+        BadValue,
+        "warmup_steps",
+    ),
+    Call(
+        "TrainConfig(min_lr_ratio=-1)",
+        lambda: train.TrainConfig(min_lr_ratio=-1),
+        BadValue,
+        "min_lr_ratio",
+    ),
+    Call(
+        "TrainConfig(weight_decay=-0.1)",
+        lambda: train.TrainConfig(weight_decay=-0.1),
+        BadValue,
+        "weight_decay",
+    ),
+    Call("TrainConfig(grad_clip=0)", lambda: train.TrainConfig(grad_clip=0), BadValue, "grad_clip"),
+    Call("TrainConfig(seed='a')", lambda: train.TrainConfig(seed="a"), BadValue, "seed"),
+    Call("TrainConfig(teacher=1)", lambda: train.TrainConfig(teacher=1), BadValue, "teacher"),
+    Call(
+        "train(m, t, t, tc='fast')",
+        lambda: train.train(tiny(), tokens(), tokens(), "fast"),
+        BadType,
+        "tc",
     ),
     Call(
         "train(m, [1, 2], t)",
@@ -785,10 +1191,20 @@ CALLS = [
         ContextFull,
         'tc',
     ),
-    Call("evaluate(m, t, 8, batches=0)", lambda: train.evaluate(tiny(), tokens(), 8, batches=0), BadValue, 'batches'),
-    Call("evaluate(m, t, 100)", lambda: train.evaluate(tiny(), tokens(), 100), ContextFull, 'block_size'),
-    Call("checkpoint_path('gpt2')", lambda: train.checkpoint_path("gpt2"), BadValue, 'name'),
-    Call("train_preset('gpt2')", lambda: train.train_preset("gpt2"), BadValue, 'name'),
+    Call(
+        "evaluate(m, t, 8, batches=0)",
+        lambda: train.evaluate(tiny(), tokens(), 8, batches=0),
+        BadValue,
+        "batches",
+    ),
+    Call(
+        "evaluate(m, t, 100)",
+        lambda: train.evaluate(tiny(), tokens(), 100),
+        ContextFull,
+        "block_size",
+    ),
+    Call("checkpoint_path('gpt2')", lambda: train.checkpoint_path("gpt2"), BadValue, "name"),
+    Call("train_preset('gpt2')", lambda: train.train_preset("gpt2"), BadValue, "name"),
 ]
 
 
@@ -803,7 +1219,12 @@ CALLS += [
         ContextFull,
         'idx',
     ),
-    Call("KVCache.for_model(m, max_len=0)", lambda: cache.KVCache.for_model(tiny(), max_len=0), BadValue, 'max_len'),
+    Call(
+        "KVCache.for_model(m, max_len=0)",
+        lambda: cache.KVCache.for_model(tiny(), max_len=0),
+        BadValue,
+        "max_len",
+    ),
     Call(
         "KVCache.for_model(m, batch_size=0)",
         lambda: cache.KVCache.for_model(tiny(), batch_size=0),
@@ -816,15 +1237,47 @@ CALLS += [
         ContextFull,
         'max_len',
     ),
-    Call("KVCache.truncate(-1)", lambda: cache.KVCache.for_model(tiny()).truncate(-1), BadValue, 'n'),
-    Call("kv_cache_bytes(-1, 1, 1, 1)", lambda: cache.kv_cache_bytes(-1, 1, 1, 1), BadValue, 'n_layer'),
-    Call("kv_cache_bytes(True, 1, 1, 1)", lambda: cache.kv_cache_bytes(True, 1, 1, 1), BadValue, 'n_layer'),
-    Call("cache_sizes(shape, -1)", lambda: kv_sizing.cache_sizes(widgets_shape(), -1), BadValue, 'seq_len'),
-    Call("format_bytes(nan)", lambda: kv_sizing.format_bytes(NAN), BadValue, 'n'),
-    Call("BatchKVCache.for_model(m, 0)", lambda: cache.BatchKVCache.for_model(tiny(), 0), BadValue, 'max_batch'),
-    Call("BatchKVCache.slot(99)", lambda: cache.BatchKVCache.for_model(tiny(), 2).slot(99), BadValue, 'slot'),
-    Call("BatchKVCache.remove(5)", lambda: cache.BatchKVCache.for_model(tiny(), 2).remove(5), BadValue, 'i'),
-    Call("lean step past the window", lambda: lean_step_past_the_window(), ContextFull, 'cache'),
+    Call(
+        "KVCache.truncate(-1)", lambda: cache.KVCache.for_model(tiny()).truncate(-1), BadValue, "n"
+    ),
+    Call(
+        "kv_cache_bytes(-1, 1, 1, 1)",
+        lambda: cache.kv_cache_bytes(-1, 1, 1, 1),
+        BadValue,
+        "n_layer",
+    ),
+    Call(
+        "kv_cache_bytes(True, 1, 1, 1)",
+        lambda: cache.kv_cache_bytes(True, 1, 1, 1),
+        BadValue,
+        "n_layer",
+    ),
+    Call(
+        "cache_sizes(shape, -1)",
+        lambda: kv_sizing.cache_sizes(widgets_shape(), -1),
+        BadValue,
+        "seq_len",
+    ),
+    Call("format_bytes(nan)", lambda: kv_sizing.format_bytes(NAN), BadValue, "n"),
+    Call(
+        "BatchKVCache.for_model(m, 0)",
+        lambda: cache.BatchKVCache.for_model(tiny(), 0),
+        BadValue,
+        "max_batch",
+    ),
+    Call(
+        "BatchKVCache.slot(99)",
+        lambda: cache.BatchKVCache.for_model(tiny(), 2).slot(99),
+        BadValue,
+        "slot",
+    ),
+    Call(
+        "BatchKVCache.remove(5)",
+        lambda: cache.BatchKVCache.for_model(tiny(), 2).remove(5),
+        BadValue,
+        "i",
+    ),
+    Call("lean step past the window", lambda: lean_step_past_the_window(), ContextFull, "cache"),
     Call(
         "speculative_generate(m, m, 'hi', 5, gamma=-1)",
         lambda: speculative.speculative_generate(tiny(), tiny(), "hi", 5, -1),
@@ -858,21 +1311,44 @@ CALLS += [
     Call(
         "speculative_generate(m, draft of another vocabulary)",
         lambda: speculative.speculative_generate(
-            tiny(), GPT(GPTConfig(vocab_size=100, block_size=32, n_layer=1, n_head=2, n_embd=16)), "hi", 5
+            tiny(),
+            GPT(GPTConfig(vocab_size=100, block_size=32, n_layer=1, n_head=2, n_embd=16)),
+            "hi",
+            5,
         ),
         BadValue,
         'draft',
     ),
-    Call("expected_speedup(nan, 2, 0.1)", lambda: speculative.expected_speedup(NAN, 2, 0.1), BadValue, 'alpha'),
-    Call("expected_speedup(0.5, 2, inf)", lambda: speculative.expected_speedup(0.5, 2, INF), BadValue, 'c'),
-    Call("alpha_for_speedup(nan, 2, 0.1)", lambda: speculative.alpha_for_speedup(NAN, 2, 0.1), BadValue, 'speedup'),
+    Call(
+        "expected_speedup(nan, 2, 0.1)",
+        lambda: speculative.expected_speedup(NAN, 2, 0.1),
+        BadValue,
+        "alpha",
+    ),
+    Call(
+        "expected_speedup(0.5, 2, inf)",
+        lambda: speculative.expected_speedup(0.5, 2, INF),
+        BadValue,
+        "c",
+    ),
+    Call(
+        "alpha_for_speedup(nan, 2, 0.1)",
+        lambda: speculative.alpha_for_speedup(NAN, 2, 0.1),
+        BadValue,
+        "speedup",
+    ),
     Call(
         "generate(m, 'hi', 5, generator=0)",
         lambda: generate(tiny(), "hi", 5, sampling=SamplingParams(), generator=0),
         BadType,
         'generator',
     ),
-    Call("generate(m, 'hi', 5, cache='x')", lambda: generate(tiny(), "hi", 5, cache="x"), BadType, 'cache'),
+    Call(
+        "generate(m, 'hi', 5, cache='x')",
+        lambda: generate(tiny(), "hi", 5, cache="x"),
+        BadType,
+        "cache",
+    ),
     Call(
         "generate(m, 'hi', 5, cache too small)",
         lambda: generate(tiny(), "hi", 5, cache=cache.KVCache.for_model(tiny(), max_len=3)),
@@ -898,7 +1374,10 @@ def lean_step_past_the_window():
 # Mistakes in the decode loop's own files (model, cache, lean, generate, speculative).
 ELSEWHERE = [
     Call(
-        "model(idx holding id 300)  [model.py forward]", lambda: tiny()(torch.tensor([[300]])), BadValue, 'idx'
+        "model(idx holding id 300)  [model.py forward]",
+        lambda: tiny()(torch.tensor([[300]])),
+        BadValue,
+        "idx",
     ),
     Call(
         "AttentionShape(..., rope_dim=True)  [cache.py]",
@@ -915,7 +1394,12 @@ ELSEWHERE = [
         BadValue,
         'token',
     ),
-    Call("weights_only_pass(m, 0)  [lean.py]", lambda: lean.weights_only_pass(tiny(), 0), BadValue, 'steps'),
+    Call(
+        "weights_only_pass(m, 0)  [lean.py]",
+        lambda: lean.weights_only_pass(tiny(), 0),
+        BadValue,
+        "steps",
+    ),
     Call(
         "speculative_generate(m, m, 'hi', 5, eos_id='.')  [speculative.py]",
         lambda: speculative.speculative_generate(tiny(), tiny(), "hi", 5, eos_id="."),
@@ -978,8 +1462,9 @@ def widgets_shape():
 
 @dataclass(frozen=True)
 class Edit:
-    """Build an explorer, set ``control`` to ``value``; the explorer must refuse it with an error naming ``arg``
-    (the control as its label or the argument it sets) and show that error in place."""
+    """Build an explorer, set ``control`` to ``value``; the explorer must refuse it with an error
+    naming ``arg`` (the control as its label or the argument it sets) and show that error in
+    place."""
 
     name: str
     build: Callable[[], object]
@@ -997,7 +1482,9 @@ def sampler():
 
 
 def speculator(gamma: int = 2):
-    return widgets.SpeculationExplorer(tiny(), {"itself": tiny()}, "ab", gamma=gamma, max_new_tokens=3)
+    return widgets.SpeculationExplorer(
+        tiny(), {"itself": tiny()}, "ab", gamma=gamma, max_new_tokens=3
+    )
 
 
 WIDGETS = [
@@ -1057,7 +1544,8 @@ class Command:
     module: str  # run as python -m MODULE ARGV...
     argv: list[str]
     names: str  # what the error line must name: the option, argument or file at fault
-    env: dict[str, Callable[[], str]] = field(default_factory=dict)  # values made when the case runs
+    # values made when the case runs
+    env: dict[str, Callable[[], str]] = field(default_factory=dict)
 
     @property
     def name(self) -> str:
@@ -1164,7 +1652,7 @@ def resolved(cmd: Command) -> tuple[list[str], dict[str, str]]:
 def main_of(module: str) -> Callable[[list[str]], object]:
     import importlib
 
-    return importlib.import_module(module + (".__main__" if module == BENCH else "")).main
+    return importlib.import_module(module + (".__main__" if module in (BENCH, TRAIN) else "")).main
 
 
 def lines_ok(text: str) -> bool:
@@ -1173,7 +1661,9 @@ def lines_ok(text: str) -> bool:
     if not lines or "error:" not in lines[-1]:
         return False
     usage = lines[:-1]
-    return not usage or (usage[0].startswith("usage:") and all(line.startswith(" ") for line in usage[1:]))
+    return not usage or (
+        usage[0].startswith("usage:") and all(line.startswith(" ") for line in usage[1:])
+    )
 
 
 # --- the tests -------------------------------------------------------------------------------
@@ -1194,7 +1684,9 @@ def test_an_out_of_range_control_is_refused_in_the_widget(case: Edit):
     explorer = case.build()
     if case.control:
         getattr(explorer, case.control).value = case.value
-        assert getattr(explorer, case.control).value == case.value, "the value was changed (clamped), not refused"
+        assert getattr(explorer, case.control).value == case.value, (
+            "the value was changed (clamped), not refused"
+        )
     check_error(explorer.refused, ValueError, case.arg)
     assert explorer.error == str(explorer.refused)
     shown = explorer.status.value if hasattr(explorer, "status") else explorer.output.value
@@ -1245,6 +1737,8 @@ def test_exercises_command_mistake(case: Command, capsys):
 )
 def test_as_a_real_command(argv):
     """The same through ``python -m`` in a fresh interpreter: status 2, one line, no traceback."""
-    done = subprocess.run([sys.executable, "-m", *argv], capture_output=True, text=True, timeout=120)
+    done = subprocess.run(
+        [sys.executable, "-m", *argv], capture_output=True, text=True, timeout=120
+    )
     assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr
     assert lines_ok(done.stdout + done.stderr), (done.stdout, done.stderr)

@@ -38,6 +38,7 @@ from ar_lab.engine.quant import quantize_model
 from ar_lab.engine.serving import Request
 from ar_lab.model import bigram, data, train
 from ar_lab.model.gpt import GPT, GPTConfig
+from ar_lab.model.train import presets
 from ar_lab.perf import quality, roofline, serving_measure
 from tests.raising import raises
 from tests.test_bad_input import Call, check_call
@@ -77,21 +78,54 @@ QUALITY = [
         "greedy_agreement(m, other vocabulary)",
         lambda: quality.greedy_agreement(tiny(), other_vocab(), n_tokens=2),
         BadValue,
-        'other',
-    ),
-    Call("greedy_agreement(None, m)", lambda: quality.greedy_agreement(None, tiny()), BadType, 'reference'),
-    Call("greedy_agreement(m, None)", lambda: quality.greedy_agreement(tiny(), None), BadType, 'other'),
-    Call("greedy_agreement(m, 'int3')", lambda: quality.greedy_agreement(tiny(), "int3"), BadValue, 'other'),
-    Call("kv_cache_agreement(bigram)", lambda: quality.kv_cache_agreement(bigram_model()), BadType, 'model'),
-    Call("kv_cache_agreement(None)", lambda: quality.kv_cache_agreement(None), BadType, 'model'),
-    Call("bits_per_byte(None)", lambda: quality.bits_per_byte(None), BadType, 'model'),
-    Call("bits_per_byte(m, 4096)", lambda: quality.bits_per_byte(tiny(), 4096), BadType, 'protocol'),
-    Call("bits_per_byte(64-token model)", lambda: quality.bits_per_byte(tiny()), ContextFull, 'protocol'),
-    Call(
-        "self_draft_acceptance(m, None)", lambda: quality.self_draft_acceptance(tiny(), None), BadType, 'draft'
+        "other",
     ),
     Call(
-        "self_draft_acceptance(None, m)", lambda: quality.self_draft_acceptance(None, tiny()), BadType, 'target'
+        "greedy_agreement(None, m)",
+        lambda: quality.greedy_agreement(None, tiny()),
+        BadType,
+        "reference",
+    ),
+    Call(
+        "greedy_agreement(m, None)",
+        lambda: quality.greedy_agreement(tiny(), None),
+        BadType,
+        "other",
+    ),
+    Call(
+        "greedy_agreement(m, 'int3')",
+        lambda: quality.greedy_agreement(tiny(), "int3"),
+        BadValue,
+        "other",
+    ),
+    Call(
+        "kv_cache_agreement(bigram)",
+        lambda: quality.kv_cache_agreement(bigram_model()),
+        BadType,
+        "model",
+    ),
+    Call("kv_cache_agreement(None)", lambda: quality.kv_cache_agreement(None), BadType, "model"),
+    Call("bits_per_byte(None)", lambda: quality.bits_per_byte(None), BadType, "model"),
+    Call(
+        "bits_per_byte(m, 4096)", lambda: quality.bits_per_byte(tiny(), 4096), BadType, "protocol"
+    ),
+    Call(
+        "bits_per_byte(64-token model)",
+        lambda: quality.bits_per_byte(tiny()),
+        ContextFull,
+        "protocol",
+    ),
+    Call(
+        "self_draft_acceptance(m, None)",
+        lambda: quality.self_draft_acceptance(tiny(), None),
+        BadType,
+        "draft",
+    ),
+    Call(
+        "self_draft_acceptance(None, m)",
+        lambda: quality.self_draft_acceptance(None, tiny()),
+        BadType,
+        "target",
     ),
     Call(
         "self_draft_acceptance(m, m, seed=-1)",
@@ -132,42 +166,100 @@ OBJECTS = [
         BadType,
         'clock',
     ),
-    Call("total_variation([0.5], [0.5])", lambda: speculative.total_variation([0.5], [0.5]), BadType, 'p'),
-    Call("token_sources(None)", lambda: speculative.token_sources(None), BadType, 'stats'),
-    Call("alpha_for_speedup('2', 4, 0.1)", lambda: speculative.alpha_for_speedup("2", 4, 0.1), BadValue, 'speedup'),
+    Call(
+        "total_variation([0.5], [0.5])",
+        lambda: speculative.total_variation([0.5], [0.5]),
+        BadType,
+        "p",
+    ),
+    Call("token_sources(None)", lambda: speculative.token_sources(None), BadType, "stats"),
+    Call(
+        "alpha_for_speedup('2', 4, 0.1)",
+        lambda: speculative.alpha_for_speedup("2", 4, 0.1),
+        BadValue,
+        "speedup",
+    ),
     Call(
         "alpha_for_speedup(2, 4, 0.1, verify_cost='a')",
         lambda: speculative.alpha_for_speedup(2, 4, 0.1, verify_cost="a"),
         BadValue,
         'verify_cost',
     ),
-    Call("serve(m, reqs, clock=None)", lambda: serving.serve(tiny(), REQS, clock=None), BadType, 'clock'),
-    Call("StreamSummary.from_stats(None)", lambda: serving.StreamSummary.from_stats(None), BadType, 'stats'),
     Call(
-        "predicted_speedup(None, m)", lambda: roofline.predicted_speedup(None, tiny()), BadType, 'reference'
+        "serve(m, reqs, clock=None)",
+        lambda: serving.serve(tiny(), REQS, clock=None),
+        BadType,
+        "clock",
     ),
-    Call("predicted_speedup(m, None)", lambda: roofline.predicted_speedup(tiny(), None), BadType, 'other'),
-    Call("predicted_speedup(m, 'int3')", lambda: roofline.predicted_speedup(tiny(), "int3"), BadValue, 'other'),
     Call(
-        "predicted_speedup(m, bigram)", lambda: roofline.predicted_speedup(tiny(), bigram_model()), BadType, 'other'
+        "StreamSummary.from_stats(None)",
+        lambda: serving.StreamSummary.from_stats(None),
+        BadType,
+        "stats",
     ),
-    Call("decode_step_bytes(None)", lambda: roofline.decode_step_bytes(None), BadType, 'model'),
-    Call("decode_step_bytes(bigram)", lambda: roofline.decode_step_bytes(bigram_model()), BadType, 'model'),
-    Call("decode_throughput(None, [1])", lambda: serving_measure.decode_throughput(None, [1]), BadType, 'model'),
-    Call("decode_throughput(m, 8)", lambda: serving_measure.decode_throughput(tiny(), 8), BadType, 'batch_sizes'),
     Call(
-        "prefix_ttft(None, 'abc', ['q'])", lambda: serving_measure.prefix_ttft(None, "abc", ["q"]), BadType, 'model'
+        "predicted_speedup(None, m)",
+        lambda: roofline.predicted_speedup(None, tiny()),
+        BadType,
+        "reference",
     ),
-    Call("evaluate(None, t, 8)", lambda: train.evaluate(None, tokens(), 8), BadType, 'model'),
+    Call(
+        "predicted_speedup(m, None)",
+        lambda: roofline.predicted_speedup(tiny(), None),
+        BadType,
+        "other",
+    ),
+    Call(
+        "predicted_speedup(m, 'int3')",
+        lambda: roofline.predicted_speedup(tiny(), "int3"),
+        BadValue,
+        "other",
+    ),
+    Call(
+        "predicted_speedup(m, bigram)",
+        lambda: roofline.predicted_speedup(tiny(), bigram_model()),
+        BadType,
+        "other",
+    ),
+    Call("decode_step_bytes(None)", lambda: roofline.decode_step_bytes(None), BadType, "model"),
+    Call(
+        "decode_step_bytes(bigram)",
+        lambda: roofline.decode_step_bytes(bigram_model()),
+        BadType,
+        "model",
+    ),
+    Call(
+        "decode_throughput(None, [1])",
+        lambda: serving_measure.decode_throughput(None, [1]),
+        BadType,
+        "model",
+    ),
+    Call(
+        "decode_throughput(m, 8)",
+        lambda: serving_measure.decode_throughput(tiny(), 8),
+        BadType,
+        "batch_sizes",
+    ),
+    Call(
+        "prefix_ttft(None, 'abc', ['q'])",
+        lambda: serving_measure.prefix_ttft(None, "abc", ["q"]),
+        BadType,
+        "model",
+    ),
+    Call("evaluate(None, t, 8)", lambda: train.evaluate(None, tokens(), 8), BadType, "model"),
     Call(
         "train(None, ...)",
-        lambda: train.train(None, tokens(), tokens(), train.TrainConfig(steps=1, block_size=8), progress=False),
+        lambda: train.train(
+            None, tokens(), tokens(), train.TrainConfig(steps=1, block_size=8), progress=False
+        ),
         BadType,
         'model',
     ),
     Call(
         "train(m, ..., teacher='course')",
-        lambda: train.train(tiny(), tokens(), tokens(), train.TrainConfig(steps=1, block_size=8), teacher="course"),
+        lambda: train.train(
+            tiny(), tokens(), tokens(), train.TrainConfig(steps=1, block_size=8), teacher="course"
+        ),
         BadType,
         'teacher',
     ),
@@ -175,7 +267,10 @@ OBJECTS = [
 
 HUGE = [
     Call(
-        "best_gamma(0.8, 0.1, max_gamma=10**7)", lambda: speculative.best_gamma(0.8, 0.1, 10**7), BadValue, 'max_gamma'
+        "best_gamma(0.8, 0.1, max_gamma=10**7)",
+        lambda: speculative.best_gamma(0.8, 0.1, 10**7),
+        BadValue,
+        "max_gamma",
     ),
     Call(
         "expected_tokens_per_iteration(0.5, 10**400)",
@@ -189,14 +284,24 @@ HUGE = [
         BadValue,
         'gamma',
     ),
-    Call("tokens_within(1e308, 0, 1e-300)", lambda: serving.tokens_within(1e308, 0, 1e-300), BadValue, 'tpot'),
     Call(
-        "latency_budget(0.1, 0.01, 10**400)", lambda: serving.latency_budget(0.1, 0.01, 10**400), BadValue, 'n_tokens'
+        "tokens_within(1e308, 0, 1e-300)",
+        lambda: serving.tokens_within(1e308, 0, 1e-300),
+        BadValue,
+        "tpot",
+    ),
+    Call(
+        "latency_budget(0.1, 0.01, 10**400)",
+        lambda: serving.latency_budget(0.1, 0.01, 10**400),
+        BadValue,
+        "n_tokens",
     ),
 ]
 
 
-@pytest.mark.parametrize("case", QUALITY + OBJECTS + HUGE, ids=[c.name for c in QUALITY + OBJECTS + HUGE])
+@pytest.mark.parametrize(
+    "case", QUALITY + OBJECTS + HUGE, ids=[c.name for c in QUALITY + OBJECTS + HUGE]
+)
 def test_a_mistaken_call_names_the_argument(case: Call):
     check_call(case)
 
@@ -206,7 +311,9 @@ def test_a_mistaken_call_names_the_argument(case: Call):
 
 def test_a_weight_format_stands_for_the_quantized_copy():
     m = tiny()
-    assert roofline.predicted_speedup(m, "int8") == roofline.predicted_speedup(m, quantize_model(m, weights="int8"))
+    assert roofline.predicted_speedup(m, "int8") == roofline.predicted_speedup(
+        m, quantize_model(m, weights="int8")
+    )
     by_name = quality.greedy_agreement(m, "bf16", n_tokens=2)
     assert by_name == quality.greedy_agreement(m, quantize_model(m, weights="bf16"), n_tokens=2)
 
@@ -241,7 +348,11 @@ def test_simulate_matches_stepping_and_is_fast_for_huge_steps():
     for _ in range(3000):
         steps = [rng.choice([0, 0, 1, 2, 3, 5, 8]) for _ in range(rng.randint(0, 10))]
         batch, policy = rng.randint(1, 4), rng.choice(serving.POLICIES)
-        assert serving.simulate(steps, batch, policy) == _stepped(steps, batch, policy), (steps, batch, policy)
+        assert serving.simulate(steps, batch, policy) == _stepped(steps, batch, policy), (
+            steps,
+            batch,
+            policy,
+        )
     start = time.perf_counter()
     assert serving.simulate([10**8], 1) == [10**8]
     assert serving.simulate([10**8] * 3, 2, "static") == [10**8, 10**8, 2 * 10**8]
@@ -250,8 +361,14 @@ def test_simulate_matches_stepping_and_is_fast_for_huge_steps():
 
 
 def test_best_gamma_up_to_its_limit():
-    assert speculative.best_gamma(0.8, 0.1, speculative.MAX_GAMMA) == speculative.best_gamma(0.8, 0.1) == 6
-    assert speculative.best_gamma(1.0, 0.0, max_gamma=speculative.MAX_GAMMA) == speculative.MAX_GAMMA
+    assert (
+        speculative.best_gamma(0.8, 0.1, speculative.MAX_GAMMA)
+        == speculative.best_gamma(0.8, 0.1)
+        == 6
+    )
+    assert (
+        speculative.best_gamma(1.0, 0.0, max_gamma=speculative.MAX_GAMMA) == speculative.MAX_GAMMA
+    )
 
 
 # --- files: checked before the work -----------------------------------------------------------
@@ -276,7 +393,9 @@ def test_check_writable_refuses_what_cannot_be_written(tmp_path):
     existing.write_text("old")
     data.check_writable(existing, "--json")  # writable, and left as it was
     data.check_writable(tmp_path / "new" / "deeper" / "out.json", "--json")
-    assert existing.read_text() == "old" and sorted(p.name for p in tmp_path.iterdir()) == ["kept.json"]
+    assert existing.read_text() == "old" and sorted(p.name for p in tmp_path.iterdir()) == [
+        "kept.json"
+    ]
 
 
 def test_check_writable_refuses_a_read_only_folder(tmp_path):
@@ -292,7 +411,7 @@ def _never(what: str):
 
 
 def test_train_preset_checks_out_before_training(tmp_path, monkeypatch):
-    monkeypatch.setattr(train, "train", _never("training"))
+    monkeypatch.setattr(presets, "train", _never("training"))
     with raises(BadValue, 'out'):
         train.train_preset("draft", out=tmp_path / TOO_LONG, progress=False)
     with raises(BadValue, 'out'):
@@ -309,7 +428,9 @@ def _notebooks(tmp_path: Path) -> Path:
 
 def test_one_chapter_is_one_chapter(tmp_path):
     src = _notebooks(tmp_path)
-    assert exercises.release(src, tmp_path / "a", chapters="04") == [tmp_path / "a" / "04_cache.ipynb"]
+    assert exercises.release(src, tmp_path / "a", chapters="04") == [
+        tmp_path / "a" / "04_cache.ipynb"
+    ]
     assert exercises.release(src, tmp_path / "b", chapters=4) == [tmp_path / "b" / "04_cache.ipynb"]
     written = exercises.course(tmp_path / "c", src=src, chapters="06")
     assert [p.name for p in written if p.suffix == ".ipynb"] == ["06_sampling.ipynb"]
@@ -343,22 +464,30 @@ class Command:
     module: str
     argv: list[str]
     names: str  # what the error line must name: the option or argument at fault
-    never: list[tuple[str, str]] = field(default_factory=list)  # (module, function) that must not run
+    # (module, function) that must not run
+    never: list[tuple[str, str]] = field(default_factory=list)
 
 
 def main_of(module: str) -> Callable[[list[str]], object]:
     import importlib
 
-    return importlib.import_module(module + (".__main__" if module == BENCH else "")).main
+    return importlib.import_module(module + (".__main__" if module in (BENCH, TRAIN) else "")).main
 
 
 BENCHMARKS = ["decode", "roofline", "sampler", "speculative", "serving", "quant"]
 COMMANDS = [
     *[
-        Command(BENCH, [name, "--json", f"TMP/{TOO_LONG}"], "--json", [(f"ar_lab.bench.{name}", "run")])
+        Command(
+            BENCH, [name, "--json", f"TMP/{TOO_LONG}"], "--json", [(f"ar_lab.bench.{name}", "run")]
+        )
         for name in BENCHMARKS
     ],
-    Command(BENCH, ["decode", "--json", f"TMP/{TOO_LONG}/out.json"], "--json", [("ar_lab.bench.decode", "run")]),
+    Command(
+        BENCH,
+        ["decode", "--json", f"TMP/{TOO_LONG}/out.json"],
+        "--json",
+        [("ar_lab.bench.decode", "run")],
+    ),
     Command(
         BENCH,
         ["serving", "--prefix-tokens", "5000"],
@@ -371,11 +500,36 @@ COMMANDS = [
         "prefix_tokens",
         [("ar_lab.bench.serving", "_policies")],
     ),
-    Command(BENCH, ["speculative", "--seed", "-1"], "seed", [("ar_lab.bench.speculative", "checkpoints")]),
-    Command(BENCH, ["speculative", "--gammas", "20000"], "gammas", [("ar_lab.bench.speculative", "checkpoints")]),
-    Command(TRAIN, ["--preset", "draft", "--out", f"TMP/{TOO_LONG}"], "--out", [("ar_lab.model.train", "train")]),
-    Command(TRAIN, ["--preset", "draft", "--out", ""], "--out", [("ar_lab.model.train", "train")]),
-    Command(TRAIN, ["--preset", "draft", "--resume", ""], "--resume", [("ar_lab.model.train", "train")]),
+    Command(
+        BENCH,
+        ["speculative", "--seed", "-1"],
+        "seed",
+        [("ar_lab.bench.speculative", "checkpoints")],
+    ),
+    Command(
+        BENCH,
+        ["speculative", "--gammas", "20000"],
+        "gammas",
+        [("ar_lab.bench.speculative", "checkpoints")],
+    ),
+    Command(
+        TRAIN,
+        ["--preset", "draft", "--out", f"TMP/{TOO_LONG}"],
+        "--out",
+        [("ar_lab.model.train.presets", "train")],
+    ),
+    Command(
+        TRAIN,
+        ["--preset", "draft", "--out", ""],
+        "--out",
+        [("ar_lab.model.train.presets", "train")],
+    ),
+    Command(
+        TRAIN,
+        ["--preset", "draft", "--resume", ""],
+        "--resume",
+        [("ar_lab.model.train.presets", "train")],
+    ),
     Command(EXERCISES, ["release", "--out", "", "--chapter", "04"], "--out"),
     Command(EXERCISES, ["release", "--src", "", "--out", "TMP/out"], "--src"),
     Command(EXERCISES, ["course", "", "--chapter", "06"], "DIR"),
@@ -386,7 +540,9 @@ def _one_error_line(text: str) -> bool:
     """Only argparse's usage lines, then one line saying ``prog: error: ...``."""
     lines = [line for line in text.splitlines() if line.strip()]
     usage = lines[:-1]
-    ok_usage = not usage or (usage[0].startswith("usage:") and all(line.startswith(" ") for line in usage[1:]))
+    ok_usage = not usage or (
+        usage[0].startswith("usage:") and all(line.startswith(" ") for line in usage[1:])
+    )
     return bool(lines) and "error:" in lines[-1] and ok_usage
 
 
@@ -395,7 +551,9 @@ def _run(case: Command, tmp_path: Path, monkeypatch, capsys) -> tuple[object, st
 
     monkeypatch.chdir(tmp_path)  # a command that wrongly writes into the current folder writes here
     for module, function in case.never:
-        monkeypatch.setattr(importlib.import_module(module), function, _never(f"{module}.{function}"))
+        monkeypatch.setattr(
+            importlib.import_module(module), function, _never(f"{module}.{function}")
+        )
     argv = [a.replace("TMP", str(tmp_path)) for a in case.argv]
     try:
         code = main_of(case.module)(argv)
@@ -404,7 +562,9 @@ def _run(case: Command, tmp_path: Path, monkeypatch, capsys) -> tuple[object, st
     return code, capsys.readouterr().err
 
 
-@pytest.mark.parametrize("case", COMMANDS, ids=[" ".join(["python -m", c.module, *c.argv]) for c in COMMANDS])
+@pytest.mark.parametrize(
+    "case", COMMANDS, ids=[" ".join(["python -m", c.module, *c.argv]) for c in COMMANDS]
+)
 def test_a_command_refuses_before_any_work(case: Command, tmp_path, monkeypatch, capsys):
     code, err = _run(case, tmp_path, monkeypatch, capsys)
     assert code == 2 and "Traceback" not in err and _one_error_line(err), (code, err)
@@ -413,10 +573,16 @@ def test_a_command_refuses_before_any_work(case: Command, tmp_path, monkeypatch,
 
 
 @pytest.mark.parametrize("module", [BENCH, TRAIN])
-def test_a_read_only_output_folder_is_refused_before_any_work(module, tmp_path, monkeypatch, capsys):
+def test_a_read_only_output_folder_is_refused_before_any_work(
+    module, tmp_path, monkeypatch, capsys
+):
     out = str(_read_only_folder(tmp_path) / "out.json")
     argv = ["sampler", "--json", out] if module == BENCH else ["--preset", "draft", "--out", out]
-    never = [("ar_lab.bench.sampler", "run")] if module == BENCH else [("ar_lab.model.train", "train")]
+    never = (
+        [("ar_lab.bench.sampler", "run")]
+        if module == BENCH
+        else [("ar_lab.model.train.presets", "train")]
+    )
     code, err = _run(Command(module, argv, "", never), tmp_path, monkeypatch, capsys)
     assert code == 2 and _one_error_line(err) and "cannot be written" in err, (code, err)
 
@@ -431,6 +597,9 @@ def test_serving_measurements_have_documented_size_limits(tiny_model):
 
     with raises(BadValue, 'n_requests'):
         serving_measure.mixed_workload(10**9)
-    assert len(serving_measure.mixed_workload(serving_measure.MAX_REQUESTS)) == serving_measure.MAX_REQUESTS
+    assert (
+        len(serving_measure.mixed_workload(serving_measure.MAX_REQUESTS))
+        == serving_measure.MAX_REQUESTS
+    )
     with raises(BadValue, 'batch_sizes'):
         serving_measure.decode_throughput(tiny_model, [1, 10**6], context=4, steps=2, repeats=1)

@@ -1,4 +1,5 @@
-"""Bad input to the claims, the GPU datasheets, the real-model costs and chapter 05/09's views and explorers.
+"""Bad input to the claims, the GPU datasheets, the real-model costs and chapter 05/09's views and
+explorers.
 
 Each case is a call a learner could make: it either gives the right answer (a natural spelling,
 a name where an object is expected) or an error naming the argument and what to pass, never a
@@ -52,7 +53,17 @@ def refused(call) -> BaseException:
         torch.tensor([True, True]),
         np.array([1, 2]) > 0,
     ],
-    ids=["list", "str", "nan", "nan tensor", "int", "None", "float tensor", "bool tensor of 2", "numpy array of 2"],
+    ids=[
+        "list",
+        "str",
+        "nan",
+        "nan tensor",
+        "int",
+        "None",
+        "float tensor",
+        "bool tensor of 2",
+        "numpy array of 2",
+    ],
 )
 def test_a_claim_that_cannot_fail_is_refused(holds):
     with raises(BadType, 'holds'):
@@ -87,7 +98,9 @@ def test_every_spelling_of_fp32_gets_the_fp32_roof(spelling):
     assert H100.peak_flops(spelling) == H100.fp32_flops
 
 
-@pytest.mark.parametrize("spelling", ["bf16", "BF16", "bfloat16", torch.bfloat16, "INT8", torch.int8, "Int4"])
+@pytest.mark.parametrize(
+    "spelling", ["bf16", "BF16", "bfloat16", torch.bfloat16, "INT8", torch.int8, "Int4"]
+)
 def test_the_16_bit_formats_get_the_tensor_roof(spelling):
     assert H100.peak_flops(spelling) == H100.tensor_flops
 
@@ -95,7 +108,9 @@ def test_the_16_bit_formats_get_the_tensor_roof(spelling):
 @pytest.mark.parametrize("bad", ["int3", "fp16", torch.float16, None, 32, ""])
 def test_an_unknown_weight_format_is_refused_with_the_accepted_ones(bad):
     text = str(refused(lambda: H100.peak_flops(bad)))  # the message lists what is accepted
-    assert "weight_dtype must be one of ['fp32', 'bf16', 'int8', 'int4']" in text and repr(bad) in text
+    assert (
+        "weight_dtype must be one of ['fp32', 'bf16', 'int8', 'int4']" in text and repr(bad) in text
+    )
 
 
 def test_gpu_lookups_name_what_to_pass():
@@ -133,11 +148,16 @@ def test_kv_memory_refuses_what_decode_cost_refuses_with_its_message(context, ba
 
 
 def test_valid_contexts_keep_their_costs():
-    assert lc.kv_memory(LLAMA2, 4096) == 4096 * 819_200 and lc.kv_memory(LLAMA2, np.int64(10), 2) == 2 * 8_192_000
+    assert (
+        lc.kv_memory(LLAMA2, 4096) == 4096 * 819_200
+        and lc.kv_memory(LLAMA2, np.int64(10), 2) == 2 * 8_192_000
+    )
     assert lc.decode_cost(LLAMA2, np.int64(10)) == lc.decode_cost(LLAMA2, 10)
     assert lc.weight_memory(LLAMA2, "BF16") == lc.weight_memory(LLAMA2) == 2 * LLAMA2.parameters
     assert lc.decode_cost(LLAMA2, 10, 1, torch.float32) == lc.decode_cost(LLAMA2, 10, 1, "fp32")
-    assert lc.value_bytes("FP32") == 4 and lc.kv_memory("Llama-2-13B", 10) == lc.kv_memory(LLAMA2, 10)
+    assert lc.value_bytes("FP32") == 4 and lc.kv_memory("Llama-2-13B", 10) == lc.kv_memory(
+        LLAMA2, 10
+    )
 
 
 @pytest.mark.parametrize("memory", [-1, 0, float("nan"), float("inf"), "80GB", H100])
@@ -166,7 +186,9 @@ def test_a_gpu_or_model_can_be_named_and_anything_else_is_refused():
 
 def test_gpu_scenario_refuses_a_context_shorter_than_the_prompt_and_takes_rows_or_spellings():
     check_error(
-        refused(lambda: gv.gpu_scenario("H100 SXM", "Llama-2-13B", prompt_len=3000, context=100)), BadValue, "context"
+        refused(lambda: gv.gpu_scenario("H100 SXM", "Llama-2-13B", prompt_len=3000, context=100)),
+        BadValue,
+        "context",
     )
     assert gv.gpu_scenario(H100, LLAMA2) == gv.gpu_scenario("H100 SXM", "Llama-2-13B")
     assert gv.gpu_scenario("H100 SXM", "Llama-2-13B", "FP32").weight_dtype == "fp32"
@@ -182,8 +204,16 @@ def test_gpu_view_functions_say_what_to_pass():
     check_error(refused(lambda: gv.plot_decode_intensity(ax, None, H100, [128])), BadType, 'shape')
     check_error(refused(lambda: gv.plot_decode_intensity(ax, LLAMA2, None, [128])), BadType, 'spec')
     for contexts in ([], 128):
-        check_error(refused(lambda c=contexts: gv.plot_decode_intensity(ax, LLAMA2, H100, c)), BadType, 'contexts')
-    check_error(refused(lambda: gv.plot_decode_intensity(ax, LLAMA2, H100, [128], max_b=0)), BadValue, 'max_b')
+        check_error(
+            refused(lambda c=contexts: gv.plot_decode_intensity(ax, LLAMA2, H100, c)),
+            BadType,
+            "contexts",
+        )
+    check_error(
+        refused(lambda: gv.plot_decode_intensity(ax, LLAMA2, H100, [128], max_b=0)),
+        BadValue,
+        "max_b",
+    )
     for bad in (None, {}):
         check_error(refused(lambda b=bad: gv.spec_comparison(b)), BadType, 'result')
     check_error(refused(lambda: gv.result_label(None)), BadType, 'result')
@@ -231,13 +261,17 @@ def test_a_bad_number_in_the_gpu_explorer_is_kept_and_refused(explorer, control,
     shows_refusal(explorer, arg)
     assert explorer.image.value == image  # the last plot stays
     getattr(explorer, control).value = {"batch": 1, "prompt_len": 2000, "context": 2500}[control]
-    assert explorer.error == "" and explorer.scenario.batch == 1 and explorer.scenario.context == 2500
+    assert (
+        explorer.error == "" and explorer.scenario.batch == 1 and explorer.scenario.context == 2500
+    )
 
 
 def test_a_large_batch_is_a_prediction_not_a_clamp(explorer):
     explorer.batch.value = 10**6
     assert (
-        explorer.batch.value == 10**6 and explorer.scenario.batch == 10**6 and "does not fit" in explorer.status.value
+        explorer.batch.value == 10**6
+        and explorer.scenario.batch == 10**6
+        and "does not fit" in explorer.status.value
     )
     explorer.batch.value = 1
 
@@ -292,10 +326,18 @@ def test_quant_view_says_what_to_pass(tiny):
     w, cfgs = {"w": torch.randn(4, 8)}, {"t": tiny.config}
     check_error(refused(lambda: quant_view(w, "w", 8, 0, None, context=8)), BadType, 'configs')
     check_error(refused(lambda: quant_view(None, "w", 8, 0, cfgs, context=8)), BadType, 'weights')
-    check_error(refused(lambda: quant_view({"w": torch.randn(8)}, "w", 8, 0, cfgs, context=8)), BadValue, 'weights')
-    check_error(refused(lambda: quant_view(w, "w", 8, 0, cfgs, context=8, shown=0)), BadValue, 'shown')
+    check_error(
+        refused(lambda: quant_view({"w": torch.randn(8)}, "w", 8, 0, cfgs, context=8)),
+        BadValue,
+        "weights",
+    )
+    check_error(
+        refused(lambda: quant_view(w, "w", 8, 0, cfgs, context=8, shown=0)), BadValue, "shown"
+    )
     check_error(refused(lambda: quant_view(w, "w", 8, 0, cfgs, context=0)), BadValue, 'context')
     check_error(refused(lambda: weight_bytes(tiny.config, "FP32")), BadValue, 'weights')
     check_error(refused(lambda: quant_explorer(None)), BadType, 'model')
     check_error(refused(lambda: quant_explorer(tiny, bits=3, group_size=8)), BadValue, 'bits')
-    check_error(refused(lambda: quant_explorer(tiny, layer="nope", group_size=8)), BadValue, 'layer')
+    check_error(
+        refused(lambda: quant_explorer(tiny, layer="nope", group_size=8)), BadValue, "layer"
+    )

@@ -28,9 +28,13 @@ class TableModel(torch.nn.Module):
     cache, so a beam search that reorders the cache wrongly gets the wrong context.
     """
 
-    def __init__(self, vocab: int, seed: int = 0, fn=None, block_size: int = 16, scale: float = 2.0):
+    def __init__(
+        self, vocab: int, seed: int = 0, fn=None, block_size: int = 16, scale: float = 2.0
+    ):
         super().__init__()
-        self.config = GPTConfig(vocab_size=vocab, block_size=block_size, n_layer=1, n_head=1, n_embd=1)
+        self.config = GPTConfig(
+            vocab_size=vocab, block_size=block_size, n_layer=1, n_head=1, n_embd=1
+        )
         self.seed, self.fn, self.scale = seed, fn, scale
         self.dummy = torch.nn.Parameter(torch.zeros(1))
 
@@ -44,7 +48,10 @@ class TableModel(torch.nn.Module):
         h = self.seed + 1
         for c in ctx:
             h = (h * 1_000_003 + c + 1) % (2**61 - 1)
-        return torch.randn(self.config.vocab_size, generator=torch.Generator().manual_seed(h)) * self.scale
+        return (
+            torch.randn(self.config.vocab_size, generator=torch.Generator().manual_seed(h))
+            * self.scale
+        )
 
     def forward(self, idx, cache=None):
         B, T = idx.shape
@@ -75,10 +82,13 @@ def brute_force(model, prompt, max_new_tokens, length_penalty, eos_id):
     for seq in candidates:
         full = torch.tensor([prompt + seq])
         with torch.inference_mode():
-            logp = torch.log_softmax(model(full[:, :-1]).float(), dim=-1)[0, len(prompt) - 1 :]  # (len(seq), V)
+            # (len(seq), V)
+            logp = torch.log_softmax(model(full[:, :-1]).float(), dim=-1)[0, len(prompt) - 1 :]
         lp = float(logp.double()[torch.arange(len(seq)), torch.tensor(seq)].sum())
         ended = eos_id is not None and seq[-1] == eos_id
-        scored.append((length_normalised(lp, len(seq), length_penalty), seq[:-1] if ended else seq, lp))
+        scored.append(
+            (length_normalised(lp, len(seq), length_penalty), seq[:-1] if ended else seq, lp)
+        )
     return sorted(scored, key=lambda s: -s[0])
 
 
@@ -96,12 +106,16 @@ def test_unpruned_beam_search_equals_brute_force(vocab, steps, seed, alpha, eos,
     prompt = [vocab - 1, 0][: 1 + seed % 2]
     exact = brute_force(model, prompt, steps, alpha, eos_id)
     K = vocab**steps  # wide enough that nothing is ever pruned
-    result = beam_search(model, prompt, steps, num_beams=K, length_penalty=alpha, eos_id=eos_id, use_cache=use_cache)
+    result = beam_search(
+        model, prompt, steps, num_beams=K, length_penalty=alpha, eos_id=eos_id, use_cache=use_cache
+    )
     assert result.tokens == exact[0][1]
     assert result.best.score == pytest.approx(exact[0][0], abs=1e-9)
     # Every sequence comes back, in the exact order.
     assert [h.tokens for h in result.hypotheses] == [s[1] for s in exact][:K]
-    assert [h.logprob for h in result.hypotheses] == pytest.approx([s[2] for s in exact][:K], abs=1e-9)
+    assert [h.logprob for h in result.hypotheses] == pytest.approx(
+        [s[2] for s in exact][:K], abs=1e-9
+    )
 
 
 @pytest.mark.slow
@@ -112,7 +126,9 @@ def test_unpruned_beam_search_equals_brute_force(vocab, steps, seed, alpha, eos,
     beams=st.integers(1, 3),
     alpha=st.sampled_from([0.0, 1.0]),
 )
-def test_pruned_beam_search_never_beats_the_optimum_and_scores_honestly(vocab, steps, seed, beams, alpha):
+def test_pruned_beam_search_never_beats_the_optimum_and_scores_honestly(
+    vocab, steps, seed, beams, alpha
+):
     model = TableModel(vocab, seed)
     exact = brute_force(model, [1], steps, alpha, eos_id=0)
     truth = {tuple(s[1]): s for s in exact}
@@ -121,7 +137,9 @@ def test_pruned_beam_search_never_beats_the_optimum_and_scores_honestly(vocab, s
     assert result.best.score <= exact[0][0] + 1e-9
     for h in result.hypotheses:
         score, _, lp = truth[tuple(h.tokens)]
-        assert h.logprob == pytest.approx(lp, abs=1e-9) and h.score == pytest.approx(score, abs=1e-9)
+        assert h.logprob == pytest.approx(lp, abs=1e-9) and h.score == pytest.approx(
+            score, abs=1e-9
+        )
         assert h.finished_by == ("eos" if len(h.tokens) < steps else "max_new_tokens")
     scores = [h.score for h in result.hypotheses]
     assert scores == sorted(scores, reverse=True)
@@ -169,7 +187,9 @@ def test_beam_search_with_the_gpt_cached_equals_uncached_and_brute_force():
     cached = beam_search(model, [1, 2], 3, num_beams=3, eos_id=0)
     uncached = beam_search(model, [1, 2], 3, num_beams=3, eos_id=0, use_cache=False)
     assert [h.tokens for h in cached.hypotheses] == [h.tokens for h in uncached.hypotheses]
-    assert [h.score for h in cached.hypotheses] == pytest.approx([h.score for h in uncached.hypotheses], abs=1e-5)
+    assert [h.score for h in cached.hypotheses] == pytest.approx(
+        [h.score for h in uncached.hypotheses], abs=1e-5
+    )
     full = beam_search(model, [1, 2], 3, num_beams=64, eos_id=0)
     exact = brute_force(model, [1, 2], 3, 1.0, 0)
     assert full.tokens == exact[0][1] and full.best.score == pytest.approx(exact[0][0], abs=1e-5)

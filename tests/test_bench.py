@@ -1,4 +1,5 @@
-"""The benchmark command line and the small benchmarks, run with tiny sizes (structure, not speed)."""
+"""The benchmark command line and the small benchmarks, run with tiny sizes (structure, not
+speed)."""
 
 import json
 import sys
@@ -18,7 +19,13 @@ from tests.raising import raises
 
 def test_format_table_right_aligns_and_rounds_floats():
     table = format_table(["name", "x"], [["a", 1234.5678], ["bcd", 0.5], ["e", 12]])
-    lines = ["name         x", "----  --------", "   a  1.23e+03", " bcd       0.5", "   e        12"]
+    lines = [
+        "name         x",
+        "----  --------",
+        "   a  1.23e+03",
+        " bcd       0.5",
+        "   e        12",
+    ]
     assert table.splitlines() == lines
 
 
@@ -80,7 +87,11 @@ def test_a_result_that_names_its_device_is_recorded_as_run_there(tmp_path, monke
     from ar_lab.bench import roofline
 
     gpu = {"type": "cuda", "name": "NVIDIA H200", "threads": 16, "cpus": 16, "load_1min": 0.5}
-    ran = {"device": gpu, "versions": {"torch": "2.11.0+cu130", "cuda": "13.0"}, "date": "2026-12-04T16:37:36+00:00"}
+    ran = {
+        "device": gpu,
+        "versions": {"torch": "2.11.0+cu130", "cuda": "13.0"},
+        "date": "2026-12-04T16:37:36+00:00",
+    }
     monkeypatch.setattr(roofline, "run", lambda args: dict(ran))
     assert main(["roofline", "--quick", "--json", str(tmp_path / "r.json")]) == 0
     assert json.loads((tmp_path / "r.json").read_text())["machine"] == ran
@@ -113,13 +124,22 @@ def test_sampler_benchmark_returns_data_and_prints_nothing(model_128, capsys):
 
 def test_serving_benchmark_returns_data_and_prints_nothing(model_128, capsys):
     res = serving_benchmark(
-        model_128, requests=4, max_batch=2, short=2, long=4, repeats=1, batch_sizes=(1, 2), context=16, prefix_tokens=32
+        model_128,
+        requests=4,
+        max_batch=2,
+        short=2,
+        long=4,
+        repeats=1,
+        batch_sizes=(1, 2),
+        context=16,
+        prefix_tokens=32,
     )
     assert capsys.readouterr().out == ""
     assert set(res["policies"]) == {"static", "continuous"} and res["workload"]["requests"] == 4
     one, two = res["batch_sweep"]
     assert (one["batch"], two["batch"]) == (1, 2) and one["x_batch_1"] == 1.0
-    assert two["weight_bytes_per_token"] == pytest.approx(one["weight_bytes_per_token"] / 2)  # read once per step
+    # read once per step
+    assert two["weight_bytes_per_token"] == pytest.approx(one["weight_bytes_per_token"] / 2)
     assert res["prefix"]["prefix_tokens"] == 32 and res["prefix"]["runs"] == 2 * 3
     assert json.loads(json.dumps(res)) == res
     report = format_serving_results(res)
@@ -132,9 +152,13 @@ def test_selfspec_benchmark_widens_drafts_and_times_the_verify_pass(capsys):
 
     torch.manual_seed(0)
     course = GPT(GPTConfig(block_size=64, n_layer=1, n_head=2, n_embd=32)).eval()
-    res = selfspec_benchmark(2, "int8", course=course, tokens=6, prompts=1, prompt_tokens=8, gammas=[2, 3], repeats=1)
+    res = selfspec_benchmark(
+        2, "int8", course=course, tokens=6, prompts=1, prompt_tokens=8, gammas=[2, 3], repeats=1
+    )
     assert capsys.readouterr().out == ""
-    assert res["benchmark"] == "selfspec" and res["target"]["parameters"] > 3 * course.num_parameters()
+    assert (
+        res["benchmark"] == "selfspec" and res["target"]["parameters"] > 3 * course.num_parameters()
+    )
     assert res["target"]["weight_bytes"] == 4 * res["target"]["parameters"]
     assert set(res["modes"]) == {"greedy"} and set(res["modes"]["greedy"]["gammas"]) == {2, 3}
     assert set(res["verify_pass"]["rows"]) == {3, 4}
@@ -157,9 +181,13 @@ def test_verify_curve_is_relative_to_one_decode_step(capsys):
     assert curve["mode"] == "eager" and curve["parameters"] == model.num_parameters()
     rows = curve["rows"]
     assert rows[1]["time"] == rows[1]["flops"] == rows[1]["bytes"] == 1.0
-    assert [round(rows[k]["flops"]) for k in (3, 9)] == [3, 9]  # k positions: k times the arithmetic
-    assert 1 < rows[3]["bytes"] < rows[9]["bytes"] < 9 / 4  # the weights read once: bytes grow far slower
-    assert all(r["seconds"] > 0 and r["time"] == r["seconds"] / rows[1]["seconds"] for r in rows.values())
+    # k positions: k times the arithmetic
+    assert [round(rows[k]["flops"]) for k in (3, 9)] == [3, 9]
+    # the weights read once: bytes grow far slower
+    assert 1 < rows[3]["bytes"] < rows[9]["bytes"] < 9 / 4
+    assert all(
+        r["seconds"] > 0 and r["time"] == r["seconds"] / rows[1]["seconds"] for r in rows.values()
+    )
     text = format_verify_results({"past": 16, "models": {"tiny": curve}})
     assert "after 16 cached ones" in text and text.count("tiny") == 3
     for bad in ([], [2, 3], [1, 0], [True, 2]):

@@ -1,4 +1,5 @@
-"""python -m ar_lab.bench against: this tree's decode against another checkout's, in alternating processes."""
+"""python -m ar_lab.bench against: this tree's decode against another checkout's, in alternating
+processes."""
 
 from __future__ import annotations
 
@@ -33,11 +34,15 @@ def test_a_folder_that_is_not_a_checkout_is_refused(tmp_path):
 
 def test_instructions_per_step_is_the_difference_over_the_extra_tokens(monkeypatch):
     counts = {(ROOT.resolve(), against.SHORT): 1_000, (ROOT.resolve(), 120): 1_000 + 100 * 2_500}
-    monkeypatch.setattr(against, "_instructions", lambda root, prompt, n: counts[(root.resolve(), n)])
+    monkeypatch.setattr(
+        against, "_instructions", lambda root, prompt, n: counts[(root.resolve(), n)]
+    )
     monkeypatch.setattr(against.shutil, "which", lambda name: "/usr/bin/valgrind")
     res = against.instructions_benchmark(ROOT, tokens=120, prompt="x", say=lambda s: None)
     assert res["instructions_per_step"] == {"this tree": 2_500, "other": 2_500}
-    assert res["this_over_other_instructions"] == 1 and "instructions per decode step" in against.format_against(res)
+    assert res[
+        "this_over_other_instructions"
+    ] == 1 and "instructions per decode step" in against.format_against(res)
     with raises(BadValue, "tokens"):
         against.instructions_benchmark(ROOT, tokens=against.SHORT, prompt="x")
     monkeypatch.setattr(against.shutil, "which", lambda name: None)

@@ -23,7 +23,9 @@ def small_model():
 
 @needs_hf
 def test_decode_benchmark_structure_and_identical_tokens(small_model):
-    res = decode_benchmark(small_model, tokens=12, repeats=2, uncached_repeats=1, prompt="ab", threads=1)
+    res = decode_benchmark(
+        small_model, tokens=12, repeats=2, uncached_repeats=1, prompt="ab", threads=1
+    )
     runs = res["runs"]
     assert set(runs) == {
         "ar_lab cached",
@@ -34,11 +36,21 @@ def test_decode_benchmark_structure_and_identical_tokens(small_model):
     }
     assert res["new_tokens"] == 12 and res["prompt_tokens"] == 2
     P, N = 2, 12
-    assert runs["ar_lab cached"]["positions"] == runs["transformers generate"]["positions"] == P + N - 1
+    assert (
+        runs["ar_lab cached"]["positions"]
+        == runs["transformers generate"]["positions"]
+        == P + N - 1
+    )
     assert runs["ar_lab uncached"]["positions"] == N * P + N * (N - 1) // 2
-    assert runs["ar_lab cached"]["forward_calls"] == runs["ar_lab cached, forward()"]["forward_calls"] == N
+    assert (
+        runs["ar_lab cached"]["forward_calls"]
+        == runs["ar_lab cached, forward()"]["forward_calls"]
+        == N
+    )
     assert runs["ar_lab cached, forward()"]["positions"] == P + N - 1
-    assert len(runs["ar_lab cached"]["seconds"]) == len(runs["transformers generate"]["seconds"]) == 2
+    assert (
+        len(runs["ar_lab cached"]["seconds"]) == len(runs["transformers generate"]["seconds"]) == 2
+    )
     assert len(runs["ar_lab uncached"]["seconds"]) == 1
     assert "positions" not in runs["weights only (floor)"]  # it generates nothing
     assert len(runs["weights only (floor)"]["seconds"]) == 2
@@ -52,7 +64,9 @@ def test_decode_benchmark_structure_and_identical_tokens(small_model):
     assert r["lean_vs_forward"] == pytest.approx(
         runs["ar_lab cached, forward()"]["median_s"] / runs["ar_lab cached"]["median_s"]
     )
-    assert r["positions_uncached_vs_cached"] == pytest.approx((N * P + N * (N - 1) // 2) / (P + N - 1))
+    assert r["positions_uncached_vs_cached"] == pytest.approx(
+        (N * P + N * (N - 1) // 2) / (P + N - 1)
+    )
     floor = runs["weights only (floor)"]["median_s"]
     assert r["floor_ms_per_token"] == pytest.approx(1000 * floor / N)
     assert r["overhead_ms_per_token"]["ar_lab cached"] == pytest.approx(
@@ -77,7 +91,8 @@ def test_decode_benchmark_detects_different_tokens(small_model, monkeypatch):
     def perturbed(model):
         hf = real(model)
         with torch.no_grad():
-            hf.transformer.ln_f.bias.add_(torch.randn_like(hf.transformer.ln_f.bias))  # other weights
+            # other weights
+            hf.transformer.ln_f.bias.add_(torch.randn_like(hf.transformer.ln_f.bias))
         return hf
 
     monkeypatch.setattr(reference, "to_hf_gpt2", perturbed)
@@ -87,9 +102,14 @@ def test_decode_benchmark_detects_different_tokens(small_model, monkeypatch):
 
 def test_decode_benchmark_without_peer_and_bad_input(small_model):
     threads = torch.get_num_threads()
-    res = decode_benchmark(small_model, tokens=5, repeats=1, uncached_repeats=0, peer=False, threads=1)
+    res = decode_benchmark(
+        small_model, tokens=5, repeats=1, uncached_repeats=0, peer=False, threads=1
+    )
     assert set(res["runs"]) == {"ar_lab cached", "ar_lab cached, forward()", "weights only (floor)"}
-    assert res["ratios"]["ar_lab_vs_transformers"] is None and "overhead_transformers_vs_ar_lab" not in res["ratios"]
+    assert (
+        res["ratios"]["ar_lab_vs_transformers"] is None
+        and "overhead_transformers_vs_ar_lab" not in res["ratios"]
+    )
     assert torch.get_num_threads() == threads  # restored
     assert "KV cache" not in format_decode_results(res)
     with raises(ContextFull, 'max_new_tokens'):
@@ -102,17 +122,33 @@ def test_decode_benchmark_without_peer_and_bad_input(small_model):
 
 def test_decode_command_line(tmp_path, capsys):
     out = tmp_path / "decode.json"
-    args = ["decode", "--tokens", "4", "--repeats", "1", "--uncached-repeats", "1", "--json", str(out)]
+    args = [
+        "decode",
+        "--tokens",
+        "4",
+        "--repeats",
+        "1",
+        "--uncached-repeats",
+        "1",
+        "--json",
+        str(out),
+    ]
     if not have_transformers():
         args.append("--no-peer")
     assert main([*args, "--threads", "1"]) == 0
     printed = capsys.readouterr().out
     assert "ar_lab cached" in printed and "tokens/s" in printed and "lean decode step" in printed
     res = json.loads(out.read_text())
-    assert res["new_tokens"] == 4 and res["runs"]["ar_lab cached"]["positions"] == 4 + len("Python ") - 1
+    assert (
+        res["new_tokens"] == 4
+        and res["runs"]["ar_lab cached"]["positions"] == 4 + len("Python ") - 1
+    )
     # Several thread counts: one result per setting, the slow uncached run only in the first.
     assert main([*args, "--threads", "1", "2"]) == 0
     settings = json.loads(out.read_text())["settings"]
     assert [r["threads"] for r in settings] == [1, 2]
     assert "ar_lab uncached" in settings[0]["runs"] and "ar_lab uncached" not in settings[1]["runs"]
-    assert printed.count("decode: batch 1") == 1 and capsys.readouterr().out.count("decode: batch 1") == 2
+    assert (
+        printed.count("decode: batch 1") == 1
+        and capsys.readouterr().out.count("decode: batch 1") == 2
+    )

@@ -1,4 +1,5 @@
-"""``python -m ar_lab.bench quant``, run with tiny sizes: structure and real relations, never timing thresholds."""
+"""``python -m ar_lab.bench quant``, run with tiny sizes: structure and real relations, never timing
+thresholds."""
 
 import json
 
@@ -20,7 +21,10 @@ def result():
 
 def test_every_format_is_measured_and_predicted(result):
     assert json.loads(json.dumps(result)) == result
-    assert [m["label"].split(" (")[0] for m in result["models"]] == ["course model", "random-init large model"]
+    assert [m["label"].split(" (")[0] for m in result["models"]] == [
+        "course model",
+        "random-init large model",
+    ]
     for model in result["models"]:
         rows = model["rows"]
         assert list(rows) == list(FORMATS)
@@ -31,10 +35,14 @@ def test_every_format_is_measured_and_predicted(result):
         assert rows["fp32"]["speedup"] == 1.0
         for r in rows.values():
             assert len(r["seconds"]) == 2 and r["tokens_per_s"] > 0
-            assert r["measured_vs_predicted"] == pytest.approx(r["speedup"] / r["predicted_speedup"])
+            assert r["measured_vs_predicted"] == pytest.approx(
+                r["speedup"] / r["predicted_speedup"]
+            )
     course = result["models"][0]["rows"]
     assert course["fp32"]["greedy_top1"] == 1.0 and course["fp32"]["acceptance_greedy"] == 1.0
-    assert all(0 <= course[w]["greedy_top1"] <= 1 and course[w]["bits_per_byte"] > 0 for w in FORMATS)
+    assert all(
+        0 <= course[w]["greedy_top1"] <= 1 and course[w]["bits_per_byte"] > 0 for w in FORMATS
+    )
     assert "bits_per_byte" not in result["models"][1]["rows"]["fp32"]
 
 
@@ -54,12 +62,19 @@ def test_kernels_are_checked_against_the_matrix_they_stand_for(result):
 
 def test_the_report_names_every_column(result):
     report = format_quant_results(result)
-    for text in ("kernels: one (out, in) matrix x one vector", "measured/predicted", "bits/byte", "accept T=1", "int4"):
+    for text in (
+        "kernels: one (out, in) matrix x one vector",
+        "measured/predicted",
+        "bits/byte",
+        "accept T=1",
+        "int4",
+    ):
         assert text in report
 
 
 @pytest.mark.parametrize(
-    "args", [["quant", "--tokens", "1"], ["quant", "--repeats", "0"], ["quant", "--config", "banana"]]
+    "args",
+    [["quant", "--tokens", "1"], ["quant", "--repeats", "0"], ["quant", "--config", "banana"]],
 )
 def test_bad_options_end_with_one_message_and_status_2(args, capsys):
     with pytest.raises(SystemExit) as stop:

@@ -1,4 +1,5 @@
-"""Chapter 09's streaming kernels (each reads the same bytes from main memory) and the CPU's bf16 flags."""
+"""Chapter 09's streaming kernels (each reads the same bytes from main memory) and the CPU's bf16
+flags."""
 
 import pytest
 
@@ -9,7 +10,8 @@ def test_streaming_kernels_read_the_same_bytes_and_their_ratios_add_up():
     rows = {r["call"]: r for r in kernels_from_memory(2**20, repeats=2)}
     assert list(rows) == ["fp32 mv", "bf16 mv", "int8 kernel", "int4 kernel"]
     assert [rows[c]["bytes_per_weight"] for c in ("fp32 mv", "bf16 mv")] == [4.0, 2.0]
-    assert rows["int4 kernel"]["bytes_per_weight"] == pytest.approx(0.625)  # 4 bits + a bf16 scale and zero per 32
+    # 4 bits + a bf16 scale and zero per 32
+    assert rows["int4 kernel"]["bytes_per_weight"] == pytest.approx(0.625)
     for r in rows.values():
         assert r["bytes"] <= 2**20 * 1.01 and r["gb_per_s"] > 0
         assert r["per_weight_vs_fp32"] == pytest.approx(r["byte_ratio"] * r["per_byte_vs_fp32"])

@@ -58,7 +58,9 @@ def test_a_hand_typed_figure_fails_the_check(tmp_path, capsys):
     start = text.index(readme.BENCH_START)
     row = text.index("| `python -m ar_lab.bench serving` |", start)
     end = text.index("\n", row)
-    page.write_text(text[:row] + "| `python -m ar_lab.bench serving` | typed | 99× faster |" + text[end:])
+    page.write_text(
+        text[:row] + "| `python -m ar_lab.bench serving` | typed | 99× faster |" + text[end:]
+    )
     assert readme.main(["--readme", str(page), "--check"]) == 1
     assert "99× faster" in capsys.readouterr().out  # the diff shows the typed line
     assert readme.main(["--readme", str(page)]) == 0  # regenerating repairs it
@@ -78,7 +80,9 @@ def test_missing_json_and_markers_are_clear_errors(tmp_path):
 
 
 def test_checkpoint_rows_agree_with_the_models():
-    table = readme.checkpoint_table([ROOT / "data" / f"{name}.safetensors" for name in ("course", "modern", "draft")])
+    table = readme.checkpoint_table(
+        [ROOT / "data" / f"{name}.safetensors" for name in ("course", "modern", "draft")]
+    )
     for name in ("course", "modern", "draft"):
         model = load_checkpoint(ROOT / "data" / f"{name}.safetensors", device="cpu")
         cfg = model.config

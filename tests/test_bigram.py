@@ -25,7 +25,9 @@ def test_counts_and_probabilities():
 
 
 def test_generate_runs_the_bigram_and_caching_changes_nothing():
-    m = BigramModel.from_tokens(torch.tensor(encode("the cat sat on the mat. " * 20)), smoothing=0.01)
+    m = BigramModel.from_tokens(
+        torch.tensor(encode("the cat sat on the mat. " * 20)), smoothing=0.01
+    )
     a = generate(m, "the", 30, use_cache=True, eos_id=None)
     b = generate(m, "the", 30, use_cache=False, eos_id=None)
     assert a.tokens == b.tokens and len(a.text) == 30

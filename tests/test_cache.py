@@ -12,7 +12,9 @@ from tests.raising import raises
 
 configs = st.builds(
     lambda layers, heads, group, d, seed: (
-        GPTConfig(block_size=48, n_layer=layers, n_head=heads, n_kv_heads=heads // group, n_embd=heads * d),
+        GPTConfig(
+            block_size=48, n_layer=layers, n_head=heads, n_kv_heads=heads // group, n_embd=heads * d
+        ),
         seed,
     ),
     layers=st.integers(1, 3),
@@ -88,7 +90,8 @@ def test_truncate_and_capacity_errors(tiny_model):
 
 
 def test_a_batch_1_cache_records_the_tokens_it_holds(tiny_model):
-    """The decoders record which tokens a cache holds (what lets generate reuse it); the model does not."""
+    """The decoders record which tokens a cache holds (what lets generate reuse it); the model does
+    not."""
     cache, decoder = KVCache.for_model(tiny_model, max_len=16), decoder_for(tiny_model)
     assert cache.token_ids == []
     with torch.inference_mode():
@@ -105,7 +108,8 @@ def test_a_batch_1_cache_records_the_tokens_it_holds(tiny_model):
     assert cache.reusable([5, 6, 9, 11]) == 3  # never the last prompt token: its logits are needed
     assert cache.reusable([1, 6]) == 0
     with torch.no_grad():
-        tiny_model(torch.tensor([[1]]), cache)  # the model alone writes keys and values, names no token
+        # the model alone writes keys and values, names no token
+        tiny_model(torch.tensor([[1]]), cache)
     assert cache.token_ids is None
 
 
@@ -149,7 +153,11 @@ def test_a_cache_of_ones_own_still_works_with_forward(tiny_model):
     x = torch.randint(0, 256, (1, 6))
     cache = ConcatCache(tiny_model.config.n_layer)
     with torch.no_grad():
-        parts = [tiny_model(x[:, :4], cache), tiny_model(x[:, 4:5], cache), tiny_model(x[:, 5:], cache)]
+        parts = [
+            tiny_model(x[:, :4], cache),
+            tiny_model(x[:, 4:5], cache),
+            tiny_model(x[:, 5:], cache),
+        ]
         torch.testing.assert_close(torch.cat(parts, dim=1), tiny_model(x), atol=1e-5, rtol=1e-4)
 
 

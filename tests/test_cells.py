@@ -1,4 +1,5 @@
-"""cells.cut: a notebook cut to the cells a few chosen ones need (what the exercise checks execute)."""
+"""cells.cut: a notebook cut to the cells a few chosen ones need (what the exercise checks
+execute)."""
 
 import nbformat
 import pytest
@@ -19,7 +20,11 @@ from tests.raising import raises
         ("{k: v for k, v in d.items()}", set(), {"d"}),
         ("def f(x, y=z):\n    w = x + g\n    return w", {"f"}, {"z", "g"}),
         ("f = lambda a: a + b", {"f"}, {"b"}),
-        ("class A(Base):\n    n = 3\n    def f(self):\n        return self.n + q", {"A"}, {"Base", "q"}),
+        (
+            "class A(Base):\n    n = 3\n    def f(self):\n        return self.n + q",
+            {"A"},
+            {"Base", "q"},
+        ),
         ("m.x = 3\ncache[0] = v", {"m", "cache"}, {"m", "cache", "v"}),
         ("for name, v in d.items():\n    print(name, v)", {"name", "v"}, {"d"}),
         ("with open(f) as h:\n    h.read()", {"h"}, {"f"}),
@@ -38,7 +43,11 @@ def test_a_cell_that_is_not_python_is_named():
 
 
 def notebook(*sources):
-    return new_notebook(cells=[new_markdown_cell(s[3:]) if s.startswith("md ") else new_code_cell(s) for s in sources])
+    return new_notebook(
+        cells=[
+            new_markdown_cell(s[3:]) if s.startswith("md ") else new_code_cell(s) for s in sources
+        ]
+    )
 
 
 def test_cut_keeps_the_chosen_cells_what_they_need_and_the_set_up():
@@ -69,16 +78,28 @@ def test_cut_of_every_chapter_keeps_its_exercises_in_order():
 
     from ar_lab.course.grading.exercises import exercises_only, graded_cells, nbgrader_meta
 
-    for path in sorted((Path(__file__).resolve().parent.parent / "notebooks").glob("[0-9][0-9]*_*.ipynb")):
+    for path in sorted(
+        (Path(__file__).resolve().parent.parent / "notebooks").glob("[0-9][0-9]*_*.ipynb")
+    ):
         nb = nbformat.read(path, as_version=4)
         if not graded_cells(nb):
             continue
         ids = [c.id for c in nb.cells]
         kept = exercises_only(nb).cells
         assert [ids.index(c.id) for c in kept] == sorted(ids.index(c.id) for c in kept)
-        exercise = {c.id for c in nb.cells if nbgrader_meta(c).get("solution") or nbgrader_meta(c).get("grade")}
-        assert exercise <= {c.id for c in kept} and len(kept) < len([c for c in nb.cells if c.cell_type == "code"])
+        exercise = {
+            c.id
+            for c in nb.cells
+            if nbgrader_meta(c).get("solution") or nbgrader_meta(c).get("grade")
+        }
+        assert exercise <= {c.id for c in kept} and len(kept) < len(
+            [c for c in nb.cells if c.cell_type == "code"]
+        )
 
 
 def test_changes_names_objects_changed_in_place():
-    assert changes("calc.preset.value = 'x'\nd[k] = 1\nm.n += 2\ny = 3\nxs.append(4)") == {"calc", "d", "m"}
+    assert changes("calc.preset.value = 'x'\nd[k] = 1\nm.n += 2\ny = 3\nxs.append(4)") == {
+        "calc",
+        "d",
+        "m",
+    }

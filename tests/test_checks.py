@@ -38,7 +38,9 @@ def delegating_attention(q, k, v):
 def test_an_answer_written_out_passes_and_a_delegating_one_fails():
     q, k, v = torch.randn(3, 1, 2, 5, 4).unbind(0)
     expected = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-    check_close("attention", own_work("attention", written_attention, q, k, v, forbidden=[SDPA]), expected)
+    check_close(
+        "attention", own_work("attention", written_attention, q, k, v, forbidden=[SDPA]), expected
+    )
     with delegated("torch.nn.functional.scaled_dot_product_attention"):
         own_work("attention", delegating_attention, q, k, v, forbidden=[SDPA])
     # Everything is put back afterwards.
@@ -49,7 +51,13 @@ def test_names_imported_into_the_learners_namespace_are_caught():
     namespace = {"top_k": filter_top_k}
     exec("def mine(logits, k):\n    return top_k(logits, k)\n", namespace)
     with delegated("filter_top_k"):
-        own_work("top-k", namespace["mine"], torch.randn(10), 3, forbidden=["ar_lab.engine.sampling.filter_top_k"])
+        own_work(
+            "top-k",
+            namespace["mine"],
+            torch.randn(10),
+            3,
+            forbidden=["ar_lab.engine.sampling.filter_top_k"],
+        )
     assert namespace["top_k"] is filter_top_k
 
 
@@ -68,7 +76,9 @@ def test_a_module_class_is_caught_through_its_forward_even_if_the_error_is_swall
 
 
 def test_check_cases_forbids_too_and_reports_a_stub():
-    cases = [((torch.tensor([1.0, 3.0, 2.0]), 1), torch.tensor([float("-inf"), 3.0, float("-inf")]))]
+    cases = [
+        ((torch.tensor([1.0, 3.0, 2.0]), 1), torch.tensor([float("-inf"), 3.0, float("-inf")]))
+    ]
     with pytest.raises(Delegated):
         check_cases("filter_top_k", filter_top_k, cases, forbidden=[filter_top_k])
 
@@ -89,7 +99,8 @@ def test_an_unknown_reference_is_a_clear_error():
     with raises(BadValue, 'reference'):
         with no_delegation(forbid=["ar_lab.engine.sampling.nope"]):
             pass
-    assert checks.Delegated.__mro__[1] is CheckFailed  # nbgrader counts it as a failed test (AssertionError)
+    # nbgrader counts it as a failed test (AssertionError)
+    assert checks.Delegated.__mro__[1] is CheckFailed
 
 
 def test_a_method_and_a_constructor_can_be_forbidden():
@@ -107,13 +118,18 @@ def test_a_method_and_a_constructor_can_be_forbidden():
     for fn in (via_method, via_constructor):
         with delegated("KVCache"):
             own_work("cache write", fn, k, forbidden=["ar_lab.model.cache.KVCache.update", KVCache])
-    assert torch.equal(via_constructor(k), k) and "update" in vars(KVCache) and "__init__" in vars(KVCache)
+    assert (
+        torch.equal(via_constructor(k), k)
+        and "update" in vars(KVCache)
+        and "__init__" in vars(KVCache)
+    )
 
 
 def test_inside_the_block_the_test_may_call_the_reference_and_the_learner_may_not():
     q, k, v = torch.randn(3, 1, 2, 5, 4).unbind(0)
     with no_delegation(written_attention, forbid=[SDPA], exercise="attention"):
-        expected = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # the test's own reference: allowed
+        # the test's own reference: allowed
+        expected = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         check_close("attention", written_attention(q, k, v), expected)
     with pytest.raises(Delegated, match="attention"):
         with no_delegation(delegating_attention, forbid=[SDPA], exercise="attention"):
@@ -167,15 +183,24 @@ def test_check_matches_names_a_known_mistake_the_scale_and_the_first_position():
     expected = torch.randn(2, 6, 4, generator=torch.Generator().manual_seed(0))
     check_matches("piece", expected + 1e-7, expected)
     with pytest.raises(CheckFailed, match=r"piece: your output is what no residual gives"):
-        check_matches("piece", expected - 1, expected, mistakes={"no residual": expected - 1, "other": 3 * expected})
+        check_matches(
+            "piece",
+            expected - 1,
+            expected,
+            mistakes={"no residual": expected - 1, "other": 3 * expected},
+        )
     with pytest.raises(CheckFailed, match=r"2x the expected size"):
         check_matches("piece", 2 * expected, expected)
     leaky = expected.clone()
     leaky[:, 4:] += 0.5
-    with pytest.raises(CheckFailed, match=r"the first position that differs is 4 \(positions 0 to 3 agree\)"):
+    with pytest.raises(
+        CheckFailed, match=r"the first position that differs is 4 \(positions 0 to 3 agree\)"
+    ):
         check_matches("piece", leaky, expected, dim=1)
     with pytest.raises(CheckFailed, match=r"the first step that differs is 1 \(step 0 agrees\)"):
-        check_matches("losses", torch.tensor([5.0, 4.0]), torch.tensor([5.0, 4.5]), dim=0, dim_name="step")
+        check_matches(
+            "losses", torch.tensor([5.0, 4.0]), torch.tensor([5.0, 4.5]), dim=0, dim_name="step"
+        )
     with pytest.raises(CheckFailed, match=r"expected shape \(2, 6, 4\), got \(6, 2, 4\)"):
         check_matches("piece", expected.transpose(0, 1), expected)
     broken = expected.clone()
@@ -186,37 +211,50 @@ def test_check_matches_names_a_known_mistake_the_scale_and_the_first_position():
 
 def test_check_sequence_says_where_two_token_lists_part():
     checks.check_sequence("tokens", [1, 2, 3], [1, 2, 3])
-    with pytest.raises(CheckFailed, match=r"token 2 differs: expected 3, got 9 \(tokens 0 to 1 agree\)"):
+    with pytest.raises(
+        CheckFailed, match=r"token 2 differs: expected 3, got 9 \(tokens 0 to 1 agree\)"
+    ):
         checks.check_sequence("tokens", [1, 2, 9, 4], [1, 2, 3, 4])
     with pytest.raises(CheckFailed, match=r"expected 3 tokens, got 2 \(the first 2 agree\)"):
         checks.check_sequence("tokens", [1, 2], [1, 2, 3])
-    with pytest.raises(CheckFailed, match=r"token 0 differs: expected 1, got 7 \(the very first token: none agree\)$"):
+    with pytest.raises(
+        CheckFailed,
+        match=r"token 0 differs: expected 1, got 7 \(the very first token: none agree\)$",
+    ):
         checks.check_sequence("tokens", [7, 2, 3], [1, 2, 3])
-    with pytest.raises(CheckFailed, match=r"token 1 differs: expected 2, got 7 \(token 0 agrees\)$"):
+    with pytest.raises(
+        CheckFailed, match=r"token 1 differs: expected 2, got 7 \(token 0 agrees\)$"
+    ):
         checks.check_sequence("tokens", [1, 7, 3], [1, 2, 3])
     with pytest.raises(CheckFailed, match=r"expected 3 tokens, got 0$"):
         checks.check_sequence("tokens", [], [1, 2, 3])
 
 
 def warning_answer(x):
-    """A correct answer that makes libraries warn (torch's float(loss) warning is shown once per process,
-    so tests/test_exercises.py proves that one in a fresh kernel)."""
+    """A correct answer that makes libraries warn (torch's float(loss) warning is shown once per
+    process, so tests/test_exercises.py proves that one in a fresh kernel)."""
     warnings.warn("this API is deprecated", FutureWarning, stacklevel=1)
     return torch.tensor(x)  # torch: "To copy construct from a tensor, it is recommended to ..."
 
 
 def test_a_librarys_warning_in_the_learners_code_goes_to_stdout_not_stderr(capsys):
     x = torch.ones(3)
-    with pytest.warns(UserWarning, match="sourceTensor"), pytest.warns(FutureWarning):  # outside: warnings (stderr)
+    # outside: warnings (stderr)
+    with pytest.warns(UserWarning, match="sourceTensor"), pytest.warns(FutureWarning):
         warning_answer(x)
     with no_delegation(warning_answer, exercise="train_step"):
         assert torch.equal(warning_answer(x), x)
         warning_answer(x)
     out, err = capsys.readouterr()
     assert err == ""
-    assert "note: a warning while checking train_step (it does not affect the grade): UserWarning: To copy" in out
-    assert "FutureWarning: this API is deprecated" in out and out.count("\n") == 2  # each distinct warning once
-    with pytest.raises(CheckFailed), no_delegation(warning_answer, exercise="again"):  # a failing check too
+    assert (
+        "note: a warning while checking train_step (it does not affect the grade): UserWarning: "
+        "To copy"
+    ) in out
+    # each distinct warning once
+    assert "FutureWarning: this API is deprecated" in out and out.count("\n") == 2
+    # a failing check too
+    with pytest.raises(CheckFailed), no_delegation(warning_answer, exercise="again"):
         warning_answer(x)
         checks.check_equal("loss", 1, 2)
     out, err = capsys.readouterr()
@@ -226,8 +264,11 @@ def test_a_librarys_warning_in_the_learners_code_goes_to_stdout_not_stderr(capsy
 def test_check_dtype_refuses_a_float_mask_and_names_the_dtype():
     checks.check_dtype("causal_mask(3)", torch.ones(3, 3, dtype=torch.bool).tril(), torch.bool)
     float_mask = torch.ones(3, 3).tril()
-    checks.check_equal("causal_mask(3)", float_mask, float_mask.bool())  # equal values: check_equal alone passes
-    with pytest.raises(CheckFailed, match=r"causal_mask\(3\): expected dtype torch.bool, got torch.float32: ~mask"):
+    # equal values: check_equal alone passes
+    checks.check_equal("causal_mask(3)", float_mask, float_mask.bool())
+    with pytest.raises(
+        CheckFailed, match=r"causal_mask\(3\): expected dtype torch.bool, got torch.float32: ~mask"
+    ):
         checks.check_dtype("causal_mask(3)", float_mask, torch.bool, why="~mask needs torch.bool")
     with pytest.raises(CheckFailed, match="expected a tensor of dtype torch.bool, got list"):
         checks.check_dtype("causal_mask(3)", [[1]], torch.bool)
@@ -239,7 +280,9 @@ def test_check_log_prob_names_a_product_of_probabilities_that_underflowed():
     checks.check_log_prob("one token", 0.0, torch.tensor(0.0))
     product = pairs.double().exp().prod()  # 0.0 even in float64
     for answer in [product.log(), float(product.log()), product]:
-        with pytest.raises(CheckFailed, match="you multiply probabilities and the product underflows.*add log-prob"):
+        with pytest.raises(
+            CheckFailed, match="you multiply probabilities and the product underflows.*add log-prob"
+        ):
             checks.check_log_prob("sequence_log_prob(1001 tokens)", answer, pairs.sum())
     with pytest.raises(CheckFailed, match="values differ"):
         checks.check_log_prob("sum", -2400.0, pairs.sum())
@@ -283,7 +326,13 @@ def test_yours_or_ours_follows_the_verdict_of_the_exercises_test(capsys):
     """A later cell gets the learner's piece only once its test passed on that very object."""
     import pytest
 
-    from ar_lab.course.checkers.checks import CheckFailed, check_equal, exercise_passed, no_delegation, yours_or_ours
+    from ar_lab.course.checkers.checks import (
+        CheckFailed,
+        check_equal,
+        exercise_passed,
+        no_delegation,
+        yours_or_ours,
+    )
 
     def double(x):
         return 2 * x
@@ -315,4 +364,5 @@ def test_yours_or_ours_follows_the_verdict_of_the_exercises_test(capsys):
     assert yours_or_ours("pair", pair, (ours, ours)) == pair
     made = yours_or_ours("pair", lambda: "made from them", None, tested=pair)
     assert made == "made from them"
-    assert yours_or_ours("pair", lambda: 1 / 0, "ours", tested=(ours, double)) == "ours"  # not the pair tested
+    # not the pair tested
+    assert yours_or_ours("pair", lambda: 1 / 0, "ours", tested=(ours, double)) == "ours"

@@ -17,8 +17,16 @@ def test_a_true_claim_is_silent_and_a_false_one_names_itself():
 
 
 @pytest.mark.parametrize(
-    "x, text", [(6.2e5, "6 × 10⁵"), (9.6e5, "1 × 10⁶"), (1.2e-3, "1 × 10⁻³"), (3, "3 × 10⁰"), (1e8, "1 × 10⁸"),
-                (5e-324, "5 × 10⁻³²⁴"), (1.7e308, "2 × 10³⁰⁸")]
+    "x, text",
+    [
+        (6.2e5, "6 × 10⁵"),
+        (9.6e5, "1 × 10⁶"),
+        (1.2e-3, "1 × 10⁻³"),
+        (3, "3 × 10⁰"),
+        (1e8, "1 × 10⁸"),
+        (5e-324, "5 × 10⁻³²⁴"),
+        (1.7e308, "2 × 10³⁰⁸"),
+    ],
 )
 def test_magnitude(x, text):
     assert magnitude(x) == text
@@ -46,10 +54,11 @@ def test_plural():
 
 @pytest.mark.slow
 def test_a_planted_false_claim_fails_the_notebook_tests_with_its_name(tmp_path):
-    """Break the bound of a claim in a copy of chapter 01 (cut after that cell; the claim sits in a cell JupyterLab
-    shows collapsed, out of the learner's path): nbval, as make test runs it, fails on that cell and names the
-    claim; the unbroken copy passes. One nbval run, one kernel: the unbroken copy, then the broken cell after it
-    (nbval runs every cell, whatever failed before), so every cell but the last must pass and the last must fail."""
+    """Break the bound of a claim in a copy of chapter 01 (cut after that cell; the claim sits in a
+    cell JupyterLab shows collapsed, out of the learner's path): nbval, as make test runs it, fails
+    on that cell and names the claim; the unbroken copy passes. One nbval run, one kernel: the
+    unbroken copy, then the broken cell after it (nbval runs every cell, whatever failed before), so
+    every cell but the last must pass and the last must fail."""
     import subprocess
     import sys
     import xml.etree.ElementTree as ET
@@ -57,11 +66,15 @@ def test_a_planted_false_claim_fails_the_notebook_tests_with_its_name(tmp_path):
 
     import nbformat
 
-    source = Path(__file__).resolve().parent.parent / "notebooks" / "01_the_autoregressive_loop.ipynb"
+    source = (
+        Path(__file__).resolve().parent.parent / "notebooks" / "01_the_autoregressive_loop.ipynb"
+    )
     nb = nbformat.read(source, as_version=4)
     name = "the plausible order is far more likely than the scrambled one"
     at = next(i for i, c in enumerate(nb.cells) if name in c.source)
-    assert nb.cells[at].metadata.get("jupyter", {}).get("source_hidden"), "the claim sits in a collapsed cell"
+    assert nb.cells[at].metadata.get("jupyter", {}).get("source_hidden"), (
+        "the claim sits in a collapsed cell"
+    )
     nb.cells = nb.cells[: at + 1]  # the honest copy
     assert "ratio > 100," in nb.cells[at].source
     planted = nbformat.from_dict(nb.cells[at])
@@ -83,25 +96,30 @@ def test_a_planted_false_claim_fails_the_notebook_tests_with_its_name(tmp_path):
     ]
     run = subprocess.run(cmd, capture_output=True, text=True, cwd=source.parent, timeout=600)
     cells = ET.parse(tmp_path / "cells.xml").getroot().iter("testcase")
-    outcomes = [[child.tag for child in case if child.tag in ("failure", "error", "skipped")] for case in cells]
+    outcomes = [
+        [child.tag for child in case if child.tag in ("failure", "error", "skipped")]
+        for case in cells
+    ]
     assert len(outcomes) == sum(c.cell_type == "code" for c in nb.cells), run.stdout[-2000:]
     assert outcomes[:-1] == [[]] * (len(outcomes) - 1), run.stdout[-2000:]  # the honest copy passes
     assert run.returncode != 0 and outcomes[-1] == ["failure"], run.stdout[-2000:]
     assert "ClaimFailed" in run.stdout and name in run.stdout, run.stdout[-2000:]
 
 
-# --- timing claims: measured in turns, re-measured while undecided ---------------------------------
+# --- timing claims: measured in turns, re-measured while undecided --------------------------------
 
 
 def spin(seconds: float) -> None:
-    """Keep this process's CPU busy for ``seconds`` of its CPU time (what the steady clock counts)."""
+    """Keep this process's CPU busy for ``seconds`` of its CPU time (what the steady clock
+    counts)."""
     end = time.process_time() + seconds
     while time.process_time() < end:
         pass
 
 
 def slow_at_first(fast: float, slow: float, slow_calls: int):
-    """A side that takes ``slow`` seconds on its first ``slow_calls`` calls, then ``fast``: a burst of load."""
+    """A side that takes ``slow`` seconds on its first ``slow_calls`` calls, then ``fast``: a burst
+    of load."""
     calls = []
 
     def run():
@@ -120,7 +138,9 @@ def test_a_true_timing_claim_is_decided_by_one_measurement():
 
 
 def test_a_false_timing_claim_fails_with_the_ratio_and_its_spread():
-    with pytest.raises(ClaimFailed, match=r"'large is faster'.*large / small = \d+\.\d\dx \(\d+\.\d\d-\d+\.\d\d\)"):
+    with pytest.raises(
+        ClaimFailed, match=r"'large is faster'.*large / small = \d+\.\d\dx \(\d+\.\d\d-\d+\.\d\d\)"
+    ):
         timed_claim("large is faster", {"small": lambda: spin(0.001), "large": lambda: spin(0.01)},
                     lambda t: t["large"] < t["small"], budget_s=5)
 
@@ -134,37 +154,55 @@ def test_a_claim_false_at_every_corner_of_the_spreads_fails_at_once():
 
 
 def test_a_burst_of_load_delays_the_verdict_instead_of_failing_it():
-    """The first calls of one side are slowed (as by another process): its median breaks the bound, its
-    fastest call does not, so the helper measures again, and the quiet second measurement decides."""
+    """The first calls of one side are slowed (as by another process): its median breaks the bound,
+    its fastest call does not, so the helper measures again, and the quiet second measurement
+    decides."""
     burst = slow_at_first(fast=0.001, slow=0.02, slow_calls=4)  # warm-up + 3 of 5 rounds slow
-    timed = timed_claim("checking is cheaper than a step", {"check": burst, "step": lambda: spin(0.005)},
-                        lambda t: t["check"] < t["step"])
+    timed = timed_claim(
+        "checking is cheaper than a step",
+        {"check": burst, "step": lambda: spin(0.005)},
+        lambda t: t["check"] < t["step"],
+    )
     assert timed.attempts == 2 and max(timed.samples["check"]) < 0.005
 
 
 def test_a_claim_that_stays_undecided_fails_after_its_budget():
     flip = [0]
 
-    def sometimes_slow():  # two calls in three slow: the median stays slow, the fastest call keeps it open
+    # two calls in three slow: the median stays slow, the fastest call keeps it open
+    def sometimes_slow():
         flip[0] += 1
         spin(0.02 if flip[0] % 3 else 0.001)
 
-    t0 = time.perf_counter()  # (a budget of several rounds even when a busy machine makes one take 0.6 s)
-    with pytest.raises(ClaimFailed, match=r"\b([2-9]|\d\d+) measurement\(s\)"):  # measured again, then gave up
-        timed_claim("sometimes slow is faster", {"side": sometimes_slow, "step": lambda: spin(0.005)},
-                    lambda t: t["side"] < t["step"], budget_s=1.5)
+    # (a budget of several rounds even when a busy machine makes one take 0.6 s)
+    t0 = time.perf_counter()
+    # measured again, then gave up
+    with pytest.raises(ClaimFailed, match=r"\b([2-9]|\d\d+) measurement\(s\)"):
+        timed_claim(
+            "sometimes slow is faster",
+            {"side": sometimes_slow, "step": lambda: spin(0.005)},
+            lambda t: t["side"] < t["step"],
+            budget_s=1.5,
+        )
     assert time.perf_counter() - t0 < 10
 
 
 def test_one_slow_sample_a_cell_measured_is_timed_again_not_failed():
-    timed = timed_claim("a is faster", {"a": lambda: spin(0.001), "b": lambda: spin(0.005)}, lambda t: t["a"] < t["b"],
-                        first={"a": [0.05], "b": [0.005]})  # one slow call of a, as under a burst of load
+    timed = timed_claim(
+        "a is faster",
+        {"a": lambda: spin(0.001), "b": lambda: spin(0.005)},
+        lambda t: t["a"] < t["b"],
+        # one slow call of a, as under a burst of load
+        first={"a": [0.05], "b": [0.005]},
+    )
     assert timed.attempts == 2 and timed.median("a") < 0.005
 
 
 def test_samples_a_cell_already_measured_are_judged_first():
     runs = {"a": lambda: pytest.fail("measured again"), "b": lambda: pytest.fail("measured again")}
-    timed = timed_claim("a is faster", runs, lambda t: t["a"] < t["b"], first={"a": [1.0, 1.1], "b": [2.0, 2.1]})
+    timed = timed_claim(
+        "a is faster", runs, lambda t: t["a"] < t["b"], first={"a": [1.0, 1.1], "b": [2.0, 2.1]}
+    )
     assert timed.attempts == 1 and timed.medians() == {"a": 1.05, "b": 2.05}
 
 
@@ -183,9 +221,17 @@ def test_a_true_timing_claim_passes_while_another_process_keeps_a_core_busy():
     try:
         time.sleep(0.2)  # let it start
         for _ in range(3):
-            runs = {"one": lambda: x @ x, "two": lambda: (x @ x, x @ x), "eight": lambda: [x @ x for _ in range(8)]}
-            timed_claim("eight products take longer than two, and less than eight times as long as one",
-                        runs, lambda t: t["two"] < t["eight"] < 8 * t["one"] * 1.5, rounds=9)
+            runs = {
+                "one": lambda: x @ x,
+                "two": lambda: (x @ x, x @ x),
+                "eight": lambda: [x @ x for _ in range(8)],
+            }
+            timed_claim(
+                "eight products take longer than two, and less than eight times as long as one",
+                runs,
+                lambda t: t["two"] < t["eight"] < 8 * t["one"] * 1.5,
+                rounds=9,
+            )
     finally:
         torch.set_num_threads(threads)
         busy.kill()
@@ -205,7 +251,11 @@ def test_a_true_timing_claim_passes_while_another_process_keeps_a_core_busy():
     ],
 )
 def test_timed_claim_refuses_bad_arguments(kwargs, kind, arg):
-    args = dict(name="a is faster", runs={"a": lambda: None, "b": lambda: None}, holds=lambda t: t["a"] < t["b"])
+    args = dict(
+        name="a is faster",
+        runs={"a": lambda: None, "b": lambda: None},
+        holds=lambda t: t["a"] < t["b"],
+    )
     args.update(kwargs)
     with raises(kind, arg):
         timed_claim(**args)

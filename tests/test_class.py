@@ -1,40 +1,44 @@
-"""A class on JupyterHub, end to end: an instructor and three learners, nbgrader's exchange, the course's grading.
+"""A class on JupyterHub, end to end: an instructor and three learners, nbgrader's exchange, the
+course's grading.
 
-``make test-class`` runs this (it installs requirements/class.txt and the proxy first; ``make test`` skips it).
-JupyterHub (requirements/class.txt) starts on 127.0.0.1 with its proxy, configurable-http-proxy from the npm
-registry (installed by the Makefile into .class-tools/), ``DummyAuthenticator`` and
-``SimpleLocalProcessSpawner``: each user's server runs in a home of its own in a temporary folder. nbgrader's
-exchange is a temporary folder too. nbgrader checks course membership with the Hub
-(``JupyterHubAuthPlugin``: the Hub groups ``nbgrader-ar_lab`` and ``formgrade-ar_lab``), each user with a Hub
-token of their own.
+``make test-class`` runs this (it installs requirements/class.txt and the proxy first; ``make test``
+skips it). JupyterHub (requirements/class.txt) starts on 127.0.0.1 with its proxy,
+configurable-http-proxy from the npm registry (installed by the Makefile into .class-tools/),
+``DummyAuthenticator`` and ``SimpleLocalProcessSpawner``: each user's server runs in a home of its
+own in a temporary folder. nbgrader's exchange is a temporary folder too. nbgrader checks course
+membership with the Hub (``JupyterHubAuthPlugin``: the Hub groups ``nbgrader-ar_lab`` and
+``formgrade-ar_lab``), each user with a Hub token of their own.
 
-How the users act. The Hub starts every user's server (its REST API, as an admin service would); a learner
-opens the fetched notebook and saves an answer *through their own server* (Jupyter's contents API, via the
-Hub's proxy, with that learner's token). nbgrader's commands run as each user would type them in a terminal of
-their server: nbgrader's CLI with the user's home as the working folder and ``HOME``, the user's
-``~/.jupyter/nbgrader_config.py``, and the Hub's environment (``JUPYTERHUB_USER``, ``JUPYTERHUB_API_URL``, the
-user's token), while the Hub and the servers are up. Running them inside the servers (a terminal over a
-websocket) would add a websocket client and prove nothing more about nbgrader: the server's terminal is a shell
-in the same home with the same environment.
+How the users act. The Hub starts every user's server (its REST API, as an admin service would); a
+learner opens the fetched notebook and saves an answer *through their own server* (Jupyter's
+contents API, via the Hub's proxy, with that learner's token). nbgrader's commands run as each user
+would type them in a terminal of their server: nbgrader's CLI with the user's home as the working
+folder and ``HOME``, the user's ``~/.jupyter/nbgrader_config.py``, and the Hub's environment
+(``JUPYTERHUB_USER``, ``JUPYTERHUB_API_URL``, the user's token), while the Hub and the servers are
+up. Running them inside the servers (a terminal over a websocket) would add a websocket client and
+prove nothing more about nbgrader: the server's terminal is a shell in the same home with the same
+environment.
 
-The chapter is 00, cut to its exercises (as tests/test_grading.py): the instructor lays out the course
-(``python -m ar_lab.course.grading.exercises course``), generates and releases it; each learner fetches it; one
-solves it, one gives a wrong answer to the first exercise (code points instead of UTF-8 bytes), one submits it
-untouched; the instructor collects, autogrades, runs the course's grading step (``python -m
-ar_lab.course.grading``), generates and releases feedback; each learner fetches theirs.
+The chapter is 00, cut to its exercises (as tests/test_grading.py): the instructor lays out the
+course (``python -m ar_lab.course.grading.exercises course``), generates and releases it; each
+learner fetches it; one solves it, one gives a wrong answer to the first exercise (code points
+instead of UTF-8 bytes), one submits it untouched; the instructor collects, autogrades, runs the
+course's grading step (``python -m ar_lab.course.grading``), generates and releases feedback; each
+learner fetches theirs.
 
-What this proves about who reads what, and what it cannot. ``SimpleLocalProcessSpawner`` runs every server as
-the Unix user running the test, and nbgrader's exchange relies on Unix permissions, so a learner's kernel here
-could read another home directly. That isolation (separate Unix users with ``LocalProcessSpawner``, or a
-volume per user on Zero to JupyterHub) is not tested here. What is proved: the exchange, the one folder the
-learners share with the instructor, never holds a solution region or a hidden test (released, fetched and
-feedback copies included) and the source notebooks never leave the instructor's home; nbgrader's permissions
-on it are the ones that hide one learner's work from another (the inbound folder writable but not listable by
-others, submissions under unguessable names, the feedback folder not listable and each feedback file named by a
-secret only its learner's cache holds); when the test runs as root, a process of another Unix user
-(``nobody``) is refused the listing of both folders; nbgrader's own collect warns that every submission is
-owned by one Unix user (what it would flag as cheating on a real Hub); the Hub refuses a learner who submits
-under another learner's name and a user outside the course.
+What this proves about who reads what, and what it cannot. ``SimpleLocalProcessSpawner`` runs every
+server as the Unix user running the test, and nbgrader's exchange relies on Unix permissions, so a
+learner's kernel here could read another home directly. That isolation (separate Unix users with
+``LocalProcessSpawner``, or a volume per user on Zero to JupyterHub) is not tested here. What is
+proved: the exchange, the one folder the learners share with the instructor, never holds a solution
+region or a hidden test (released, fetched and feedback copies included) and the source notebooks
+never leave the instructor's home; nbgrader's permissions on it are the ones that hide one learner's
+work from another (the inbound folder writable but not listable by others, submissions under
+unguessable names, the feedback folder not listable and each feedback file named by a secret only
+its learner's cache holds); when the test runs as root, a process of another Unix user (``nobody``)
+is refused the listing of both folders; nbgrader's own collect warns that every submission is owned
+by one Unix user (what it would flag as cheating on a real Hub); the Hub refuses a learner who
+submits under another learner's name and a user outside the course.
 """
 
 from __future__ import annotations
@@ -71,8 +75,10 @@ PROXY = ROOT / ".class-tools" / "node_modules" / ".bin" / "configurable-http-pro
 ASSIGNMENT = "00_start_here"
 COURSE_ID = "ar_lab"
 INSTRUCTOR, LEARNERS, OUTSIDER = "instructor", ("solver", "wrong", "blank"), "outsider"
-WRONG = 'def to_tokens(text: str) -> list[int]:\n    """The byte values of text encoded as UTF-8."""\n' \
-        "    return [ord(c) for c in text]  # code points, not bytes"
+WRONG = (
+    'def to_tokens(text: str) -> list[int]:\n    """The byte values of text encoded as UTF-8."""\n'
+    "    return [ord(c) for c in text]  # code points, not bytes"
+)
 BUDGET_S = 180  # the whole class, Hub start to the last feedback fetched
 
 
@@ -106,7 +112,8 @@ c.JupyterHub.load_roles = [{{"name": "class-test", "services": ["class-test"],
                              "scopes": ["admin:users", "admin:servers", "admin:groups", "tokens"]}}]
 """
 
-# Every user's nbgrader configuration (~/.jupyter/nbgrader_config.py): the course, the exchange, the Hub's check.
+# Every user's nbgrader configuration (~/.jupyter/nbgrader_config.py): the course, the exchange, the
+# Hub's check.
 USER_CONFIG = """\
 c = get_config()  # noqa: F821
 c.CourseDirectory.course_id = "{course}"
@@ -115,9 +122,10 @@ c.Authenticator.plugin_class = "nbgrader.auth.JupyterHubAuthPlugin"
 """
 
 
-# A learner's nbgrader takes its student id from the Unix user's name, or from JUPYTERHUB_USER where that name is
-# "jovyan" (Jupyter's images). Every server here runs as the test's Unix user, so each learner names theirs; the Hub
-# still checks it (JupyterHubAuthPlugin asks the Hub, with the learner's token, for that user's groups).
+# A learner's nbgrader takes its student id from the Unix user's name, or from JUPYTERHUB_USER where
+# that name is "jovyan" (Jupyter's images). Every server here runs as the test's Unix user, so each
+# learner names theirs; the Hub still checks it (JupyterHubAuthPlugin asks the Hub, with the
+# learner's token, for that user's groups).
 STUDENT_CONFIG = 'c.CourseDirectory.student_id = "{user}"\n'
 
 
@@ -131,8 +139,13 @@ class Hub:
         self.tokens: dict[str, str] = {}
 
     def api(self, method: str, path: str, ok=(200, 201, 202, 204), **kwargs):
-        r = requests.request(method, self.api_url + path, headers={"Authorization": f"token {self.token}"},
-                             timeout=30, **kwargs)
+        r = requests.request(
+            method,
+            self.api_url + path,
+            headers={"Authorization": f"token {self.token}"},
+            timeout=30,
+            **kwargs,
+        )
         assert r.status_code in ok, (method, path, r.status_code, r.text[:500])
         return r.json() if r.text else None
 
@@ -143,30 +156,49 @@ class Hub:
         self.exchange.chmod(0o777)  # nbgrader: "writable to everyone"
         self.homes.mkdir()
         users = sorted({INSTRUCTOR, *LEARNERS, OUTSIDER})
-        (hub_dir / "jupyterhub_config.py").write_text(HUB_CONFIG.format(
-            port=self.port, hub_port=self.hub_port, proxy_api_port=_free_port(), proxy=str(PROXY), hub_dir=hub_dir,
-            users=set(users), homes=self.homes, singleuser=str(BIN / "jupyterhub-singleuser"),
-            args=["--allow-root"] if os.getuid() == 0 else [], token=self.token))
+        (hub_dir / "jupyterhub_config.py").write_text(
+            HUB_CONFIG.format(
+                port=self.port,
+                hub_port=self.hub_port,
+                proxy_api_port=_free_port(),
+                proxy=str(PROXY),
+                hub_dir=hub_dir,
+                users=set(users),
+                homes=self.homes,
+                singleuser=str(BIN / "jupyterhub-singleuser"),
+                args=["--allow-root"] if os.getuid() == 0 else [],
+                token=self.token,
+            )
+        )
         log = open(hub_dir / "hub.log", "w")  # noqa: SIM115 - closed with the process
         env = dict(os.environ, PATH=f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}")
-        self.process = subprocess.Popen([str(BIN / "jupyterhub"), "-f", str(hub_dir / "jupyterhub_config.py")],
-                                        cwd=hub_dir, env=env, stdout=log, stderr=subprocess.STDOUT)
+        self.process = subprocess.Popen(
+            [str(BIN / "jupyterhub"), "-f", str(hub_dir / "jupyterhub_config.py")],
+            cwd=hub_dir,
+            env=env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
         self.log = hub_dir / "hub.log"
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:
             assert self.process.poll() is None, self.log.read_text()[-3000:]
             try:
-                if requests.get(f"{self.url}/hub/api/", timeout=2).ok:  # through the proxy: both are up
+                # through the proxy: both are up
+                if requests.get(f"{self.url}/hub/api/", timeout=2).ok:
                     break
             except requests.ConnectionError:
                 pass
             time.sleep(0.3)
         else:
-            raise AssertionError(f"JupyterHub did not start in 60 s:\n{self.log.read_text()[-3000:]}")
+            raise AssertionError(
+                f"JupyterHub did not start in 60 s:\n{self.log.read_text()[-3000:]}"
+            )
         # the Hub creates the allowed users as it starts
         self.api("POST", f"/groups/nbgrader-{COURSE_ID}", json={"users": list(LEARNERS)})
         self.api("POST", f"/groups/formgrade-{COURSE_ID}", json={"users": [INSTRUCTOR]})
-        with ThreadPoolExecutor(len(users)) as pool:  # the Hub holds each request up to 10 s: ask all at once
+        # the Hub holds each request up to 10 s: ask all at once
+        with ThreadPoolExecutor(len(users)) as pool:
             list(pool.map(lambda user: self.api("POST", f"/users/{user}/server"), users))
         for user in users:
             self.wait_ready(user)
@@ -204,8 +236,11 @@ class Hub:
                       "JUPYTERHUB_API_URL": self.api_url, "JUPYTERHUB_API_TOKEN": self.tokens[user],
                       "PATH": f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}"}
 
-    def run(self, user: str, *args: str, cwd: Path | None = None, ok: bool = True) -> subprocess.CompletedProcess:
-        """A command typed in ``user``'s terminal (``nbgrader ...`` or ``python -m ...``), from their home."""
+    def run(
+        self, user: str, *args: str, cwd: Path | None = None, ok: bool = True
+    ) -> subprocess.CompletedProcess:
+        """A command typed in ``user``'s terminal (``nbgrader ...`` or ``python -m ...``), from
+        their home."""
         exe = [sys.executable, "-m", "nbgrader"] if args[0] == "nbgrader" else [sys.executable]
         result = subprocess.run([*exe, *args[1:]], cwd=cwd or self.homes / user, env=self.env(user),
                                 capture_output=True, text=True, timeout=300)
@@ -219,7 +254,8 @@ class Hub:
             list(pool.map(lambda user: self.run(user, *args), users))
 
     def contents(self, user: str, path: str, model: dict | None = None):
-        """GET (or PUT ``model``) ``path`` through ``user``'s own server, with ``user``'s token, via the proxy."""
+        """GET (or PUT ``model``) ``path`` through ``user``'s own server, with ``user``'s token, via
+        the proxy."""
         url = f"{self.url}/user/{user}/api/contents/{path}"
         headers = {"Authorization": f"token {self.tokens[user]}"}
         r = requests.put(url, json=model, headers=headers, timeout=30) if model else \
@@ -229,12 +265,15 @@ class Hub:
 
 
 def _answer(nb: dict, grade_id: str, text: str) -> None:
-    cell = next(c for c in nb["cells"] if c["metadata"].get("nbgrader", {}).get("grade_id") == grade_id)
+    cell = next(
+        c for c in nb["cells"] if c["metadata"].get("nbgrader", {}).get("grade_id") == grade_id
+    )
     cell["source"] = text
 
 
 def _regions(source: nbformat.NotebookNode, kind: str) -> list[str]:
-    """The lines (longer than a few characters) of every ``### BEGIN {kind}`` region of ``source``."""
+    """The lines (longer than a few characters) of every ``### BEGIN {kind}`` region of
+    ``source``."""
     out = []
     for cell in source.cells:
         for region in re.findall(rf"### BEGIN {kind}[^\n]*\n(.*?)### END", cell.source, re.S):
@@ -244,7 +283,9 @@ def _regions(source: nbformat.NotebookNode, kind: str) -> list[str]:
 
 def _without_markers(text: str) -> str:
     """A solution as a learner types it: the region's lines, not nbgrader's markers."""
-    return "\n".join(line for line in text.splitlines() if "### BEGIN" not in line and "### END" not in line)
+    return "\n".join(
+        line for line in text.splitlines() if "### BEGIN" not in line and "### END" not in line
+    )
 
 
 def _files(folder: Path) -> list[Path]:
@@ -254,10 +295,13 @@ def _files(folder: Path) -> list[Path]:
 @pytest.fixture(scope="module")
 def term(tmp_path_factory):
     """The whole class, start to end. Returns what the tests check."""
-    assert PROXY.exists(), f"no {PROXY}: `make test-class` installs it (npm install --prefix .class-tools ...)"
+    assert PROXY.exists(), (
+        f"no {PROXY}: `make test-class` installs it (npm install --prefix .class-tools ...)"
+    )
     started = time.monotonic()
     root = Path(tempfile.mkdtemp(prefix="ar_lab_class_"))
-    root.chmod(0o755)  # another Unix user may walk to the exchange, as on a real Hub's shared volume
+    # another Unix user may walk to the exchange, as on a real Hub's shared volume
+    root.chmod(0o755)
     hub = Hub(root)
     try:
         hub.start()
@@ -271,12 +315,25 @@ def term(tmp_path_factory):
 
 def _term(hub: Hub) -> dict:
     course = hub.homes / INSTRUCTOR / "course"
-    cut = hub.homes / INSTRUCTOR / "cut"  # the chapter cut to its exercises: seconds, not minutes, per autograde
+    # the chapter cut to its exercises: seconds, not minutes, per autograde
+    cut = hub.homes / INSTRUCTOR / "cut"
     cut.mkdir()
     source = exercises_only(nbformat.read(NOTEBOOKS / f"{ASSIGNMENT}.ipynb", as_version=4))
     nbformat.write(source, cut / f"{ASSIGNMENT}.ipynb")
-    hub.run(INSTRUCTOR, "python", "-m", "ar_lab.course.grading.exercises", "course", "course", "--src", "cut",
-            "--chapter", "00", "--timeout", "30")
+    hub.run(
+        INSTRUCTOR,
+        "python",
+        "-m",
+        "ar_lab.course.grading.exercises",
+        "course",
+        "course",
+        "--src",
+        "cut",
+        "--chapter",
+        "00",
+        "--timeout",
+        "30",
+    )
     hub.run(INSTRUCTOR, "nbgrader", "generate_assignment", ASSIGNMENT, cwd=course)
     hub.run(INSTRUCTOR, "nbgrader", "release_assignment", ASSIGNMENT, cwd=course)
     out = {"hub": hub, "source": source, "course": course}
@@ -293,21 +350,29 @@ def _term(hub: Hub) -> dict:
         for grade_id, text in answers[learner].items():
             _answer(model["content"], grade_id, text)
         if answers[learner]:
-            hub.contents(learner, path, {"type": "notebook", "format": "json", "content": model["content"]})
+            hub.contents(
+                learner, path, {"type": "notebook", "format": "json", "content": model["content"]}
+            )
     inbound = hub.exchange / COURSE_ID / "inbound"
     # A learner submitting under another learner's name: the Hub refuses the token, nbgrader stops.
-    out["impersonation"] = hub.run("wrong", "nbgrader", "submit", ASSIGNMENT, "--student", "solver", ok=False)
+    out["impersonation"] = hub.run(
+        "wrong", "nbgrader", "submit", ASSIGNMENT, "--student", "solver", ok=False
+    )
     out["inbound_after_impersonation"] = sorted(p.name for p in inbound.iterdir())
     hub.each(LEARNERS, "nbgrader", "submit", ASSIGNMENT)
     out["inbound"] = {p.name: p for p in inbound.iterdir()}
     out["collect"] = hub.run(INSTRUCTOR, "nbgrader", "collect", ASSIGNMENT, cwd=course)
     out["autograde"] = hub.run(INSTRUCTOR, "nbgrader", "autograde", ASSIGNMENT, cwd=course)
-    out["grading"] = hub.run(INSTRUCTOR, "python", "-m", "ar_lab.course.grading", ".", ASSIGNMENT, cwd=course)
+    out["grading"] = hub.run(
+        INSTRUCTOR, "python", "-m", "ar_lab.course.grading", ".", ASSIGNMENT, cwd=course
+    )
     hub.run(INSTRUCTOR, "nbgrader", "generate_feedback", ASSIGNMENT, cwd=course)
     hub.run(INSTRUCTOR, "nbgrader", "release_feedback", ASSIGNMENT, cwd=course)
     hub.each(LEARNERS, "nbgrader", "fetch_feedback", ASSIGNMENT)
-    out["feedback"] = {learner: sorted((hub.homes / learner / ASSIGNMENT / "feedback").glob("*/*.html"))
-                       for learner in LEARNERS}
+    out["feedback"] = {
+        learner: sorted((hub.homes / learner / ASSIGNMENT / "feedback").glob("*/*.html"))
+        for learner in LEARNERS
+    }
     out["unix"] = _other_user_listing(hub)
     from nbgrader.api import Gradebook
 
@@ -318,7 +383,8 @@ def _term(hub: Hub) -> dict:
 
 
 def _other_user_listing(hub: Hub) -> dict[str, int] | None:
-    """As root: the exit status of ``ls`` on the shared folders, run as the Unix user ``nobody`` (None otherwise)."""
+    """As root: the exit status of ``ls`` on the shared folders, run as the Unix user ``nobody``
+    (None otherwise)."""
     if os.getuid() != 0:
         return None
     try:
@@ -326,11 +392,15 @@ def _other_user_listing(hub: Hub) -> dict[str, int] | None:
     except KeyError:
         return None
     course = hub.exchange / COURSE_ID
-    return {name: subprocess.run(["ls", str(course / name)], user="nobody", capture_output=True).returncode
-            for name in ("inbound", "feedback", "outbound")}
+    return {
+        name: subprocess.run(
+            ["ls", str(course / name)], user="nobody", capture_output=True
+        ).returncode
+        for name in ("inbound", "feedback", "outbound")
+    }
 
 
-# --- the tests ----------------------------------------------------------------------------------------------------
+# --- the tests ------------------------------------------------------------------------------------
 
 
 def test_the_class_runs_within_its_budget(term):
@@ -341,7 +411,10 @@ def test_scores_after_autograde_and_the_grading_step(term):
     assert term["max_score"] == 2.0
     assert term["scores"] == {"solver": 2.0, "wrong": 1.0, "blank": 0.0}
     # the course's step judged the three submissions afresh and agreed with the kernel
-    assert f"judged 3 submission(s) of {ASSIGNMENT} in fresh kernels; 0 score(s) changed" in term["grading"].stdout
+    assert (
+        f"judged 3 submission(s) of {ASSIGNMENT} in fresh kernels; 0 score(s) changed"
+        in term["grading"].stdout
+    )
 
 
 def test_each_learner_fetches_their_own_feedback(term):
@@ -350,16 +423,24 @@ def test_each_learner_fetches_their_own_feedback(term):
         assert [f.name for f in files] == [f"{ASSIGNMENT}.html"], learner
         texts[learner] = html.unescape(re.sub(r"<[^>]+>", "", files[0].read_text()))
     for learner, score in {"solver": 2.0, "wrong": 1.0, "blank": 0.0}.items():
-        assert re.search(rf"Score:\s*{score}\s*/\s*2\.0", texts[learner]), (learner, texts[learner][:2000])
-    assert "ord(c)" in texts["wrong"] and "ord(c)" not in texts["solver"] + texts["blank"]  # their own code
+        assert re.search(rf"Score:\s*{score}\s*/\s*2\.0", texts[learner]), (
+            learner,
+            texts[learner][:2000],
+        )
+    # their own code
+    assert "ord(c)" in texts["wrong"] and "ord(c)" not in texts["solver"] + texts["blank"]
     assert "NotImplementedError" in texts["blank"] and "NotImplementedError" not in texts["solver"]
 
 
 def test_the_hub_decides_who_takes_part(term):
     outsider = term["outsider_fetch"]
-    assert outsider.returncode != 0 and "do not have access to this course" in outsider.stdout + outsider.stderr
+    assert (
+        outsider.returncode != 0
+        and "do not have access to this course" in outsider.stdout + outsider.stderr
+    )
     assert not (term["hub"].homes / OUTSIDER / ASSIGNMENT).exists()
-    impostor = term["impersonation"]  # the Hub answers 403 to wrong's token asking for solver's groups
+    # the Hub answers 403 to wrong's token asking for solver's groups
+    impostor = term["impersonation"]
     assert impostor.returncode != 0 and "JupyterhubApiError" in impostor.stdout + impostor.stderr
     assert term["inbound_after_impersonation"] == []
 
@@ -377,21 +458,36 @@ def test_no_solution_leaves_the_instructor(term):
     assert solution and hidden  # chapter 00 has both
     secrets = ["### BEGIN SOLUTION", *solution, *hidden]
     course = hub.exchange / COURSE_ID
-    # What a learner gets before grading: the released copy, the fetched copies as opened, an untouched submission.
-    given = [*_files(course / "outbound"), *_files(hub.homes / "blank"), *_files(hub.homes / OUTSIDER),
-             *_files(term["inbound"][next(n for n in term["inbound"] if n.startswith("blank+"))])]
+    # What a learner gets before grading: the released copy, the fetched copies as opened, an
+    # untouched submission.
+    given = [
+        *_files(course / "outbound"),
+        *_files(hub.homes / "blank"),
+        *_files(hub.homes / OUTSIDER),
+        *_files(term["inbound"][next(n for n in term["inbound"] if n.startswith("blank+"))]),
+    ]
     given = [p for p in given if p.suffix == ".ipynb"]
-    assert len(given) >= 3, given  # outbound, blank's fetched copy (and its submission cache), blank's submission
+    # outbound, blank's fetched copy (and its submission cache), blank's submission
+    assert len(given) >= 3, given
     texts = {str(p): p.read_text() for p in given}
     texts |= {f"opened by {k}": json.dumps(v) for k, v in term["opened"].items()}
     for where, text in texts.items():
         assert not [s for s in secrets if s in text or json.dumps(s)[1:-1] in text], where
-    # Anywhere on the learners' side, graded work and feedback included, no solution region's marker.
-    # (Feedback shows the hidden tests as autograde ran them: that is nbgrader's design, after the deadline.)
-    for path in [*_files(hub.exchange), *(p for u in (*LEARNERS, OUTSIDER) for p in _files(hub.homes / u))]:
+    # Anywhere on the learners' side, graded work and feedback included, no solution region's
+    # marker. (Feedback shows the hidden tests as autograde ran them: that is nbgrader's design,
+    # after the deadline.)
+    for path in [
+        *_files(hub.exchange),
+        *(p for u in (*LEARNERS, OUTSIDER) for p in _files(hub.homes / u)),
+    ]:
         assert "BEGIN SOLUTION" not in path.read_text(errors="replace"), path
-    sources = [p for p in _files(hub.root) if p.parent.name == ASSIGNMENT and p.parent.parent.name == "source"]
-    assert sources == [term["course"] / "source" / ASSIGNMENT / f"{ASSIGNMENT}.ipynb"]  # the instructor's only
+    sources = [
+        p
+        for p in _files(hub.root)
+        if p.parent.name == ASSIGNMENT and p.parent.parent.name == "source"
+    ]
+    # the instructor's only
+    assert sources == [term["course"] / "source" / ASSIGNMENT / f"{ASSIGNMENT}.ipynb"]
 
 
 def test_the_exchange_hides_each_learners_work_from_the_others(term):
@@ -410,15 +506,26 @@ def test_the_exchange_hides_each_learners_work_from_the_others(term):
         assert {p.name for p in folder.iterdir()} == {f"{ASSIGNMENT}.ipynb", "timestamp.txt",
                                                        "submission_secret.txt"}
     released = list((course / "feedback").glob("*.html"))
-    assert len(released) == 3 and all(re.fullmatch(r"[0-9a-f]{32,}\.html", p.name) for p in released)
+    assert len(released) == 3 and all(
+        re.fullmatch(r"[0-9a-f]{32,}\.html", p.name) for p in released
+    )
     if term["unix"] is None:
-        pytest.skip("not root: no other Unix user to try the folders as (the modes above are checked)")
-    assert term["unix"]["inbound"] != 0 and term["unix"]["feedback"] != 0 and term["unix"]["outbound"] == 0
+        pytest.skip(
+            "not root: no other Unix user to try the folders as (the modes above are checked)"
+        )
+    assert (
+        term["unix"]["inbound"] != 0
+        and term["unix"]["feedback"] != 0
+        and term["unix"]["outbound"] == 0
+    )
 
 
 def test_nbgrader_sees_one_unix_user_behind_every_submission(term):
-    """What this set-up cannot prove: every server is the same Unix user, and nbgrader's collect says so."""
+    """What this set-up cannot prove: every server is the same Unix user, and nbgrader's collect
+    says so."""
     log = term["collect"].stdout + term["collect"].stderr
     me = pwd.getpwuid(os.getuid()).pw_name
     for learner in LEARNERS:
-        assert f"claims to be submitted by {learner} but is owned by {me}; cheating attempt?" in log, log[-2000:]
+        assert (
+            f"claims to be submitted by {learner} but is owned by {me}; cheating attempt?" in log
+        ), log[-2000:]

@@ -1,9 +1,10 @@
-"""Every command line parses its arguments (issue 64): ``--help`` prints the usage and does nothing else.
+"""Every command line parses its arguments (issue 64): ``--help`` prints the usage and does nothing
+else.
 
-``python site/build.py --help`` used to start a build, emptying the previous one. The entry points are found,
-not listed: every module of ar_lab and script of site/ with ``if __name__ == "__main__"``, so a new command is
-held to this too. Each runs with ``--help`` in an empty folder, which stays empty; the site's build folder is
-left as it was.
+``python site/build.py --help`` used to start a build, emptying the previous one. The entry points
+are found, not listed: every module of ar_lab and script of site/ with ``if __name__ ==
+"__main__"``, so a new command is held to this too. Each runs with ``--help`` in an empty folder,
+which stays empty; the site's build folder is left as it was.
 """
 
 from __future__ import annotations
@@ -19,7 +20,8 @@ MAIN = re.compile(r"""^if __name__ == ["']__main__["']:""", re.M)
 
 
 def entry_points() -> list[list[str]]:
-    """The command that runs each entry point: ``-m module`` for ar_lab's, the script's path for site/'s."""
+    """The command that runs each entry point: ``-m module`` for ar_lab's, the script's path for
+    site/'s."""
     found = []
     for path in sorted((ROOT / "ar_lab").rglob("*.py")):
         if MAIN.search(path.read_text()):
@@ -42,8 +44,9 @@ def _state(folder: Path) -> list[tuple[str, int]] | None:
         if folder.exists() else None
 
 
-# One process runs every command's --help in turn (a process each cost about four seconds of torch imports apiece):
-# argv set as the command would see it, stdout captured, the exit code and what the folder holds afterwards recorded.
+# One process runs every command's --help in turn (a process each cost about four seconds of torch
+# imports apiece): argv set as the command would see it, stdout captured, the exit code and what the
+# folder holds afterwards recorded.
 _DRIVER = """
 import contextlib, io, json, os, runpy, sys
 results = []
@@ -60,7 +63,8 @@ for command in json.loads(sys.argv[1]):
         code = stop.code
     except Exception as error:
         code = repr(error)
-    results.append({"command": command, "code": code, "stdout": out.getvalue()[:300], "files": sorted(os.listdir("."))})
+    results.append({"command": command, "code": code, "stdout": out.getvalue()[:300],
+                    "files": sorted(os.listdir("."))})
 print(json.dumps(results))
 """
 
@@ -71,10 +75,17 @@ def test_help_prints_the_usage_and_does_nothing_else(tmp_path):
     site_build = ROOT / "build" / "site"
     before = _state(site_build)
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    for name in ("CONTENT_CDN", "BUILD_DIRECTORY"):  # what jupyter-book would set for the theme's renderer
+    # what jupyter-book would set for the theme's renderer
+    for name in ("CONTENT_CDN", "BUILD_DIRECTORY"):
         env.pop(name, None)
-    run = subprocess.run([sys.executable, "-c", _DRIVER, json.dumps(COMMANDS)], cwd=tmp_path, env=env,
-                         capture_output=True, text=True, timeout=300)
+    run = subprocess.run(
+        [sys.executable, "-c", _DRIVER, json.dumps(COMMANDS)],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert run.returncode == 0, run.stderr[-1000:]
     results = json.loads(run.stdout.strip().splitlines()[-1])
     assert [r["command"] for r in results] == COMMANDS

@@ -1,6 +1,7 @@
-"""Constrained decoding: the grammar's state machine against an independent oracle (a regular expression
-with partial matching, and ``json``), and the ``constraint=`` option of every decode loop: always valid,
-exactly the renormalised distribution, greedy unchanged where it was valid already, errors that say why."""
+"""Constrained decoding: the grammar's state machine against an independent oracle (a regular
+expression with partial matching, and ``json``), and the ``constraint=`` option of every decode
+loop: always valid, exactly the renormalised distribution, greedy unchanged where it was valid
+already, errors that say why."""
 
 import json
 import threading
@@ -26,11 +27,14 @@ from ar_lab.engine.sampling import GREEDY, SamplingParams, probabilities
 from ar_lab.model.tokenizer import EOS_ID, decode, encode
 from tests.raising import raises
 
-try:  # partial matching: is a text a prefix of some sentence of a pattern? (installed with transformers)
+# partial matching: is a text a prefix of some sentence of a pattern? (installed with transformers)
+try:
     import regex
 except ImportError:  # pragma: no cover
     regex = None
-needs_regex = pytest.mark.skipif(regex is None, reason="the oracle needs the regex package (pip install regex)")
+needs_regex = pytest.mark.skipif(
+    regex is None, reason="the oracle needs the regex package (pip install regex)"
+)
 
 FIELDS = {"name": str, "size": int, "tag": str}
 GRAMMAR = JsonObject(FIELDS, max_string=6, max_digits=3)
@@ -38,7 +42,8 @@ STRING_CHARS = "".join(sorted(chr(b) for b in STRING_BYTES))
 
 
 def pattern(grammar: JsonObject) -> str:
-    """The grammar's language as a regular expression, written from its description, not from its code."""
+    """The grammar's language as a regular expression, written from its description, not from its
+    code."""
     chars = "[" + "".join(regex.escape(c) for c in STRING_CHARS) + "]"
     values = {
         "string": f'"{chars}{{0,{grammar.max_string}}}"',
@@ -52,7 +57,8 @@ PATTERN = regex.compile(pattern(GRAMMAR)) if regex is not None else None
 
 
 def oracle_mask(prefix: bytes) -> torch.Tensor:
-    """Byte b is allowed after ``prefix`` iff prefix + b is a prefix of a sentence; EOS iff prefix is one."""
+    """Byte b is allowed after ``prefix`` iff prefix + b is a prefix of a sentence; EOS iff prefix
+    is one."""
     text = prefix.decode("latin-1")
     mask = torch.zeros(257, dtype=torch.bool)
     for b in range(256):
@@ -88,7 +94,8 @@ def test_a_byte_that_breaks_the_text_is_refused_and_leaves_no_valid_continuation
     prefix = encode(json.dumps(obj))[:cut] + [byte]
     ok = PATTERN.fullmatch(bytes(prefix).decode("latin-1"), partial=True) is not None
     assert GRAMMAR.allowed_after(prefix[:-1])[byte] == ok
-    assert bool(GRAMMAR.allowed_after(prefix).any()) == ok  # an invalid prefix allows nothing after it
+    # an invalid prefix allows nothing after it
+    assert bool(GRAMMAR.allowed_after(prefix).any()) == ok
 
 
 @given(st.randoms(use_true_random=False))
@@ -118,7 +125,9 @@ def test_the_validator_names_what_is_wrong():
     }
     for text, why in cases.items():
         assert why in json_problem(text, GRAMMAR), text
-    assert json_problem('{"name": "a", "size": 1, "tag": ""} and more', GRAMMAR, trailing=True) is None
+    assert (
+        json_problem('{"name": "a", "size": 1, "tag": ""} and more', GRAMMAR, trailing=True) is None
+    )
 
 
 @pytest.mark.parametrize("text, ok", [
@@ -137,7 +146,12 @@ def test_edge_texts(text, ok):
 
 def test_choice_and_prefix_function_grammars():
     c = Choice(["yes", "no", "yesterday"])
-    assert c.accepts("yes") and c.accepts("yesterday") and not c.accepts("ye") and not c.accepts("yess")
+    assert (
+        c.accepts("yes")
+        and c.accepts("yesterday")
+        and not c.accepts("ye")
+        and not c.accepts("yess")
+    )
     assert describe_ids(c.allowed_ids(b"yes")) == "'t', EOS"
     same = PrefixFunction(lambda p: GRAMMAR.allowed_ids(GRAMMAR.state_after(p)), name="mine")
     for text in ['{"name": "a', '{"name": "a", "size": 12', '{"name": "", "size": 0, "tag": ""}']:
@@ -148,7 +162,12 @@ def test_choice_and_prefix_function_grammars():
 # --- the decode loops -------------------------------------------------------------------
 
 
-SETTINGS = [GREEDY, SamplingParams(), SamplingParams(temperature=1.5, top_k=50), SamplingParams(top_p=0.9, min_p=0.05)]
+SETTINGS = [
+    GREEDY,
+    SamplingParams(),
+    SamplingParams(temperature=1.5, top_k=50),
+    SamplingParams(top_p=0.9, min_p=0.05),
+]
 
 
 @settings(suppress_health_check=[HealthCheck.function_scoped_fixture])  # the model is only read
@@ -160,7 +179,8 @@ def test_constrained_samples_are_always_valid(tiny_model, seed, params):
 
 
 def test_the_hook_sees_exactly_the_renormalised_distribution(tiny_model):
-    """One step, exactly: the logits the sampler is handed give p(t) / p(allowed) on the allowed set, 0 elsewhere."""
+    """One step, exactly: the logits the sampler is handed give p(t) / p(allowed) on the allowed
+    set, 0 elsewhere."""
     prefix = '{"name": "ab", "size": 1'
     seen = []
 
@@ -187,7 +207,8 @@ def test_the_hook_sees_exactly_the_renormalised_distribution(tiny_model):
     masked = masked_logits(raw, GRAMMAR, GRAMMAR.state_after(prefix), 0)
     torch.testing.assert_close(probabilities(masked, SamplingParams()), want)
     top = probabilities(masked, SamplingParams(top_k=3))
-    assert int((top > 0).sum()) == 3 and bool((top > 0).le(allowed).all())  # top-k among the allowed tokens
+    # top-k among the allowed tokens
+    assert int((top > 0).sum()) == 3 and bool((top > 0).le(allowed).all())
 
 
 def test_greedy_is_unchanged_where_the_free_output_is_already_valid():
@@ -202,11 +223,20 @@ def test_greedy_is_unchanged_where_the_free_output_is_already_valid():
     assert out.text.startswith('{"name": "ok", "size": ') and GRAMMAR.valid(out.text)
 
 
-@pytest.mark.parametrize("params", [GREEDY, SamplingParams(temperature=0.9, top_p=0.95)], ids=lambda p: p.label)
+@pytest.mark.parametrize(
+    "params", [GREEDY, SamplingParams(temperature=0.9, top_p=0.95)], ids=lambda p: p.label
+)
 def test_cached_and_uncached_give_the_same_tokens_under_a_constraint(tiny_model, params):
     runs = [
-        generate(tiny_model, "x", 50, use_cache=c, sampling=params, generator=torch.Generator().manual_seed(3),
-                 constraint=GRAMMAR).tokens
+        generate(
+            tiny_model,
+            "x",
+            50,
+            use_cache=c,
+            sampling=params,
+            generator=torch.Generator().manual_seed(3),
+            constraint=GRAMMAR,
+        ).tokens
         for c in (True, False)
     ]
     assert runs[0] == runs[1]
@@ -214,15 +244,44 @@ def test_cached_and_uncached_give_the_same_tokens_under_a_constraint(tiny_model,
 
 def test_stream_token_steps_and_sample_batch_take_the_constraint(tiny_model):
     params = SamplingParams(temperature=1.2)
-    run = generate(tiny_model, "x", 60, sampling=params, generator=torch.Generator().manual_seed(5), constraint=GRAMMAR)
-    events = list(stream(tiny_model, "x", 60, sampling=params, generator=torch.Generator().manual_seed(5),
-                         constraint=GRAMMAR))
+    run = generate(
+        tiny_model,
+        "x",
+        60,
+        sampling=params,
+        generator=torch.Generator().manual_seed(5),
+        constraint=GRAMMAR,
+    )
+    events = list(
+        stream(
+            tiny_model,
+            "x",
+            60,
+            sampling=params,
+            generator=torch.Generator().manual_seed(5),
+            constraint=GRAMMAR,
+        )
+    )
     assert "".join(e.text for e in events) == run.text and events[-1].stats.stop_reason == "eos"
-    steps = list(token_steps(tiny_model, "x", 60, sampling=params, generator=torch.Generator().manual_seed(5),
-                             constraint=GRAMMAR))
+    steps = list(
+        token_steps(
+            tiny_model,
+            "x",
+            60,
+            sampling=params,
+            generator=torch.Generator().manual_seed(5),
+            constraint=GRAMMAR,
+        )
+    )
     assert steps == run.tokens + [EOS_ID]  # the steps end with the EOS the grammar allowed
-    rows = sample_batch(tiny_model, ["ab", "cd", "ef"], 60, sampling=params, generator=torch.Generator().manual_seed(1),
-                        constraint=GRAMMAR)
+    rows = sample_batch(
+        tiny_model,
+        ["ab", "cd", "ef"],
+        60,
+        sampling=params,
+        generator=torch.Generator().manual_seed(1),
+        constraint=GRAMMAR,
+    )
     assert all(GRAMMAR.accepts(r) for r in rows) and len({tuple(r) for r in rows}) > 1
     greedy = sample_batch(tiny_model, ["ab", "cd"], 60, sampling=GREEDY, constraint=GRAMMAR)
     assert greedy == [generate(tiny_model, p, 60, constraint=GRAMMAR).tokens for p in ["ab", "cd"]]
@@ -238,18 +297,24 @@ def test_choice_constrains_generation_to_its_options(tiny_model):
     options = ["spam", "eggs", "ham"]
     for seed in range(5):
         g = torch.Generator().manual_seed(seed)
-        run = generate(tiny_model, "x", 10, sampling=SamplingParams(), generator=g, constraint=Choice(options))
+        run = generate(
+            tiny_model, "x", 10, sampling=SamplingParams(), generator=g, constraint=Choice(options)
+        )
         assert run.text in options and run.stats.stop_reason == "eos"
 
 
 def test_one_grammar_serves_several_threads(tiny_model):
     def run(seed):
         g = torch.Generator().manual_seed(seed)
-        return generate(tiny_model, "x", 50, sampling=SamplingParams(), generator=g, constraint=GRAMMAR).tokens
+        return generate(
+            tiny_model, "x", 50, sampling=SamplingParams(), generator=g, constraint=GRAMMAR
+        ).tokens
 
     alone = [run(s) for s in range(4)]
     together = [None] * 4
-    threads = [threading.Thread(target=lambda i=i: together.__setitem__(i, run(i))) for i in range(4)]
+    threads = [
+        threading.Thread(target=lambda i=i: together.__setitem__(i, run(i))) for i in range(4)
+    ]
     for t in threads:
         t.start()
     for t in threads:
@@ -271,7 +336,8 @@ def test_bad_grammars_and_bad_constraints_are_refused_with_the_reason(tiny_model
             JsonObject(fields)
     with raises(BadType, 'fields'):
         JsonObject("name")
-    for kw in [{"max_string": 0}, {"max_digits": 19}, {"max_digits": True}]:  # 19 digits overflow an int64
+    # 19 digits overflow an int64
+    for kw in [{"max_string": 0}, {"max_digits": 19}, {"max_digits": True}]:
         (arg,) = kw
         with raises(BadValue, arg):
             JsonObject({"a": str}, **kw)
@@ -296,7 +362,12 @@ def test_bad_grammars_and_bad_constraints_are_refused_with_the_reason(tiny_model
     with raises(BadValue, 'constraint'):
         generate(tiny_model, "x", 5, constraint=PrefixFunction(lambda p: set()))
     with raises(BadValue, 'constraint'):
-        generate(tiny_model, "x", 5, constraint=PrefixFunction(lambda p: set() if len(p) == 2 else {ord("a")}))
+        generate(
+            tiny_model,
+            "x",
+            5,
+            constraint=PrefixFunction(lambda p: set() if len(p) == 2 else {ord("a")}),
+        )
     with raises(BadValue, 'fn'):
         generate(tiny_model, "x", 5, constraint=PrefixFunction(lambda p: {300}))
     with raises(BadType, 'fn'):
@@ -310,5 +381,6 @@ def test_bad_grammars_and_bad_constraints_are_refused_with_the_reason(tiny_model
 
     with raises(BadValue, 'constraint'):
         generate(tiny_model, "x", 5, constraint=WrongShape(["a"]))
-    with pytest.raises(TypeError, match="constraint"):  # beam search and speculative decoding take no constraint
+    # beam search and speculative decoding take no constraint
+    with pytest.raises(TypeError, match="constraint"):
         beam_search(tiny_model, "x", 5, num_beams=2, constraint=GRAMMAR)

@@ -51,25 +51,41 @@ def test_dev_pins_include_the_course_and_the_ranges_admit_the_pins():
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
     from packaging.requirements import Requirement
 
-    ranges = {Requirement(r).name.lower(): Requirement(r).specifier for r in project["dependencies"]}
-    ranges |= {Requirement(r).name.lower(): Requirement(r).specifier for r in project["optional-dependencies"]["dev"]}
+    ranges = {
+        Requirement(r).name.lower(): Requirement(r).specifier for r in project["dependencies"]
+    }
+    ranges |= {
+        Requirement(r).name.lower(): Requirement(r).specifier
+        for r in project["optional-dependencies"]["dev"]
+    }
     all_pins = pins(ROOT / "requirements/course.txt") | pins(ROOT / "requirements/dev.txt")
     for name, version in all_pins.items():
         assert name in ranges, f"{name} is pinned but not declared in pyproject.toml"
-        assert ranges[name].contains(version), f"{name}=={version} is outside pyproject's range {ranges[name]}"
+        assert ranges[name].contains(version), (
+            f"{name}=={version} is outside pyproject's range {ranges[name]}"
+        )
 
 
 def test_every_stated_python_version_is_the_one_ci_tests():
-    """pyproject, the Makefile's check, the README, the conda and Binder files and CI's workflow name one
-    minimum: the version CI runs (the course layer uses 3.11's code.co_qualname)."""
-    ci = re.search(r'python-version: "(3\.\d+)"', (ROOT / ".github/workflows/test.yml").read_text()).group(1)
+    """pyproject, the Makefile's check, the README, the conda and Binder files and CI's workflow
+    name one minimum: the version CI runs (the course layer uses 3.11's code.co_qualname)."""
+    ci = re.search(
+        r'python-version: "(3\.\d+)"', (ROOT / ".github/workflows/test.yml").read_text()
+    ).group(1)
     major, minor = ci.split(".")
     stated = {
-        "pyproject": re.search(r'requires-python = ">=(3\.\d+)"', (ROOT / "pyproject.toml").read_text()).group(1),
-        "ruff": "3." + re.search(r'target-version = "py3(\d+)"', (ROOT / "pyproject.toml").read_text()).group(1),
-        "Makefile": ".".join(re.search(r"version_info >= \((3), (\d+)\)", (ROOT / "Makefile").read_text()).groups()),
+        "pyproject": re.search(
+            r'requires-python = ">=(3\.\d+)"', (ROOT / "pyproject.toml").read_text()
+        ).group(1),
+        "ruff": "3."
+        + re.search(r'target-version = "py3(\d+)"', (ROOT / "pyproject.toml").read_text()).group(1),
+        "Makefile": ".".join(
+            re.search(r"version_info >= \((3), (\d+)\)", (ROOT / "Makefile").read_text()).groups()
+        ),
         "README": re.search(r"with Python (3\.\d+)\+", (ROOT / "README.md").read_text()).group(1),
         "conda": re.search(r"python=(3\.\d+)", (ROOT / "environment.yml").read_text()).group(1),
-        "binder": re.search(r"python=(3\.\d+)", (ROOT / "binder/environment.yml").read_text()).group(1),
+        "binder": re.search(
+            r"python=(3\.\d+)", (ROOT / "binder/environment.yml").read_text()
+        ).group(1),
     }
     assert stated == dict.fromkeys(stated, f"{major}.{minor}"), stated

@@ -30,14 +30,20 @@ def tiny(block_size: int = 16) -> GPT:
 
 
 def test_every_position_of_every_whole_window_is_predicted_once_given_its_window():
-    model, tokens = tiny(), torch.randint(0, 257, (16 * 5 + 7,), generator=torch.Generator().manual_seed(1))
+    model, tokens = (
+        tiny(),
+        torch.randint(0, 257, (16 * 5 + 7,), generator=torch.Generator().manual_seed(1)),
+    )
     protocol = EvalProtocol("t", 16)
-    result = evaluate_protocol(model, protocol, tokens, batch_size=2)  # 5 windows in batches of 2, 2, 1
+    # 5 windows in batches of 2, 2, 1
+    result = evaluate_protocol(model, protocol, tokens, batch_size=2)
     by_hand = (
         torch.stack(
             [
                 F.cross_entropy(
-                    model(tokens[i * 16 : i * 16 + 16][None])[0], tokens[i * 16 + 1 : i * 16 + 17], reduction="none"
+                    model(tokens[i * 16 : i * 16 + 16][None])[0],
+                    tokens[i * 16 + 1 : i * 16 + 17],
+                    reduction="none",
                 )
                 for i in range(5)
             ]
@@ -51,12 +57,16 @@ def test_every_position_of_every_whole_window_is_predicted_once_given_its_window
     assert result.bits == pytest.approx(result.nats / math.log(2))
     assert result.span(0, 16) == pytest.approx(result.nats)
     assert result.span(3, 4) == pytest.approx(result.by_position[3])
-    again = evaluate_protocol(model, protocol, tokens, batch_size=8)  # batching and repeats change nothing
+    # batching and repeats change nothing
+    again = evaluate_protocol(model, protocol, tokens, batch_size=8)
     assert again.by_position == pytest.approx(result.by_position, rel=1e-6)
 
 
 def test_first_reads_only_the_first_windows_under_its_own_name():
-    model, tokens = tiny(), torch.randint(0, 257, (16 * 6 + 1,), generator=torch.Generator().manual_seed(2))
+    model, tokens = (
+        tiny(),
+        torch.randint(0, 257, (16 * 6 + 1,), generator=torch.Generator().manual_seed(2)),
+    )
     whole, first = EvalProtocol("t", 16), EvalProtocol("t", 16).first(2)
     assert first.name == "t, first 2" and first != whole
     part = evaluate_protocol(model, first, tokens[: 16 * 2 + 1])
@@ -65,16 +75,25 @@ def test_first_reads_only_the_first_windows_under_its_own_name():
 
 
 def test_the_course_protocol_is_named_and_the_shipped_records_use_it():
-    assert COURSE_EVAL.name == "val-1024" and COURSE_EVAL.window == 1024 and COURSE_EVAL.windows is None
+    assert (
+        COURSE_EVAL.name == "val-1024"
+        and COURSE_EVAL.window == 1024
+        and COURSE_EVAL.windows is None
+    )
     n = whole_windows(COURSE_EVAL, validation_tokens())
     assert f"{n} windows, {n * 1024:,} positions" in COURSE_EVAL.describe()
-    assert protocol_for(1024) is COURSE_EVAL and protocol_for(64).window == 64 and protocol_for(64).name == "val-64"
+    assert (
+        protocol_for(1024) is COURSE_EVAL
+        and protocol_for(64).window == 64
+        and protocol_for(64).name == "val-64"
+    )
     for name in ("course", "modern", "draft"):
         record = read_checkpoint_metadata(data_dir() / f"{name}.safetensors")["record"]
         assert record["eval"] == COURSE_EVAL.name
     course = ar_lab.load_pretrained("course", "cpu")
     result = evaluate_protocol(course)
-    assert result.nats == pytest.approx(course.checkpoint_record["val_loss_nats"], abs=1e-4)  # re-measurable
+    # re-measurable
+    assert result.nats == pytest.approx(course.checkpoint_record["val_loss_nats"], abs=1e-4)
     assert course.checkpoint_record["val_bits_per_byte"] == pytest.approx(result.bits, abs=1e-4)
 
 
@@ -92,4 +111,6 @@ def test_bad_protocols_and_models_are_refused_with_the_reason():
     with raises(BadType, 'model'):
         evaluate_protocol(None)
     with raises(BadValue, 'stop'):
-        evaluate_protocol(tiny(), EvalProtocol("x", 16), torch.zeros(17, dtype=torch.long)).span(4, 4)
+        evaluate_protocol(tiny(), EvalProtocol("x", 16), torch.zeros(17, dtype=torch.long)).span(
+            4, 4
+        )

@@ -1,4 +1,5 @@
-"""The exercise mechanism: student versions strip answers; each exercise then fails, and the chapter still runs.
+"""The exercise mechanism: student versions strip answers; each exercise then fails, and the chapter
+still runs.
 
 The source notebooks pass their own tests through nbval (make test runs them); here
 every student version is run as a learner's Run All runs it: it reaches the last cell, and each
@@ -30,7 +31,9 @@ from ar_lab.course.grading.exercises import (
 from tests.raising import raises
 
 NOTEBOOKS = Path(__file__).resolve().parent.parent / "notebooks"
-WITH_EXERCISES = [p for p in sorted(NOTEBOOKS.glob("*.ipynb")) if graded_cells(nbformat.read(p, as_version=4))]
+WITH_EXERCISES = [
+    p for p in sorted(NOTEBOOKS.glob("*.ipynb")) if graded_cells(nbformat.read(p, as_version=4))
+]
 
 
 def test_strip_solutions_keeps_the_scaffold_and_indentation():
@@ -43,7 +46,10 @@ def test_strip_solutions_keeps_the_scaffold_and_indentation():
 
 
 def test_strip_hidden_tests():
-    src = "assert f(1) == 2\n### BEGIN HIDDEN TESTS\nassert f(5) == 6\n### END HIDDEN TESTS\nprint('ok')"
+    src = (
+        "assert f(1) == 2\n### BEGIN HIDDEN TESTS\nassert f(5) == 6\n### END HIDDEN "
+        "TESTS\nprint('ok')"
+    )
     assert strip_hidden_tests(src) == "assert f(1) == 2\nprint('ok')"
 
 
@@ -52,8 +58,16 @@ def _toy_notebook():
 
     sol = new_code_cell("def f(x):\n    ### BEGIN SOLUTION\n    return x + 1\n    ### END SOLUTION")
     sol.metadata["nbgrader"] = {"solution": True, "grade": False, "grade_id": "f", "locked": False}
-    test = new_code_cell("assert f(1) == 2\n### BEGIN HIDDEN TESTS\nassert f(5) == 6\n### END HIDDEN TESTS")
-    test.metadata["nbgrader"] = {"solution": False, "grade": True, "grade_id": "f-test", "points": 2, "locked": True}
+    test = new_code_cell(
+        "assert f(1) == 2\n### BEGIN HIDDEN TESTS\nassert f(5) == 6\n### END HIDDEN TESTS"
+    )
+    test.metadata["nbgrader"] = {
+        "solution": False,
+        "grade": True,
+        "grade_id": "f-test",
+        "points": 2,
+        "locked": True,
+    }
     sol.outputs, sol.execution_count = [], 3
     return new_notebook(cells=[sol, test])
 
@@ -64,7 +78,10 @@ def test_student_version_and_grading_on_a_toy_notebook(tmp_path):
     assert "return x + 1" not in student.cells[0].source and "f(5)" not in student.cells[1].source
     assert student.cells[0].execution_count is None
     assert student.cells[1].metadata["nbgrader"]["points"] == 2  # metadata kept for nbgrader
-    assert student.cells[1].metadata["editable"] is False and student.cells[0].metadata["deletable"] is False
+    assert (
+        student.cells[1].metadata["editable"] is False
+        and student.cells[0].metadata["deletable"] is False
+    )
     assert student.cells[0].metadata["nbgrader"]["checksum"] == cell_checksum(student.cells[0])
     assert nb.cells[0].metadata["nbgrader"].get("checksum") is None  # the source is left alone
     assert [r.passed for r in grade(execute(nb, tmp_path))] == [True]
@@ -75,8 +92,16 @@ def test_student_version_and_grading_on_a_toy_notebook(tmp_path):
 def test_grade_counts_stderr_as_failure_like_nbgrader():
     from nbformat.v4 import new_code_cell, new_notebook, new_output
 
-    cell = new_code_cell("check()", outputs=[new_output("stream", name="stderr", text="Warning: wrong\n")])
-    cell.metadata["nbgrader"] = {"grade": True, "grade_id": "t", "points": 1, "solution": False, "locked": True}
+    cell = new_code_cell(
+        "check()", outputs=[new_output("stream", name="stderr", text="Warning: wrong\n")]
+    )
+    cell.metadata["nbgrader"] = {
+        "grade": True,
+        "grade_id": "t",
+        "points": 1,
+        "solution": False,
+        "locked": True,
+    }
     [result] = grade(new_notebook(cells=[cell]))
     assert not result.passed and result.error == "stderr: Warning: wrong"
     cell.outputs = [new_output("stream", name="stdout", text="ok\n")]
@@ -84,24 +109,39 @@ def test_grade_counts_stderr_as_failure_like_nbgrader():
 
 
 def test_a_correct_answer_that_makes_torch_warn_keeps_its_points(tmp_path):
-    """``float(loss)`` of a tensor that requires grad makes torch warn (on stderr, which nbgrader scores 0);
-    under ``no_delegation``, as every graded test runs the learner's code, the warning goes to stdout."""
+    """``float(loss)`` of a tensor that requires grad makes torch warn (on stderr, which nbgrader
+    scores 0); under ``no_delegation``, as every graded test runs the learner's code, the warning
+    goes to stdout."""
     from nbformat.v4 import new_code_cell, new_notebook
 
     answer = new_code_cell(
         "import torch\n\ndef train_step(x):\n    ### BEGIN SOLUTION\n    loss = (x * 2).sum()\n"
         "    return float(loss)\n    ### END SOLUTION"
     )
-    answer.metadata["nbgrader"] = {"solution": True, "grade": False, "grade_id": "step", "locked": False}
+    answer.metadata["nbgrader"] = {
+        "solution": True,
+        "grade": False,
+        "grade_id": "step",
+        "locked": False,
+    }
     guarded = ("from ar_lab.course.checkers.checks import no_delegation\n\n"
                "with no_delegation(train_step, exercise='step'):\n")
     guarded += "    assert train_step(torch.ones(3, requires_grad=True)) == 6.0"
     test = new_code_cell(guarded)
-    test.metadata["nbgrader"] = {"solution": False, "grade": True, "grade_id": "step-test", "points": 3, "locked": True}
+    test.metadata["nbgrader"] = {
+        "solution": False,
+        "grade": True,
+        "grade_id": "step-test",
+        "points": 3,
+        "locked": True,
+    }
     [result] = grade(executed := execute(new_notebook(cells=[answer, test]), tmp_path))
     assert result.passed, result.error
-    assert "requires_grad=True to a scalar" in "".join(o.get("text", "") for o in executed.cells[1].outputs)
-    test.source = "assert train_step(torch.ones(3, requires_grad=True)) == 6.0"  # unguarded: the warning fails it
+    assert "requires_grad=True to a scalar" in "".join(
+        o.get("text", "") for o in executed.cells[1].outputs
+    )
+    # unguarded: the warning fails it
+    test.source = "assert train_step(torch.ones(3, requires_grad=True)) == 6.0"
     [result] = grade(execute(new_notebook(cells=[answer, test]), tmp_path))
     assert not result.passed and "requires_grad=True to a scalar" in result.error
 
@@ -111,7 +151,9 @@ def test_release_never_overwrites_a_learners_work(tmp_path):
     src.mkdir()
     nbformat.write(_toy_notebook(), src / "01_x.ipynb")
     assert release(src, out) == [out / "01_x.ipynb"]
-    (out / "01_x.ipynb").write_text((out / "01_x.ipynb").read_text().replace("YOUR CODE HERE", "my work"))
+    (out / "01_x.ipynb").write_text(
+        (out / "01_x.ipynb").read_text().replace("YOUR CODE HERE", "my work")
+    )
     assert release(src, out) == []
     assert "my work" in (out / "01_x.ipynb").read_text()
     with pytest.raises(FileNotFoundError, match="no folder"):
@@ -131,12 +173,21 @@ def test_release_refuses_the_source_folder_however_it_is_spelled(tmp_path, monke
     link = tmp_path / "link"
     link.symlink_to(src)
     monkeypatch.chdir(tmp_path)
-    for out in [src, Path("src"), Path("src/../src"), tmp_path / "out" / ".." / "src", link, src / "sub", NOTEBOOKS]:
+    for out in [
+        src,
+        Path("src"),
+        Path("src/../src"),
+        tmp_path / "out" / ".." / "src",
+        link,
+        src / "sub",
+        NOTEBOOKS,
+    ]:
         with raises(BadValue, "out"):  # the source folder, however it is spelled
             release(src, out)
     out = tmp_path / "out"
     out.mkdir()
-    (out / "01_x.ipynb").symlink_to(src / "01_x.ipynb")  # a learner's file that is the source itself
+    # a learner's file that is the source itself
+    (out / "01_x.ipynb").symlink_to(src / "01_x.ipynb")
     assert release(src, out) == []
     assert (src / "01_x.ipynb").read_bytes() == before
     assert not (src / "sub").exists()
@@ -146,7 +197,10 @@ def test_release_command_line(tmp_path, capsys):
     from ar_lab.course.grading.exercises import main
 
     assert main(["release", "--chapter", "00", "--out", str(tmp_path / "c")]) == 0
-    assert sorted(p.name for p in (tmp_path / "c").iterdir()) == ["00_start_here.ipynb", "glossary.md"]
+    assert sorted(p.name for p in (tmp_path / "c").iterdir()) == [
+        "00_start_here.ipynb",
+        "glossary.md",
+    ]
     assert "wrote 1 student notebook(s) and the glossary" in capsys.readouterr().out
     assert main(["release", "--chapter", "00", "--out", str(tmp_path / "c")]) == 0
     assert "kept 1 already there" in capsys.readouterr().out
@@ -168,18 +222,22 @@ def test_release_command_line(tmp_path, capsys):
 
 
 def test_every_graded_cell_lets_run_all_go_on_and_is_still_checked_by_nbval():
-    """raises-exception lets a learner's Run All pass a failing test; it would also let nbval pass a source
-    notebook whose own test fails, so every graded cell also carries nbval-check-output: nbval compares
-    its output with the committed one (the test's verdict), which holds no error."""
+    """raises-exception lets a learner's Run All pass a failing test; it would also let nbval pass a
+    source notebook whose own test fails, so every graded cell also carries nbval-check-output:
+    nbval compares its output with the committed one (the test's verdict), which holds no error."""
     for path in WITH_EXERCISES:
         nb = nbformat.read(path, as_version=4)
         for i, meta in graded_cells(nb):
             cell = nb.cells[i]
             tags = cell.metadata.get("tags", [])
-            assert {"raises-exception", "nbval-check-output"} <= set(tags), f"{path.name} {meta['grade_id']}: {tags}"
+            assert {"raises-exception", "nbval-check-output"} <= set(tags), (
+                f"{path.name} {meta['grade_id']}: {tags}"
+            )
             kinds = [o.output_type for o in cell.outputs]
             said = "".join(o.get("text", "") for o in cell.outputs)
-            assert "error" not in kinds and said.startswith("✔"), f"{path.name} {meta['grade_id']}: {kinds} {said!r}"
+            assert "error" not in kinds and said.startswith("✔"), (
+                f"{path.name} {meta['grade_id']}: {kinds} {said!r}"
+            )
 
 
 def test_grade_ids_are_unique_across_the_course():
@@ -194,44 +252,60 @@ def test_grade_ids_are_unique_across_the_course():
 
 
 def run_all(nb: nbformat.NotebookNode, cwd: Path, *, timeout: int = 300) -> nbformat.NotebookNode:
-    """JupyterLab's Run All, headless: every cell in order, stopping at the first error in a cell without
-    the ``raises-exception`` tag (nbclient honours the tag as JupyterLab does)."""
+    """JupyterLab's Run All, headless: every cell in order, stopping at the first error in a cell
+    without the ``raises-exception`` tag (nbclient honours the tag as JupyterLab does)."""
     from nbclient import NotebookClient
 
     nb = copy.deepcopy(nb)
-    NotebookClient(nb, timeout=timeout, allow_errors=False, resources={"metadata": {"path": str(cwd)}}).execute()
+    NotebookClient(
+        nb, timeout=timeout, allow_errors=False, resources={"metadata": {"path": str(cwd)}}
+    ).execute()
     return nb
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("path", WITH_EXERCISES, ids=[p.stem for p in WITH_EXERCISES])
 def test_run_all_reaches_the_end_of_the_student_version(path):
-    """A learner who has done no exercise runs the whole chapter: Run All reaches the last cell; every
-    graded test cell fails (nbgrader's grade: 0 points), because the answer is missing (never because
-    a cell it needs failed); no other cell fails; the cells that use a learner's piece run on ar_lab's
-    and say so."""
+    """A learner who has done no exercise runs the whole chapter: Run All reaches the last cell;
+    every graded test cell fails (nbgrader's grade: 0 points), because the answer is missing (never
+    because a cell it needs failed); no other cell fails; the cells that use a learner's piece run
+    on ar_lab's and say so."""
     source = nbformat.read(path, as_version=4)
-    answers = set().union(*(names(c.source)[0] for c in source.cells if nbgrader_meta(c).get("solution")))
-    executed = run_all(student_version(source), path.parent)  # raises CellExecutionError if Run All stops
+    answers = set().union(
+        *(names(c.source)[0] for c in source.cells if nbgrader_meta(c).get("solution"))
+    )
+    # raises CellExecutionError if Run All stops
+    executed = run_all(student_version(source), path.parent)
     code = [c for c in executed.cells if c.cell_type == "code"]
-    assert all(c.execution_count is not None for c in code), f"{path.name}: Run All did not reach the end"
+    assert all(c.execution_count is not None for c in code), (
+        f"{path.name}: Run All did not reach the end"
+    )
     results = grade(executed)
     assert results, f"{path.name} has no graded cells"
     passing = [r.grade_id for r in results if r.passed]
     assert not passing, f"{path.name}: these tests pass without the learner's work: {passing}"
-    missing = re.compile(r"^NotImplementedError|^CheckFailed: .*: not implemented yet|^NameError: name '(\w+)' is not")
+    missing = re.compile(
+        r"^NotImplementedError|^CheckFailed: .*: not implemented yet|^NameError: name '(\w+)' is "
+        r"not"
+    )
     wrong = {r.grade_id: r.error[:200] for r in results
              if not (m := missing.match(r.error)) or (m.group(1) and m.group(1) not in answers)}
     assert not wrong, f"{path.name}: failed for a reason other than the missing answer: {wrong}"
     for i, cell in enumerate(executed.cells):
         if any(o.get("output_type") == "error" for o in cell.get("outputs", [])):
             meta = nbgrader_meta(cell)
-            assert meta.get("grade") or meta.get("solution"), f"{path.name}: cell {i} failed and is no exercise"
+            assert meta.get("grade") or meta.get("solution"), (
+                f"{path.name}: cell {i} failed and is no exercise"
+            )
     said = "".join(o.get("text", "") for c in code for o in c.get("outputs", []))
-    assert "▶ this runs on your" not in said, f"{path.name}: a cell claims to run the learner's unfinished piece"
+    assert "▶ this runs on your" not in said, (
+        f"{path.name}: a cell claims to run the learner's unfinished piece"
+    )
     uses = re.compile(r"\byours_or_ours\(")
     if any(uses.search(c.source) for c in source.cells):
-        assert "this runs on ar_lab's" in said, f"{path.name}: no cell said it fell back to ar_lab's piece"
+        assert "this runs on ar_lab's" in said, (
+            f"{path.name}: no cell said it fell back to ar_lab's piece"
+        )
 
 
 @pytest.mark.slow
@@ -247,24 +321,46 @@ def test_the_installed_package_carries_no_solution(tmp_path):
     from ar_lab.course.grading.exercises import _SOLUTION
 
     root = Path(__file__).resolve().parent.parent
-    subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", str(root),
-                    "-w", str(tmp_path)], check=True, capture_output=True, timeout=300)
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "--no-deps",
+            "--no-build-isolation",
+            "-q",
+            str(root),
+            "-w",
+            str(tmp_path),
+        ],
+        check=True,
+        capture_output=True,
+        timeout=300,
+    )
     [wheel] = tmp_path.glob("ar_lab-*.whl")
     with zipfile.ZipFile(wheel) as z:
         texts = {n: z.read(n).decode("utf-8", "replace") for n in z.namelist()}
     assert texts and all(n.startswith(("ar_lab/", "ar_lab-")) for n in texts), list(texts)
     assert not [n for n in texts if n.endswith(".ipynb")]
     assert not [n for n, text in texts.items() if _SOLUTION.search(text)]
-    source = "".join(c.source for c in nbformat.read(NOTEBOOKS / "06_sampling.ipynb", as_version=4).cells)
+    source = "".join(
+        c.source for c in nbformat.read(NOTEBOOKS / "06_sampling.ipynb", as_version=4).cells
+    )
     assert _SOLUTION.search(source), "the check finds a solution region where there is one"
 
 
 WRONG_SAMPLERS = {
-    "min-p in another order than ar_lab's": ("T=1.5, min-p 0.1", """
+    "min-p in another order than ar_lab's": (
+        "T=1.5, min-p 0.1",
+        """
 def my_sampler_probabilities(logits, params):
     p = torch.softmax(logits.float(), -1)
-    p = torch.where(p >= params.min_p * p.max(), p, 0.0)  # min-p on the untempered distribution: not ar_lab's order
-    probs = my_temperature_probabilities(torch.where(p > 0, logits.float(), float("-inf")), params.temperature)
+    # min-p on the untempered distribution: not ar_lab's order
+    p = torch.where(p >= params.min_p * p.max(), p, 0.0)
+    probs = my_temperature_probabilities(
+        torch.where(p > 0, logits.float(), float("-inf")), params.temperature
+    )
     if params.top_k is not None and params.top_k < len(probs):
         probs = torch.where(probs >= probs.topk(params.top_k).values[-1], probs, 0.0)
         probs = probs / probs.sum()
@@ -276,8 +372,11 @@ def my_sample(logits, params, generator=None):
     if params.greedy:
         return int(logits.argmax())
     return int(torch.multinomial(my_sampler_probabilities(logits, params), 1, generator=generator))
-"""),
-    "a draw that ignores the generator": ("50 draws of my_sample", """
+""",
+    ),
+    "a draw that ignores the generator": (
+        "50 draws of my_sample",
+        """
 def my_sampler_probabilities(logits, params):
     probs = my_temperature_probabilities(logits, params.temperature)
     if params.top_k is not None and params.top_k < len(probs):
@@ -293,16 +392,19 @@ def my_sampler_probabilities(logits, params):
 def my_sample(logits, params, generator=None):
     if params.greedy:
         return int(logits.argmax())
-    return int(torch.multinomial(my_sampler_probabilities(logits, params), 1))  # the global generator
-"""),
+    # the global generator
+    return int(torch.multinomial(my_sampler_probabilities(logits, params), 1))
+""",
+    ),
 }
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("mistake", WRONG_SAMPLERS)
 def test_a_wrong_sampler_fails_the_distribution_comparison(mistake):
-    """Chapter 06's whole-sampler exercise, answered with a classic mistake: its graded test fails at the
-    setting that exposes it (the distribution, or the draws), while the other exercises keep passing."""
+    """Chapter 06's whole-sampler exercise, answered with a classic mistake: its graded test fails
+    at the setting that exposes it (the distribution, or the draws), while the other exercises keep
+    passing."""
     from ar_lab.course.grading.exercises import exercises_only
 
     path = NOTEBOOKS / "06_sampling.ipynb"
@@ -312,21 +414,33 @@ def test_a_wrong_sampler_fails_the_distribution_comparison(mistake):
     cell.source = answer.strip()
     results = {r.grade_id: r for r in grade(execute(exercises_only(nb), path.parent))}
     verdict = results["ch06-sampler-tests"]
-    assert not verdict.passed and verdict.error.startswith("CheckFailed") and where in verdict.error, verdict.error
+    assert (
+        not verdict.passed and verdict.error.startswith("CheckFailed") and where in verdict.error
+    ), verdict.error
     if mistake.startswith("min-p"):  # a mistake ar_lab.course.checkers.mistakes knows is named
-        assert "what min-p before the temperature (on the untempered distribution) gives" in verdict.error
+        assert (
+            "what min-p before the temperature (on the untempered distribution) gives"
+            in verdict.error
+        )
     assert all(r.passed for gid, r in results.items() if gid != "ch06-sampler-tests"), results
 
 
 @pytest.mark.parametrize("path", WITH_EXERCISES, ids=[p.stem for p in WITH_EXERCISES])
 def test_the_committed_chapter_runs_its_experiments_on_the_learners_pieces(path):
-    """In the source notebook (every answer written), each cell that picks a learner's piece ran on it: its
-    committed output says so (the README's chapter table names these cells). With no answer written, the same
-    cells fall back to ar_lab's (test_run_all_reaches_the_end_of_the_student_version)."""
+    """In the source notebook (every answer written), each cell that picks a learner's piece ran on
+    it: its committed output says so (the README's chapter table names these cells). With no answer
+    written, the same cells fall back to ar_lab's
+    (test_run_all_reaches_the_end_of_the_student_version)."""
     nb = nbformat.read(path, as_version=4)
-    picks = [c for c in nb.cells if c.cell_type == "code" and re.search(r"\byours_or_ours\(", c.source)]
-    assert picks or path.stem[:2] in {"00", "01"}, f"{path.name}: no experiment runs on the learner's pieces"
+    picks = [
+        c for c in nb.cells if c.cell_type == "code" and re.search(r"\byours_or_ours\(", c.source)
+    ]
+    assert picks or path.stem[:2] in {"00", "01"}, (
+        f"{path.name}: no experiment runs on the learner's pieces"
+    )
     for cell in picks:
         said = "".join(o.get("text", "") for o in cell.get("outputs", []))
         assert "▶ this runs on your" in said and "▷" not in said, (
-            f"{path.name}: a cell that picks the learner's piece did not run on it:\n{cell.source[:300]}")
+            f"{path.name}: a cell that picks the learner's piece did not run on it:\n"
+            f"{cell.source[:300]}"
+        )

@@ -55,7 +55,12 @@ def test_stops_at_eos_and_excludes_it():
 def test_first_token_eos_gives_empty_text_and_real_stats():
     model = ScriptedModel([EOS_ID], 1)
     g = generate(model, "a", 5)
-    assert g.text == "" and g.tokens == [] and g.stats.stop_reason == "eos" and g.stats.forward_calls == 1
+    assert (
+        g.text == ""
+        and g.tokens == []
+        and g.stats.stop_reason == "eos"
+        and g.stats.forward_calls == 1
+    )
 
 
 def test_max_new_tokens_cap():
@@ -90,9 +95,30 @@ def test_timings_are_recorded(tiny_model):
 
 def test_seeded_sampling_is_reproducible(tiny_model):
     params = SamplingParams(temperature=1.0)
-    a = generate(tiny_model, "x", 30, sampling=params, generator=torch.Generator().manual_seed(3), eos_id=None)
-    b = generate(tiny_model, "x", 30, sampling=params, generator=torch.Generator().manual_seed(3), eos_id=None)
-    c = generate(tiny_model, "x", 30, sampling=params, generator=torch.Generator().manual_seed(4), eos_id=None)
+    a = generate(
+        tiny_model,
+        "x",
+        30,
+        sampling=params,
+        generator=torch.Generator().manual_seed(3),
+        eos_id=None,
+    )
+    b = generate(
+        tiny_model,
+        "x",
+        30,
+        sampling=params,
+        generator=torch.Generator().manual_seed(3),
+        eos_id=None,
+    )
+    c = generate(
+        tiny_model,
+        "x",
+        30,
+        sampling=params,
+        generator=torch.Generator().manual_seed(4),
+        eos_id=None,
+    )
     assert a.tokens == b.tokens and a.tokens != c.tokens
 
 
@@ -124,8 +150,8 @@ def test_token_steps_restores_training_mode(tiny_model):
 
 
 def test_options_after_the_budget_are_keyword_only(tiny_model):
-    # each fourth argument is valid as its keyword (use_cache=False, sampling=GREEDY, seed=1): the only TypeError
-    # these calls can raise is Python's own, for an option passed by position
+    # each fourth argument is valid as its keyword (use_cache=False, sampling=GREEDY, seed=1): the
+    # only TypeError these calls can raise is Python's own, for an option passed by position
     for call in (generate, stream, token_steps):
         with pytest.raises(TypeError):
             call(tiny_model, "a", 3, False)
@@ -186,10 +212,15 @@ def test_a_paused_stream_leaves_training_mode_and_gradients_on(tiny_model):
         assert tiny_model.training, name
         assert torch.is_grad_enabled() and not torch.is_inference_mode_enabled(), name
         tiny_model.zero_grad()
-        tiny_model(torch.tensor([[1, 2, 3]])).sum().backward()  # a training step during the pause works
+        # a training step during the pause works
+        tiny_model(torch.tensor([[1, 2, 3]])).sum().backward()
         assert tiny_model.wte.weight.grad is not None and tiny_model.wte.weight.grad.abs().sum() > 0
         rest = list(steps)
-        tokens = [e.token for e in [first, *rest] if e.token >= 0] if name == "stream" else [first, *rest]
+        tokens = (
+            [e.token for e in [first, *rest] if e.token >= 0]
+            if name == "stream"
+            else [first, *rest]
+        )
         assert tokens == whole, name  # the pause changed nothing in the generation
         assert tiny_model.training, name
 
@@ -202,7 +233,9 @@ def test_sampler_view_refuses_active_dropout_and_never_switches_the_model():
     with raises(BadValue, 'model'):
         sampler_view(model, "hello", SamplingParams(), seed=1, n_samples=2, max_new_tokens=5)
     assert model.training  # refused, not switched
-    got = sampler_view(model.eval(), "hello", SamplingParams(), seed=1, n_samples=2, max_new_tokens=5)
+    got = sampler_view(
+        model.eval(), "hello", SamplingParams(), seed=1, n_samples=2, max_new_tokens=5
+    )
     assert torch.equal(got.before, want.before) and got.continuations == want.continuations
 
 
@@ -225,7 +258,14 @@ def test_sample_batch_matches_generate_row_by_row(tiny_model):
     params = SamplingParams(temperature=1.0, top_k=20)
     options = dict(sampling=params, eos_id=None)
     a = sample_batch(tiny_model, prompts, 8, generator=torch.Generator().manual_seed(0), **options)
-    b = sample_batch(tiny_model, prompts, 8, generator=torch.Generator().manual_seed(0), use_cache=False, **options)
+    b = sample_batch(
+        tiny_model,
+        prompts,
+        8,
+        generator=torch.Generator().manual_seed(0),
+        use_cache=False,
+        **options,
+    )
     assert a == b  # same draws, cached or not
     with raises(BadValue, 'prompts'):
         sample_batch(tiny_model, ["a", "bc"], 3)
@@ -254,7 +294,9 @@ def test_sampler_view_is_a_pure_function_of_its_arguments(tiny_model):
     nucleus = sampler_view(tiny_model, "hello", SamplingParams(top_p=0.5), n_samples=0)
     assert nucleus.kept_mass >= 0.5 - 1e-6 and nucleus.continuations == []
     greedy = sampler_view(tiny_model, "hello", GREEDY, seed=1, n_samples=3, max_new_tokens=6)
-    assert greedy.n_kept == 1 and len(set(greedy.continuations)) == 1 and greedy.entropy_after == 0.0
+    assert (
+        greedy.n_kept == 1 and len(set(greedy.continuations)) == 1 and greedy.entropy_after == 0.0
+    )
     with raises(BadValue, 'prompt'):
         sampler_view(tiny_model, "", params)
 
@@ -311,12 +353,20 @@ def test_a_cache_filled_from_another_prompt_gives_that_prompts_own_tokens(course
         shared = 0 if b[0] == "T" else len("import ")
         reused = generate(course, b, 25, eos_id=None, cache=cache)
         assert reused.tokens == fresh.tokens
-        assert reused.stats.positions_processed == len(b) - shared + 25 - 1  # only the differing part is prefilled
+        # only the differing part is prefilled
+        assert reused.stats.positions_processed == len(b) - shared + 25 - 1
         assert cache.token_ids == encode(b) + reused.tokens[:-1]
         generate(course, "import os\n", 12, eos_id=None, cache=cache)
-    streamed = [e.token for e in stream(course, "The with statement", 25, eos_id=None, cache=cache) if e.token >= 0]
+    streamed = [
+        e.token
+        for e in stream(course, "The with statement", 25, eos_id=None, cache=cache)
+        if e.token >= 0
+    ]
     assert streamed == generate(course, "The with statement", 25, eos_id=None).tokens
-    assert list(token_steps(course, "import os\n", 12, cache=cache)) == generate(course, "import os\n", 12).tokens
+    assert (
+        list(token_steps(course, "import os\n", 12, cache=cache))
+        == generate(course, "import os\n", 12).tokens
+    )
 
 
 def test_reuse_for_a_prompt_that_extends_the_cached_text_prefills_only_the_new_part(course):
@@ -354,9 +404,13 @@ def test_a_cache_holding_positions_of_unknown_tokens_is_refused(course):
     cache.length = 5
     for call in (generate, stream, token_steps):
         with raises(BadValue, 'cache'):
-            call(course, "The for statement", 10, cache=cache)  # refused at the call, before any token
+            # refused at the call, before any token
+            call(course, "The for statement", 10, cache=cache)
     cache.truncate(0)  # reuse only its memory
-    assert generate(course, "The for", 10, cache=cache).tokens == generate(course, "The for", 10).tokens
+    assert (
+        generate(course, "The for", 10, cache=cache).tokens
+        == generate(course, "The for", 10).tokens
+    )
 
 
 @functools.cache

@@ -1,4 +1,5 @@
-"""Chapter 05's GPU picture: the explorer's pure function, its plots and widget, and measured vs datasheet."""
+"""Chapter 05's GPU picture: the explorer's pure function, its plots and widget, and measured vs
+datasheet."""
 
 import json
 
@@ -20,7 +21,9 @@ def test_scenario_is_the_cost_model_at_the_datasheet_roofs():
     s = gv.gpu_scenario("H100 SXM", "Llama-2-13B", "bf16", batch=4, prompt_len=2000, context=2500)
     shape = lc.MODELS["Llama-2-13B"]
     assert s.gpu == gpus.GPUS["H100 SXM"]
-    assert s.prefill == lc.prefill_cost(shape, 2000, 4) and s.decode == lc.decode_cost(shape, 2500, 4)
+    assert s.prefill == lc.prefill_cost(shape, 2000, 4) and s.decode == lc.decode_cost(
+        shape, 2500, 4
+    )
     assert s.ttft == max(s.prefill.flops / 989.5e12, s.prefill.bytes / 3.35e12)
     assert s.tpot == s.decode.bytes / 3.35e12  # memory-bound: the bytes set the time
     assert s.tokens_per_s == 4 / s.tpot
@@ -84,7 +87,8 @@ def test_the_per_operator_plot_draws_both_operators_and_marks_what_does_not_fit(
     assert labels[1].startswith("weight matmuls")
     assert labels[2].startswith("attention over the cache, at every batch: 4.0")
     squares = [line for line in ax.lines if line.get_marker() == "s"]
-    assert [line.get_markerfacecolor() == "white" for line in squares] == [False, False, True]  # B = 64 > 59
+    # B = 64 > 59
+    assert [line.get_markerfacecolor() == "white" for line in squares] == [False, False, True]
     assert {t.get_text() for t in ax.texts} >= {"B=1", "B=16", "B=64"}
     plt.close(fig)
 
@@ -93,7 +97,8 @@ def test_the_per_operator_plot_draws_both_operators_and_marks_what_does_not_fit(
 
 
 def synthetic_gpu_result(tmp_path, tiny_model, name="NVIDIA H100 80GB HBM3"):
-    """A real run on the CPU, relabelled as a bf16 run on a GPU and written as data/roofline_gpu_*.json."""
+    """A real run on the CPU, relabelled as a bf16 run on a GPU and written as
+    data/roofline_gpu_*.json."""
     peaks = {"matmul_flops_per_s": 700e12, "bandwidth_bytes_per_s": 3.0e12, "matmul_size": 8192}
     result = measure.run_roofline(tiny_model, [4, 16], [1, 2], 8, peaks=peaks, repeats=1)
     result["device"] = {"type": "cuda", "name": name, "threads": 1, "cpus": 2}
@@ -113,10 +118,17 @@ def test_a_committed_gpu_json_is_compared_with_its_datasheet(tmp_path, tiny_mode
     assert c["roofs"]["bandwidth"][2] == pytest.approx(3.0 / 3.35)
     for row, p in zip(c["rows"], result["points"], strict=True):
         predicted = max(p["flops"] / 989.5e12, p["bytes"] / 3.35e12)
-        assert row["predicted_s"] == predicted and row["measured_over_predicted"] == p["seconds"] / predicted
+        assert (
+            row["predicted_s"] == predicted
+            and row["measured_over_predicted"] == p["seconds"] / predicted
+        )
         assert row["at_measured_roofs_s"] == max(p["flops"] / 700e12, p["bytes"] / 3.0e12)
     rows = gv.comparison_rows(c)
-    assert len(rows) == 4 and rows[0][:4] == ["prefill", 1, 4, 4] and len(rows[0]) == len(gv.COMPARISON_HEADERS)
+    assert (
+        len(rows) == 4
+        and rows[0][:4] == ["prefill", 1, 4, 4]
+        and len(rows[0]) == len(gv.COMPARISON_HEADERS)
+    )
     fig, ax = plt.subplots()
     gv.plot_measured_vs_spec(ax, result)
     labels = ax.get_legend_handles_labels()[1]
@@ -141,7 +153,9 @@ def test_result_label_names_the_cpu_threads():
     assert gv.result_label(cpu) == "Xeon, float32, 1 thread"
     cpu["device"]["threads"] = 2
     assert gv.result_label(cpu) == "Xeon, float32, 2 threads"
-    assert gv.result_label(json.loads(measure.reference_files()[0].read_text())).endswith("float32, 1 thread")
+    assert gv.result_label(json.loads(measure.reference_files()[0].read_text())).endswith(
+        "float32, 1 thread"
+    )
 
 
 def test_measure_gpu_runs_the_same_path_on_a_cpu():
@@ -155,7 +169,11 @@ def test_measure_gpu_runs_the_same_path_on_a_cpu():
         matmul_size=64,
         buffer_bytes=2**20,
     )
-    assert [(p["phase"], p["batch"]) for p in result["points"]] == [("prefill", 1), ("decode", 1), ("decode", 2)]
+    assert [(p["phase"], p["batch"]) for p in result["points"]] == [
+        ("prefill", 1),
+        ("decode", 1),
+        ("decode", 2),
+    ]
     assert gv.measure_config(80e9).n_embd == 4096 and gv.measure_config(16e9).n_embd == 2048
     assert gv.measure_config(8e9).n_embd == 2048
 
@@ -166,16 +184,26 @@ def test_measure_gpu_runs_the_same_path_on_a_cpu():
 def test_gpu_explorer_follows_its_controls():
     ex = GPUExplorer()
     s = ex.scenario
-    assert (s.gpu.name, s.model.name, s.weight_dtype, s.batch) == ("H100 SXM", "Llama-2-13B", "bf16", 1)
+    assert (s.gpu.name, s.model.name, s.weight_dtype, s.batch) == (
+        "H100 SXM",
+        "Llama-2-13B",
+        "bf16",
+        1,
+    )
     assert "fits" in ex.status.value and f"<b>{format_time(s.tpot)}</b>" in ex.status.value
     assert ex.image.value[:4] == b"\x89PNG"
     ex.gpu.value = "T4"  # 26 GB of bf16 weights on a 16 GB card
-    assert not ex.scenario.fits and "does not fit" in ex.status.value and "(if it fitted)" in ex.status.value
+    assert (
+        not ex.scenario.fits
+        and "does not fit" in ex.status.value
+        and "(if it fitted)" in ex.status.value
+    )
     ex.dtype.value = "int4"
     assert ex.scenario.fits and ex.scenario.weights == 0.5 * lc.MODELS["Llama-2-13B"].parameters
     tpot1 = ex.scenario.tpot
     ex.batch.value = 4
-    # 4x the tokens per step, but each sequence reads its own 2 GB cache against 6.5 GB of int4 weights
+    # 4x the tokens per step, but each sequence reads its own 2 GB cache against 6.5 GB of int4
+    # weights
     assert ex.scenario.fits and 2 < ex.scenario.tokens_per_s * tpot1 < 3
     ex.batch.value = 64
     assert "at most 4 sequence(s) fit" in ex.status.value
@@ -185,10 +213,15 @@ def test_gpu_explorer_follows_its_controls():
     ex.batch.value = 1024
     ex.context.value = 128
     ex.prompt_len.value = 128
-    assert ex.scenario.bound(ex.scenario.decode) == "compute" and "compute-bound from batch 511" in ex.status.value
+    assert (
+        ex.scenario.bound(ex.scenario.decode) == "compute"
+        and "compute-bound from batch 511" in ex.status.value
+    )
     image = ex.image.value
     ex.context.value = 9000  # past Llama-3-8B's window: a message, the last plot kept
-    assert ex.scenario is None and "context window of 8,192" in ex.error and "8,192" in ex.status.value
+    assert (
+        ex.scenario is None and "context window of 8,192" in ex.error and "8,192" in ex.status.value
+    )
     assert ex.image.value == image
     ex.context.value = 4096
     assert ex.error == "" and ex.scenario.context == 4096

@@ -1,4 +1,5 @@
-"""Grading an instructor can trust: nbgrader's own commands, run from a course folder `course` lays out.
+"""Grading an instructor can trust: nbgrader's own commands, run from a course folder `course` lays
+out.
 
 The end-to-end tests run the commands INSTRUCTORS.md shows (the ``nbgrader ...`` strings
 below; tests/test_instructors.py checks the guide against them) on one chapter with
@@ -52,7 +53,12 @@ def nbgrader(folder: Path, command: str, **fields) -> subprocess.CompletedProces
     path = f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"
     env = one_thread_env(dict(os.environ, PATH=path))
     return subprocess.run(
-        [sys.executable, "-m", "nbgrader", *args[1:]], cwd=folder, env=env, capture_output=True, text=True, timeout=900
+        [sys.executable, "-m", "nbgrader", *args[1:]],
+        cwd=folder,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
     )
 
 
@@ -65,16 +71,30 @@ def test_course_lays_out_an_nbgrader_course_folder(tmp_path):
     source = folder / "source" / ASSIGNMENT / f"{ASSIGNMENT}.ipynb"
     assert source.read_bytes() == (NOTEBOOKS / f"{ASSIGNMENT}.ipynb").read_bytes()
     assert (folder / "source" / "06_sampling" / "06_sampling.ipynb").exists()
-    assert (folder / "source" / "06b_beam_search_and_constraints" / "06b_beam_search_and_constraints.ipynb").exists()
+    assert (
+        folder
+        / "source"
+        / "06b_beam_search_and_constraints"
+        / "06b_beam_search_and_constraints.ipynb"
+    ).exists()
     assert sorted(p.name for p in written) == [  # a chapter and its parts
-        "00_start_here.ipynb", "06_sampling.ipynb", "06b_beam_search_and_constraints.ipynb", "nbgrader_config.py"]
+        "00_start_here.ipynb",
+        "06_sampling.ipynb",
+        "06b_beam_search_and_constraints.ipynb",
+        "nbgrader_config.py",
+    ]
     config = (folder / "nbgrader_config.py").read_text()
     compile(config, "nbgrader_config.py", "exec")
     assert config == nbgrader_config(timeout=7)
-    settings = ['c.CourseDirectory.course_id = "ar_lab"', "c.Execute.timeout = 7", "add_missing_cells = True"]
+    settings = [
+        'c.CourseDirectory.course_id = "ar_lab"',
+        "c.Execute.timeout = 7",
+        "add_missing_cells = True",
+    ]
     for setting in settings:
         assert setting in config
-    assert "os.environ" not in config  # autograde's kernels run as nbgrader starts them: the course's step is after
+    # autograde's kernels run as nbgrader starts them: the course's step is after
+    assert "os.environ" not in config
     assert course(folder, chapters=["0"]) == []  # unchanged: nothing to write
 
 
@@ -95,7 +115,13 @@ def test_course_keeps_what_is_there_unless_told(tmp_path):
 def test_course_never_writes_into_the_source_notebooks(tmp_path):
     link = tmp_path / "link"
     link.symlink_to(NOTEBOOKS)
-    for folder in [NOTEBOOKS, NOTEBOOKS / "grading", NOTEBOOKS / ".." / "notebooks", link, link / "sub"]:
+    for folder in [
+        NOTEBOOKS,
+        NOTEBOOKS / "grading",
+        NOTEBOOKS / ".." / "notebooks",
+        link,
+        link / "sub",
+    ]:
         with raises(BadValue, "folder"):  # the source folder itself
             course(folder, chapters=["0"])
     inside = tmp_path / "grading" / "source" / ASSIGNMENT
@@ -112,7 +138,12 @@ def test_course_command_line(tmp_path, capsys):
 
     assert main(["course", str(tmp_path / "g"), "--chapter", "00", "--timeout", "30"]) == 0
     assert "c.Execute.timeout = 30" in (tmp_path / "g" / "nbgrader_config.py").read_text()
-    for bad in [["--chapter", "abc"], ["--chapter", "42"], ["--timeout", "0"], ["--src", str(tmp_path / "nope")]]:
+    for bad in [
+        ["--chapter", "abc"],
+        ["--chapter", "42"],
+        ["--timeout", "0"],
+        ["--src", str(tmp_path / "nope")],
+    ]:
         assert main(["course", str(tmp_path / "h"), *bad]) == 2
         err = capsys.readouterr().err
         assert err.count("\n") == 1 and "error" in err and "Traceback" not in err
@@ -123,7 +154,9 @@ def test_course_command_line(tmp_path, capsys):
 
 def _exercises(source):
     """[(solution grade_id, test grade_id, points)] in notebook order."""
-    solutions = [nbgrader_meta(c)["grade_id"] for c in source.cells if nbgrader_meta(c).get("solution")]
+    solutions = [
+        nbgrader_meta(c)["grade_id"] for c in source.cells if nbgrader_meta(c).get("solution")
+    ]
     tests = [(meta["grade_id"], float(meta["points"])) for _, meta in graded_cells(source)]
     assert len(solutions) == len(tests) >= 2, "the test needs a chapter with two exercises or more"
     return [(s, t, p) for s, (t, p) in zip(solutions, tests, strict=True)]
@@ -134,7 +167,8 @@ def _index(nb, grade_id):
 
 
 def _submissions(source, released):
-    """Student -> (notebook or raw text, file name). Exercise 1 and 2 are the chapter's first two."""
+    """Student -> (notebook or raw text, file name). Exercise 1 and 2 are the chapter's first
+    two."""
     (sol1, test1, _), (sol2, test2, _) = _exercises(source)[:2]
 
     def edit(nb, grade_id, text):
@@ -151,7 +185,8 @@ def _submissions(source, released):
     del deleted.cells[_index(deleted, test1)]
     duplicated = solved(released, sol1)
     copies = [copy.deepcopy(duplicated.cells[_index(duplicated, test1)]) for _ in range(2)]
-    for n, cell in enumerate(copies):  # what a copy-paste in JupyterLab gives: same metadata, new cell id
+    # what a copy-paste in JupyterLab gives: same metadata, new cell id
+    for n, cell in enumerate(copies):
         cell["id"] = f"copy-{n}"
     at = _index(duplicated, test1) + 1
     duplicated.cells[at:at] = copies
@@ -191,11 +226,13 @@ def _scores(folder):
 
 @pytest.fixture(scope="module")
 def graded(tmp_path_factory):
-    """Lay out the course, release, grade every submission once, regrade the renamed one, feedback, export."""
+    """Lay out the course, release, grade every submission once, regrade the renamed one, feedback,
+    export."""
     from ar_lab.course.grading.exercises import exercises_only
 
     root = tmp_path_factory.mktemp("graded")
-    cut = root / "cut"  # the chapter cut to its exercises: eleven autograde runs of the experiments would add minutes
+    # the chapter cut to its exercises: eleven autograde runs of the experiments would add minutes
+    cut = root / "cut"
     cut.mkdir()
     nbformat.write(exercises_only(nbformat.read(NOTEBOOKS / f"{ASSIGNMENT}.ipynb", as_version=4)),
                    cut / f"{ASSIGNMENT}.ipynb")
@@ -231,8 +268,12 @@ def test_every_submission_is_graded_or_reported_and_none_stops_the_others(graded
     total = sum(p for _, _, p in _exercises(graded["source"]))
     scores = graded["first"]
     log = graded["autograde"].stdout + graded["autograde"].stderr
-    reported = set(re.findall(rf"error processing assignment '{ASSIGNMENT}' for student '(\w+)'", log))
-    assert graded["autograde"].returncode != 0 and reported == {"exits", "corrupt", "renamed"}, log[-3000:]
+    reported = set(
+        re.findall(rf"error processing assignment '{ASSIGNMENT}' for student '(\w+)'", log)
+    )
+    assert graded["autograde"].returncode != 0 and reported == {"exits", "corrupt", "renamed"}, log[
+        -3000:
+    ]
     expected = {
         "complete": total,
         "empty": 0,
@@ -261,10 +302,17 @@ def test_graded_notebooks_run_the_instructors_tests(graded):
     autograded = graded["folder"] / "autograded"
     edited = nbformat.read(autograded / "edited" / ASSIGNMENT / f"{ASSIGNMENT}.ipynb", as_version=4)
     assert edited.cells[_index(edited, test1)].source == official  # hidden tests included
-    deleted = nbformat.read(autograded / "deleted" / ASSIGNMENT / f"{ASSIGNMENT}.ipynb", as_version=4)
+    deleted = nbformat.read(
+        autograded / "deleted" / ASSIGNMENT / f"{ASSIGNMENT}.ipynb", as_version=4
+    )
     assert official in deleted.cells[_index(deleted, test1)].source
     loop = nbformat.read(autograded / "loop" / ASSIGNMENT / f"{ASSIGNMENT}.ipynb", as_version=4)
-    errors = [o.get("ename") for c in loop.cells for o in c.get("outputs", []) if o.get("output_type") == "error"]
+    errors = [
+        o.get("ename")
+        for c in loop.cells
+        for o in c.get("outputs", [])
+        if o.get("output_type") == "error"
+    ]
     assert "CellTimeoutError" in errors
 
 
@@ -276,13 +324,17 @@ def test_renamed_submission_regraded_then_feedback_and_export(graded):
     assert graded["feedback"].returncode == 0, graded["feedback"].stderr[-3000:]
     for student, (_, _, needs_manual, _) in graded["final"].items():
         html = folder / "feedback" / student / ASSIGNMENT / f"{ASSIGNMENT}.html"
-        assert html.exists() == (not needs_manual), student  # a reported submission has no feedback yet
+        # a reported submission has no feedback yet
+        assert html.exists() == (not needs_manual), student
     assert graded["export"].returncode == 0, graded["export"].stderr[-3000:]
     with open(folder / "grades.csv") as f:
         rows = {row["student_id"]: row for row in csv.DictReader(f)}
     assert set(rows) == set(graded["final"])
     for student, (score, max_score, _, _) in graded["final"].items():
-        assert (float(rows[student]["score"]), float(rows[student]["max_score"])) == (score, max_score)
+        assert (float(rows[student]["score"]), float(rows[student]["max_score"])) == (
+            score,
+            max_score,
+        )
 
 
 @pytest.mark.slow
@@ -290,7 +342,8 @@ def test_release_matches_nbgrader_generate_assignment_for_every_chapter(tmp_path
     """nbgrader's generate_assignment (no gradebook needed) against ``release``, whole notebooks."""
     from ar_lab.course.grading.exercises import release
 
-    snapshot = tmp_path / "notebooks"  # both read the same files, whatever happens to notebooks/ meanwhile
+    # both read the same files, whatever happens to notebooks/ meanwhile
+    snapshot = tmp_path / "notebooks"
     snapshot.mkdir()
     for path in NOTEBOOKS.glob("*.ipynb"):
         shutil.copyfile(path, snapshot / path.name)

@@ -1,11 +1,12 @@
-"""A verdict the kernel cannot change: ``python -m ar_lab.course.grading`` after nbgrader's autograde, end to end.
+"""A verdict the kernel cannot change: ``python -m ar_lab.course.grading`` after nbgrader's
+autograde, end to end.
 
-Chapters 01 and 02, cut to their exercises, go through generate, autograde, then the grading step and export,
-with submissions that fool the kernel (patched checkers, swallowed errors, an emptied test cell) and that
-reach the reference where the kernel's guard does not look (a child process, the module copied under
-another name, its source run with ``exec``, a table of its outputs computed when the cell runs). Its own
-module (beside tests/test_grading.py) so that ``make test``'s two processes can each take one of the two
-nbgrader courses.
+Chapters 01 and 02, cut to their exercises, go through generate, autograde, then the grading step
+and export, with submissions that fool the kernel (patched checkers, swallowed errors, an emptied
+test cell) and that reach the reference where the kernel's guard does not look (a child process, the
+module copied under another name, its source run with ``exec``, a table of its outputs computed when
+the cell runs). Its own module (beside tests/test_grading.py) so that ``make test``'s two processes
+can each take one of the two nbgrader courses.
 """
 
 import copy
@@ -24,34 +25,43 @@ from ar_lab.course.grading import jail
 from ar_lab.course.grading.exercises import NOTEBOOKS, course, graded_cells
 from tests.conftest import one_thread_env
 
-GRADING = "python -m ar_lab.course.grading . {assignment}"  # the guide's step after autograde, from the course folder
+# the guide's step after autograde, from the course folder
+GRADING = "python -m ar_lab.course.grading . {assignment}"
 CH01, CH02 = "01_the_autoregressive_loop", "02_attention_and_the_causal_mask"
-FLOAT_MASK = "def causal_mask(T: int) -> torch.Tensor:\n    return torch.ones(T, T).tril()"  # a float 0/1 mask: wrong
+# a float 0/1 mask: wrong
+FLOAT_MASK = "def causal_mask(T: int) -> torch.Tensor:\n    return torch.ones(T, T).tril()"
 TAMPERING = {
     # wrong answer + three lines that patch the checkers the test cell imports: the kernel passes it
-    "patched": FLOAT_MASK + "\nimport ar_lab.course.checkers.checks as grader\nok = lambda *args, **kwargs: None\n"
-                            "grader.check_dtype = grader.check_equal = grader.check_shape = ok",
-    # wrong answer + an IPython AST transformer that wraps every later cell in try/except: the kernel passes it
-    # (a handler set with set_custom_exc hides the traceback, but nbgrader 0.9.6 reads the error from the reply)
-    "swallowed": FLOAT_MASK + """
+    "patched": FLOAT_MASK
+    + "\nimport ar_lab.course.checkers.checks as grader\nok = lambda *args, **kwargs: "
+    "None\ngrader.check_dtype = grader.check_equal = grader.check_shape = ok",
+    # wrong answer + an IPython AST transformer that wraps every later cell in try/except: the
+    # kernel passes it (a handler set with set_custom_exc hides the traceback, but nbgrader 0.9.6
+    # reads the error from the reply)
+    "swallowed": FLOAT_MASK
+    + """
 import ast
 class Swallow(ast.NodeTransformer):
     def visit_Module(self, node):
         catch = ast.ExceptHandler(ast.Name("Exception", ast.Load()), None, [ast.Pass()])
         return ast.fix_missing_locations(ast.Module([ast.Try(node.body, [catch], [], [])], []))
 get_ipython().ast_transformers.append(Swallow())""",
-    # wrong answer + the same three lines run by the judge's own shell, if the answer process could reach it
-    # (issue 66: the judge once bound its get_ipython for an answer that reads it); in the kernel, its own shell
-    "shell": FLOAT_MASK + "\ntry:\n    get_ipython().run_cell('import ar_lab.course.checkers.checks as grader\\n'\n"
-                          "        'grader.check_dtype = grader.check_equal = grader.check_shape = '\n"
-                          "        'lambda *a, **k: None')\nexcept Exception:\n    pass",
-    # wrong answer + an input transformer that empties the test cell: nothing runs, nothing is recorded
-    "transformed": FLOAT_MASK + "\nget_ipython().input_transformers_post.append(\n"
-                                "    lambda lines: ['pass\\n'] if 'causal_mask(3)' in ''.join(lines) else lines)",
+    # wrong answer + the same three lines run by the judge's own shell, if the answer process could
+    # reach it (issue 66: the judge once bound its get_ipython for an answer that reads it); in the
+    # kernel, its own shell
+    "shell": FLOAT_MASK
+    + "\ntry:\n    get_ipython().run_cell('import ar_lab.course.checkers.checks as "
+    "grader\\n'\n        'grader.check_dtype = grader.check_equal = grader.check_shape = "
+    "'\n        'lambda *a, **k: None')\nexcept Exception:\n    pass",
+    # wrong answer + an input transformer that empties the test cell: nothing runs, nothing is
+    # recorded
+    "transformed": FLOAT_MASK + "\nget_ipython().input_transformers_post.append(\n    lambda "
+    "lines: ['pass\\n'] if 'causal_mask(3)' in ''.join(lines) else lines)",
 }
-# Two of chapter 01's exercises answered by reaching the package's reference, four ways. Each generation loop
-# runs ar_lab's generate for the course model (a GPT) and a loop of its own for the test's
-# bigram model (the hidden EOS test); each next-token distribution builds ar_lab's BigramModel.
+# Two of chapter 01's exercises answered by reaching the package's reference, four ways. Each
+# generation loop runs ar_lab's generate for the course model (a GPT) and a loop of its own for the
+# test's bigram model (the hidden EOS test); each next-token distribution builds ar_lab's
+# BigramModel.
 OWN_LOOP = """
     ids, new = list(prompt), []
     for _ in range(max_new_tokens):
@@ -63,39 +73,62 @@ OWN_LOOP = """
     return new"""
 HEAD = "@torch.no_grad()\ndef my_generate(model, prompt, max_new_tokens, eos_id=EOS_ID):\n"
 DISTRIBUTION = "def next_token_distribution(counts, token, smoothing=0.1):\n"
-FORKED = HEAD + """    if model.config.n_layer > 1:  # the course model: a child process runs generate
+FORKED = (
+    HEAD
+    + """    if model.config.n_layer > 1:  # the course model: a child process runs generate
         import ast, subprocess, sys
         code = ("import ar_lab; model = ar_lab.load_pretrained('course', device='cpu'); "
-                f"print(ar_lab.generate(model, {list(prompt)!r}, {max_new_tokens}, use_cache=False).tokens)")
+                f"print(ar_lab.generate(model, {list(prompt)!r}, {max_new_tokens}, "
+                "use_cache=False).tokens)")
         out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True).stdout
-        return ast.literal_eval(out.strip().splitlines()[-1])""" + OWN_LOOP
-COPIED = DISTRIBUTION + """    import importlib, shutil, sys, tempfile  # the module copied under another name, imported
+        return ast.literal_eval(out.strip().splitlines()[-1])"""
+    + OWN_LOOP
+)
+COPIED = (
+    DISTRIBUTION
+    + """    # the module copied under another name, imported
+    import importlib, shutil, sys, tempfile
     import ar_lab.model.bigram
     folder = tempfile.mkdtemp()  # a graded kernel writes only in its temporary folder
     shutil.copy(ar_lab.model.bigram.__file__, folder + "/not_the_package.py")
     sys.path.insert(0, folder)
     copy = importlib.import_module("not_the_package")
     return copy.BigramModel(counts, smoothing=smoothing).log_probs[token].exp()"""
-TABLE = """_COURSE = ar_lab.load_pretrained("course", device="cpu")  # when the cell runs: before any test's guard
+)
+TABLE = (
+    """# when the cell runs: before any test's guard
+_COURSE = ar_lab.load_pretrained("course", device="cpu")
 _TABLE = {tuple(encode(p)): ar_lab.generate(_COURSE, p, n, use_cache=False).tokens
           for p in ("The ", "import ", "a") for n in (3, 20)}
 
 
-""" + HEAD + """    if model.config.n_layer > 1:  # the course model (a GPT), not the bigram model
-        return _TABLE[tuple(prompt)][:max_new_tokens]""" + OWN_LOOP
+"""
+    + HEAD
+    + """    if model.config.n_layer > 1:  # the course model (a GPT), not the bigram model
+        return _TABLE[tuple(prompt)][:max_new_tokens]"""
+    + OWN_LOOP
+)
 SOURCED = DISTRIBUTION + """    import inspect  # the module's source, run again with exec
     import ar_lab.model.bigram
     namespace = {}
     exec(inspect.getsource(ar_lab.model.bigram), namespace)
     return namespace["BigramModel"](counts, smoothing=smoothing).log_probs[token].exp()"""
-# Issue 66: the real package reached from the answer process, in a Python that ignores its environment and by
-# its file's path (as seen from the learner's kernel, where the package is there).
-ISOLATED = HEAD + """    if model.config.n_layer > 1:  # the course model: python -I (no PYTHONPATH) runs generate
+# Issue 66: the real package reached from the answer process, in a Python that ignores its
+# environment and by its file's path (as seen from the learner's kernel, where the package is
+# there).
+ISOLATED = (
+    HEAD
+    + """    # the course model: python -I (no PYTHONPATH) runs generate
+    if model.config.n_layer > 1:
         import ast, subprocess, sys
         code = ("import ar_lab; model = ar_lab.load_pretrained('course', device='cpu'); "
-                f"print(ar_lab.generate(model, {list(prompt)!r}, {max_new_tokens}, use_cache=False).tokens)")
-        out = subprocess.run([sys.executable, "-I", "-c", code], capture_output=True, text=True).stdout
-        return ast.literal_eval(out.strip().splitlines()[-1])""" + OWN_LOOP
+                f"print(ar_lab.generate(model, {list(prompt)!r}, {max_new_tokens}, "
+                "use_cache=False).tokens)")
+        out = subprocess.run([sys.executable, "-I", "-c", code], capture_output=True,
+                             text=True).stdout
+        return ast.literal_eval(out.strip().splitlines()[-1])"""
+    + OWN_LOOP
+)
 REAL_BIGRAM = str(NOTEBOOKS.parent / "ar_lab" / "model" / "bigram.py")
 BY_PATH = DISTRIBUTION + f"""    import importlib.util  # the real module, loaded by its file's path
     spec = importlib.util.spec_from_file_location("bigram_by_path", {REAL_BIGRAM!r})
@@ -106,19 +139,21 @@ LOOP, NEXT = "ch01-generate-loop", "ch01-next-token-distribution"
 REACHES = {"reaches": {LOOP: FORKED, NEXT: COPIED}, "computes": {LOOP: TABLE, NEXT: SOURCED},
            "escapes": {LOOP: ISOLATED, NEXT: BY_PATH}}
 ROUTES = [("reaches", LOOP), ("reaches", NEXT), ("computes", LOOP), ("computes", NEXT)]
-ROUTES += [("escapes", LOOP), ("escapes", NEXT)] if jail.confining() else []  # the sandbox hides the package
+# the sandbox hides the package
+ROUTES += [("escapes", LOOP), ("escapes", NEXT)] if jail.confining() else []
 
 
-# Chapter 01's answer in the torch.tensor(counts[token]) style: torch warns (copy-constructing a tensor), still right.
+# Chapter 01's answer in the torch.tensor(counts[token]) style: torch warns (copy-constructing a
+# tensor), still right.
 WARNS = ("def next_token_distribution(counts, token, smoothing=0.1):\n"
          "    row = torch.tensor(counts[token], dtype=torch.float64) + smoothing\n"
          "    return (row / row.sum()).float()")
 
 
 def hostile(folder, assignment, answer):
-    """``answer`` after code that tries to write where a submission must not: the instructor's source notebook,
-    another student's submitted copy, the course's nbgrader_config.py, and extra credit in gradebook.db. It
-    prints what was refused (every write, in the sandbox)."""
+    """``answer`` after code that tries to write where a submission must not: the instructor's
+    source notebook, another student's submitted copy, the course's nbgrader_config.py, and extra
+    credit in gradebook.db. It prints what was refused (every write, in the sandbox)."""
     return f"""import sqlite3
 COURSE = {str(folder)!r}
 refused = []
@@ -140,10 +175,17 @@ print("refused:", *refused)
 
 
 def course_files(folder):
-    """Every file of the course folder a submission must not change: source/, release/, submitted/ (all
-    students') and nbgrader_config.py, path -> bytes."""
-    files = [folder / "nbgrader_config.py", *(p for d in ("source", "release", "submitted")
-                                                for p in sorted((folder / d).rglob("*")) if p.is_file())]
+    """Every file of the course folder a submission must not change: source/, release/, submitted/
+    (all students') and nbgrader_config.py, path -> bytes."""
+    files = [
+        folder / "nbgrader_config.py",
+        *(
+            p
+            for d in ("source", "release", "submitted")
+            for p in sorted((folder / d).rglob("*"))
+            if p.is_file()
+        ),
+    ]
     return {str(p.relative_to(folder)): p.read_bytes() for p in files}
 
 
@@ -169,20 +211,29 @@ def _fresh_submissions(assignment, source, released):
     out = {"complete": source, "wrong": answered(source, **{"ch02-causal-mask": FLOAT_MASK})}
     if jail.confining():  # unconfined, its writes would break the course folder for the other tests
         mask = source.cells[_index(source, "ch02-causal-mask")].source
-        out["hostile"] = answered(source, **{"ch02-causal-mask": hostile(FOLDER[0], assignment, mask)})
-    return out | {student: answered(source, **{"ch02-causal-mask": text}) for student, text in TAMPERING.items()}
+        out["hostile"] = answered(
+            source, **{"ch02-causal-mask": hostile(FOLDER[0], assignment, mask)}
+        )
+    return out | {
+        student: answered(source, **{"ch02-causal-mask": text})
+        for student, text in TAMPERING.items()
+    }
 
 
 @pytest.fixture(scope="module")
 def fresh(tmp_path_factory):
-    """Chapters 01 and 02 (cut to their exercises) through generate, autograde, then the grading step, export."""
+    """Chapters 01 and 02 (cut to their exercises) through generate, autograde, then the grading
+    step, export."""
     from ar_lab.course.grading.exercises import exercises_only
 
     root = tmp_path_factory.mktemp("fresh")
     cut = root / "cut"
     cut.mkdir()
     for name in (CH01, CH02):
-        nbformat.write(exercises_only(nbformat.read(NOTEBOOKS / f"{name}.ipynb", as_version=4)), cut / f"{name}.ipynb")
+        nbformat.write(
+            exercises_only(nbformat.read(NOTEBOOKS / f"{name}.ipynb", as_version=4)),
+            cut / f"{name}.ipynb",
+        )
     folder = root / "grading"
     FOLDER[:] = [folder]
     course(folder, src=cut, chapters=["01", "02"], timeout=60)
@@ -190,7 +241,9 @@ def fresh(tmp_path_factory):
     for assignment in (CH01, CH02):
         assert nbgrader(folder, GENERATE, assignment=assignment).returncode == 0
         source = nbformat.read(folder / "source" / assignment / f"{assignment}.ipynb", as_version=4)
-        released = nbformat.read(folder / "release" / assignment / f"{assignment}.ipynb", as_version=4)
+        released = nbformat.read(
+            folder / "release" / assignment / f"{assignment}.ipynb", as_version=4
+        )
         for student, nb in _fresh_submissions(assignment, source, released).items():
             target = folder / "submitted" / student / assignment / f"{assignment}.ipynb"
             target.parent.mkdir(parents=True)
@@ -200,13 +253,26 @@ def fresh(tmp_path_factory):
         assert autograde.returncode == 0, (autograde.stdout + autograde.stderr)[-3000:]
         after_autograde = course_files(folder)
         kernel = _scores_of(folder, assignment)
-        grading = subprocess.run([sys.executable, "-m", *shlex.split(GRADING.format(assignment=assignment))[2:]],
-                                 cwd=folder, capture_output=True, text=True, timeout=900, env=one_thread_env())
+        grading = subprocess.run(
+            [sys.executable, "-m", *shlex.split(GRADING.format(assignment=assignment))[2:]],
+            cwd=folder,
+            capture_output=True,
+            text=True,
+            timeout=900,
+            env=one_thread_env(),
+        )
         assert grading.returncode == 0, (grading.stdout + grading.stderr)[-3000:]
         final = _scores_of(folder, assignment)
-        out[assignment] = dict(source=source, kernel=kernel, grading=grading.stdout, final=final, before=before,
-                               after_autograde=after_autograde, after_grading=course_files(folder),
-                               extra_credit=extra_credit(folder))
+        out[assignment] = dict(
+            source=source,
+            kernel=kernel,
+            grading=grading.stdout,
+            final=final,
+            before=before,
+            after_autograde=after_autograde,
+            after_grading=course_files(folder),
+            extra_credit=extra_credit(folder),
+        )
     assert nbgrader(folder, FEEDBACK, assignment=CH02).returncode == 0
     assert nbgrader(folder, EXPORT).returncode == 0
     report = subprocess.run([sys.executable, "-m", "ar_lab.course.grading.report", str(folder)],
@@ -222,8 +288,15 @@ def _scores_of(folder, assignment):
     from nbgrader.api import Gradebook
 
     with Gradebook(f"sqlite:///{folder / 'gradebook.db'}") as gb:
-        return {s.id: {g.name: g.score for nb in gb.find_submission(assignment, s.id).notebooks for g in nb.grades}
-                for s in gb.students if any(sub.assignment.name == assignment for sub in s.submissions)}
+        return {
+            s.id: {
+                g.name: g.score
+                for nb in gb.find_submission(assignment, s.id).notebooks
+                for g in nb.grades
+            }
+            for s in gb.students
+            if any(sub.assignment.name == assignment for sub in s.submissions)
+        }
 
 
 def _points(source):
@@ -234,21 +307,33 @@ def _points(source):
 def test_the_fresh_run_keeps_every_correct_answer_and_zeroes_the_tampering(fresh):
     ch02 = fresh[CH02]
     full = _points(ch02["source"])
-    mask, multi_head = "ch02-causal-mask-tests", "ch02-multi-head-tests"  # multi-head attention uses the mask
+    # multi-head attention uses the mask
+    mask, multi_head = "ch02-causal-mask-tests", "ch02-multi-head-tests"
     assert ch02["kernel"]["complete"] == full == ch02["final"]["complete"]
     wrong = {**full, mask: 0, multi_head: 0}  # a float mask: ~mask fails in multi_head_attention
     assert ch02["kernel"]["wrong"] == wrong == ch02["final"]["wrong"]
-    assert ch02["kernel"]["patched"] == {**wrong, mask: 1}  # the kernel was fooled: the checkers are patched
+    # the kernel was fooled: the checkers are patched
+    assert ch02["kernel"]["patched"] == {**wrong, mask: 1}
     assert ch02["kernel"]["swallowed"] == full  # the kernel was fooled: every error is swallowed
-    assert ch02["kernel"]["transformed"] == {**wrong, mask: 1}  # the kernel was fooled: the test cell is emptied
+    # the kernel was fooled: the test cell is emptied
+    assert ch02["kernel"]["transformed"] == {**wrong, mask: 1}
     for student in TAMPERING:
         assert ch02["final"][student] == wrong, student
-        assert re.search(rf"^{student} {CH02} {mask}: 1 -> 0 points \(fresh run: ", ch02["grading"], re.M), student
-    patched = f"patched {CH02} {mask}: 1 -> 0 points (fresh run: CheckFailed: causal_mask(3): expected dtype torch.bool"
+        assert re.search(
+            rf"^{student} {CH02} {mask}: 1 -> 0 points \(fresh run: ", ch02["grading"], re.M
+        ), student
+    patched = (
+        f"patched {CH02} {mask}: 1 -> 0 points (fresh run: CheckFailed: causal_mask(3): expected "
+        "dtype torch.bool"
+    )
     assert patched in ch02["grading"]
-    assert f"swallowed {CH02} {multi_head}: 3 -> 0 points (fresh run: TypeError: " in ch02["grading"]
-    assert f"transformed {CH02} {mask}: 1 -> 0 points (fresh run: CheckFailed: causal_mask(3): expected dtype" \
-        in ch02["grading"]
+    assert (
+        f"swallowed {CH02} {multi_head}: 3 -> 0 points (fresh run: TypeError: " in ch02["grading"]
+    )
+    assert (
+        f"transformed {CH02} {mask}: 1 -> 0 points (fresh run: CheckFailed: causal_mask(3): "
+        "expected dtype"
+    ) in ch02["grading"]
     assert "kernel verdict only" not in ch02["grading"]
 
 
@@ -257,7 +342,8 @@ def test_the_fresh_run_keeps_every_correct_answer_and_zeroes_the_tampering(fresh
 def test_an_answer_that_reaches_the_reference_gets_zero_by_whatever_route(fresh, student, exercise):
     ch01, test = fresh[CH01], f"{exercise}-tests"
     full = _points(ch01["source"])
-    assert ch01["kernel"][student][test] == full[test]  # the kernel's guard does not see these routes
+    # the kernel's guard does not see these routes
+    assert ch01["kernel"][student][test] == full[test]
     assert ch01["final"][student][test] == 0
     assert f"{student} {CH01} {test}: {full[test]:g} -> 0 points (fresh run: " in ch01["grading"]
 
@@ -277,7 +363,9 @@ def test_the_zeros_show_in_export_and_feedback_with_the_reason(fresh):
         rows = {(r["student_id"], r["assignment"]): float(r["score"]) for r in csv.DictReader(f)}
     for student, grades in fresh[CH02]["final"].items():
         assert rows[(student, CH02)] == sum(grades.values()), student
-    html = re.sub(r"<[^>]+>", "", (folder / "feedback" / "patched" / CH02 / f"{CH02}.html").read_text())
+    html = re.sub(
+        r"<[^>]+>", "", (folder / "feedback" / "patched" / CH02 / f"{CH02}.html").read_text()
+    )
     assert "ar_lab grading: the test ch02-causal-mask-tests failed when run again outside" in html
 
 
@@ -285,37 +373,55 @@ def test_the_zeros_show_in_export_and_feedback_with_the_reason(fresh):
 def test_the_report_flags_each_tampering_submission(fresh):
     report = fresh["report"]
     assert re.search(rf"^complete / {CH02}: ok$", report, re.M)
-    flags = [(CH02, "patched", "grader-import"), (CH02, "swallowed", "ipython-hook"),
-             (CH02, "transformed", "ipython-hook"), (CH01, "reaches", "shell"), (CH01, "reaches", "file-read"),
-             (CH01, "computes", "dynamic-code")]
+    flags = [
+        (CH02, "patched", "grader-import"),
+        (CH02, "swallowed", "ipython-hook"),
+        (CH02, "transformed", "ipython-hook"),
+        (CH01, "reaches", "shell"),
+        (CH01, "reaches", "file-read"),
+        (CH01, "computes", "dynamic-code"),
+    ]
     for assignment, student, kind in flags:
         section = report.split(f"{student} / {assignment}:")[1].split("\n\n")[0]
-        assert re.search(rf"^  {assignment}\.ipynb cell .* {kind}: ", section, re.M), (student, section)
+        assert re.search(rf"^  {assignment}\.ipynb cell .* {kind}: ", section, re.M), (
+            student,
+            section,
+        )
 
 
 @pytest.mark.slow
-def test_the_tests_instructors_md_says_keep_the_kernels_verdict_are_those_the_grading_run_names(fresh):
-    """INSTRUCTORS.md's list, for chapters 01 and 02: what the grading step printed as kernel verdict only
-    (tests/test_fresh_grading.py checks the other chapters with the command's own plan)."""
+def test_the_tests_instructors_md_says_keep_the_kernels_verdict_are_those_the_grading_run_names(
+    fresh,
+):
+    """INSTRUCTORS.md's list, for chapters 01 and 02: what the grading step printed as kernel
+    verdict only (tests/test_fresh_grading.py checks the other chapters with the command's own
+    plan)."""
     assert {CH01, CH02} == GRADED_ELSEWHERE
     for assignment in (CH01, CH02):
         printed = fresh[assignment]["grading"]
-        named = set(re.findall(rf"kernel verdict only: {assignment} (ch\d\d-[a-z0-9-]+-tests)", printed))
+        named = set(
+            re.findall(rf"kernel verdict only: {assignment} (ch\d\d-[a-z0-9-]+-tests)", printed)
+        )
         ours = {meta["grade_id"] for _, meta in graded_cells(fresh[assignment]["source"])}
         assert named == kernel_only_in_instructors_md() & ours, assignment
 
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not jail.confining(), reason="bubblewrap cannot confine a process here (AR_LAB_SANDBOX=off)")
+@pytest.mark.skipif(
+    not jail.confining(), reason="bubblewrap cannot confine a process here (AR_LAB_SANDBOX=off)"
+)
 def test_a_submission_writes_nowhere_in_the_course_folder_in_autograde_or_the_grading_step(fresh):
-    """The hostile submission's writes (the source notebook, another student's submission, nbgrader_config.py,
-    extra credit in the gradebook) are each refused by the sandbox of autograde's kernel and of the grading
-    step's answer process: the course folder is byte-identical afterwards and the correct answer keeps its points."""
+    """The hostile submission's writes (the source notebook, another student's submission,
+    nbgrader_config.py, extra credit in the gradebook) are each refused by the sandbox of
+    autograde's kernel and of the grading step's answer process: the course folder is byte-identical
+    afterwards and the correct answer keeps its points."""
     ch02 = fresh[CH02]
     assert ch02["before"] == ch02["after_autograde"] == ch02["after_grading"]
     assert ch02["extra_credit"] == 0
     assert ch02["kernel"]["hostile"] == ch02["final"]["hostile"] == _points(ch02["source"])
-    graded = nbformat.read(fresh["folder"] / "autograded" / "hostile" / CH02 / f"{CH02}.ipynb", as_version=4)
+    graded = nbformat.read(
+        fresh["folder"] / "autograded" / "hostile" / CH02 / f"{CH02}.ipynb", as_version=4
+    )
     printed = "".join(o.get("text", "") for c in graded.cells for o in c.get("outputs", []))
     assert "refused: source submitted config gradebook" in printed

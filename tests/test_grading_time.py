@@ -1,6 +1,8 @@
-"""Grading a class, measured: data/grading_time.json covers every chapter and INSTRUCTORS.md shows exactly it.
+"""Grading a class, measured: data/grading_time.json covers every chapter and INSTRUCTORS.md shows
+exactly it.
 
-The measurement itself (``make grading-time``, ~15 minutes) is not run here; these checks take milliseconds.
+The measurement itself (``make grading-time``, ~15 minutes) is not run here; these checks take
+milliseconds.
 """
 
 import json
@@ -21,21 +23,31 @@ RESULTS = ROOT / "data" / "grading_time.json"
 def test_the_results_cover_every_chapter_with_exercises():
     data = json.loads(RESULTS.read_text())
     assert data["date"][:2] == "20" and data["machine"]["cpus"] >= 1 and data["machine"]["cpu"]
-    graded = sorted(p.stem for p in NOTEBOOKS.glob("*.ipynb") if graded_cells(nbformat.read(p, as_version=4)))
+    graded = sorted(
+        p.stem for p in NOTEBOOKS.glob("*.ipynb") if graded_cells(nbformat.read(p, as_version=4))
+    )
     assert sorted(c["notebook"] for c in data["chapters"]) == graded
     for c in data["chapters"]:
         assert c["autograde_s"] > 0 and c["grading_per_submission_s"] > 0, c
-        assert c["grading_once_s"] is None or c["grading_once_s"] > 0, c  # None: not timed (--no-once)
-        assert c["per_submission_s"] == pytest.approx(c["autograde_s"] + c["grading_per_submission_s"], abs=0.11)
-        assert c["score"] > 0  # the solution got full marks (the command refuses to record anything else)
+        # None: not timed (--no-once)
+        assert c["grading_once_s"] is None or c["grading_once_s"] > 0, c
+        assert c["per_submission_s"] == pytest.approx(
+            c["autograde_s"] + c["grading_per_submission_s"], abs=0.11
+        )
+        # the solution got full marks (the command refuses to record anything else)
+        assert c["score"] > 0
     par = data["parallel"]
-    assert par["processes"] >= 2 and par["speedup"] == pytest.approx(par["one_process_s"] / par["parallel_s"], 0.01)
+    assert par["processes"] >= 2 and par["speedup"] == pytest.approx(
+        par["one_process_s"] / par["parallel_s"], 0.01
+    )
 
 
 def test_instructors_md_shows_the_json():
     guide = (ROOT / "INSTRUCTORS.md").read_text()
     shown = guide.split(TABLE_START, 1)[1].split(TABLE_END, 1)[0].strip()
-    assert shown == table(json.loads(RESULTS.read_text())), "run python -m ar_lab.course.grading.timing --write ..."
+    assert shown == table(json.loads(RESULTS.read_text())), (
+        "run python -m ar_lab.course.grading.timing --write ..."
+    )
 
 
 def test_hours_for_a_class():

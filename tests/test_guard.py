@@ -1,11 +1,11 @@
-"""The kernel's delegation gate: while a graded test runs, the references its exercise forbids raise when
-the learner's code calls them, by whatever route reaches them.
+"""The kernel's delegation gate: while a graded test runs, the references its exercise forbids raise
+when the learner's code calls them, by whatever route reaches them.
 
 Each test is a route a learner could take from a notebook: an import, a name in their namespace, a
 default argument, a saved method, a snapshot of a module's dict, a thread, a C function,
 ``torch.ops.aten``, a private helper. The test's own reference calls in the block still run, and the
-block leaves nothing swapped behind. A builtin captured before the block, or a copy of the reference's
-code, escapes the gate: the grade's guarantee is the grading step's answer process
+block leaves nothing swapped behind. A builtin captured before the block, or a copy of the
+reference's code, escapes the gate: the grade's guarantee is the grading step's answer process
 (tests/test_sandbox.py, tests/test_grading_fresh.py)."""
 
 import concurrent.futures
@@ -41,7 +41,8 @@ def caught(fn, *args, forbid, reaches=""):
         own_work("the exercise", fn, *args, forbidden=forbid)
 
 
-@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")  # the worker's Delegated
+# the worker's Delegated
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")
 def test_a_thread_started_by_the_answer_is_watched():
     def on_a_thread(logits, k):
         out = []
@@ -54,8 +55,9 @@ def test_a_thread_started_by_the_answer_is_watched():
 
 
 def test_a_thread_already_running_library_code_is_not_the_learners():
-    """A worker thread alive before the block (the kernel's, say) that reaches the reference through library
-    code only keeps working; the same route on a thread started in the block is the learner's."""
+    """A worker thread alive before the block (the kernel's, say) that reaches the reference through
+    library code only keeps working; the same route on a thread started in the block is the
+    learner's."""
     def started_in_the_block(logits, k):
         with concurrent.futures.ThreadPoolExecutor(1) as pool:
             return pool.submit(sampling.filter_top_k, logits, k).result()
@@ -63,13 +65,15 @@ def test_a_thread_already_running_library_code_is_not_the_learners():
     with concurrent.futures.ThreadPoolExecutor(1) as running:
         running.submit(int).result()  # its worker thread is alive now
         with no_delegation(written, forbid=[TOP_K]):
-            assert torch.equal(running.submit(sampling.filter_top_k, logits, 2).result(), filter_top_k(logits, 2))
+            assert torch.equal(
+                running.submit(sampling.filter_top_k, logits, 2).result(), filter_top_k(logits, 2)
+            )
     caught(started_in_the_block, logits, 2, forbid=[TOP_K])
 
 
 def test_a_python_reference_captured_before_the_test_is_caught():
-    """A Python function runs the stand-in as its own code: a default argument, a saved method, a snapshot of a
-    module's dict and a partial reach it too."""
+    """A Python function runs the stand-in as its own code: a default argument, a saved method, a
+    snapshot of a module's dict and a partial reach it too."""
     update = KVCache.update
     snapshot = dict(vars(sampling))
     cache = KVCache(1, 1, 1, 4, 2)
@@ -91,8 +95,8 @@ def test_a_python_reference_captured_before_the_test_is_caught():
 
 
 def test_a_captured_builtin_and_a_copy_of_the_code_escape_the_kernels_gate_only():
-    """What the gate does not see; the grading step's answer process has no reference to capture or copy
-    (tests/test_sandbox.py: every route finds a stub)."""
+    """What the gate does not see; the grading step's answer process has no reference to capture or
+    copy (tests/test_sandbox.py: every route finds a stub)."""
     namespace = dict(vars(sampling))
     exec(inspect.getsource(sampling._top_k), namespace)  # the private helper's source, run again
 
@@ -105,7 +109,8 @@ def test_a_captured_builtin_and_a_copy_of_the_code_escape_the_kernels_gate_only(
 
 def test_low_level_routes_to_the_same_kernel_are_caught():
     def via_c(q, k, v):
-        return torch._C._nn.scaled_dot_product_attention(q, k, v, is_causal=True)  # the object F's name points to
+        # the object F's name points to
+        return torch._C._nn.scaled_dot_product_attention(q, k, v, is_causal=True)
 
     def via_aten(q, k, v):
         return torch.ops.aten.scaled_dot_product_attention.default(q, k, v, is_causal=True)
@@ -120,10 +125,22 @@ def written(logits, k):
 
 
 def test_the_tests_own_reference_calls_pass_and_no_stand_in_is_left_behind():
-    sdpa, packet, update = F.scaled_dot_product_attention, torch.ops.aten.scaled_dot_product_attention, KVCache.update
+    sdpa, packet, update = (
+        F.scaled_dot_product_attention,
+        torch.ops.aten.scaled_dot_product_attention,
+        KVCache.update,
+    )
     code, names, update_code = filter_top_k.__code__, set(vars(sampling)), KVCache.update.__code__
-    with no_delegation(written, forbid=[TOP_K, SDPA, "aten::scaled_dot_product_attention", "ar_lab.model.cache.KVCache",
-                                        "ar_lab.model.cache.KVCache.update"]) as calls:
+    with no_delegation(
+        written,
+        forbid=[
+            TOP_K,
+            SDPA,
+            "aten::scaled_dot_product_attention",
+            "ar_lab.model.cache.KVCache",
+            "ar_lab.model.cache.KVCache.update",
+        ],
+    ) as calls:
         assert filter_top_k.__code__ is not code  # its code, swapped while the block runs
         expected = filter_top_k(logits, 2)
         F.scaled_dot_product_attention(q, k, v, is_causal=True)
@@ -131,9 +148,18 @@ def test_the_tests_own_reference_calls_pass_and_no_stand_in_is_left_behind():
         KVCache(1, 1, 1, 4, 2).update(0, 0, torch.ones(1, 1, 1, 2), torch.ones(1, 1, 1, 2))
         assert torch.equal(written(logits, 2), expected)
     assert calls == []
-    assert (sampling.filter_top_k, F.scaled_dot_product_attention, torch.ops.aten.scaled_dot_product_attention,
-            KVCache.update, KVCache.__init__) == (filter_top_k, sdpa, packet, update, KVCache.__dict__["__init__"])
-    assert filter_top_k.__code__ is code and set(vars(sampling)) == names and KVCache.update.__code__ is update_code
+    assert (
+        sampling.filter_top_k,
+        F.scaled_dot_product_attention,
+        torch.ops.aten.scaled_dot_product_attention,
+        KVCache.update,
+        KVCache.__init__,
+    ) == (filter_top_k, sdpa, packet, update, KVCache.__dict__["__init__"])
+    assert (
+        filter_top_k.__code__ is code
+        and set(vars(sampling)) == names
+        and KVCache.update.__code__ is update_code
+    )
     assert torch.equal(filter_top_k(logits, 2), expected)
 
 
@@ -143,7 +169,14 @@ def test_an_answer_that_writes_the_computation_is_not_slowed_into_a_timeout():
         att = att.masked_fill(torch.ones(5, 5, dtype=torch.bool).triu(1), float("-inf"))
         return att.softmax(-1) @ v
 
-    out = own_work("attention", written_attention, q, k, v, forbidden=[SDPA, "aten::scaled_dot_product_attention"])
+    out = own_work(
+        "attention",
+        written_attention,
+        q,
+        k,
+        v,
+        forbidden=[SDPA, "aten::scaled_dot_product_attention"],
+    )
     assert torch.allclose(out, F.scaled_dot_product_attention(q, k, v, is_causal=True), atol=1e-6)
 
 
@@ -154,7 +187,8 @@ def test_an_unknown_operator_is_a_clear_error():
 
 
 def test_a_check_inside_the_block_keeps_the_outer_watch():
-    """check_cases and own_work open their own block inside the test's: the test's forbid list still holds."""
+    """check_cases and own_work open their own block inside the test's: the test's forbid list still
+    holds."""
     from ar_lab.course.checkers.checks import check_cases
 
     def delegating(logits, k):
@@ -166,9 +200,13 @@ def test_a_check_inside_the_block_keeps_the_outer_watch():
 
 
 def test_forbid_lists_and_graded_cells_name_no_private_ar_lab_path():
-    private = [(ex, ref) for ex, refs in FORBIDDEN.items() for ref in refs
-               if ref.startswith("ar_lab.") and any(part.startswith("_") and not part.startswith("__")
-                                                     for part in ref.split("."))]
+    private = [
+        (ex, ref)
+        for ex, refs in FORBIDDEN.items()
+        for ref in refs
+        if ref.startswith("ar_lab.")
+        and any(part.startswith("_") and not part.startswith("__") for part in ref.split("."))
+    ]
     assert not private, private
     for path in sorted(NOTEBOOKS.glob("*.ipynb")):
         nb = nbformat.read(path, as_version=4)
@@ -181,23 +219,35 @@ def test_forbid_lists_and_graded_cells_name_no_private_ar_lab_path():
 def test_a_references_private_helpers_are_forbidden_with_it_and_shared_ones_are_not():
     with delegated("ar_lab.engine.sampling._top_p"):
         own_work("ch06-top-p", lambda x: sampling._top_p(x, 0.9), logits, forbidden="ch06-top-p")
-    # SamplingParams (allowed) checks its numbers with the same helper the filters use: a learner may build one
-    params = own_work("ch06-top-p", lambda: sampling.SamplingParams(temperature=0.5, top_p=0.9), forbidden="ch06-top-p")
+    # SamplingParams (allowed) checks its numbers with the same helper the filters use: a learner
+    # may build one
+    params = own_work(
+        "ch06-top-p",
+        lambda: sampling.SamplingParams(temperature=0.5, top_p=0.9),
+        forbidden="ch06-top-p",
+    )
     assert params.top_p == 0.9
 
 
 def test_renaming_an_internal_function_changes_no_verdict(monkeypatch):
-    """Chapter 06's exercises, against a sampling module whose private filters have other names: a cheat
-    through the renamed helper is still caught, and an answer written by hand still passes."""
-    source = re.sub(r"\b_(temperature|top_k|top_p|min_p)\b", r"_renamed_\1", inspect.getsource(sampling))
+    """Chapter 06's exercises, against a sampling module whose private filters have other names: a
+    cheat through the renamed helper is still caught, and an answer written by hand still passes."""
+    source = re.sub(
+        r"\b_(temperature|top_k|top_p|min_p)\b", r"_renamed_\1", inspect.getsource(sampling)
+    )
     assert "_renamed_top_p" in source and "def _top_p" not in source
     renamed = types.ModuleType(sampling.__name__)
     renamed.__file__ = sampling.__file__
-    monkeypatch.setitem(sys.modules, sampling.__name__, renamed)  # what guard.forbidden imports the names from
+    # what guard.forbidden imports the names from
+    monkeypatch.setitem(sys.modules, sampling.__name__, renamed)
     exec(compile(source, sampling.__file__, "exec"), renamed.__dict__)
     for exercise, helper, cheat in [
         ("ch06-top-p", "_renamed_top_p", lambda x: renamed._renamed_top_p(x, 0.9)),
-        ("ch06-temperature", "_renamed_temperature", lambda x: renamed._renamed_temperature(x, 0.7)),
+        (
+            "ch06-temperature",
+            "_renamed_temperature",
+            lambda x: renamed._renamed_temperature(x, 0.7),
+        ),
         ("ch06-sampler", "_renamed_top_k", lambda x: renamed._renamed_top_k(x, 2)),
     ]:
         with delegated(f"{sampling.__name__}.{helper}"):

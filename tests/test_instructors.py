@@ -1,4 +1,5 @@
-"""The instructor guide lists every graded exercise with its real points, and its commands are the tested ones."""
+"""The instructor guide lists every graded exercise with its real points, and its commands are the
+tested ones."""
 
 import ast
 import re
@@ -44,17 +45,26 @@ def test_the_guides_nbgrader_commands_are_the_ones_the_end_to_end_test_runs():
     tested = {
         node.value
         for node in ast.walk(ast.parse(source))
-        if isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value.startswith("nbgrader ")
+        if isinstance(node, ast.Constant)
+        and isinstance(node.value, str)
+        and node.value.startswith("nbgrader ")
     }
     shown = [line for line in COMMAND_LINES if line.startswith("nbgrader ")]
-    assert {"generate_assignment", "autograde", "generate_feedback", "export"} <= {c.split()[1] for c in shown}
+    assert {"generate_assignment", "autograde", "generate_feedback", "export"} <= {
+        c.split()[1] for c in shown
+    }
     for command in shown:
-        assert _template(command) in tested, f"INSTRUCTORS.md shows `{command}`, which tests/test_grading.py never runs"
+        assert _template(command) in tested, (
+            f"INSTRUCTORS.md shows `{command}`, which tests/test_grading.py never runs"
+        )
 
 
 def test_the_guides_project_commands_exist(capsys):
     shown = [line for line in COMMAND_LINES if "python -m ar_lab.course.grading.exercises" in line]
-    assert {line.split("ar_lab.course.grading.exercises ")[1].split()[0] for line in shown} == {"release", "course"}
+    assert {line.split("ar_lab.course.grading.exercises ")[1].split()[0] for line in shown} == {
+        "release",
+        "course",
+    }
     for line in shown:
         sub, *args = line.split("ar_lab.course.grading.exercises ")[1].split()
         with pytest.raises(SystemExit) as stop:
@@ -68,6 +78,8 @@ def test_the_guides_project_commands_exist(capsys):
 @pytest.mark.skipif(shutil.which("make") is None, reason="needs make")
 def test_the_guides_make_target_calls_the_course_command():
     [line] = [line for line in COMMAND_LINES if line.startswith("make grading-course")]
-    dry_run = subprocess.run(["make", "-n", *line.split()[1:]], cwd=ROOT, capture_output=True, text=True)
+    dry_run = subprocess.run(
+        ["make", "-n", *line.split()[1:]], cwd=ROOT, capture_output=True, text=True
+    )
     assert dry_run.returncode == 0, dry_run.stderr
     assert '-m ar_lab.course.grading.exercises course "grading" --chapter 06' in dry_run.stdout

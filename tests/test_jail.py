@@ -1,4 +1,5 @@
-"""The sandbox learner code runs in when it is graded (ar_lab.course.grading.jail): bubblewrap, or a clear refusal."""
+"""The sandbox learner code runs in when it is graded (ar_lab.course.grading.jail): bubblewrap, or a
+clear refusal."""
 
 import subprocess
 import sys
@@ -10,7 +11,9 @@ import pytest
 from ar_lab.course.grading import jail
 from ar_lab.course.grading.judge import main as grading_main
 
-needs_bwrap = pytest.mark.skipif(not jail.confining(), reason="bubblewrap cannot confine a process here")
+needs_bwrap = pytest.mark.skipif(
+    not jail.confining(), reason="bubblewrap cannot confine a process here"
+)
 
 
 @pytest.fixture
@@ -24,21 +27,31 @@ def no_bwrap(monkeypatch, tmp_path):
 
 
 def _course(folder, assignment="02_x"):
-    """A course folder the grading step gets past its first checks in: a source notebook and its autograde."""
+    """A course folder the grading step gets past its first checks in: a source notebook and its
+    autograde."""
     (folder / "source" / assignment).mkdir(parents=True)
-    nbformat.write(nbformat.v4.new_notebook(), folder / "source" / assignment / f"{assignment}.ipynb")
+    nbformat.write(
+        nbformat.v4.new_notebook(), folder / "source" / assignment / f"{assignment}.ipynb"
+    )
     (folder / "autograded" / "s" / assignment).mkdir(parents=True)
     return folder
 
 
-def test_without_bubblewrap_grading_refuses_unless_the_instructor_opts_out(no_bwrap, tmp_path, capsys, monkeypatch):
+def test_without_bubblewrap_grading_refuses_unless_the_instructor_opts_out(
+    no_bwrap, tmp_path, capsys, monkeypatch
+):
     with pytest.raises(jail.SandboxMissing, match=f"{jail.OPT_OUT}=off"):
         jail.require()
-    with pytest.raises(jail.SandboxMissing, match="bubblewrap"):  # what autograde's kernel manager and the fork
+    # what autograde's kernel manager and the fork
+    with pytest.raises(jail.SandboxMissing, match="bubblewrap"):
         jail.command(cwd=tmp_path)  # server start their process with: no unconfined start
     assert grading_main([str(_course(tmp_path / "course")), "02_x"]) == 2
     err = capsys.readouterr().err
-    assert err.count("\n") == 1 and "bubblewrap (bwrap) is not installed" in err and "AR_LAB_SANDBOX=off" in err
+    assert (
+        err.count("\n") == 1
+        and "bubblewrap (bwrap) is not installed" in err
+        and "AR_LAB_SANDBOX=off" in err
+    )
     monkeypatch.setenv(jail.OPT_OUT, "off")  # the instructor's explicit choice
     jail.require()
     assert jail.command(cwd=tmp_path) == []
@@ -61,13 +74,20 @@ def test_a_confined_process_writes_only_its_scratch_and_sees_no_course_or_soluti
                 return "written"
             except OSError as e:
                 return type(e).__name__
-        print(write({str(course / "gradebook.db")!r}), write({str(course / "source" / "new.ipynb")!r}),
-              write({str(readable / "f")!r}), write({str(scratch / "f")!r}), write({str(jail.ROOT / "x")!r}),
-              os.path.exists({str(course / "gradebook.db")!r}), os.path.exists({str(jail.ROOT / "notebooks")!r}),
+        print(write({str(course / "gradebook.db")!r}),
+              write({str(course / "source" / "new.ipynb")!r}),
+              write({str(readable / "f")!r}), write({str(scratch / "f")!r}),
+              write({str(jail.ROOT / "x")!r}),
+              os.path.exists({str(course / "gradebook.db")!r}),
+              os.path.exists({str(jail.ROOT / "notebooks")!r}),
               os.path.exists({str(jail.PACKAGE / "engine" / "sampling.py")!r}))
         """)
-    cmd = jail.command(cwd=scratch, readable=[readable], writable=[scratch], hidden=[course], package=False)
-    out = subprocess.run([*cmd, sys.executable, "-I", "-c", probe], capture_output=True, text=True, timeout=60)
+    cmd = jail.command(
+        cwd=scratch, readable=[readable], writable=[scratch], hidden=[course], package=False
+    )
+    out = subprocess.run(
+        [*cmd, sys.executable, "-I", "-c", probe], capture_output=True, text=True, timeout=60
+    )
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == ["OSError", "FileNotFoundError", "OSError", "written", "OSError",
                                   "False", "False", "False"]

@@ -1,4 +1,5 @@
-"""Chapter 04: the cache-size calculator (pure functions and the widget) and the lean decode path."""
+"""Chapter 04: the cache-size calculator (pure functions and the widget) and the lean decode
+path."""
 
 import math
 
@@ -24,8 +25,8 @@ GiB, MiB = 2**30, 2**20
 
 
 def test_kv_cache_bytes_by_hand():
-    # Llama 2 7B, 4,096 positions, bf16: 32 layers x 32 heads x 128 x 4096 x 2 (K, V) x 2 bytes = 2 GiB,
-    # i.e. 0.5 MiB for every token of context.
+    # Llama 2 7B, 4,096 positions, bf16: 32 layers x 32 heads x 128 x 4096 x 2 (K, V) x 2 bytes = 2
+    # GiB, i.e. 0.5 MiB for every token of context.
     assert kv_cache_bytes(32, 32, 128, 4096, 1, 2) == 2 * GiB
     assert kv_cache_bytes(32, 32, 128, 1, 1, 2) == 512 * 1024
     # Llama 2 70B (GQA, 8 KV heads): 80 x 8 x 128 x 4096 x 2 x 2 = 1.25 GiB; a batch of 8: 10 GiB.
@@ -52,8 +53,10 @@ def test_mla_bytes_by_hand():
         (lambda: kv_cache_bytes(1, 1, 1, 1, 1, 0), "bytes_per_value"),
         (lambda: mla_cache_bytes(1, 0, 1, 1), "latent_dim"),
         (lambda: mla_cache_bytes(1, 1, -1, 1), "rope_dim"),
-        (lambda: AttentionShape(4, 32, 7, 128, 512, 64), "n_kv_heads"),  # 7 does not divide n_head 32
-        (lambda: AttentionShape(4, 8, 16, 128, 512, 64), "n_kv_heads"),  # more KV heads than query heads
+        # 7 does not divide n_head 32
+        (lambda: AttentionShape(4, 32, 7, 128, 512, 64), "n_kv_heads"),
+        # more KV heads than query heads
+        (lambda: AttentionShape(4, 8, 16, 128, 512, 64), "n_kv_heads"),
         (lambda: AttentionShape(4, 8, 8, 128, 512, 64, scheme="XYZ"), "scheme"),
         (lambda: format_bytes(-1), "n"),
     ],
@@ -136,7 +139,12 @@ def test_calculator_widget_shows_the_preset_and_follows_the_controls():
 
     calc = kv_cache_calculator("Llama 2 7B", dtype="bfloat16")
     assert calc.sizes["MHA"] == 2 * GiB and calc.error == ""
-    assert (calc.layers.value, calc.heads.value, calc.kv_heads.value, calc.seq_len.value) == (32, 32, 32, 4096)
+    assert (calc.layers.value, calc.heads.value, calc.kv_heads.value, calc.seq_len.value) == (
+        32,
+        32,
+        32,
+        4096,
+    )
     assert "2 GiB" in calc.output.value and "this model" in calc.output.value
 
     calc.batch.value = 4  # 4 sequences: 4x the bytes, preset kept
@@ -174,8 +182,8 @@ def test_calculator_rejects_unknown_presets():
 
 
 def test_calculator_says_when_a_scheme_saves_nothing():
-    """The 'vs MHA' column: an MLA model has no KV-head groups (not '1.0x smaller'); an MHA model's GQA row
-    is MHA itself; a real GQA model's row is the ratio of its heads."""
+    """The 'vs MHA' column: an MLA model has no KV-head groups (not '1.0x smaller'); an MHA model's
+    GQA row is MHA itself; a real GQA model's row is the ratio of its heads."""
     import re
 
     from ar_lab.course.views.kv_calculator import kv_cache_table_html
@@ -198,7 +206,9 @@ class _FixedLogits(torch.nn.Module):
 
     def __init__(self, row: torch.Tensor):
         super().__init__()
-        self.config = GPTConfig(block_size=32, n_layer=1, n_head=1, n_embd=4, vocab_size=row.numel())
+        self.config = GPTConfig(
+            block_size=32, n_layer=1, n_head=1, n_embd=4, vocab_size=row.numel()
+        )
         self.row = row
         self.dummy = torch.nn.Parameter(torch.zeros(1))
 

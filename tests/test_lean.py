@@ -1,4 +1,5 @@
-"""ar_lab.engine.lean: the batch-1 decode step without nn.Module layers must be GPT.forward's arithmetic."""
+"""ar_lab.engine.lean: the batch-1 decode step without nn.Module layers must be GPT.forward's
+arithmetic."""
 
 
 
@@ -26,12 +27,17 @@ def configs(draw):
     n_head = kv_heads * draw(st.sampled_from([1, 2]))  # MHA, GQA and MQA
     head_dim = draw(st.sampled_from([2, 8, 16]))  # 16: 1/sqrt(D) exact in binary; 2 and 8: not
     return GPTConfig(
-        block_size=48, n_layer=draw(st.integers(1, 3)), n_head=n_head, n_kv_heads=kv_heads, n_embd=n_head * head_dim
+        block_size=48,
+        n_layer=draw(st.integers(1, 3)),
+        n_head=n_head,
+        n_kv_heads=kv_heads,
+        n_embd=n_head * head_dim,
     )
 
 
 def _pair(cfg: GPTConfig, seed: int, prefix: int):
-    """A model with non-trivial weights (biases and LayerNorms too) and two caches holding one prefix."""
+    """A model with non-trivial weights (biases and LayerNorms too) and two caches holding one
+    prefix."""
     torch.manual_seed(seed)
     model = GPT(cfg).eval()
     with torch.no_grad():
@@ -45,7 +51,9 @@ def _pair(cfg: GPTConfig, seed: int, prefix: int):
 
 
 @pytest.mark.slow
-@given(cfg=configs(), seed=st.integers(0, 10_000), prefix=st.integers(1, 30), steps=st.integers(1, 6))
+@given(
+    cfg=configs(), seed=st.integers(0, 10_000), prefix=st.integers(1, 30), steps=st.integers(1, 6)
+)
 def test_step_equals_forward(cfg, seed, prefix, steps):
     model, a, b = _pair(cfg, seed, prefix)
     engine = lean.for_model(model)
@@ -57,8 +65,12 @@ def test_step_equals_forward(cfg, seed, prefix, steps):
             torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
     assert a.length == b.length == prefix + steps
     for layer in range(cfg.n_layer):  # the cache holds the same keys and values
-        torch.testing.assert_close(a.k[layer][:, :, : a.length], b.k[layer][:, :, : b.length], atol=1e-5, rtol=1e-5)
-        torch.testing.assert_close(a.v[layer][:, :, : a.length], b.v[layer][:, :, : b.length], atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(
+            a.k[layer][:, :, : a.length], b.k[layer][:, :, : b.length], atol=1e-5, rtol=1e-5
+        )
+        torch.testing.assert_close(
+            a.v[layer][:, :, : a.length], b.v[layer][:, :, : b.length], atol=1e-5, rtol=1e-5
+        )
 
 
 @given(cfg=configs(), seed=st.integers(0, 10_000), prefix=st.integers(1, 30), T=st.integers(1, 12))
@@ -71,7 +83,9 @@ def test_extend_equals_forward(cfg, seed, prefix, T):
     assert got.shape == (T, cfg.vocab_size)
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
     assert a.length == b.length == prefix + T
-    torch.testing.assert_close(a.k[-1][:, :, : a.length], b.k[-1][:, :, : b.length], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(
+        a.k[-1][:, :, : a.length], b.k[-1][:, :, : b.length], atol=1e-5, rtol=1e-5
+    )
 
 
 @given(prompt=st.lists(st.integers(0, 255), min_size=1, max_size=20), n=st.integers(1, 25))
@@ -81,14 +95,23 @@ def test_generate_lean_gives_forward_tokens(prompt, n):
     lean_run = generate(model, prompt, n, eos_id=None)
     plain = generate(model, prompt, n, eos_id=None, lean=False)
     assert lean_run.tokens == plain.tokens
-    assert lean_run.stats.positions_processed == plain.stats.positions_processed == len(prompt) + n - 1
+    assert (
+        lean_run.stats.positions_processed == plain.stats.positions_processed == len(prompt) + n - 1
+    )
 
 
 @pytest.mark.slow
 def test_sampled_generation_and_speculative_match_forward(tiny_model):
     params = SamplingParams(temperature=0.9, top_k=40)
     runs = [
-        generate(tiny_model, "abc", 30, sampling=params, generator=torch.Generator().manual_seed(4), lean=lean_)
+        generate(
+            tiny_model,
+            "abc",
+            30,
+            sampling=params,
+            generator=torch.Generator().manual_seed(4),
+            lean=lean_,
+        )
         for lean_ in (True, False)
     ]
     assert runs[0].tokens == runs[1].tokens
@@ -97,7 +120,9 @@ def test_sampled_generation_and_speculative_match_forward(tiny_model):
     for gamma in (1, 3, 6):
         a = speculative_generate(tiny_model, draft, "abc", 40, gamma, eos_id=None)
         b = speculative_generate(tiny_model, draft, "abc", 40, gamma, eos_id=None, lean=False)
-        assert a.tokens == b.tokens == generate(tiny_model, "abc", 40, eos_id=None, lean=False).tokens
+        assert (
+            a.tokens == b.tokens == generate(tiny_model, "abc", 40, eos_id=None, lean=False).tokens
+        )
         assert a.stats.acceptances == b.stats.acceptances
 
 
@@ -127,7 +152,8 @@ def _assign_data(model, other):
 
 
 def _write_into_data(model, other):
-    for b, ob in zip(model.blocks, other.blocks, strict=True):  # only the matrices the old engine copied
+    # only the matrices the old engine copied
+    for b, ob in zip(model.blocks, other.blocks, strict=True):
         b.attn.qkv.weight.data.copy_(ob.attn.qkv.weight)
         b.mlp.proj.weight.data[:] = ob.mlp.proj.weight
 
@@ -144,17 +170,23 @@ WEIGHT_CHANGES = {
 
 @pytest.mark.parametrize("change", list(WEIGHT_CHANGES))
 def test_every_change_of_the_weights_is_seen(change):
-    """After each kind of change, lean steps, lean extends and speculative decoding use the new weights.
+    """After each kind of change, lean steps, lean extends and speculative decoding use the new
+    weights.
 
     (The engine this replaced missed the two kinds through ``.data``: the first in speculative
     decoding, the second in generate too.)
     """
-    tiny_model, _, _ = _pair(GPTConfig(block_size=64, n_layer=2, n_head=4, n_embd=32), 0, 1)  # weights that matter
+    # weights that matter
+    tiny_model, _, _ = _pair(GPTConfig(block_size=64, n_layer=2, n_head=4, n_embd=32), 0, 1)
     torch.manual_seed(5)
-    other, draft = GPT(tiny_model.config).eval(), GPT(GPTConfig(block_size=64, n_layer=1, n_head=2, n_embd=16)).eval()
+    other, draft = (
+        GPT(tiny_model.config).eval(),
+        GPT(GPTConfig(block_size=64, n_layer=1, n_head=2, n_embd=16)).eval(),
+    )
     engine = lean.for_model(tiny_model)  # made before the change, used after it
     before = generate(tiny_model, "hello", 20, eos_id=None).tokens
-    speculative_generate(tiny_model, draft, "hello", 20, 3, eos_id=None)  # its (in, out) copies now exist
+    # its (in, out) copies now exist
+    speculative_generate(tiny_model, draft, "hello", 20, 3, eos_id=None)
     paused = generate_stream_tokens(tiny_model, "hi there", 10)
     lean_stream, plain_stream = paused(lean_=True), paused(lean_=False)
     head = [next(lean_stream) for _ in range(4)], [next(plain_stream) for _ in range(4)]
@@ -183,34 +215,51 @@ def generate_stream_tokens(model, prompt, n):
 
 
 def test_extend_copies_are_fresh_copies_of_the_weights_now(tiny_model):
-    """Whatever their layout (oneDNN's blocked one on a CPU that has it, else (in, out)), the copies multiply
-    like the weights they were taken from, and a later edit reaches the next copies only."""
+    """Whatever their layout (oneDNN's blocked one on a CPU that has it, else (in, out)), the copies
+    multiply like the weights they were taken from, and a later edit reaches the next copies
+    only."""
     x = torch.randn(3, tiny_model.config.n_embd)
     block = tiny_model.blocks[1]
     first = lean.extend_copies(tiny_model)
     assert (type(first.layers[1].fc) is packed.Packed) == packed.packs(block.mlp.fc.weight)
     with torch.inference_mode():
         want = x @ block.mlp.fc.weight.t()
-        torch.testing.assert_close(packed.extend_mm(None, x, first.layers[1].fc), want, atol=1e-5, rtol=1e-5)
-        torch.testing.assert_close(packed.extend_mm(None, x, first.out), x @ tiny_model.wte.weight.t(), atol=1e-5,
-                                   rtol=1e-5)
+        torch.testing.assert_close(
+            packed.extend_mm(None, x, first.layers[1].fc), want, atol=1e-5, rtol=1e-5
+        )
+        torch.testing.assert_close(
+            packed.extend_mm(None, x, first.out),
+            x @ tiny_model.wte.weight.t(),
+            atol=1e-5,
+            rtol=1e-5,
+        )
     block.mlp.fc.weight.data[0, 0] += 1.0  # one value, through .data: no version counter moves
     second = lean.extend_copies(tiny_model)
     with torch.inference_mode():
         edited = x @ block.mlp.fc.weight.t()
-        torch.testing.assert_close(packed.extend_mm(None, x, second.layers[1].fc), edited, atol=1e-5, rtol=1e-5)
-        torch.testing.assert_close(packed.extend_mm(None, x, first.layers[1].fc), want, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(
+            packed.extend_mm(None, x, second.layers[1].fc), edited, atol=1e-5, rtol=1e-5
+        )
+        torch.testing.assert_close(
+            packed.extend_mm(None, x, first.layers[1].fc), want, atol=1e-5, rtol=1e-5
+        )
     with raises(NotLean, 'model'):
         lean.extend_copies(ScriptedModel([1], 1))
 
 
 def test_a_model_with_large_matrices_runs_extend_on_packed_weights():
     torch.manual_seed(0)
-    model = GPT(GPTConfig(block_size=16, n_layer=1, n_head=4, n_embd=512)).eval()  # fc: 2048 x 512 weights
+    # fc: 2048 x 512 weights
+    model = GPT(GPTConfig(block_size=16, n_layer=1, n_head=4, n_embd=512)).eval()
     copies = lean.extend_copies(model)
-    assert packed.packs(model.blocks[0].mlp.fc.weight) == (type(copies.layers[0].fc) is packed.Packed)
+    assert packed.packs(model.blocks[0].mlp.fc.weight) == (
+        type(copies.layers[0].fc) is packed.Packed
+    )
     if not packed.packs(model.blocks[0].mlp.fc.weight):
-        pytest.skip("this PyTorch has no oneDNN on this machine: extend runs on (in, out) copies (tested above)")
+        pytest.skip(
+            "this PyTorch has no oneDNN on this machine: extend runs on (in, out) copies (tested "
+            "above)"
+        )
     ids = torch.tensor([[5, 6, 7, 8, 9, 10]])
     a, b = KVCache.for_model(model), KVCache.for_model(model)
     with torch.inference_mode():
@@ -221,9 +270,11 @@ def test_a_model_with_large_matrices_runs_extend_on_packed_weights():
 
 
 def test_extend_copies_fall_back_to_in_out_copies_where_onednn_does_not_take_the_weights():
-    """A matrix large enough to pack, in float64 (which oneDNN's linear does not take), is copied (in, out)."""
+    """A matrix large enough to pack, in float64 (which oneDNN's linear does not take), is copied
+    (in, out)."""
     torch.manual_seed(0)
-    model = GPT(GPTConfig(block_size=16, n_layer=1, n_head=4, n_embd=512)).eval().double()  # fc: 2048 x 512
+    # fc: 2048 x 512
+    model = GPT(GPTConfig(block_size=16, n_layer=1, n_head=4, n_embd=512)).eval().double()
     fc = model.blocks[0].mlp.fc.weight
     assert fc.numel() >= packed.PACK_MIN_WEIGHTS and not packed.packs(fc)
     copies = lean.extend_copies(model)
@@ -233,13 +284,15 @@ def test_extend_copies_fall_back_to_in_out_copies_where_onednn_does_not_take_the
 
 
 def test_every_matrix_packed_the_output_projection_included(tiny_model, monkeypatch):
-    """With the size floor lowered, every matrix of the tiny model is packed, the tied output projection
-    (no bias) too; extend still gives forward's logits."""
+    """With the size floor lowered, every matrix of the tiny model is packed, the tied output
+    projection (no bias) too; extend still gives forward's logits."""
     monkeypatch.setattr(packed, "PACK_MIN_WEIGHTS", 1)
     copies = lean.extend_copies(tiny_model)
     if not packed.packs(tiny_model.wte.weight):
         pytest.skip("this PyTorch has no oneDNN on this machine")
-    assert type(copies.out) is packed.Packed and all(type(m) is packed.Packed for m in copies.layers[0])
+    assert type(copies.out) is packed.Packed and all(
+        type(m) is packed.Packed for m in copies.layers[0]
+    )
     ids = torch.tensor([[5, 6, 7, 8, 9]])
     a, b = KVCache.for_model(tiny_model), KVCache.for_model(tiny_model)
     with torch.inference_mode():
@@ -262,7 +315,8 @@ def test_a_decoder_takes_its_copies_once_and_a_new_one_sees_an_edit(tiny_model):
 
 
 def test_models_with_their_own_forward_or_blocks_are_not_bypassed(tiny_model):
-    """generate must follow what the model computes: a subclass's forward or a swapped block stays in charge."""
+    """generate must follow what the model computes: a subclass's forward or a swapped block stays
+    in charge."""
 
     class AlwaysA(GPT):
         def forward(self, idx, cache=None):
@@ -325,8 +379,12 @@ def test_layer_weights_are_the_blocks_own_parameters_by_name(tiny_model):
     """Each field of a layer's weights is the block's parameter it names: no copies to go stale."""
     engine = lean.for_model(tiny_model)
     for w, b in zip(engine.layers, tiny_model.blocks, strict=True):
-        assert w.norm1.weight is b.ln1.weight and w.norm2.bias is b.ln2.bias  # products: partial(addmv, bias, weight)
-        assert w.proj.args[0] is b.attn.proj.bias and w.qkv.args == (b.attn.qkv.bias, b.attn.qkv.weight)
+        # products: partial(addmv, bias, weight)
+        assert w.norm1.weight is b.ln1.weight and w.norm2.bias is b.ln2.bias
+        assert w.proj.args[0] is b.attn.proj.bias and w.qkv.args == (
+            b.attn.qkv.bias,
+            b.attn.qkv.weight,
+        )
         assert w.fc.args[1] is b.mlp.fc.weight and w.mlp_proj.args[1] is b.mlp.proj.weight
     assert engine.wte is tiny_model.wte.weight is tiny_model.lm_head.weight
 
@@ -334,7 +392,8 @@ def test_layer_weights_are_the_blocks_own_parameters_by_name(tiny_model):
 def test_steps_record_their_tokens_and_need_inference_mode(tiny_model):
     engine, cache = lean.for_model(tiny_model), KVCache.for_model(tiny_model)
     with torch.inference_mode():
-        ForwardDecoder(tiny_model).prefill(torch.tensor([[1, 2]]), cache)  # (the model alone records nothing)
+        # (the model alone records nothing)
+        ForwardDecoder(tiny_model).prefill(torch.tensor([[1, 2]]), cache)
         engine.step(3, cache)
         engine.extend([4, 5, 6], cache)
     assert cache.token_ids == [1, 2, 3, 4, 5, 6]
@@ -382,14 +441,17 @@ class Doubled(torch.nn.Module):
 
 
 def test_each_norm_keeps_its_own_epsilon_in_the_lean_step(tiny_model):
-    """The lean step runs each norm module's own epsilon: a block given another one decodes as forward does."""
+    """The lean step runs each norm module's own epsilon: a block given another one decodes as
+    forward does."""
     _other_eps(tiny_model)
     assert lean.supports(tiny_model)
     with torch.inference_mode():
         cache = KVCache.for_model(tiny_model, max_len=8)
         tiny_model(torch.tensor([[1, 2, 3]]), cache)
         want = tiny_model(torch.tensor([[1, 2, 3, 4]]))[0, -1]
-        torch.testing.assert_close(lean.for_model(tiny_model).step(4, cache), want, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(
+            lean.for_model(tiny_model).step(4, cache), want, atol=1e-5, rtol=1e-5
+        )
 
 
 @pytest.mark.parametrize("edit", [_untie, _lora, _parametrize], ids=lambda f: f.__name__[1:])

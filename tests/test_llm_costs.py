@@ -23,7 +23,9 @@ def test_every_ridge_is_flops_over_bandwidth():
         assert spec.peak_flops("bf16") == spec.peak_flops("int4") == spec.tensor_flops
         assert "datasheet" in spec.source or "whitepaper" in spec.source
     rows = gpus.spec_rows()
-    assert [r[0] for r in rows] == list(gpus.GPUS) and all(len(r) == len(gpus.SPEC_HEADERS) for r in rows)
+    assert [r[0] for r in rows] == list(gpus.GPUS) and all(
+        len(r) == len(gpus.SPEC_HEADERS) for r in rows
+    )
     assert {r[0]: r[5] for r in rows}["H100 SXM"] == round(989.5e12 / 3.35e12)  # 295
 
 
@@ -61,7 +63,14 @@ def test_match_gpu_finds_only_the_tabulated_product():
     }
     for device_name, row in cases.items():
         assert gpus.match_gpu(device_name).name == row, device_name
-    for other in ["NVIDIA A10G", "NVIDIA H100 PCIe", "NVIDIA L40S", "NVIDIA A100 80GB PCIe", "NVIDIA H200 NVL", "cpu"]:
+    for other in [
+        "NVIDIA A10G",
+        "NVIDIA H100 PCIe",
+        "NVIDIA L40S",
+        "NVIDIA A100 80GB PCIe",
+        "NVIDIA H200 NVL",
+        "cpu",
+    ]:
         assert gpus.match_gpu(other) is None, other
     with raises(BadValue, 'name'):
         gpus.gpu("B300")
@@ -69,12 +78,24 @@ def test_match_gpu_finds_only_the_tabulated_product():
 
 # --- the FLOP/byte model, by hand --------------------------------------------------------
 
-# One layer, d = 4, 2 query heads sharing 1 KV head of width 2, SwiGLU of width 6, 10 tokens, untied.
-TINY = lc.ModelShape("tiny", n_layer=1, d_model=4, n_head=2, n_kv_heads=1, head_dim=2, d_ff=6, vocab=10, max_context=16)
+# One layer, d = 4, 2 query heads sharing 1 KV head of width 2, SwiGLU of width 6, 10 tokens,
+# untied.
+TINY = lc.ModelShape(
+    "tiny",
+    n_layer=1,
+    d_model=4,
+    n_head=2,
+    n_kv_heads=1,
+    head_dim=2,
+    d_ff=6,
+    vocab=10,
+    max_context=16,
+)
 
 
 def test_swiglu_gqa_costs_by_hand():
-    # matmul weights: q 4x4 + k 4x2 + v 4x2 = 32, o 4x4 = 16, gate+up 4x12 = 48, down 6x4 = 24 -> 120; head 10x4
+    # matmul weights: q 4x4 + k 4x2 + v 4x2 = 32, o 4x4 = 16, gate+up 4x12 = 48, down 6x4 = 24 ->
+    # 120; head 10x4
     assert TINY.layer_matmul_weights == 120 and TINY.matmul_weights == 160
     # + 2 RMSNorms (4 each), the input embedding 10x4 and the final norm
     assert TINY.parameters == 120 + 8 + 40 + 40 + 4
@@ -82,20 +103,24 @@ def test_swiglu_gqa_costs_by_hand():
 
     c = lc.prefill_cost(TINY, 3)  # bf16: 2 bytes per weight and per value
     assert c.matmul_flops == 2 * 160 * 3
-    assert c.attention_flops == 4 * 4 * (1 + 2 + 3)  # 4 x (2 heads x 2) per key; token i sees i keys
+    # 4 x (2 heads x 2) per key; token i sees i keys
+    assert c.attention_flops == 4 * 4 * (1 + 2 + 3)
     assert c.weight_bytes == 2 * (212 - 40 + 3 * 4)  # only the 3 embedding rows fed are read
     assert c.kv_bytes == 2 * (3 + 3) * 4  # 3 positions written, 3 read
-    per_token = (4 + 8) + (4 + 4) + (4 + 12) + (6 + 4) + 4 + (4 + 10)  # matmul ins and outs, embedding, head
+    # matmul ins and outs, embedding, head
+    per_token = (4 + 8) + (4 + 4) + (4 + 12) + (6 + 4) + 4 + (4 + 10)
     assert c.activation_bytes == 2 * 3 * per_token
 
-    d = lc.decode_cost(TINY, context=5, batch=2, weight_dtype="int8")  # 1-byte weights, 2-byte values
+    # 1-byte weights, 2-byte values
+    d = lc.decode_cost(TINY, context=5, batch=2, weight_dtype="int8")
     assert d.matmul_flops == 2 * 160 * 2 and d.attention_flops == 4 * 4 * 2 * 5
     assert d.weight_bytes == 1 * (212 - 40 + 2 * 4)
     assert d.kv_bytes == 2 * 2 * (4 + 2) * 4  # per sequence: 4 cached + 1 new read, 1 written
     assert d.activation_bytes == 2 * 2 * per_token
     assert (d.phase, d.batch, d.context) == ("decode", 2, 5)
     assert lc.decode_cost(TINY, 5, 1, "int4").weight_bytes == 0.5 * (212 - 40 + 4)
-    assert lc.decode_cost(TINY, 5, 1, "fp32").kv_bytes == 4 * (4 + 2) * 4  # fp32 weights: fp32 cache too
+    # fp32 weights: fp32 cache too
+    assert lc.decode_cost(TINY, 5, 1, "fp32").kv_bytes == 4 * (4 + 2) * 4
 
 
 def test_published_parameter_counts():
@@ -114,17 +139,22 @@ GQA_CFG = GPTConfig(vocab_size=10, block_size=8, n_layer=1, n_head=2, n_kv_heads
 
 def test_both_forward_costs_count_the_gpt_layout_by_hand():
     shape = lc.from_gpt_config(GQA_CFG)
-    # matmul weights: qkv 4x8 = 32, proj 4x4 = 16, fc 4x16 = 64, proj 16x4 = 64 -> 176; head 10x4 = 40
+    # matmul weights: qkv 4x8 = 32, proj 4x4 = 16, fc 4x16 = 64, proj 16x4 = 64 -> 176; head 10x4 =
+    # 40
     assert shape.matmul_weights == rl.matmul_parameters(GQA_CFG) == 216
     # + biases (8 + 4 + 16 + 4) and 2 LayerNorms (8 each) per layer, token table 40, position
     # table 32 (not tied), final LayerNorm 8
     assert shape.parameters == rl.parameter_count(GQA_CFG) == 176 + 32 + 16 + 40 + 32 + 8 == 304
-    per_token = (4 + 8) + (4 + 4) + (4 + 16) + (16 + 4) + 4 + (4 + 10)  # matmul ins and outs, embedding, head
+    # matmul ins and outs, embedding, head
+    per_token = (4 + 8) + (4 + 4) + (4 + 16) + (16 + 4) + 4 + (4 + 10)
     prefill = {  # 2 sequences of 3 tokens, 2 bytes per weight and per value
         "matmul_flops": 2 * 216 * 6,
-        "attention_flops": 4 * 4 * 2 * (1 + 2 + 3),  # 4 x (2 heads x 2) per key; token i sees i keys
-        "weight_bytes": 2 * (304 - 32 + 3 * 4),  # 3 position rows; the tied token table read whole by the head
-        "kv_bytes": 2 * 2 * (0 + 2 * 3) * 4,  # per sequence 3 positions written and read, 4 values each
+        # 4 x (2 heads x 2) per key; token i sees i keys
+        "attention_flops": 4 * 4 * 2 * (1 + 2 + 3),
+        # 3 position rows; the tied token table read whole by the head
+        "weight_bytes": 2 * (304 - 32 + 3 * 4),
+        # per sequence 3 positions written and read, 4 values each
+        "kv_bytes": 2 * 2 * (0 + 2 * 3) * 4,
         "activation_bytes": 2 * 6 * per_token,
     }
     decode = {  # 2 sequences, one new token after 4 cached
@@ -190,30 +220,40 @@ def test_place_decode_batches_are_the_first_that_cross(model, gpu, context, dtyp
         b = p.compute_bound_batch
         assert at(b).intensity >= p.ridge and (b == 1 or at(b - 1).intensity < p.ridge)
     m = p.max_batch  # the memory limit: m sequences fit, m + 1 do not
-    assert lc.memory_needed(shape, context, m, dtype) <= spec.memory < lc.memory_needed(shape, context, m + 1, dtype)
-    b = p.matmul_compute_bound_batch  # per operator: the weight matmuls alone reach the ridge first at b
+    assert (
+        lc.memory_needed(shape, context, m, dtype)
+        <= spec.memory
+        < lc.memory_needed(shape, context, m + 1, dtype)
+    )
+    # per operator: the weight matmuls alone reach the ridge first at b
+    b = p.matmul_compute_bound_batch
     assert at(b).matmul_intensity >= p.ridge and (b == 1 or at(b - 1).matmul_intensity < p.ridge)
-    assert p.attention_intensity == pytest.approx(at(b).attention_intensity, rel=1e-12)  # the same at any batch
+    # the same at any batch
+    assert p.attention_intensity == pytest.approx(at(b).attention_intensity, rel=1e-12)
     assert p.attention_intensity == pytest.approx(at(1).attention_intensity, rel=1e-12)
 
 
 @pytest.mark.parametrize("name", ["Llama-2-13B", "Llama-3-8B", "Qwen2.5-7B"])
 def test_per_operator_matmuls_scale_with_the_batch_and_attention_with_the_group(name):
     shape, h100 = lc.MODELS[name], gpus.GPUS["H100 SXM"]
-    # bf16: 2 FLOPs per weight per sequence over 2 bytes per weight -> about B FLOP/byte (activations lower it)
+    # bf16: 2 FLOPs per weight per sequence over 2 bytes per weight -> about B FLOP/byte
+    # (activations lower it)
     for b in (1, 16, 256):
         assert 0.8 * b < lc.decode_cost(shape, 2048, b).matmul_intensity <= b
-    # attention: 4 q_width FLOPs per position per layer over 2 x kv_width values x 2 bytes -> the group size
+    # attention: 4 q_width FLOPs per position per layer over 2 x kv_width values x 2 bytes -> the
+    # group size
     group = shape.n_head / shape.n_kv_heads
     assert lc.decode_cost(shape, 2048, 64).attention_intensity == pytest.approx(group, rel=2e-3)
     # the matmuls cross near the ridge at every context; attention stays where it was
-    crossings = {lc.place_decode(shape, h100, n).matmul_compute_bound_batch for n in (128, 2048, 4096)}
+    crossings = {
+        lc.place_decode(shape, h100, n).matmul_compute_bound_batch for n in (128, 2048, 4096)
+    }
     assert len(crossings) == 1 and h100.ridge < crossings.pop() < 1.15 * h100.ridge
 
 
 def test_decode_attention_alone_stays_near_one_flop_per_byte():
-    # Each sequence reads its own cache: batching never amortises it. MHA: 4 d FLOPs per position per
-    # layer over 2 x d values x 2 bytes -> 1 FLOP/byte; GQA with 4 query heads per KV head -> 4.
+    # Each sequence reads its own cache: batching never amortises it. MHA: 4 d FLOPs per position
+    # per layer over 2 x d values x 2 bytes -> 1 FLOP/byte; GQA with 4 query heads per KV head -> 4.
     for name, ratio in [("Llama-2-13B", 1.0), ("Llama-3-8B", 4.0)]:
         c = lc.decode_cost(lc.MODELS[name], 4096, 64)
         assert c.attention_flops / c.kv_bytes == pytest.approx(ratio, rel=1e-3)
@@ -221,12 +261,14 @@ def test_decode_attention_alone_stays_near_one_flop_per_byte():
 
 def test_the_seed_example_with_its_kv_cache():
     # 13 B parameters in fp16 at 3.35 TB/s: 7.8 ms per step from the weights alone. Llama-2-13B's
-    # own cache at the reply's contexts (2,001 .. 2,500) adds 1.6-2.0 GB a step (its 13.0 B weights read
-    # are 25.7 GB: the input embedding is read only for the rows used): about 6 % more.
+    # own cache at the reply's contexts (2,001 .. 2,500) adds 1.6-2.0 GB a step (its 13.0 B weights
+    # read are 25.7 GB: the input embedding is read only for the rows used): about 6 % more.
     shape, h100 = lc.MODELS["Llama-2-13B"], gpus.GPUS["H100 SXM"]
     seed = rl.approx_tpot(13e9, 3.35e12)
     steps = [lc.predicted_time(lc.decode_cost(shape, c), h100) for c in range(2001, 2501)]
     assert all(s > seed for s in steps)
     assert sum(steps) / len(steps) / seed == pytest.approx(1.06, abs=0.005)
     assert lc.kv_memory(shape, 2500) == pytest.approx(2.048e9)
-    assert lc.max_batch(shape, h100.memory, 2500) == math.floor((80e9 - 2 * shape.parameters) / (2500 * 819_200))
+    assert lc.max_batch(shape, h100.memory, 2500) == math.floor(
+        (80e9 - 2 * shape.parameters) / (2500 * 819_200)
+    )

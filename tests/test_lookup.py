@@ -1,4 +1,5 @@
-"""Prompt lookup decoding (ar_lab.engine.lookup): the n-gram proposer, and speculative decoding driven by it."""
+"""Prompt lookup decoding (ar_lab.engine.lookup): the n-gram proposer, and speculative decoding
+driven by it."""
 
 from __future__ import annotations
 
@@ -15,16 +16,31 @@ from ar_lab.engine.speculative import speculative_generate
 from ar_lab.model.bigram import BigramModel
 from ar_lab.model.gpt import GPT, GPTConfig
 from tests.raising import raises
-from tests.test_speculative import N_SAMPLES, N_TOKENS, PROMPT, TARGET_TABLE, chi_square_pvalue, exact_joint
+from tests.test_speculative import (
+    N_SAMPLES,
+    N_TOKENS,
+    PROMPT,
+    TARGET_TABLE,
+    chi_square_pvalue,
+    exact_joint,
+)
 
 
 def test_the_earliest_match_of_the_longest_ngram_proposes_what_followed_it():
-    assert prompt_lookup([1, 2, 3, 9, 1, 2, 3, 7, 1, 2, 3], 2) == [9, 1]  # earliest of two matches of [1, 2, 3]
-    assert prompt_lookup([4, 2, 3, 5, 1, 2, 3], 3) == [5, 1, 2]  # [1, 2, 3] never occurred before: [2, 3] did
-    assert prompt_lookup([1, 2, 3, 4, 1, 2, 3], 10) == [4, 1, 2, 3]  # never past the end of the text
-    assert prompt_lookup([1, 2, 3], 4) == [] and prompt_lookup([7], 4) == [] and prompt_lookup([], 4) == []
+    # earliest of two matches of [1, 2, 3]
+    assert prompt_lookup([1, 2, 3, 9, 1, 2, 3, 7, 1, 2, 3], 2) == [9, 1]
+    # [1, 2, 3] never occurred before: [2, 3] did
+    assert prompt_lookup([4, 2, 3, 5, 1, 2, 3], 3) == [5, 1, 2]
+    # never past the end of the text
+    assert prompt_lookup([1, 2, 3, 4, 1, 2, 3], 10) == [4, 1, 2, 3]
+    assert (
+        prompt_lookup([1, 2, 3], 4) == []
+        and prompt_lookup([7], 4) == []
+        and prompt_lookup([], 4) == []
+    )
     assert prompt_lookup([1, 2, 1, 2], 0) == []
-    assert prompt_lookup([5, 6, 1, 2, 5], 2, max_ngram=3, min_ngram=2) == []  # only a 1-gram matches
+    # only a 1-gram matches
+    assert prompt_lookup([5, 6, 1, 2, 5], 2, max_ngram=3, min_ngram=2) == []
     assert PromptLookup(max_ngram=2)([1, 2, 3, 9, 1, 2, 3], 1) == [9]
 
 
@@ -49,7 +65,9 @@ def _tiny(seed: int) -> GPT:
 
 
 @settings(max_examples=15, deadline=None)
-@given(st.text(alphabet="ab (),:=\n", min_size=1, max_size=24), st.integers(0, 6), st.integers(1, 3))
+@given(
+    st.text(alphabet="ab (),:=\n", min_size=1, max_size=24), st.integers(0, 6), st.integers(1, 3)
+)
 def test_greedy_with_prompt_lookup_is_plain_greedy_token_for_token(prompt, gamma, max_ngram):
     target = _tiny(0)
     want = generate(target, prompt, 30, eos_id=None)
@@ -59,7 +77,8 @@ def test_greedy_with_prompt_lookup_is_plain_greedy_token_for_token(prompt, gamma
 
 
 def test_a_repetitive_text_is_mostly_drafted_by_lookup():
-    # A target that repeats a cycle: after one lap the context holds the answer, and lookup finds it.
+    # A target that repeats a cycle: after one lap the context holds the answer, and lookup finds
+    # it.
     table = torch.full((6, 6), 1e-3)
     for i in range(5):
         table[i, i + 1] = 1.0
@@ -73,7 +92,8 @@ def test_a_repetitive_text_is_mostly_drafted_by_lookup():
 @pytest.mark.slow
 @pytest.mark.parametrize("gamma", [1, 2])
 def test_sampling_with_a_proposer_keeps_exactly_the_target_distribution(gamma):
-    """A proposal is a one-hot draft: accept with probability p(x), else draw from p without x. Exact."""
+    """A proposal is a one-hot draft: accept with probability p(x), else draw from p without x.
+    Exact."""
     target = BigramModel(TARGET_TABLE, smoothing=0.0, block_size=16)
 
     def repeat_last(tokens, k):  # a deterministic proposer, right sometimes, wrong often
@@ -81,8 +101,9 @@ def test_sampling_with_a_proposer_keeps_exactly_the_target_distribution(gamma):
 
     g, counts, params = torch.Generator().manual_seed(0), {}, SamplingParams()
     for _ in range(N_SAMPLES):
-        out = speculative_generate(target, repeat_last, PROMPT, N_TOKENS, gamma, sampling=params, generator=g,
-                                   eos_id=None)
+        out = speculative_generate(
+            target, repeat_last, PROMPT, N_TOKENS, gamma, sampling=params, generator=g, eos_id=None
+        )
         counts[tuple(out.tokens)] = counts.get(tuple(out.tokens), 0) + 1
     assert chi_square_pvalue(counts, exact_joint(target, params), N_SAMPLES) > 1e-3
 
@@ -111,7 +132,9 @@ def test_the_benchmark_returns_data_with_identical_tokens_every_way(capsys):
     from ar_lab.model.tokenizer import decode
 
     prompts = lookup_prompts(2)
-    assert set(prompts) == {"repeats its context", "fresh text"} and all(len(v) == 2 for v in prompts.values())
+    assert set(prompts) == {"repeats its context", "fresh text"} and all(
+        len(v) == 2 for v in prompts.values()
+    )
     quoted = decode(prompts["repeats its context"][0])
     head, tail = quoted.split(QUOTE)
     assert head.startswith(tail)  # the quote repeats the passage's start
@@ -124,7 +147,13 @@ def test_the_benchmark_returns_data_with_identical_tokens_every_way(capsys):
     assert res["identical_tokens"] is True and set(res["kinds"]) == set(prompts)
     for k in res["kinds"].values():
         assert 0 <= k["alpha"] <= 1 and k["tokens_per_target_call"] >= 1
-        assert {"plain", "lookup", "draft model", "transformers plain", "transformers lookup"} == set(k["ms_per_token"])
+        assert {
+            "plain",
+            "lookup",
+            "draft model",
+            "transformers plain",
+            "transformers lookup",
+        } == set(k["ms_per_token"])
         assert k["ar_lab_vs_transformers_lookup"] > 0
     assert "ar_lab / transformers" in format_lookup_results(res)
     with raises(BadValue, 'lookahead'):

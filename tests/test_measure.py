@@ -21,18 +21,25 @@ matplotlib.use("Agg")
 def test_peaks_are_measured():
     mm = peaks.measure_matmul_peak("cpu", size=128, repeats=2)
     assert mm["size"] == 128 and len(mm["times"]) == 2 and mm["flops_per_s"] > 1e6
-    assert mm["flops_per_s"] == pytest.approx(2 * 128**3 / min(mm["times"]))  # the roof is the fastest repeat
+    # the roof is the fastest repeat
+    assert mm["flops_per_s"] == pytest.approx(2 * 128**3 / min(mm["times"]))
     assert mm["flops_per_s_median"] == pytest.approx(2 * 128**3 / statistics.median(mm["times"]))
     bw = peaks.measure_bandwidth("cpu", nbytes=6 * 2**20, repeats=2)
-    assert bw["kernel"] in ("copy", "add", "read", "matvec") and bw["bytes_per_s"] == max(bw["by_kernel"].values())
+    assert bw["kernel"] in ("copy", "add", "read", "matvec") and bw["bytes_per_s"] == max(
+        bw["by_kernel"].values()
+    )
     assert bw["buffer_bytes"] == 6 * 2**20 and bw["bytes_per_s"] > 1e6
     assert set(bw["times"]) == {"copy", "add", "read", "matvec"}
-    for k, times in bw["times"].items():  # the roof is the fastest repeat; the median is kept beside it
+    # the roof is the fastest repeat; the median is kept beside it
+    for k, times in bw["times"].items():
         assert bw["by_kernel"][k] == pytest.approx(6 * 2**20 / min(times))  # 6 MiB: 4096 divides it
         assert bw["by_kernel_median"][k] == pytest.approx(6 * 2**20 / statistics.median(times))
     with raises(BadValue, 'nbytes'):
         peaks.measure_bandwidth("cpu", nbytes=8)
-    assert peaks.default_dtype("cpu") == torch.float32 and peaks.default_dtype("cuda") == torch.bfloat16
+    assert (
+        peaks.default_dtype("cpu") == torch.float32
+        and peaks.default_dtype("cuda") == torch.bfloat16
+    )
     both = peaks.measure_peaks("cpu", matmul_size=64, buffer_bytes=2**20)
     assert both["matmul_size"] == 64 and both["bandwidth_buffer_bytes"] <= 2**20
     assert both["bandwidth_bytes_per_s"] == both["bandwidth_by_kernel"][both["bandwidth_kernel"]]
@@ -42,7 +49,8 @@ def test_peaks_are_measured():
 
 
 class Recorder(torch.nn.Module):
-    """Wraps a model; records (new tokens, cached positions, cache holds data, training) of every forward call."""
+    """Wraps a model; records (new tokens, cached positions, cache holds data, training) of every
+    forward call."""
 
     def __init__(self, model):
         super().__init__()
@@ -57,16 +65,22 @@ class Recorder(torch.nn.Module):
 
     def forward(self, idx, cache=None):
         n = cache.length
-        filled = n == 0 or bool(cache.k[-1][:, :, :n].abs().min() > 0) and bool(cache.v[0][:, :, :n].abs().min() > 0)
+        filled = (
+            n == 0
+            or bool(cache.k[-1][:, :, :n].abs().min() > 0)
+            and bool(cache.v[0][:, :, :n].abs().min() > 0)
+        )
         self.calls.append((tuple(idx.shape), n, filled, self.training))
         return self.model(idx, cache)
 
 
-@pytest.mark.quiet  # the other test process's reads share the last-level cache: alone, after the others
+# the other test process's reads share the last-level cache: alone, after the others
+@pytest.mark.quiet
 def test_a_buffer_in_cache_does_not_read_from_memory():
-    """1 MiB fits in every CPU's L2 or L3 and is long enough a read that the call's overhead does not set its
-    rate: it reads faster than 256 MiB, which comes from memory on any CPU whose share of the L3 is smaller
-    (a virtual machine may report its host's whole L3; the measurement does not look at it)."""
+    """1 MiB fits in every CPU's L2 or L3 and is long enough a read that the call's overhead does
+    not set its rate: it reads faster than 256 MiB, which comes from memory on any CPU whose share
+    of the L3 is smaller (a virtual machine may report its host's whole L3; the measurement does not
+    look at it)."""
     read = peaks.reads_from_memory(2**20, reference=2**28, repeats=5, device="cpu")
     assert read["reference_bytes"] == 2**28 and not read["from_memory"]
     assert read["bytes_per_s"] > 1.15 * read["reference_bytes_per_s"] > 1e8
@@ -77,16 +91,19 @@ def test_a_buffer_in_cache_does_not_read_from_memory():
 def test_measure_prefill_and_decode_run_the_pass_they_claim(tiny_model):
     rec = Recorder(tiny_model).eval()
     p = measure.measure_prefill(rec, 20, batch=2, repeats=3)
-    assert rec.calls == [((2, 20), 0, True, False)] * 4  # warm-up + 3, each into an empty cache, in eval mode
+    # warm-up + 3, each into an empty cache, in eval mode
+    assert rec.calls == [((2, 20), 0, True, False)] * 4
     assert p.cost == prefill_cost(tiny_model.config, 20, 2) and len(p.times) == 3
     rec.calls.clear()
     d = measure.measure_decode(rec, 30, batch=3, repeats=4)
-    assert rec.calls == [((3, 1), 29, True, False)] * 6  # every step is the same step at context 30 (2 warm-ups)
+    # every step is the same step at context 30 (2 warm-ups)
+    assert rec.calls == [((3, 1), 29, True, False)] * 6
     assert d.cost == decode_cost(tiny_model.config, 30, 3)
     assert d.flops_per_s == pytest.approx(d.cost.flops / d.seconds)
     assert d.bytes_per_s == pytest.approx(d.cost.bytes / d.seconds)
     rec.calls.clear()
-    v = measure.measure_forward(rec, tokens=5, past=10, repeats=2)  # e.g. verifying 4 draft tokens + 1
+    # e.g. verifying 4 draft tokens + 1
+    v = measure.measure_forward(rec, tokens=5, past=10, repeats=2)
     assert rec.calls == [((1, 5), 10, True, False)] * 3
     assert v.cost == forward_cost(tiny_model.config, 1, 5, 10) and v.cost.context == 15
     with raises(ContextFull, 'context'):
@@ -96,7 +113,8 @@ def test_measure_prefill_and_decode_run_the_pass_they_claim(tiny_model):
 def test_measuring_never_switches_the_model_mode(tiny_model):
     rec = Recorder(tiny_model).train()  # no dropout: training mode computes what eval mode does
     measure.measure_decode(rec, 8, repeats=1)
-    assert rec.training and all(training for *_, training in rec.calls)  # run as it is, left as it is
+    # run as it is, left as it is
+    assert rec.training and all(training for *_, training in rec.calls)
     rec.calls.clear()
     fn, *_ = measure.prepare_forward(rec, 1, 7)
     fn()
@@ -112,7 +130,9 @@ def test_measuring_never_switches_the_model_mode(tiny_model):
 def test_fastest_threads_restores_the_thread_count(tiny_model):
     before = torch.get_num_threads()
     out = measure.fastest_threads(tiny_model, 8, [1, before], repeats=1)
-    assert set(out["seconds"]) == {1, before} and out["seconds"][out["best"]] == min(out["seconds"].values())
+    assert set(out["seconds"]) == {1, before} and out["seconds"][out["best"]] == min(
+        out["seconds"].values()
+    )
     assert torch.get_num_threads() == before
     with raises(BadValue, 'candidates'):
         measure.fastest_threads(tiny_model, 8, [0])
@@ -125,18 +145,29 @@ def test_build_model_in_place():
     assert {p.dtype for p in m.parameters()} == {torch.bfloat16} and not m.training
     assert torch.get_default_dtype() == torch.float32  # restored
     assert (
-        measure.measure_decode(m, 4, repeats=1).cost.weight_bytes == decode_cost(cfg, 4, bytes_per_value=2).weight_bytes
+        measure.measure_decode(m, 4, repeats=1).cost.weight_bytes
+        == decode_cost(cfg, 4, bytes_per_value=2).weight_bytes
     )
 
 
 def test_cuda_graph_is_ignored_on_cpu(tiny_model):
     p = measure.measure_decode(tiny_model, 8, repeats=1, cuda_graph=True)
-    assert p.mode == "eager" and p.note == "" and p.to_dict()["mode"] == "eager" and "note" not in p.to_dict()
+    assert (
+        p.mode == "eager"
+        and p.note == ""
+        and p.to_dict()["mode"] == "eager"
+        and "note" not in p.to_dict()
+    )
 
 
 # --- the full run and the results on disk --------------------------------------------
 
-PEAKS = {"matmul_flops_per_s": 50e9, "bandwidth_bytes_per_s": 5e9, "matmul_size": 0, "bandwidth_kernel": "read"}
+PEAKS = {
+    "matmul_flops_per_s": 50e9,
+    "bandwidth_bytes_per_s": 5e9,
+    "matmul_size": 0,
+    "bandwidth_kernel": "read",
+}
 
 
 def test_run_roofline_result_round_trips(tiny_model, tmp_path):
@@ -161,7 +192,8 @@ def test_run_roofline_result_round_trips(tiny_model, tmp_path):
     assert measure.load_result(path) == result
     rows = measure.summary_rows(result)
     assert len(rows) == 5 and len(rows[0]) == len(measure.SUMMARY_HEADERS)
-    p = result["points"][2]  # decode at batch 1: on the bandwidth slope, the roof is intensity x 5 GB/s
+    # decode at batch 1: on the bandwidth slope, the roof is intensity x 5 GB/s
+    p = result["points"][2]
     assert rows[2][:5] == ["decode", 1, 1, 8, round(p["seconds"] * 1e3, 2)]
     assert rows[2][-1] == f"{p['flops_per_s'] / (p['intensity'] * 5e9):.0%}"
 
@@ -192,7 +224,10 @@ def test_reference_files_by_device(tmp_path, tiny_model, monkeypatch):
     gpu = {**res, "device": {"type": "cuda", "name": "Some GPU", "threads": 1}}
     (tmp_path / "roofline_gpu.json").write_text(json.dumps(gpu))
     (tmp_path / "other.json").write_text("{}")
-    assert [p.name for p in measure.reference_files(tmp_path)] == ["roofline_cpu.json", "roofline_gpu.json"]
+    assert [p.name for p in measure.reference_files(tmp_path)] == [
+        "roofline_cpu.json",
+        "roofline_gpu.json",
+    ]
     assert [p.name for p in measure.reference_files(tmp_path, "cuda")] == ["roofline_gpu.json"]
     monkeypatch.setenv("AR_LAB_DATA", str(tmp_path))  # the default folder is read at call time
     assert [p.name for p in measure.reference_files(device_type="cpu")] == ["roofline_cpu.json"]
@@ -215,15 +250,29 @@ def test_plot_roofline(tiny_model):
     plot_roofline(ax, result, label="test machine")
     assert ax.get_xscale() == "log" and ax.get_yscale() == "log"
     labels = ax.get_legend_handles_labels()[1]
-    assert labels == ["roofs of test machine: 50 GFLOP/s, 5 GB/s", "prefill (test machine)", "decode (test machine)"]
+    assert labels == [
+        "roofs of test machine: 50 GFLOP/s, 5 GB/s",
+        "prefill (test machine)",
+        "decode (test machine)",
+    ]
     roof = ax.get_lines()[0]
     assert max(roof.get_ydata()) == pytest.approx(50e9)  # flat at the compute peak
-    assert min(roof.get_ydata()) == pytest.approx(min(roof.get_xdata()) * 5e9)  # the bandwidth slope
-    assert sorted(t.get_text() for t in ax.texts) == ["B=1", "B=2", "T=16", "T=4", "ridge 10 FLOP/B"]
+    # the bandwidth slope
+    assert min(roof.get_ydata()) == pytest.approx(min(roof.get_xdata()) * 5e9)
+    assert sorted(t.get_text() for t in ax.texts) == [
+        "B=1",
+        "B=2",
+        "T=16",
+        "T=4",
+        "ridge 10 FLOP/B",
+    ]
     fig2, ax2 = plt.subplots()
     plot_roofline(ax2, result, annotate=False)
     assert len(ax2.texts) == 0  # no labels: for overlaying reference runs
-    assert ax2.get_legend_handles_labels()[1][0] == f"roofs of {result['device']['name']}: 50 GFLOP/s, 5 GB/s"
+    assert (
+        ax2.get_legend_handles_labels()[1][0]
+        == f"roofs of {result['device']['name']}: 50 GFLOP/s, 5 GB/s"
+    )
     plt.close(fig)
     plt.close(fig2)
 
@@ -234,7 +283,10 @@ def test_cuda_measurements_use_bf16():
     m = measure.build_model(cfg)
     assert m.device.type == "cuda" and next(m.parameters()).dtype == torch.bfloat16
     d = measure.measure_decode(m, 16, 2, repeats=2)
-    assert d.cost.weight_bytes == decode_cost(cfg, 16, 2, bytes_per_value=2).weight_bytes and d.seconds > 0
+    assert (
+        d.cost.weight_bytes == decode_cost(cfg, 16, 2, bytes_per_value=2).weight_bytes
+        and d.seconds > 0
+    )
     g = measure.measure_decode(m, 16, 2, repeats=2, cuda_graph=True)
     assert g.mode == "cuda graph", g.note
     out = side_by_side.decode_bandwidth_fraction(m, 16, pairs=2, buffer_bytes=2**26)
@@ -245,9 +297,10 @@ def test_cuda_measurements_use_bf16():
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_a_captured_pass_keeps_the_buffers_it_replays_on(monkeypatch):
-    """A CUDA graph replays on the addresses it was captured with: the KV cache and ids of prepare_forward's
-    step live as long as the replay does, so a replay after the cache is emptied and memory reallocated still
-    runs on them (measure_gpu's decode points once replayed on freed caches: an illegal memory access)."""
+    """A CUDA graph replays on the addresses it was captured with: the KV cache and ids of
+    prepare_forward's step live as long as the replay does, so a replay after the cache is emptied
+    and memory reallocated still runs on them (measure_gpu's decode points once replayed on freed
+    caches: an illegal memory access)."""
     import gc
     import weakref
 
@@ -269,14 +322,18 @@ def test_a_captured_pass_keeps_the_buffers_it_replays_on(monkeypatch):
     gc.collect()
     torch.cuda.empty_cache()
     assert all(c() is not None for c in caches), "a prepared replay let its KV cache go"
-    filler = torch.full((2**26,), float("nan"), device=m.device)  # what would take a freed cache's memory
+    # what would take a freed cache's memory
+    filler = torch.full((2**26,), float("nan"), device=m.device)
     with torch.inference_mode():  # the caches are inference tensors
         for ref in caches:
-            ref().k[0][:, :, 15].zero_()  # the decode step's position: each replay writes its key there again
+            # the decode step's position: each replay writes its key there again
+            ref().k[0][:, :, 15].zero_()
     for fn, *_ in fns:
         fn()
     torch.cuda.synchronize()
     for ref in caches:
         written = ref().k[0][:, :, 15]
-        assert torch.isfinite(written).all() and written.abs().sum() > 0, "a replay did not write its own cache"
+        assert torch.isfinite(written).all() and written.abs().sum() > 0, (
+            "a replay did not write its own cache"
+        )
     assert torch.isnan(filler).all(), "a replay wrote into memory it does not own"

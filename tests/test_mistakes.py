@@ -1,5 +1,5 @@
-"""The named mistakes of chapters 01, 02 and 04: a wrong answer written out by hand is named for its mistake,
-a right one passes, and a value that matches no mistake gets the plain comparison."""
+"""The named mistakes of chapters 01, 02 and 04: a wrong answer written out by hand is named for its
+mistake, a right one passes, and a value that matches no mistake gets the plain comparison."""
 
 import math
 
@@ -43,7 +43,8 @@ def test_distribution_mistakes_are_named(counts):
     for fragment, answer in wrong.items():
         mistakes = distribution_mistakes(counts, token, s)
         fails_naming(fragment, name_mistake, "d", answer.float(), right.float(), mistakes)
-    name_mistake("d", right.float(), right.float(), distribution_mistakes(counts, token, s))  # right: quiet
+    # right: quiet
+    name_mistake("d", right.float(), right.float(), distribution_mistakes(counts, token, s))
     check_close("d", right.float(), right.float())
 
 
@@ -59,7 +60,8 @@ def test_sequence_log_prob_mistakes_are_named(counts):
     fails_naming("mean over the pairs", name_mistake, "s", mean, right, mistakes)
     name_mistake("s", right, right, mistakes)
     check_log_prob("s", right, right)
-    assert sequence_log_prob_mistakes(lp, tokens[:1]) == {}  # one token: no pair, nothing to get wrong
+    # one token: no pair, nothing to get wrong
+    assert sequence_log_prob_mistakes(lp, tokens[:1]) == {}
 
 
 def test_generation_mistakes_are_named():
@@ -67,7 +69,9 @@ def test_generation_mistakes_are_named():
     mistakes = generation_mistakes(prompt, new, 0)
     fails_naming("the prompt with the new tokens", check_exact, "g", prompt + new, new, mistakes)
     fails_naming("keeping EOS", check_exact, "g", [0], [], generation_mistakes(prompt, [], 0))
-    fails_naming("one token early", check_exact, "g", [7, 8], new, generation_mistakes(prompt, new, 0))
+    fails_naming(
+        "one token early", check_exact, "g", [7, 8], new, generation_mistakes(prompt, new, 0)
+    )
     with pytest.raises(CheckFailed) as plain:
         check_exact("g", [1, 2, 3], new, generation_mistakes(prompt, new, 0))
     assert plain.value.mistake is None  # no mistake matched: the plain comparison
@@ -96,32 +100,68 @@ def test_single_head_mistakes_are_named():
     }.items():
         fails_naming(fragment, check_matches, "a", answer, right, mistakes=mistakes)
     check_matches("a", right, right, mistakes=mistakes)
-    assert "the mask ignored (every query reads every key)" not in single_head_mistakes(q, k, v, None)
+    assert "the mask ignored (every query reads every key)" not in single_head_mistakes(
+        q, k, v, None
+    )
 
 
 def test_multi_head_mistakes_name_a_missing_projection():
     torch.manual_seed(0)
-    attn = GPT(GPTConfig(vocab_size=11, block_size=16, n_layer=1, n_head=4, n_embd=32)).blocks[0].attn.eval()
+    attn = (
+        GPT(GPTConfig(vocab_size=11, block_size=16, n_layer=1, n_head=4, n_embd=32))
+        .blocks[0]
+        .attn.eval()
+    )
     x = torch.randn(1, 7, 32)
     with torch.no_grad():
         right = attn(x, None, 0, 0)[0]
         q, k, v = attn.qkv(x)[0].split(32, dim=-1)
-        heads = [_attention(q[:, h * 8 : (h + 1) * 8], k[:, h * 8 : (h + 1) * 8], v[:, h * 8 : (h + 1) * 8],
-                            torch.ones(7, 7, dtype=torch.bool).tril()) for h in range(4)]
+        heads = [
+            _attention(
+                q[:, h * 8 : (h + 1) * 8],
+                k[:, h * 8 : (h + 1) * 8],
+                v[:, h * 8 : (h + 1) * 8],
+                torch.ones(7, 7, dtype=torch.bool).tril(),
+            )
+            for h in range(4)
+        ]
         no_proj = torch.cat(heads, dim=-1)
         mistakes = {m: out[0] for m, out in attention_mistakes(attn, x).items()}
-    fails_naming("without the output projection", check_matches, "m", no_proj, right, mistakes=mistakes, atol=1e-4)
+    fails_naming(
+        "without the output projection",
+        check_matches,
+        "m",
+        no_proj,
+        right,
+        mistakes=mistakes,
+        atol=1e-4,
+    )
     check_matches("m", attn.proj(no_proj).detach(), right, mistakes=mistakes, atol=1e-4)
 
 
 @pytest.mark.parametrize("P,N", [(1, 1000), (7, 50), (30, 1), (3, 2)])
 def test_positions_mistakes_are_named(P, N):
     uncached, cached = sum(P + n for n in range(N)), P + N - 1
-    fails_naming("feeding the last new token back", check_exact, "p", P + N, cached, positions_mistakes(P, N, True))
-    fails_naming("one step too many", check_exact, "p", uncached + P + N, uncached, positions_mistakes(P, N, False))
+    fails_naming(
+        "feeding the last new token back",
+        check_exact,
+        "p",
+        P + N,
+        cached,
+        positions_mistakes(P, N, True),
+    )
+    fails_naming(
+        "one step too many",
+        check_exact,
+        "p",
+        uncached + P + N,
+        uncached,
+        positions_mistakes(P, N, False),
+    )
     check_exact("p", cached, cached, positions_mistakes(P, N, True))
     check_exact("p", uncached, uncached, positions_mistakes(P, N, False))
-    if N == 1:  # P x N is then the right uncached count: a right answer is never named for a mistake
+    # P x N is then the right uncached count: a right answer is never named for a mistake
+    if N == 1:
         assert positions_mistakes(P, N, False)["P x N (the prompt alone, every step)"] == uncached
 
 
@@ -129,17 +169,28 @@ def test_temperature_mistakes_are_named():
     z = torch.tensor([2.0, 1.0, 0.0, -1.0])
     right = (z / 0.5).softmax(-1)
     mistakes = temperature_mistakes(z, 0.5)
-    fails_naming("multiplying the logits by T", check_matches, "t", (z * 0.5).softmax(-1), right, mistakes=mistakes)
-    fails_naming("temperature left out", check_matches, "t", z.softmax(-1), right, mistakes=mistakes)
+    fails_naming(
+        "multiplying the logits by T",
+        check_matches,
+        "t",
+        (z * 0.5).softmax(-1),
+        right,
+        mistakes=mistakes,
+    )
+    fails_naming(
+        "temperature left out", check_matches, "t", z.softmax(-1), right, mistakes=mistakes
+    )
     check_matches("t", right, right, mistakes=mistakes)
     assert temperature_mistakes(z, 0.0) == {}
 
 
 def test_top_p_mistakes_are_named():
     q = torch.tensor([0.2, 0.5, 0.3])
-    right = torch.tensor([False, True, True])  # 0.5 alone is below 0.6: the 0.3 that crosses it stays
+    # 0.5 alone is below 0.6: the 0.3 that crosses it stays
+    right = torch.tensor([False, True, True])
     mistakes = top_p_mistakes(q, 0.6)
-    strict = torch.tensor([False, True, False])  # the cumulative sum including the token must stay <= p
+    # the cumulative sum including the token must stay <= p
+    strict = torch.tensor([False, True, False])
     fails_naming("crosses p", check_exact, "p", strict, right, mistakes)
     in_order = torch.tensor([True, True, False])  # running sum over ids 0, 1, 2
     fails_naming("token order", check_exact, "p", in_order, right, mistakes)
@@ -149,7 +200,9 @@ def test_top_p_mistakes_are_named():
 def _chain(z, params, order, renormalise=True):
     steps = {
         "T": lambda x: (x - x.max()) / params.temperature,
-        "k": lambda x: x.masked_fill(x < x.topk(params.top_k).values[-1], -math.inf) if params.top_k else x,
+        "k": lambda x: (
+            x.masked_fill(x < x.topk(params.top_k).values[-1], -math.inf) if params.top_k else x
+        ),
         "p": lambda x: x.masked_fill(~my_keep(x.softmax(-1), params.top_p), -math.inf),
         "m": lambda x: x.masked_fill(x.softmax(-1) < params.min_p * x.softmax(-1).max(), -math.inf),
     }
@@ -174,7 +227,11 @@ def test_sampler_mistakes_are_named():
     check_close("ours by hand", _chain(z, params, "Tkpm"), right, atol=1e-6)
     mistakes = sampler_mistakes(z, params)
     early = _chain(z, params, "mTkp")
-    fails_naming("min-p before the temperature", check_matches, "s", early, right, mistakes=mistakes)
-    fails_naming("temperature last", check_matches, "s", _chain(z, params, "kpmT"), right, mistakes=mistakes)
+    fails_naming(
+        "min-p before the temperature", check_matches, "s", early, right, mistakes=mistakes
+    )
+    fails_naming(
+        "temperature last", check_matches, "s", _chain(z, params, "kpmT"), right, mistakes=mistakes
+    )
     check_matches("s", right, right, mistakes=mistakes)
     assert sampler_mistakes(z, SamplingParams(temperature=0.0)) == {}

@@ -1,10 +1,10 @@
-"""Chapter 05's probes exercise: each classic wrong version fails the notebook's own graded test with its
-mistake named, and the chapter's answer passes.
+"""Chapter 05's probes exercise: each classic wrong version fails the notebook's own graded test
+with its mistake named, and the chapter's answer passes.
 
-The answer and test cells are read from the notebook (hidden tests included) and run here as the kernel runs
-them: the answer compiled as notebook code, the test inside ``no_delegation``. The rate check times the probes
-on smaller arrays than the notebook's (``RATE_SIZES``), which keeps this fast; the timing slips it names are
-10x and 1,000x off, far outside its 3x band at any size.
+The answer and test cells are read from the notebook (hidden tests included) and run here as the
+kernel runs them: the answer compiled as notebook code, the test inside ``no_delegation``. The rate
+check times the probes on smaller arrays than the notebook's (``RATE_SIZES``), which keeps this
+fast; the timing slips it names are 10x and 1,000x off, far outside its 3x band at any size.
 """
 
 import math
@@ -25,7 +25,10 @@ CHAPTER = NOTEBOOKS / "05_prefill_vs_decode.ipynb"
 
 def _cells() -> tuple[str, str]:
     """(the probes' answer cell with its solution, their graded test cell with its hidden tests)."""
-    cells = {nbgrader_meta(c).get("grade_id"): c.source for c in nbformat.read(CHAPTER, as_version=4).cells}
+    cells = {
+        nbgrader_meta(c).get("grade_id"): c.source
+        for c in nbformat.read(CHAPTER, as_version=4).cells
+    }
     return cells["ch05-probes"], cells["ch05-probes-tests"]
 
 
@@ -34,7 +37,8 @@ ANSWER, TEST = _cells()
 
 @pytest.fixture(autouse=True)
 def small_sizes(monkeypatch):
-    """Smaller arrays than the notebook's, on one thread (as the chapter measures on a busy machine)."""
+    """Smaller arrays than the notebook's, on one thread (as the chapter measures on a busy
+    machine)."""
     monkeypatch.setitem(roofline_checks.RATE_SIZES, "cpu", (2**21, 256))
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
@@ -43,7 +47,8 @@ def small_sizes(monkeypatch):
 
 
 def run_test(answer: str) -> str:
-    """Run the test cell on ``answer`` (the answer cell's source) as a kernel would; what it printed."""
+    """Run the test cell on ``answer`` (the answer cell's source) as a kernel would; what it
+    printed."""
     namespace = {"torch": torch, "math": math, "time": time, "synchronize": synchronize,
                  "device": torch.device("cpu"), "dtype": torch.float32}
     exec(compile(answer, "<answer cell>", "exec"), namespace)
@@ -57,17 +62,35 @@ def wrong(old: str, new: str) -> str:
 
 WRONG = {  # the slip, written out -> a fragment of the mistake's name in the verdict
     "one array's bytes": (wrong("return 3 * a.nbytes,", "return a.nbytes,"), "one array's bytes"),
-    "the reads only": (wrong("return 3 * a.nbytes,", "return 2 * a.nbytes,"), "bytes read (a and b)"),
+    "the reads only": (
+        wrong("return 3 * a.nbytes,", "return 2 * a.nbytes,"),
+        "bytes read (a and b)",
+    ),
     "values for bytes": (wrong("return 3 * a.nbytes,", "return 3 * n,"), "values instead of bytes"),
-    "a multiply-add as one FLOP": (wrong("return 2 * m * k * n,", "return m * k * n,"), "multiply-add counted as one"),
-    "a square product's count": (wrong("return 2 * m * k * n,", "return 2 * n**3,"), "a square product's count"),
-    "milliseconds": (wrong("    return best\n", "    return best * 1e3\n"), "seconds read as milliseconds"),
+    "a multiply-add as one FLOP": (
+        wrong("return 2 * m * k * n,", "return m * k * n,"),
+        "multiply-add counted as one",
+    ),
+    "a square product's count": (
+        wrong("return 2 * m * k * n,", "return 2 * n**3,"),
+        "a square product's count",
+    ),
+    "milliseconds": (
+        wrong("    return best\n", "    return best * 1e3\n"),
+        "seconds read as milliseconds",
+    ),
     "the total of the repeats": (
-        wrong("        best = min(best, time.perf_counter() - t0)\n    return best\n",
-              "        best = (0 if best == math.inf else best) + time.perf_counter() - t0\n    return best\n"),
-        f"the total of all {roofline_checks.RATE_REPEATS} calls"),
-    "a rate, not a pair": (wrong("return 3 * a.nbytes, fastest(", "return 3 * a.nbytes / fastest("),
-                           "one number (a rate?) instead of the pair"),
+        wrong(
+            "        best = min(best, time.perf_counter() - t0)\n    return best\n",
+            "        best = (0 if best == math.inf else best) + time.perf_counter() - t0\n    "
+            "return best\n",
+        ),
+        f"the total of all {roofline_checks.RATE_REPEATS} calls",
+    ),
+    "a rate, not a pair": (
+        wrong("return 3 * a.nbytes, fastest(", "return 3 * a.nbytes / fastest("),
+        "one number (a rate?) instead of the pair",
+    ),
 }
 
 
@@ -84,7 +107,8 @@ def test_the_chapters_answer_passes(capsys):
 
 
 def test_a_slip_that_gives_the_right_value_is_not_named():
-    """4 bytes per value is right for fp32, a square count right for a square product: not named there."""
+    """4 bytes per value is right for fp32, a square count right for a square product: not named
+    there."""
     assert not any("4 bytes per value" in m for m in roofline_checks.stream_probe_mistakes(100, 4))
     assert "4 bytes per value" in " ".join(roofline_checks.stream_probe_mistakes(100, 2))
     assert not any("square" in m for m in roofline_checks.matmul_probe_mistakes(8, 8, 8))
@@ -92,12 +116,19 @@ def test_a_slip_that_gives_the_right_value_is_not_named():
 
 def test_a_rate_far_off_is_named_only_where_a_slip_explains_it():
     mistakes = roofline_checks.rate_mistakes(torch.device("cpu"))
-    named = [m for ratio in (1e-3, 0.1, 1.0, 10.0) for m, (lo, hi) in mistakes.items() if lo <= ratio <= hi]
+    named = [
+        m
+        for ratio in (1e-3, 0.1, 1.0, 10.0)
+        for m, (lo, hi) in mistakes.items()
+        if lo <= ratio <= hi
+    ]
     assert len(named) == 2 and "milliseconds" in named[0] and "total" in named[1]
     assert any("synchronize" in m for m in roofline_checks.rate_mistakes(torch.device("cuda")))
 
 
-@pytest.mark.parametrize("got", [1.5e10, (1, 2, 3), (100, 0.0), (100, float("nan")), ("a", 1.0), None])
+@pytest.mark.parametrize(
+    "got", [1.5e10, (1, 2, 3), (100, 0.0), (100, float("nan")), ("a", 1.0), None]
+)
 def test_a_probe_that_does_not_return_a_count_and_seconds_is_told_so(got):
     with pytest.raises(CheckFailed, match=r"expected a pair \(count, seconds\)"):
         roofline_checks.probe_result("stream_probe(8)", got)
@@ -105,8 +136,8 @@ def test_a_probe_that_does_not_return_a_count_and_seconds_is_told_so(got):
 
 
 def test_the_rate_check_runs_both_sides_on_one_thread_and_restores_the_thread_count():
-    """The grading's fresh run measures ar_lab's side again, with no cell having set the threads: one thread on
-    both sides, in the kernel and there, keeps the comparison the same."""
+    """The grading's fresh run measures ar_lab's side again, with no cell having set the threads:
+    one thread on both sides, in the kernel and there, keeps the comparison the same."""
     from ar_lab.perf import peaks
 
     torch.set_num_threads(2)  # the fixture restores the count it found

@@ -1,6 +1,6 @@
-"""Chapter 07's named mistakes for the speculative loop: each classic slip, written out by hand as a learner
-would, fails the graded test's check (``check_loop``: greedy on the course model against plain greedy
-decoding) with the slip named; the right loop passes."""
+"""Chapter 07's named mistakes for the speculative loop: each classic slip, written out by hand as a
+learner would, fails the graded test's check (``check_loop``: greedy on the course model against
+plain greedy decoding) with the slip named; the right loop passes."""
 
 import pytest
 import torch
@@ -13,11 +13,13 @@ from ar_lab.model.data import benchmark_prompts
 
 
 def propose(draft, seq, gamma, probs, generator, *, last_only=False):
-    """The draft's gamma tokens and their q, as a learner writes it (``last_only``: the lagging draft's slip)."""
+    """The draft's gamma tokens and their q, as a learner writes it (``last_only``: the lagging
+    draft's slip)."""
     drafts, qs = [], []
     for _ in range(gamma):
         text = seq + drafts
-        fed = [text[-1]] if last_only else text[draft.length :]  # the slip: only the last token, whatever is lacking
+        # the slip: only the last token, whatever is lacking
+        fed = [text[-1]] if last_only else text[draft.length :]
         qs.append(probs(draft.feed(fed)[-1], text))
         drafts.append(draw(qs[-1], generator))
     return drafts, qs
@@ -43,7 +45,8 @@ def right(target, draft, seq, gamma, accept, probs, generator):
 def forgot_rollback(target, draft, seq, gamma, accept, probs, generator):
     drafts, qs = propose(draft, seq, gamma, probs, generator)
     n, dist = verify(target, seq, drafts, qs, accept, probs)
-    return drafts[:n] + [draw(dist, generator)]  # WRONG: no truncate, the rejected drafts stay in both caches
+    # WRONG: no truncate, the rejected drafts stay in both caches
+    return drafts[:n] + [draw(dist, generator)]
 
 
 def dropped_bonus(target, draft, seq, gamma, accept, probs, generator):
@@ -66,7 +69,11 @@ def lagging_draft(target, draft, seq, gamma, accept, probs, generator):
 def models():
     before = torch.get_num_threads()
     torch.set_num_threads(1)
-    yield ar_lab.load_pretrained("course"), ar_lab.load_pretrained("draft"), benchmark_prompts(1, length=24)[0]
+    yield (
+        ar_lab.load_pretrained("course"),
+        ar_lab.load_pretrained("draft"),
+        benchmark_prompts(1, length=24)[0],
+    )
     torch.set_num_threads(before)
 
 
@@ -88,7 +95,8 @@ def test_the_right_loop_passes_and_another_error_is_explained(models):
     for gamma in (1, 4):
         check_loop(f"greedy, γ = {gamma}", right, target, draft, prompt, 40, gamma)
 
-    def greedy_target_only(target, draft, seq, gamma, accept, probs, generator):  # WRONG: ignores the drafts
+    # WRONG: ignores the drafts
+    def greedy_target_only(target, draft, seq, gamma, accept, probs, generator):
         return [int(target.feed(seq[target.length :])[-1].argmax()) + 1]
 
     with pytest.raises(CheckFailed, match="differ from plain greedy decoding's from token 0"):

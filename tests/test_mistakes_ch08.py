@@ -9,8 +9,8 @@ from tests.raising import fails_naming, raises
 
 
 def test_chapter_08_mistakes_are_named():
-    """The row mask and the two admission policies: each classic slip, written out by hand, is named; the right
-    answer passes."""
+    """The row mask and the two admission policies: each classic slip, written out by hand, is
+    named; the right answer passes."""
     from ar_lab.course.checkers.mistakes import admission_mistakes, row_mask_mistakes
     from ar_lab.engine.scheduling import continuous_admit, static_admit
     from ar_lab.model.cache import BatchKVCache
@@ -20,14 +20,24 @@ def test_chapter_08_mistakes_are_named():
     for n in lengths:
         cache.add(n)
     right = cache.begin(T)[1].tolist()
-    keys, pos = torch.arange(max(lengths) + T), torch.tensor(lengths)[:, None] + torch.arange(T)  # pos: (rows, T)
+    # pos: (rows, T)
+    keys, pos = torch.arange(max(lengths) + T), torch.tensor(lengths)[:, None] + torch.arange(T)
     wrong = {
         "does not see itself": keys < pos[:, :, None],
-        "a padding position attended": (keys <= (max(lengths) + torch.arange(T))[:, None]).expand(3, T, -1),
+        "a padding position attended": (keys <= (max(lengths) + torch.arange(T))[:, None]).expand(
+            3, T, -1
+        ),
         "no causal part": (keys < (torch.tensor(lengths) + T)[:, None, None]).expand(3, T, -1),
     }
     for fragment, answer in wrong.items():
-        fails_naming(fragment, check_exact, "mask", answer[:, None].tolist(), right, row_mask_mistakes(lengths, T))
+        fails_naming(
+            fragment,
+            check_exact,
+            "mask",
+            answer[:, None].tolist(),
+            right,
+            row_mask_mistakes(lengths, T),
+        )
     check_exact("mask", right, right, row_mask_mistakes(lengths, T))
 
     fails_naming("that is continuous batching", check_exact, "static", 2, static_admit(5, 2, 4),
@@ -41,7 +51,8 @@ def test_chapter_08_mistakes_are_named():
 
 
 def _step(*, mask=None, retire=True, admit_one=False):
-    """A server step as a learner writes it (chapter 08, exercise 3), with one classic slip switched on."""
+    """A server step as a learner writes it (chapter 08, exercise 3), with one classic slip switched
+    on."""
     from ar_lab.model.cache import row_mask
 
     def step(server):
@@ -52,7 +63,9 @@ def _step(*, mask=None, retire=True, admit_one=False):
                 server.prefill(server.waiting.popleft())
         if server.rows:
             lengths = server.lengths
-            tokens = server.pick(server.decode(row_mask(lengths, 1) if mask is None else mask(lengths)))
+            tokens = server.pick(
+                server.decode(row_mask(lengths, 1) if mask is None else mask(lengths))
+            )
             done = [i for i, t in enumerate(tokens) if server.record(i, t)]
             if retire:
                 server.retire(done)
@@ -69,9 +82,10 @@ def course_model():
 
 
 def test_each_classic_wrong_server_step_fails_the_graded_check_with_its_mistake_named(course_model):
-    """The graded test's own check on its workload (7 requests, 3 rows, both policies): a finished row left in the
-    batch, a padding position attended (or no mask at all), a token that does not see itself, each fails naming
-    its mistake; admitting one request per step fails on the schedule; the right step passes."""
+    """The graded test's own check on its workload (7 requests, 3 rows, both policies): a finished
+    row left in the batch, a padding position attended (or no mask at all), a token that does not
+    see itself, each fails naming its mistake; admitting one request per step fails on the schedule;
+    the right step passes."""
     from ar_lab.course.checkers.serving_checks import check_server_step
     from ar_lab.engine.serving import StepError
     from ar_lab.perf.serving_measure import mixed_workload
@@ -81,10 +95,20 @@ def test_each_classic_wrong_server_step_fails_the_graded_check_with_its_mistake_
     def keys(n):
         return torch.arange(max(n) + 1)
 
-    wrong = [  # (what the failure names, the step); with T = 1, no mask at all is the longest row's mask
-        ("a padding position attended", _step(mask=lambda n: (keys(n) <= max(n)).expand(len(n), 1, 1, -1))),
-        ("a padding position attended", _step(mask=lambda n: torch.ones(len(n), 1, 1, max(n) + 1, dtype=torch.bool))),
-        ("does not see itself", _step(mask=lambda n: (keys(n) < torch.tensor(n)[:, None])[:, None, None])),
+    # (what the failure names, the step); with T = 1, no mask at all is the longest row's mask
+    wrong = [
+        (
+            "a padding position attended",
+            _step(mask=lambda n: (keys(n) <= max(n)).expand(len(n), 1, 1, -1)),
+        ),
+        (
+            "a padding position attended",
+            _step(mask=lambda n: torch.ones(len(n), 1, 1, max(n) + 1, dtype=torch.bool)),
+        ),
+        (
+            "does not see itself",
+            _step(mask=lambda n: (keys(n) < torch.tensor(n)[:, None])[:, None, None]),
+        ),
     ]
     for policy in ("static", "continuous"):
         options = {"max_batch": 3, "policy": policy, "eos_id": None}
@@ -93,5 +117,13 @@ def test_each_classic_wrong_server_step_fails_the_graded_check_with_its_mistake_
             fails_naming(fragment, check_server_step, course_model, small, step, **options)
         with raises(StepError, 'step'):
             check_server_step(course_model, small, _step(retire=False), **options)
-    with pytest.raises(CheckFailed, match="the decode step at which each request finished"):  # on the schedule
-        check_server_step(course_model, small, _step(admit_one=True), max_batch=3, policy="continuous", eos_id=None)
+    # on the schedule
+    with pytest.raises(CheckFailed, match="the decode step at which each request finished"):
+        check_server_step(
+            course_model,
+            small,
+            _step(admit_one=True),
+            max_batch=3,
+            policy="continuous",
+            eos_id=None,
+        )

@@ -41,7 +41,9 @@ def test_causality(tiny_model):
     assert not torch.allclose(a[:, 12:], b[:, 12:])
 
 
-@pytest.mark.parametrize("kv_heads, expected_qkv_out", [(None, 3 * 32), (2, 32 + 2 * 2 * 8), (1, 32 + 2 * 8)])
+@pytest.mark.parametrize(
+    "kv_heads, expected_qkv_out", [(None, 3 * 32), (2, 32 + 2 * 2 * 8), (1, 32 + 2 * 8)]
+)
 def test_gqa_mqa_shrink_the_kv_projection(kv_heads, expected_qkv_out):
     m = GPT(GPTConfig(block_size=16, n_layer=1, n_head=4, n_kv_heads=kv_heads, n_embd=32))
     assert m.blocks[0].attn.qkv.out_features == expected_qkv_out
@@ -67,7 +69,11 @@ def test_same_logits_and_tokens_as_hugging_face_gpt2():
     prompt = [72, 105, 33]
     with torch.no_grad():
         out = hf.generate(
-            torch.tensor([prompt]), max_new_tokens=40, min_new_tokens=40, do_sample=False, pad_token_id=256
+            torch.tensor([prompt]),
+            max_new_tokens=40,
+            min_new_tokens=40,
+            do_sample=False,
+            pad_token_id=256,
         )
     assert out[0, len(prompt) :].tolist() == generate(model, prompt, 40, eos_id=None).tokens
 

@@ -1,4 +1,5 @@
-"""The checkers of chapters 02-03's pieces name the mistake, and the place, where a learner's model parts."""
+"""The checkers of chapters 02-03's pieces name the mistake, and the place, where a learner's model
+parts."""
 
 import copy
 
@@ -27,8 +28,8 @@ from tests.raising import mistaken
 
 @pytest.fixture
 def gpt():
-    """A small GPT with weights as large as a trained model's (GPT-2's initialisation is too small for
-    its mistakes to show: with tiny activations the exact and the tanh GELU agree to 1e-4)."""
+    """A small GPT with weights as large as a trained model's (GPT-2's initialisation is too small
+    for its mistakes to show: with tiny activations the exact and the tanh GELU agree to 1e-4)."""
     torch.manual_seed(0)
     model = GPT(GPTConfig(block_size=16, n_layer=2, n_head=2, n_embd=16)).eval()
     with torch.no_grad():
@@ -52,9 +53,15 @@ def x_for(gpt, T=6):
             lambda g, x, idx: embedding_mistakes(g.wte.weight, g.wpe.weight, idx),
             lambda g, x, idx: g.wte(idx) + g.wpe.weight[:6],
         ),
-        (lambda g, x, idx: attention_mistakes(g.blocks[0].attn, x), lambda g, x, idx: g.blocks[0].attn(x, None, 0, 0)),
+        (
+            lambda g, x, idx: attention_mistakes(g.blocks[0].attn, x),
+            lambda g, x, idx: g.blocks[0].attn(x, None, 0, 0),
+        ),
         (lambda g, x, idx: mlp_mistakes(g.blocks[1].mlp, x), lambda g, x, idx: g.blocks[1].mlp(x)),
-        (lambda g, x, idx: block_mistakes(g.blocks[1], x), lambda g, x, idx: g.blocks[1](x, None, 1, 0)),
+        (
+            lambda g, x, idx: block_mistakes(g.blocks[1], x),
+            lambda g, x, idx: g.blocks[1](x, None, 1, 0),
+        ),
         (lambda g, x, idx: gpt_mistakes(g, idx), lambda g, x, idx: g(idx)),
     ],
     ids=["embedding", "attention", "mlp", "block", "gpt"],
@@ -68,7 +75,9 @@ def test_no_mistake_gives_the_right_answer(gpt, mistakes, correct):
     assert len(found) >= 2
     for mistake, output in found.items():
         assert output.shape == right.shape, mistake
-        assert not torch.allclose(output, right, atol=1e-4), f"{mistake!r} is indistinguishable from the right answer"
+        assert not torch.allclose(output, right, atol=1e-4), (
+            f"{mistake!r} is indistinguishable from the right answer"
+        )
     check_matches("the right answer", right, right.clone(), mistakes=found)
 
 
@@ -80,12 +89,16 @@ def test_a_wrong_attention_and_a_missing_residual_are_named(gpt):
         unmasked = (q @ k.transpose(-2, -1) / (C // 2) ** 0.5).softmax(-1) @ v  # forgot the mask
         got = attn.proj(unmasked.transpose(1, 2).reshape(B, T, C))
         with mistaken("without the causal mask"):
-            check_matches("attention", got, attn(x, None, 0, 0), mistakes=attention_mistakes(attn, x))
+            check_matches(
+                "attention", got, attn(x, None, 0, 0), mistakes=attention_mistakes(attn, x)
+            )
         block = gpt.blocks[1]
         h = x + block.attn(block.ln1(x), None, 1, 0)
         no_second_residual = block.mlp(block.ln2(h))
         with mistaken("without its second residual connection"):
-            check_matches("block", no_second_residual, block(x, None, 1, 0), mistakes=block_mistakes(block, x))
+            check_matches(
+                "block", no_second_residual, block(x, None, 1, 0), mistakes=block_mistakes(block, x)
+            )
         exact_gelu = block.mlp.proj(F.gelu(block.mlp.fc(x)))
         with mistaken("exact GELU"):
             check_matches("mlp", exact_gelu, block.mlp(x), mistakes=mlp_mistakes(block.mlp, x))
@@ -122,7 +135,9 @@ def test_check_model_passes_a_copy_and_locates_a_broken_submodule(gpt):
     assert locate_difference(mine, gpt, (idx,)) == (
         "The first difference is the output of `blocks.1.mlp.fc` (what goes into it agrees)."
     )
-    with pytest.raises(CheckFailed, match=r"(?s)the first position that differs is 0.*`blocks.1.mlp.fc`"):
+    with pytest.raises(
+        CheckFailed, match=r"(?s)the first position that differs is 0.*`blocks.1.mlp.fc`"
+    ):
         check_model("broken", mine, gpt, idx)
 
 
@@ -140,7 +155,9 @@ def test_locate_difference_blames_the_code_between_submodules():
     mine = NoPositions(ref.config).eval()
     mine.load_state_dict(ref.state_dict())
     idx = torch.tensor([[1, 2, 3]])
-    assert locate_difference(mine, ref, (idx,)).startswith("The first difference is in what goes into `blocks.0.ln1`")
+    assert locate_difference(mine, ref, (idx,)).startswith(
+        "The first difference is in what goes into `blocks.0.ln1`"
+    )
     with mistaken("without position embeddings"):
         check_model("no positions", mine, ref, idx, mistakes=gpt_mistakes(ref, idx))
 
@@ -166,6 +183,9 @@ def test_train_step_mistakes_each_train_differently_and_leave_the_model_alone():
     right = copy.deepcopy(start)
     train(right, tokens, val, tc, progress=False)
     for mistake, (model, losses) in found.items():
-        moved = max((p - q).abs().max().item() for p, q in zip(model.parameters(), right.parameters(), strict=True))
+        moved = max(
+            (p - q).abs().max().item()
+            for p, q in zip(model.parameters(), right.parameters(), strict=True)
+        )
         assert moved > 1e-3, f"{mistake!r} trains almost like the right step ({moved:.2g})"
         assert len(losses) == tc.steps

@@ -34,16 +34,23 @@ from ar_lab.model.rolling import RollingKVCache
 CONFIGS = {
     "gpt2": GPTConfig(block_size=48, n_layer=2, n_head=4, n_embd=32),
     "modern": GPTConfig.modern(block_size=48, n_layer=2, n_head=4, n_kv_heads=2, n_embd=32),
-    "mqa_bias": GPTConfig.modern(block_size=48, n_layer=2, n_head=4, n_kv_heads=1, n_embd=32, bias=True),
-    "window": GPTConfig.modern(block_size=48, n_layer=2, n_head=4, n_kv_heads=2, n_embd=32, window=6),
-    "sinks": GPTConfig.modern(block_size=48, n_layer=2, n_head=4, n_kv_heads=2, n_embd=32, window=5, sinks=2),
+    "mqa_bias": GPTConfig.modern(
+        block_size=48, n_layer=2, n_head=4, n_kv_heads=1, n_embd=32, bias=True
+    ),
+    "window": GPTConfig.modern(
+        block_size=48, n_layer=2, n_head=4, n_kv_heads=2, n_embd=32, window=6
+    ),
+    "sinks": GPTConfig.modern(
+        block_size=48, n_layer=2, n_head=4, n_kv_heads=2, n_embd=32, window=5, sinks=2
+    ),
 }
 
 
 def _model(name: str, seed: int = 0, spread: float = 0.3) -> GPT:
     torch.manual_seed(seed)
     model = GPT(CONFIGS[name]).eval()
-    with torch.no_grad():  # weights far from init: attention that is not near-uniform tells mistakes apart
+    # weights far from init: attention that is not near-uniform tells mistakes apart
+    with torch.no_grad():
         for p in model.parameters():
             p.normal_(0, spread)
     return model
@@ -60,7 +67,8 @@ MODELS = {name: _model(name) for name in CONFIGS}
     seed=st.integers(0, 2**16),
 )
 def test_every_store_computes_the_uncached_logits(name, cuts, store, seed):
-    """Fed in pieces of any sizes through any store, a model gives the logits of one uncached pass."""
+    """Fed in pieces of any sizes through any store, a model gives the logits of one uncached
+    pass."""
     model = MODELS[name]
     cfg = model.config
     g = torch.Generator().manual_seed(seed)
@@ -75,7 +83,9 @@ def test_every_store_computes_the_uncached_logits(name, cuts, store, seed):
         elif store == "rolling":
             cache = RollingKVCache.for_model(model)
         else:
-            cache = (BatchKVCache if store == "batch" else PagedKVCache).for_model(model, 2, max_len=n)
+            cache = (BatchKVCache if store == "batch" else PagedKVCache).for_model(
+                model, 2, max_len=n
+            )
         got, at = [], 0
         for c in cuts:
             piece = idx[:, at : at + c]
@@ -98,8 +108,8 @@ def test_every_store_computes_the_uncached_logits(name, cuts, store, seed):
 
 @pytest.mark.parametrize("name", sorted(CONFIGS))
 def test_the_lean_engine_runs_the_same_block(name):
-    """The lean step and the verify pass (extend, packed copies) equal forward for every configuration,
-    on a contiguous and an int8 store alike (int8: within its rounding)."""
+    """The lean step and the verify pass (extend, packed copies) equal forward for every
+    configuration, on a contiguous and an int8 store alike (int8: within its rounding)."""
     model = MODELS[name]
     idx = torch.randint(0, 257, (1, 20), generator=torch.Generator().manual_seed(1))
     engine, copies = lean.for_model(model), lean.extend_copies(model)
@@ -116,15 +126,19 @@ def test_the_lean_engine_runs_the_same_block(name):
 
 @pytest.mark.parametrize("name", ["modern", "window", "sinks"])
 def test_every_loop_runs_the_modern_model(name):
-    """generate (lean and forward), speculative decoding (a draft model, prompt lookup), beam search with one beam
-    and serving on contiguous and paged memory all give the same greedy tokens on a Llama-shaped model."""
+    """generate (lean and forward), speculative decoding (a draft model, prompt lookup), beam search
+    with one beam and serving on contiguous and paged memory all give the same greedy tokens on a
+    Llama-shaped model."""
     model, draft = MODELS[name], _model(name, seed=5)
     prompt, n = [3, 14, 15, 92, 65, 35], 12
     greedy = generate(model, prompt, n, eos_id=None).tokens
     assert generate(model, prompt, n, lean=False, eos_id=None).tokens == greedy
     assert generate(model, prompt, n, use_cache=False, eos_id=None).tokens == greedy
     assert speculative_generate(model, draft, prompt, n, gamma=3, eos_id=None).tokens == greedy
-    assert speculative_generate(model, PromptLookup(), prompt, n, gamma=3, eos_id=None).tokens == greedy
+    assert (
+        speculative_generate(model, PromptLookup(), prompt, n, gamma=3, eos_id=None).tokens
+        == greedy
+    )
     assert beam_search(model, prompt, n, num_beams=1, eos_id=None).best.tokens == greedy
     for kv in ("contiguous", "paged"):
         report = serve(model, [Request(prompt, n), Request(prompt[:3], n)], kv=kv, eos_id=None)
@@ -141,16 +155,21 @@ def test_a_rolling_cache_holds_constant_memory_and_refuses_a_rollback_past_its_r
         want = model(idx)
         model(idx[:, :30], cache)
         cache.truncate(28)  # within the spare places: the next query still finds every key it sees
-        torch.testing.assert_close(model(idx[:, 28:40], cache), want[:, 28:40], atol=2e-5, rtol=1e-4)
+        torch.testing.assert_close(
+            model(idx[:, 28:40], cache), want[:, 28:40], atol=2e-5, rtol=1e-4
+        )
         assert cache.nbytes == before and cache.length == 40
         with raises(ContextFull, "n"):
             cache.truncate(30)
 
 
-@pytest.mark.skipif(not have_transformers(), reason="transformers is the reference peer (dev extra)")
+@pytest.mark.skipif(
+    not have_transformers(), reason="transformers is the reference peer (dev extra)"
+)
 @pytest.mark.parametrize("name", ["modern", "mqa_bias", "window"])
 def test_the_modern_configuration_equals_transformers_llama(name):
-    """Our weights in transformers' LlamaForCausalLM (MistralForCausalLM with a window) give our logits."""
+    """Our weights in transformers' LlamaForCausalLM (MistralForCausalLM with a window) give our
+    logits."""
     model = MODELS[name]
     hf = to_hf(model)
     assert type(hf).__name__ == ("MistralForCausalLM" if name == "window" else "LlamaForCausalLM")
@@ -194,7 +213,8 @@ def test_a_store_of_another_configuration_is_refused_before_any_write():
     with raises(BadValue, "cache"), torch.no_grad():
         modern(idx, other)
     assert other.length == 0 and not other.k[0].any()
-    rolling = RollingKVCache.for_model(MODELS["sinks"])  # window 5 with sinks, the model's is 6 without
+    # window 5 with sinks, the model's is 6 without
+    rolling = RollingKVCache.for_model(MODELS["sinks"])
     with raises(BadValue, "cache"), torch.no_grad():
         window(idx, rolling)
     with raises(BadValue, "model"):
@@ -207,9 +227,14 @@ def test_a_store_of_another_configuration_is_refused_before_any_write():
 def test_a_quantized_modern_model_decodes_the_same_through_the_lean_step_and_forward(weights):
     from ar_lab.engine.quant import quantize_model
 
-    model = quantize_model(MODELS["modern"], weights=weights, group_size=None if weights != "int4" else 32)
+    model = quantize_model(
+        MODELS["modern"], weights=weights, group_size=None if weights != "int4" else 32
+    )
     prompt = [5, 6, 7, 8]
-    assert generate(model, prompt, 8, eos_id=None).tokens == generate(model, prompt, 8, eos_id=None, lean=False).tokens
+    assert (
+        generate(model, prompt, 8, eos_id=None).tokens
+        == generate(model, prompt, 8, eos_id=None, lean=False).tokens
+    )
 
 
 def test_a_modern_checkpoint_round_trips(tmp_path):
@@ -224,18 +249,27 @@ def test_a_modern_checkpoint_round_trips(tmp_path):
         torch.testing.assert_close(loaded(idx), model(idx))
 
 
-@pytest.mark.skipif(not have_transformers(), reason="transformers is the reference peer (dev extra)")
+@pytest.mark.skipif(
+    not have_transformers(), reason="transformers is the reference peer (dev extra)"
+)
 def test_the_shipped_modern_checkpoint_is_llama_and_decodes_alike_everywhere():
-    """data/modern.safetensors (make checkpoints): a Llama-shaped model whose logits are transformers' Llama's,
-    decoding the same text lean, through forward and from a paged server."""
+    """data/modern.safetensors (make checkpoints): a Llama-shaped model whose logits are
+    transformers' Llama's, decoding the same text lean, through forward and from a paged server."""
     from ar_lab.model.train import load_pretrained
 
     model = load_pretrained("modern", "cpu")
-    assert model.config.positions == "rope" and model.config.kv_heads < model.config.n_head and model.wpe is None
+    assert (
+        model.config.positions == "rope"
+        and model.config.kv_heads < model.config.n_head
+        and model.wpe is None
+    )
     idx = torch.tensor([list(b"def __init__(self, name):\n        self.")])
     with torch.no_grad():
         torch.testing.assert_close(to_hf(model)(idx).logits, model(idx), atol=1e-4, rtol=1e-4)
     prompt = list(b"The assert statement")
     lean_tokens = generate(model, prompt, 24, eos_id=None).tokens
     assert lean_tokens == generate(model, prompt, 24, eos_id=None, lean=False).tokens
-    assert serve(model, [Request(prompt, 24)], kv="paged", eos_id=None).results[0].tokens == lean_tokens
+    assert (
+        serve(model, [Request(prompt, 24)], kv="paged", eos_id=None).results[0].tokens
+        == lean_tokens
+    )

@@ -1,4 +1,5 @@
-"""ar_lab.perf.op_count: which PyTorch calls compute (a kernel) and which only describe memory (chapter 04)."""
+"""ar_lab.perf.op_count: which PyTorch calls compute (a kernel) and which only describe memory
+(chapter 04)."""
 
 import torch
 
@@ -33,7 +34,8 @@ def test_a_pass_calls_the_same_operations_for_any_number_of_positions():
     assert one.computing["linear"] == 2 * 4 + 1  # four per block, then the (tied) output layer
     lean, forward = decode_step_ops(model, lean=True), decode_step_ops(model, lean=False)
     assert lean.computing["addmv"] == 2 * 4 and "linear" not in lean.computing
-    assert forward.computing["copy_"] == 2 * 2  # the new key and value written into each layer's cache
+    # the new key and value written into each layer's cache
+    assert forward.computing["copy_"] == 2 * 2
     with raises(BadValue, 'positions'):
         pass_ops(model, 0)
     with raises(BadType, 'fn'):

@@ -1,5 +1,5 @@
-"""Paged KV memory: the block allocator's invariants, the paged cache against the contiguous one, serving on
-blocks (same tokens), the memory accounting and the Llama-3-8B scale-up."""
+"""Paged KV memory: the block allocator's invariants, the paged cache against the contiguous one,
+serving on blocks (same tokens), the memory accounting and the Llama-3-8B scale-up."""
 
 import math
 from collections import Counter
@@ -11,7 +11,13 @@ from hypothesis import strategies as st
 
 from ar_lab.base.errors import BadType, BadValue, ContextFull
 from ar_lab.engine.decoder import ForwardDecoder
-from ar_lab.engine.paged import BlockAllocator, OutOfBlocks, PagedKVCache, blocks_for, check_allocator
+from ar_lab.engine.paged import (
+    BlockAllocator,
+    OutOfBlocks,
+    PagedKVCache,
+    blocks_for,
+    check_allocator,
+)
 from ar_lab.engine.prefix_cache import PrefixCache
 from ar_lab.engine.sampling import SamplingParams
 from ar_lab.engine.serving import Request, serve
@@ -32,7 +38,11 @@ from tests.raising import raises
 # --- the allocator ---------------------------------------------------------------------------
 
 ops = st.lists(
-    st.tuples(st.sampled_from(["allocate", "grow", "fork", "free"]), st.integers(0, 40), st.integers(0, 40)),
+    st.tuples(
+        st.sampled_from(["allocate", "grow", "fork", "free"]),
+        st.integers(0, 40),
+        st.integers(0, 40),
+    ),
     max_size=40,
 )
 
@@ -45,9 +55,15 @@ def snapshot(a: BlockAllocator) -> tuple:
 def check_invariants(a: BlockAllocator) -> None:
     held = Counter(b for r in a.requests for b in a.table(r))
     for b in range(a.num_blocks):
-        assert a.refcount(b) == held[b], f"block {b}: refcount {a.refcount(b)}, held by {held[b]} tables"
+        assert a.refcount(b) == held[b], (
+            f"block {b}: refcount {a.refcount(b)}, held by {held[b]} tables"
+        )
     for r in a.requests:
-        assert len(a.table(r)) == blocks_for(a.length(r), a.block_size), (r, a.table(r), a.length(r))
+        assert len(a.table(r)) == blocks_for(a.length(r), a.block_size), (
+            r,
+            a.table(r),
+            a.length(r),
+        )
         assert len(set(a.table(r))) == len(a.table(r)), f"{r} holds a block twice"
     assert a.num_free + a.num_used == a.num_blocks
     assert a.num_used == len(held), "a block is neither free nor held (a leak), or both"
@@ -56,7 +72,9 @@ def check_invariants(a: BlockAllocator) -> None:
     shared = [b for b, n in held.items() if n > 1]
     for r in a.requests:
         t, n = a.table(r), a.length(r)
-        assert all(t.index(b) < n // a.block_size for b in shared if b in t), "a partly filled block is shared"
+        assert all(t.index(b) < n // a.block_size for b in shared if b in t), (
+            "a partly filled block is shared"
+        )
 
 
 @given(ops, st.sampled_from([1, 3, 4]), st.integers(1, 14))
@@ -84,7 +102,9 @@ def test_allocator_invariants_hold_under_any_sequence(seq, block_size, num_block
         check_invariants(a)
     for r in a.requests:
         a.free(r)
-    assert a.num_free == num_blocks and a.tokens == 0, "freeing every request must return every block"
+    assert a.num_free == num_blocks and a.tokens == 0, (
+        "freeing every request must return every block"
+    )
     assert all(a.refcount(b) == 0 for b in range(num_blocks))
 
 
@@ -93,7 +113,8 @@ def test_allocate_grow_fork_free_by_hand():
     assert a.allocate("p", 9) == [0, 1, 2]  # 9 tokens: 3 blocks, not 2 (ceil), not 3 + 1
     assert a.grow("p", 12) == [0, 1, 2]  # fills the last block: no new one
     assert a.grow("p", 13) == [0, 1, 2, 3]
-    assert a.fork("p", "c", 10) == [0, 1, 4]  # two full blocks shared; the partly filled third copied to a fresh one
+    # two full blocks shared; the partly filled third copied to a fresh one
+    assert a.fork("p", "c", 10) == [0, 1, 4]
     assert [a.refcount(b) for b in range(5)] == [2, 2, 1, 1, 1] and a.num_free == 3
     a.free("p")  # the shared blocks stay with "c"
     assert [a.refcount(b) for b in range(5)] == [1, 1, 0, 0, 1] and a.num_free == 5
@@ -209,8 +230,13 @@ def tokens(report):
 def workload(n=7, seed=0):
     g = torch.Generator().manual_seed(seed)
     return [
-        Request(torch.randint(0, 256, (int(torch.randint(1, 12, (1,), generator=g)),), generator=g).tolist(),
-                int(torch.randint(1, 14, (1,), generator=g)), seed=i)
+        Request(
+            torch.randint(
+                0, 256, (int(torch.randint(1, 12, (1,), generator=g)),), generator=g
+            ).tolist(),
+            int(torch.randint(1, 14, (1,), generator=g)),
+            seed=i,
+        )
         for i in range(n)
     ]
 
@@ -220,8 +246,8 @@ _contiguous_runs: dict[tuple[int, int], tuple] = {}
 
 
 def contiguous_run(max_batch: int, seed: int) -> tuple:
-    """The seed's model and workload and the contiguous cache's greedy and sampled reports: they do not depend on
-    the block size, so the examples that share (max_batch, seed) compute them once."""
+    """The seed's model and workload and the contiguous cache's greedy and sampled reports: they do
+    not depend on the block size, so the examples that share (max_batch, seed) compute them once."""
     if (max_batch, seed) not in _contiguous_runs:
         torch.manual_seed(seed)
         m = GPT(GPTConfig(block_size=64, n_layer=2, n_head=4, n_kv_heads=2, n_embd=32)).eval()
@@ -238,19 +264,28 @@ def test_paged_serving_gives_the_contiguous_tokens(block_size, max_batch, seed):
     m, work, plain, sampled = contiguous_run(max_batch, seed)
     paged = serve(m, work, max_batch=max_batch, eos_id=None, kv="paged", block_size=block_size)
     assert tokens(paged) == tokens(plain)
-    assert [r.finish_step for r in paged.results] == [r.finish_step for r in plain.results]  # rows end apart
+    # rows end apart
+    assert [r.finish_step for r in paged.results] == [r.finish_step for r in plain.results]
     assert len({r.finish_step for r in plain.results}) > 1
     sp = SERVING_SAMPLING
-    assert tokens(serve(m, work, max_batch=max_batch, sampling=sp, kv="paged", block_size=block_size)) == tokens(
-        sampled
-    )
+    assert tokens(
+        serve(m, work, max_batch=max_batch, sampling=sp, kv="paged", block_size=block_size)
+    ) == tokens(sampled)
 
 
 def test_a_fixed_pool_makes_requests_wait_but_changes_no_token(gqa_model):
     work = workload(8, seed=3)
     plain = serve(gqa_model, work, max_batch=4, eos_id=None)
     need = [blocks_for(len(r.prompt) + r.max_new_tokens - 1, 4) for r in work]
-    tight = serve(gqa_model, work, max_batch=4, eos_id=None, kv="paged", block_size=4, num_blocks=max(need) + 1)
+    tight = serve(
+        gqa_model,
+        work,
+        max_batch=4,
+        eos_id=None,
+        kv="paged",
+        block_size=4,
+        num_blocks=max(need) + 1,
+    )
     assert tokens(tight) == tokens(plain)
     assert tight.decode_steps > plain.decode_steps  # fewer rows at once: it waited for blocks
     assert max(tight.kv_reserved) <= (max(need) + 1) * 4
@@ -316,7 +351,8 @@ def test_footprints_by_hand():
 def test_llama3_8b_on_80gb_scale_up_arithmetic():
     s = scale_up(n_requests=500, seed=1)
     shape = model("Llama-3-8B")
-    assert s.bytes_per_position == 32 * 8 * 128 * 2 * 2 == kv_memory(shape, 1)  # layers x KV heads x D x (K, V) x bf16
+    # layers x KV heads x D x (K, V) x bf16
+    assert s.bytes_per_position == 32 * 8 * 128 * 2 * 2 == kv_memory(shape, 1)
     assert s.weights == weight_memory(shape) and s.kv_budget == int(80e9 - s.weights)
     budget = s.kv_budget // s.bytes_per_position
     assert s.contiguous_fit == budget // 8192
@@ -326,7 +362,9 @@ def test_llama3_8b_on_80gb_scale_up_arithmetic():
     assert s.paged.waste < s.paged_fit * 16 * s.bytes_per_position  # under one block per request
     assert s.gain > 2 and math.isclose(s.gain, s.paged_fit / s.contiguous_fit)
     lengths = mixed_lengths(200, 8192, seed=1)
-    assert lengths == mixed_lengths(200, 8192, seed=1) and 64 <= min(lengths) and max(lengths) <= 8192
+    assert (
+        lengths == mixed_lengths(200, 8192, seed=1) and 64 <= min(lengths) and max(lengths) <= 8192
+    )
 
 
 # --- chapter 08's checker names the classic mistakes ------------------------------------------
@@ -417,17 +455,26 @@ SHARED = [("allocate", "a", 8), ("fork", "a", "b", 8), ("free", "a"), ("free", "
     ("cls", "ops", "hint"),
     [
         (OffByOne, [("allocate", "a", 8)], "off-by-one when n fills its last block exactly"),
-        (OffByOne, [("allocate", "a", 12)], "(?s)MemoryError: out of blocks.*one too many runs out"),
+        (
+            OffByOne,
+            [("allocate", "a", 12)],
+            "(?s)MemoryError: out of blocks.*one too many runs out",
+        ),
         (EarlyFree, SHARED, "another request still uses went back to the free list"),
         (Leaky, [("allocate", "a", 5), ("free", "a")], "leaking blocks on finish"),
-        (PartialTake, [("allocate", "a", 4), ("allocate", "b", 9)], "raise before changing anything"),
+        (
+            PartialTake,
+            [("allocate", "a", 4), ("allocate", "b", 9)],
+            "raise before changing anything",
+        ),
     ],
 )
 def test_allocator_checker_names_the_mistake(cls, ops, hint):
     from ar_lab.course.checkers.checks import CheckFailed
     from ar_lab.course.checkers.paged_checks import check_allocator_ops
 
-    check_allocator_ops(Plain, ops, num_blocks=3, block_size=4)  # the same operations pass when done right
+    # the same operations pass when done right
+    check_allocator_ops(Plain, ops, num_blocks=3, block_size=4)
     with pytest.raises(CheckFailed, match=hint):
         check_allocator_ops(cls, ops, num_blocks=3, block_size=4)
 
@@ -459,7 +506,8 @@ class _AliasingAllocator(BlockAllocator):
 
 
 def test_a_block_handed_to_two_running_requests_is_refused_naming_the_allocator():
-    """Two requests writing one block would mix their keys and values: serving refuses instead of decoding on."""
+    """Two requests writing one block would mix their keys and values: serving refuses instead of
+    decoding on."""
     from ar_lab.engine.serving.requests import Request
     from ar_lab.engine.serving.server import serve
 
@@ -469,4 +517,6 @@ def test_a_block_handed_to_two_running_requests_is_refused_naming_the_allocator(
     with raises(BadValue, "allocator"):
         serve(model, requests, kv="paged", allocator=_AliasingAllocator(16, 4), block_size=None)
     good = serve(model, requests, kv="paged", allocator=BlockAllocator(16, 4), eos_id=None)
-    assert [r.tokens for r in good.results] == [r.tokens for r in serve(model, requests, eos_id=None).results]
+    assert [r.tokens for r in good.results] == [
+        r.tokens for r in serve(model, requests, eos_id=None).results
+    ]

@@ -1,5 +1,6 @@
-"""One logits pipeline (``LogitsPipeline``): every loop that picks tokens runs it, so the greedy shortcut, the
-finiteness check and the ``sampler=`` hook behave the same in each; ``serve`` takes ``sampler=`` through it."""
+"""One logits pipeline (``LogitsPipeline``): every loop that picks tokens runs it, so the greedy
+shortcut, the finiteness check and the ``sampler=`` hook behave the same in each; ``serve`` takes
+``sampler=`` through it."""
 
 import pytest
 import torch
@@ -30,10 +31,15 @@ def test_the_pipeline_picks_what_sample_picks_for_the_same_seed(params, seed, ba
     history = [1, 4]
     picker = LogitsPipeline(params)
     got = picker(logits, torch.Generator().manual_seed(seed), history)
-    assert got.tolist() == sample(logits, params, torch.Generator().manual_seed(seed), history).tolist()
+    assert (
+        got.tolist()
+        == sample(logits, params, torch.Generator().manual_seed(seed), history).tolist()
+    )
     assert picker.one(logits[0], torch.Generator().manual_seed(seed), history) == int(
         sample(logits[0], params, torch.Generator().manual_seed(seed), history))
-    assert torch.equal(picker.probabilities(logits, history), probabilities(logits, params, history))
+    assert torch.equal(
+        picker.probabilities(logits, history), probabilities(logits, params, history)
+    )
 
 
 def test_only_greedy_without_a_penalty_or_a_sampler_takes_the_argmax_directly():
@@ -49,12 +55,14 @@ def test_a_broken_winner_raises_instead_of_being_picked(bad):
     logits[1, 3] = bad
     with raises(BadValue, "logits") as info:
         LogitsPipeline(GREEDY)(logits)
-    # the wording is the point here: NaN (broken inputs or weights) and +inf (an overflow: check the dtype) need
-    # different fixes, and both name the same argument, so only the message tells the learner which one to make
+    # the wording is the point here: NaN (broken inputs or weights) and +inf (an overflow: check the
+    # dtype) need different fixes, and both name the same argument, so only the message tells the
+    # learner which one to make
     info.match("NaN" if bad != bad else r"\+inf")
     with pytest.raises(ValueError):
         LogitsPipeline(GREEDY).one(logits[1])
-    assert LogitsPipeline(GREEDY).one(torch.tensor([0.0, -float("inf"), 2.0])) == 2  # -inf elsewhere is fine
+    # -inf elsewhere is fine
+    assert LogitsPipeline(GREEDY).one(torch.tensor([0.0, -float("inf"), 2.0])) == 2
 
 
 def test_the_pipeline_refuses_what_it_cannot_run():
@@ -86,15 +94,21 @@ class Broken(torch.nn.Module):
 def test_speculative_greedy_raises_on_nan_logits_instead_of_emitting_a_token(tiny_model):
     torch.manual_seed(1)
     with raises(BadValue, "logits"):
-        speculative_generate(Broken(tiny_model, 2), tiny_model, "ab", 20, gamma=3, eos_id=None, lean=False)
+        speculative_generate(
+            Broken(tiny_model, 2), tiny_model, "ab", 20, gamma=3, eos_id=None, lean=False
+        )
     with raises(BadValue, "logits"):
-        speculative_generate(tiny_model, Broken(tiny_model, 3), "ab", 20, gamma=3, eos_id=None, lean=False)
+        speculative_generate(
+            tiny_model, Broken(tiny_model, 3), "ab", 20, gamma=3, eos_id=None, lean=False
+        )
 
 
 def test_serve_takes_a_sampler_of_ones_own_with_each_requests_generator(tiny_model):
     requests = [Request("ab", 6, seed=1), Request("hello", 4, seed=2), Request("x", 5, seed=1)]
     plain = serve(tiny_model, requests, max_batch=2, eos_id=None)
-    argmax = serve(tiny_model, requests, max_batch=2, eos_id=None, sampler=lambda x, p, g: int(x.argmax()))
+    argmax = serve(
+        tiny_model, requests, max_batch=2, eos_id=None, sampler=lambda x, p, g: int(x.argmax())
+    )
     assert [r.tokens for r in argmax.results] == [r.tokens for r in plain.results]
     params = SamplingParams(temperature=1.0, top_k=20)
     drawn = serve(tiny_model, requests, max_batch=2, eos_id=None, sampling=params)
@@ -120,8 +134,8 @@ def test_sample_batch_greedy_is_each_rows_argmax_path(tiny_model):
 
 
 def test_eos_id_has_one_rule_in_every_loop(tiny_model):
-    """An end token the model cannot emit would never stop anything: every loop refuses it the same way, and
-    every loop takes a numpy integer where it takes an int."""
+    """An end token the model cannot emit would never stop anything: every loop refuses it the same
+    way, and every loop takes a numpy integer where it takes an int."""
     import numpy as np
 
     from ar_lab.engine.beam import beam_search
@@ -132,7 +146,9 @@ def test_eos_id_has_one_rule_in_every_loop(tiny_model):
         "sample_batch": lambda eos: sample_batch(tiny_model, ["ab"], 3, eos_id=eos),
         "serve": lambda eos: serve(tiny_model, [Request("ab", 3)], eos_id=eos),
         "beam_search": lambda eos: beam_search(tiny_model, "ab", 3, num_beams=2, eos_id=eos),
-        "speculative": lambda eos: speculative_generate(tiny_model, tiny_model, "ab", 3, eos_id=eos),
+        "speculative": lambda eos: speculative_generate(
+            tiny_model, tiny_model, "ab", 3, eos_id=eos
+        ),
     }
     for _name, run in loops.items():
         for bad in [10_000, -1, True, 2.0]:
@@ -143,7 +159,8 @@ def test_eos_id_has_one_rule_in_every_loop(tiny_model):
 
 
 def test_a_count_has_one_rule_numpy_integers_included(tiny_model):
-    """``top_k`` took a numpy integer and ``max_new_tokens`` refused one; both take it now (base.args.positive_int)."""
+    """``top_k`` took a numpy integer and ``max_new_tokens`` refused one; both take it now
+    (base.args.positive_int)."""
     import numpy as np
 
     params = SamplingParams(temperature=1.0, top_k=np.int64(5))
@@ -151,7 +168,14 @@ def test_a_count_has_one_rule_numpy_integers_included(tiny_model):
                    generator=torch.Generator().manual_seed(0))
     assert out.tokens == generate(tiny_model, "ab", 4, sampling=params, eos_id=None,
                                   generator=torch.Generator().manual_seed(0)).tokens
-    assert len(serve(tiny_model, [Request("ab", 3)], max_batch=np.int64(2), eos_id=None).results[0].tokens) == 3
+    assert (
+        len(
+            serve(tiny_model, [Request("ab", 3)], max_batch=np.int64(2), eos_id=None)
+            .results[0]
+            .tokens
+        )
+        == 3
+    )
     for bad in [np.float64(4.0), True, 0, np.int64(0)]:
         with raises(BadValue, 'max_new_tokens'):
             generate(tiny_model, "ab", bad)

@@ -1,6 +1,6 @@
-"""Chapter 05's course-layer helpers: the named mistakes of its TPOT and decode-plan exercises (the probes'
-are in test_mistakes_ch05.py), where its GPU measurement comes from, and the sizes of the models a GPU
-measures."""
+"""Chapter 05's course-layer helpers: the named mistakes of its TPOT and decode-plan exercises (the
+probes' are in test_mistakes_ch05.py), where its GPU measurement comes from, and the sizes of the
+models a GPU measures."""
 
 import math
 from pathlib import Path
@@ -36,8 +36,12 @@ def test_predict_tpot_mistakes_are_named():
 def test_decode_plan_mistakes_are_named_key_by_key():
     m, g, context = lc.MODELS["Llama-3-8B"], gpus.GPUS["H100 SXM"], 8192
     ref = lc.place_decode(m, g, context)
-    right = {"tpot": lc.predicted_time(lc.decode_cost(m, context), g), "max_batch": ref.max_batch,
-             "matmul_batch": ref.matmul_compute_bound_batch, "attention_intensity": ref.attention_intensity}
+    right = {
+        "tpot": lc.predicted_time(lc.decode_cost(m, context), g),
+        "max_batch": ref.max_batch,
+        "matmul_batch": ref.matmul_compute_bound_batch,
+        "attention_intensity": ref.attention_intensity,
+    }
     mistakes = decode_plan_mistakes(m, g, context)
     assert set(mistakes) == set(right)
     cache = context * m.kv_values_per_token * 2
@@ -46,28 +50,55 @@ def test_decode_plan_mistakes_are_named_key_by_key():
               "matmul_batch": math.ceil(g.ridge), "attention_intensity": m.q_width / m.kv_width}
     for key in right:  # the chapter's reference answer is never taken for a mistake
         name_mistake(key, answer[key], right[key], mistakes[key])
-    _named("not subtracting the weights", "b", math.floor(g.memory / cache), right["max_batch"], mistakes["max_batch"])
-    _named("embedding table", "t", (m.parameters * 2 + cache) / g.bandwidth, right["tpot"], mistakes["tpot"])
+    _named(
+        "not subtracting the weights",
+        "b",
+        math.floor(g.memory / cache),
+        right["max_batch"],
+        mistakes["max_batch"],
+    )
+    _named(
+        "embedding table",
+        "t",
+        (m.parameters * 2 + cache) / g.bandwidth,
+        right["tpot"],
+        mistakes["tpot"],
+    )
     _named("group size", "a", 1.0, right["attention_intensity"], mistakes["attention_intensity"])
-    _named("half the intensity", "m", math.ceil(2 * g.ridge), right["matmul_batch"], mistakes["matmul_batch"])
+    _named(
+        "half the intensity",
+        "m",
+        math.ceil(2 * g.ridge),
+        right["matmul_batch"],
+        mistakes["matmul_batch"],
+    )
 
 
 def test_gpu_measurement_says_where_it_comes_from(monkeypatch):
     monkeypatch.setattr(measure, "reference_files", lambda **_: [])
     result, where = gv.gpu_measurement("cpu")
-    assert result is None and where.startswith("This machine has no GPU") and "predictions from datasheets" in where
+    assert (
+        result is None
+        and where.startswith("This machine has no GPU")
+        and "predictions from datasheets" in where
+    )
     committed = Path("data") / "roofline_gpu_h100.json"
     monkeypatch.setattr(measure, "reference_files", lambda **_: [committed])
     monkeypatch.setattr(measure, "load_result", lambda path: {"from": path})
     result, where = gv.gpu_measurement("cpu")
-    assert result == {"from": committed} and where == "committed measurement data/roofline_gpu_h100.json"
+    assert (
+        result == {"from": committed}
+        and where == "committed measurement data/roofline_gpu_h100.json"
+    )
     with pytest.raises(ValueError):
         gv.gpu_measurement("banana")
 
 
 def test_roof_lines_compare_each_roof_with_its_datasheet():
     c = {"spec": gpus.GPUS["H100 SXM"], "roofs": {"compute": (700e12, 989.5e12, 700 / 989.5)}}
-    assert gv.roof_lines(c) == ["compute roof: measured 7e+14, datasheet 9.9e+14 -> measured / datasheet = 0.71"]
+    assert gv.roof_lines(c) == [
+        "compute roof: measured 7e+14, datasheet 9.9e+14 -> measured / datasheet = 0.71"
+    ]
     assert gv.roof_lines({"spec": None, "roofs": {}}) == [
         "this GPU is not in ar_lab.perf.gpus: compared with its measured roofs only"]
     with pytest.raises(TypeError):

@@ -119,7 +119,8 @@ def test_machine_description_and_steady_clock():
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
-        assert timing.steady_clock("cpu") is time.process_time  # one thread: its CPU time is the work
+        # one thread: its CPU time is the work
+        assert timing.steady_clock("cpu") is time.process_time
         torch.set_num_threads(2)
         assert timing.steady_clock("cpu") is time.perf_counter
         assert timing.steady_clock("cuda") is time.perf_counter

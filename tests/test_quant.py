@@ -1,4 +1,5 @@
-"""ar_lab.engine.quant: int8 / int4 weights, their fast kernels, and quantized models through every decode loop."""
+"""ar_lab.engine.quant: int8 / int4 weights, their fast kernels, and quantized models through every
+decode loop."""
 
 from __future__ import annotations
 
@@ -57,7 +58,8 @@ def quantized(course):
 
 @pytest.fixture(scope="module")
 def course_greedy(course):
-    """The full-precision model's greedy 20 tokens for each prompt (both quantized drafts must give them)."""
+    """The full-precision model's greedy 20 tokens for each prompt (both quantized drafts must give
+    them)."""
     return {prompt: generate(course, prompt, 20, eos_id=None).tokens for prompt in PROMPTS}
 
 
@@ -67,7 +69,9 @@ def matrices(draw, group=False):
     size = draw(st.sampled_from([1, 2, 4, 8, 32])) if group else None
     n_in = (size or 1) * draw(st.integers(1, 6))
     values = st.floats(-1e3, 1e3, width=32, allow_subnormal=False)
-    w = torch.tensor(draw(st.lists(values, min_size=out * n_in, max_size=out * n_in))).view(out, n_in)
+    w = torch.tensor(draw(st.lists(values, min_size=out * n_in, max_size=out * n_in))).view(
+        out, n_in
+    )
     if draw(st.booleans()):
         w[draw(st.integers(0, out - 1))] = 0.0  # an all-zero row
     return (w, size) if group else w
@@ -91,7 +95,8 @@ def test_int8_round_trip_is_within_half_a_step(w):
     _within_half_a_step(w, qt)
     rows = w.abs().amax(dim=1) > 0
     torch.testing.assert_close(qt.scale[rows], w.abs().amax(dim=1)[rows] / 127, rtol=0, atol=0)
-    assert bool((qt.q.abs().amax(dim=1)[rows] == 127).all())  # the largest weight of a row uses the full range
+    # the largest weight of a row uses the full range
+    assert bool((qt.q.abs().amax(dim=1)[rows] == 127).all())
 
 
 @settings(max_examples=60, deadline=None)
@@ -99,7 +104,11 @@ def test_int8_round_trip_is_within_half_a_step(w):
 def test_int4_round_trip_is_within_half_a_step(wg):
     w, size = wg
     qt = quantize_int4(w, size)
-    assert qt.q.dtype == torch.int8 and qt.q.shape == w.shape and qt.scale.shape == (w.shape[0], w.shape[1] // size)
+    assert (
+        qt.q.dtype == torch.int8
+        and qt.q.shape == w.shape
+        and qt.scale.shape == (w.shape[0], w.shape[1] // size)
+    )
     assert qt.bits == 4 and qt.group_size == size
     assert int(qt.q.min()) >= -8 and int(qt.q.max()) <= 7
     _within_half_a_step(w, qt)
@@ -126,7 +135,11 @@ def test_nbytes_count_packed_weights_and_stored_scales():
 def test_quantization_error_shrinks_with_more_bits_and_smaller_groups():
     torch.manual_seed(0)
     w = torch.randn(64, 256)
-    e8, e4, e4_small = quantization_error(w, 8), quantization_error(w, 4, 128), quantization_error(w, 4, 32)
+    e8, e4, e4_small = (
+        quantization_error(w, 8),
+        quantization_error(w, 4, 128),
+        quantization_error(w, 4, 32),
+    )
     assert e8.rms < e4_small.rms < e4.rms
     assert e8.max_abs <= float(quantize_int8(w).scale.max()) / 2 * (1 + 1e-6)
     assert e8.relative_rms == pytest.approx(e8.rms / float(w.square().mean().sqrt()))
@@ -136,7 +149,8 @@ def test_quantization_error_shrinks_with_more_bits_and_smaller_groups():
 @pytest.mark.parametrize(
     "call, arg",
     [
-        (lambda: quantize_int4(torch.randn(4, 256), 96), "group_size"),  # does not divide the 256 input columns
+        # does not divide the 256 input columns
+        (lambda: quantize_int4(torch.randn(4, 256), 96), "group_size"),
         (lambda: quantize_int4(torch.randn(4, 256), 0), "group_size"),
         (lambda: quantize_int4(torch.randn(4, 256), True), "group_size"),
         (lambda: quantize_int4(torch.randn(4, 256), 32.0), "group_size"),
@@ -144,7 +158,8 @@ def test_quantization_error_shrinks_with_more_bits_and_smaller_groups():
         (lambda: quantize_int8(torch.ones(2, 2, dtype=torch.long)), "weight"),  # not floating-point
         (lambda: quantize_int8(torch.tensor([[1.0, float("nan")]])), "weight"),  # NaN
         (lambda: quantization_error(torch.randn(4, 32), 3), "bits"),
-        (lambda: quantization_error(torch.randn(4, 32), 8, 32), "group_size"),  # int8 takes no group size
+        # int8 takes no group size
+        (lambda: quantization_error(torch.randn(4, 32), 8, 32), "group_size"),
     ],
 )
 def test_bad_arguments_are_explained(call, arg):
@@ -179,7 +194,8 @@ def test_kernels_equal_the_dequantized_product(bits, group_size, rows):
     layer = QuantizedLinear.from_linear(nn.Linear(n_in, n_out), bits, group_size)
     qt = layer.quantized()
     assert qt.bits == bits and qt.group_size == group_size and qt.q.shape == (n_out, n_in)
-    w = qt.dequantize()  # what the layer stands for (its scales as the kernel stores them, bfloat16)
+    # what the layer stands for (its scales as the kernel stores them, bfloat16)
+    w = qt.dequantize()
     x = torch.randn(rows, n_in)
     got = layer.matmul(x).float()
     bound = KERNEL_RTOL * (x.abs() @ w.abs().t()) + 1e-6
@@ -214,7 +230,8 @@ def test_quantize_model_returns_a_new_model_and_leaves_the_original(course, weig
     assert new is not course and all(type(b.mlp.fc) is nn.Linear for b in course.blocks)
     after = course.state_dict()
     assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
-    assert new.lm_head.weight is new.wte.weight and new.wte.weight is not course.wte.weight  # still tied, own copy
+    # still tied, own copy
+    assert new.lm_head.weight is new.wte.weight and new.wte.weight is not course.wte.weight
     assert lean.supports(new)
     linears = [m for b in new.blocks for m in (b.attn.qkv, b.attn.proj, b.mlp.fc, b.mlp.proj)]
     if weights in ("int8", "int4"):
@@ -233,9 +250,13 @@ def test_bytes_per_token_counts_what_each_format_stores(course, quantized):
     assert bytes_per_token(quantized["bf16"]) == decode_cost(cfg, 1, bytes_per_value=2).weight_bytes
     int8, int4 = bytes_per_token(quantized["int8"]), bytes_per_token(quantized["int4"])
     assert int4 < int8 < bytes_per_token(quantized["bf16"]) < fp32
-    layers = [m for b in quantized["int8"].blocks for m in (b.attn.qkv, b.attn.proj, b.mlp.fc, b.mlp.proj)]
+    layers = [
+        m for b in quantized["int8"].blocks for m in (b.attn.qkv, b.attn.proj, b.mlp.fc, b.mlp.proj)
+    ]
     linear_fp32 = sum(
-        m.weight.nbytes + m.bias.nbytes for b in course.blocks for m in (b.attn.qkv, b.attn.proj, b.mlp.fc, b.mlp.proj)
+        m.weight.nbytes + m.bias.nbytes
+        for b in course.blocks
+        for m in (b.attn.qkv, b.attn.proj, b.mlp.fc, b.mlp.proj)
     )
     assert fp32 - int8 == linear_fp32 - sum(m.nbytes for m in layers)
     assert predicted_speedup(course, course) == 1.0
@@ -245,13 +266,16 @@ def test_bytes_per_token_counts_what_each_format_stores(course, quantized):
         > 1
     )
     # a longer context adds the same KV bytes to both: the predicted ratio shrinks toward 1
-    assert predicted_speedup(course, quantized["int8"], context=512) < predicted_speedup(course, quantized["int8"])
+    assert predicted_speedup(course, quantized["int8"], context=512) < predicted_speedup(
+        course, quantized["int8"]
+    )
     assert decode_step_bytes(course, 1) == decode_cost(cfg, 1).bytes
 
 
 def test_quantized_logits_stay_close_to_full_precision(course, quantized):
     """Bounds: the course model's logits span about +-16; int8 moves them by well under 1% of that
-    (per-row error ~0.4% of a weight's scale), int4 by a few percent: 5% and 15% of the largest logit."""
+    (per-row error ~0.4% of a weight's scale), int4 by a few percent: 5% and 15% of the largest
+    logit."""
     idx = torch.tensor([list(b"def main(args):\n    return os.path.join(")])
     with torch.inference_mode():
         want = course(idx)[0]
@@ -263,18 +287,25 @@ def test_quantized_logits_stay_close_to_full_precision(course, quantized):
 
 
 @pytest.mark.parametrize("weights", ["int8", "int4"])
-def test_lean_and_forward_agree_and_speculative_is_exact(quantized, course, draft, course_greedy, weights):
-    """Token for token, unless the two sides part at a near-tie: PyTorch's int8 and int4 kernels round the
-    activations to bfloat16 (u = 2^-9), and one row (a decode step) and several (a forward pass, a verify
-    pass) take different kernels, so the same logits of about 5 can differ by 0.01 (measured on an AVX2
-    CPU: the top two 0.009 apart at token 19, and the two paths chose differently)."""
+def test_lean_and_forward_agree_and_speculative_is_exact(
+    quantized, course, draft, course_greedy, weights
+):
+    """Token for token, unless the two sides part at a near-tie: PyTorch's int8 and int4 kernels
+    round the activations to bfloat16 (u = 2^-9), and one row (a decode step) and several (a forward
+    pass, a verify pass) take different kernels, so the same logits of about 5 can differ by 0.01
+    (measured on an AVX2 CPU: the top two 0.009 apart at token 19, and the two paths chose
+    differently)."""
     model = quantized[weights]
     for prompt in PROMPTS:
         tokens = generate(model, prompt, 20, eos_id=None).tokens
-        assert_same_greedy(model, prompt, tokens, generate(model, prompt, 20, eos_id=None, lean=False).tokens, 0.05)
+        assert_same_greedy(
+            model, prompt, tokens, generate(model, prompt, 20, eos_id=None, lean=False).tokens, 0.05
+        )
         # quantized target: speculative greedy is the target's greedy text
         for lean_path in (True, False):
-            got = speculative_generate(model, draft, prompt, 20, 4, eos_id=None, lean=lean_path).tokens
+            got = speculative_generate(
+                model, draft, prompt, 20, 4, eos_id=None, lean=lean_path
+            ).tokens
             assert_same_greedy(model, prompt, tokens, got, 0.05)
         # quantized draft of the full-precision model: the full-precision greedy text
         got = speculative_generate(course, model, prompt, 20, 4, eos_id=None).tokens
@@ -290,7 +321,8 @@ def test_bf16_model_runs_lean_and_forward(quantized):
     with torch.inference_mode():
         model(ids, c1), model(ids, c2)
         got, want = engine.step(32, c1), model(torch.tensor([[32]]), c2)[0, -1]
-    torch.testing.assert_close(got.float(), want.float(), atol=0.1, rtol=0.02)  # both in bfloat16 throughout
+    # both in bfloat16 throughout
+    torch.testing.assert_close(got.float(), want.float(), atol=0.1, rtol=0.02)
     assert len(generate(model, PROMPTS[0], 10, eos_id=None).tokens) == 10
 
 
@@ -322,14 +354,18 @@ def test_edits_of_quantized_weights_are_seen(course, quantized, weights, edit):
     model = quantize_model(course, weights=weights)
     engine = lean.for_model(model)
     before = generate(model, PROMPTS[1], 20, eos_id=None).tokens
-    paused, plain = token_steps(model, PROMPTS[1], 12), token_steps(model, PROMPTS[1], 12, lean=False)
+    paused, plain = (
+        token_steps(model, PROMPTS[1], 12),
+        token_steps(model, PROMPTS[1], 12, lean=False),
+    )
     head = [next(paused) for _ in range(4)], [next(plain) for _ in range(4)]
     for b in model.blocks:
         edit(b.mlp.fc)
     want = generate(model, PROMPTS[1], 20, eos_id=None, lean=False).tokens
     assert want != before
     assert generate(model, PROMPTS[1], 20, eos_id=None).tokens == want
-    assert head[0] == head[1] and list(paused) == list(plain)  # a paused stream continues on the edit
+    # a paused stream continues on the edit
+    assert head[0] == head[1] and list(paused) == list(plain)
     ids = torch.tensor([[5, 6, 7, 8]])
     a, b = KVCache.for_model(model), KVCache.for_model(model)
     with torch.inference_mode():
@@ -338,9 +374,10 @@ def test_edits_of_quantized_weights_are_seen(course, quantized, weights, edit):
         model(ids[:, :1], a)
         torch.testing.assert_close(engine.step(6, a), want_logits[1], atol=1e-4, rtol=1e-4)
         got = engine.extend([7, 8], a, lean.extend_copies(model))
-    # A zeroed matrix leaves each layer's MLP a constant, and LayerNorm then magnifies float rounding:
-    # CPUs' kernels differ there (a few 1e-3 on one, 0.024 on one logit of 514 on an AMX Xeon, whose int8
-    # kernel takes another path for 2 rows than for 4). The edit itself moves the logits 20x further.
+    # A zeroed matrix leaves each layer's MLP a constant, and LayerNorm then magnifies float
+    # rounding: CPUs' kernels differ there (a few 1e-3 on one, 0.024 on one logit of 514 on an AMX
+    # Xeon, whose int8 kernel takes another path for 2 rows than for 4). The edit itself moves the
+    # logits 20x further.
     torch.testing.assert_close(got, want_logits[2:], atol=5e-2, rtol=1e-3)
     moved = (want_logits[2:] - unedited[2:]).abs().max()
     assert moved > 0.5 and (got - want_logits[2:]).abs().max() < moved / 20
@@ -351,7 +388,11 @@ def test_threads_share_a_quantized_model(quantized):
     alone = [generate(model, p, 15, eos_id=None).tokens for p in PROMPTS]
     got: dict[int, list[int]] = {}
     threads = [
-        threading.Thread(target=lambda i=i: got.__setitem__(i, generate(model, PROMPTS[i], 15, eos_id=None).tokens))
+        threading.Thread(
+            target=lambda i=i: got.__setitem__(
+                i, generate(model, PROMPTS[i], 15, eos_id=None).tokens
+            )
+        )
         for i in range(len(PROMPTS))
     ]
     for t in threads:
@@ -366,20 +407,27 @@ def test_random_small_model_quantizes_and_generates():
     model = GPT(GPTConfig(block_size=64, n_layer=2, n_head=2, n_embd=64)).eval()
     for weights in ("int8", "int4"):
         q = quantize_model(model, weights=weights)
-        assert generate(q, "hi", 8, eos_id=None).tokens == generate(q, "hi", 8, eos_id=None, lean=False).tokens
+        assert (
+            generate(q, "hi", 8, eos_id=None).tokens
+            == generate(q, "hi", 8, eos_id=None, lean=False).tokens
+        )
 
 
 def test_the_weights_only_floor_reads_the_quantized_layers(quantized, monkeypatch):
     calls = []
     original = QuantizedLinear.matmul
-    monkeypatch.setattr(QuantizedLinear, "matmul", lambda self, x: calls.append(self) or original(self, x))
+    monkeypatch.setattr(
+        QuantizedLinear, "matmul", lambda self, x: calls.append(self) or original(self, x)
+    )
     lean.weights_only_pass(quantized["int4"], 2)
-    assert len(calls) == 2 * 4 * quantized["int4"].config.n_layer  # every quantized layer, every step
+    # every quantized layer, every step
+    assert len(calls) == 2 * 4 * quantized["int4"].config.n_layer
 
 
 def test_quantize_model_runs_a_quantizer_of_ones_own_and_checks_its_answer():
-    """quantizer= (chapter 09's learner passes theirs): one written from the rule gives ar_lab's layers exactly;
-    a wrong answer is refused with what was wrong; the model's own weights are never written."""
+    """quantizer= (chapter 09's learner passes theirs): one written from the rule gives ar_lab's
+    layers exactly; a wrong answer is refused with what was wrong; the model's own weights are never
+    written."""
     torch.manual_seed(0)
     model = GPT(GPTConfig(block_size=32, n_layer=2, n_head=2, n_embd=64)).eval()
     before = {k: v.clone() for k, v in model.state_dict().items()}
@@ -398,18 +446,30 @@ def test_quantize_model_runs_a_quantizer_of_ones_own_and_checks_its_answer():
         return torch.round(g / scale[..., None]).clamp(-7, 7).to(torch.int8).view(w.shape), scale
 
     for fmt, fn, kw in [("int8", int8, {}), ("int4", int4, {"group_size": 32})]:
-        own, ref = quantize_model(model, weights=fmt, quantizer=fn, **kw), quantize_model(model, weights=fmt, **kw)
+        own, ref = (
+            quantize_model(model, weights=fmt, quantizer=fn, **kw),
+            quantize_model(model, weights=fmt, **kw),
+        )
         for a, b in zip(own.buffers(), ref.buffers(), strict=True):
             assert torch.equal(a, b), fmt
         ids = torch.tensor([[1, 2, 3]])
         assert torch.equal(own(ids), ref(ids))
     assert all(torch.equal(v, model.state_dict()[k]) for k, v in before.items())
-    for bad, _why in [(lambda w: w, "must return \\(q, scale\\)"), (lambda w: (w, w.abs().amax(1)), "int8 tensor"),
-                     (lambda w: (torch.zeros_like(w, dtype=torch.int8), torch.zeros(w.shape[0])), "positive")]:
+    for bad, _why in [
+        (lambda w: w, "must return \\(q, scale\\)"),
+        (lambda w: (w, w.abs().amax(1)), "int8 tensor"),
+        (lambda w: (torch.zeros_like(w, dtype=torch.int8), torch.zeros(w.shape[0])), "positive"),
+    ]:
         with raises(BadValue, 'quantizer'):
             quantize_model(model, weights="int8", quantizer=bad)
     with raises(BadValue, 'quantizer'):
-        quantize_model(model, weights="int4", quantizer=lambda w, s: (torch.full_like(w, 9, dtype=torch.int8),
-                                                                      torch.ones(w.shape[0], w.shape[1] // s)))
+        quantize_model(
+            model,
+            weights="int4",
+            quantizer=lambda w, s: (
+                torch.full_like(w, 9, dtype=torch.int8),
+                torch.ones(w.shape[0], w.shape[1] // s),
+            ),
+        )
     with raises(BadValue, 'quantizer'):
         quantize_model(model, weights="bf16", quantizer=int4)

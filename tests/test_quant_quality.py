@@ -1,4 +1,5 @@
-"""ar_lab.perf.quality: bits per byte, greedy agreement and self-draft acceptance of a quantized model."""
+"""ar_lab.perf.quality: bits per byte, greedy agreement and self-draft acceptance of a quantized
+model."""
 
 from __future__ import annotations
 
@@ -31,8 +32,11 @@ def int8(course):
 
 def test_bits_per_byte_is_the_course_protocol_in_bits(course):
     small = COURSE_EVAL.first(2)
-    assert bits_per_byte(course, small) == pytest.approx(evaluate_protocol(course, small).nats / math.log(2), rel=1e-12)
-    assert 0.5 < bits_per_byte(course, small) < 4  # a trained byte-level model: well under 8 bits per byte
+    assert bits_per_byte(course, small) == pytest.approx(
+        evaluate_protocol(course, small).nats / math.log(2), rel=1e-12
+    )
+    # a trained byte-level model: well under 8 bits per byte
+    assert 0.5 < bits_per_byte(course, small) < 4
 
 
 def test_quantization_costs_a_little_quality_and_random_weights_a_lot(course, int8):
@@ -46,10 +50,13 @@ def test_quantization_costs_a_little_quality_and_random_weights_a_lot(course, in
 
 def test_a_model_agrees_with_itself_completely(course):
     same = greedy_agreement(course, copy.deepcopy(course), PROMPTS[:2], n_tokens=12)
-    assert same.top1 == 1.0 and same.first_divergence == 12 and same.per_prompt_divergence == [12, 12]
+    assert (
+        same.top1 == 1.0 and same.first_divergence == 12 and same.per_prompt_divergence == [12, 12]
+    )
     acceptance = self_draft_acceptance(course, course, PROMPTS[:2], n_tokens=12, gamma=3)
     assert acceptance.greedy == 1.0 and acceptance.sampled == 1.0
-    assert acceptance.sampled_exact == pytest.approx(1.0, abs=1e-4)  # sum_x min(p, p) = 1, up to rounding
+    # sum_x min(p, p) = 1, up to rounding
+    assert acceptance.sampled_exact == pytest.approx(1.0, abs=1e-4)
 
 
 def test_a_random_model_disagrees_and_int8_mostly_agrees(course, int8):

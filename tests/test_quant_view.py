@@ -18,7 +18,13 @@ from ar_lab.course.views.quant_view import (
     step_bytes,
     weight_bytes,
 )
-from ar_lab.engine.quant import INT4_GROUP_SIZES, quantization_error, quantize_int4, quantize_int8, quantize_model
+from ar_lab.engine.quant import (
+    INT4_GROUP_SIZES,
+    quantization_error,
+    quantize_int4,
+    quantize_int8,
+    quantize_model,
+)
 from ar_lab.model.gpt import GPTConfig
 from ar_lab.perf.measure import CONFIGS
 from ar_lab.perf.roofline import bytes_per_token, predicted_speedup
@@ -48,11 +54,13 @@ def test_quantize_groups_is_the_packages_rule():
         assert group_error(w, 4, g) == quantization_error(w, 4, g)
     assert group_error(w, 8, None) == quantization_error(w, 8)
     assert group_error(w, 4, 8).rms < group_error(w, 4, 32).rms < group_error(w, 4, None).rms
-    assert group_error(w, 8, 16).rms < group_error(w, 8, None).rms  # any combination, not just the package's two
+    # any combination, not just the package's two
+    assert group_error(w, 8, 16).rms < group_error(w, 8, None).rms
 
 
 @pytest.mark.parametrize(
-    "weights_, group", [("fp32", None), ("bf16", None), (8, None)] + [(4, g) for g in INT4_GROUP_SIZES]
+    "weights_, group",
+    [("fp32", None), ("bf16", None), (8, None)] + [(4, g) for g in INT4_GROUP_SIZES],
 )
 def test_byte_formula_equals_the_quantized_models_bytes(course, weights_, group):
     name = weights_ if isinstance(weights_, str) else f"int{weights_}"
@@ -69,7 +77,11 @@ def test_levels_and_group_sizes_are_checked_not_adjusted():
     for bad in (3, 16, 8.0, True, "8"):
         with raises(BadValue, 'bits'):
             levels(bad)
-    assert check_group_size(0, 256) is None and check_group_size(None, 256) is None and check_group_size(32, 256) == 32
+    assert (
+        check_group_size(0, 256) is None
+        and check_group_size(None, 256) is None
+        and check_group_size(32, 256) == 32
+    )
     for bad in (-1, 100, 512, 3.0, True, "32"):
         with raises(BadValue, 'group_size'):
             check_group_size(bad, 256)
@@ -89,21 +101,29 @@ def test_quant_view_reports_error_bytes_and_prediction(weights, course):
         course_row.fp32 == step_bytes(course.config, "fp32")
         and course_row.predicted_speedup == course_row.fp32 / course_row.chosen
     )
-    assert v.models[1].predicted_speedup > course_row.predicted_speedup  # weights dominate a larger model's bytes
+    # weights dominate a larger model's bytes
+    assert v.models[1].predicted_speedup > course_row.predicted_speedup
     per_row = quant_view(weights, "blocks.0.mlp.fc.weight", 8, 0, configs)
     assert per_row.group_size is None and per_row.label == "int8, one scale per row"
     with raises(BadValue, 'layer'):
         quant_view(weights, "wte", 8, 0, configs)
     with raises(BadValue, 'group_size'):
         quant_view(weights, "blocks.0.mlp.fc.weight", 4, 100, configs)
-    big = {"wide": GPTConfig(block_size=64, n_layer=1, n_head=3, n_embd=96)}  # 96 is not a multiple of 64
+    # 96 is not a multiple of 64
+    big = {"wide": GPTConfig(block_size=64, n_layer=1, n_head=3, n_embd=96)}
     with raises(BadValue, 'group_size'):
         quant_view(weights, "blocks.0.mlp.fc.weight", 4, 64, big)
 
 
 def test_explorer_headless(course):
-    ex = quant_explorer(course, {"course": course.config}, layer="blocks.1.attn.qkv.weight", bits=4, group_size=32)
-    assert ex.error == "" and ex.view.label == "int4, groups of 32" and ex.image.value[:4] == b"\x89PNG"
+    ex = quant_explorer(
+        course, {"course": course.config}, layer="blocks.1.attn.qkv.weight", bits=4, group_size=32
+    )
+    assert (
+        ex.error == ""
+        and ex.view.label == "int4, groups of 32"
+        and ex.image.value[:4] == b"\x89PNG"
+    )
     assert "relative RMS error" in ex.status.value and "predicted speedup" in ex.status.value
     ex.bits.value = 8
     assert ex.view.bits == 8 and "int8, groups of 32" in ex.status.value
@@ -112,7 +132,11 @@ def test_explorer_headless(course):
     before = ex.view
     ex.group_size.value = 1000  # refused, shown, the box keeps it; the last good view is kept
     assert "group size must be 0 (one scale per row) or a whole number from 1 to 256" in ex.error
-    assert ex.error in ex.status.value.replace("&#x27;", "'") and ex.group_size.value == 1000 and ex.view is before
+    assert (
+        ex.error in ex.status.value.replace("&#x27;", "'")
+        and ex.group_size.value == 1000
+        and ex.view is before
+    )
     ex.group_size.value = 64
     assert ex.error == "" and ex.view.group_size == 64
     ex.layer.value = "blocks.3.mlp.proj.weight"
@@ -181,21 +205,28 @@ def test_int8_checker_explains_shapes_dtypes_and_unknown_mistakes():
         check_quantized("x", (odd, ref.scale), (ref.q, ref.scale), mistakes)
     col = w.abs().amax(0) / 127
     with pytest.raises(CheckFailed, match="one scale per input column"):
-        check_quantized("x", (torch.round(w / col).to(torch.int8), col), (ref.q, ref.scale), mistakes)
+        check_quantized(
+            "x", (torch.round(w / col).to(torch.int8), col), (ref.q, ref.scale), mistakes
+        )
 
 
 def test_int8_checker_accepts_ties_rounded_either_way_and_nothing_else(capsys):
-    w = torch.tensor([[127.0, 63.5, -2.5, 0.5, 10.2], [-127.0, 1.5, 3.0, -64.5, 0.0]])  # scale 1: exact halves
+    # scale 1: exact halves
+    w = torch.tensor([[127.0, 63.5, -2.5, 0.5, 10.2], [-127.0, 1.5, 3.0, -64.5, 0.0]])
     ref = quantize_int8(w)
-    half_up = torch.floor(w + 0.5).to(torch.int8)  # round half up: differs from torch.round only on the halves
+    # round half up: differs from torch.round only on the halves
+    half_up = torch.floor(w + 0.5).to(torch.int8)
     assert not torch.equal(half_up, ref.q)
-    with pytest.raises(CheckFailed, match="values differ"):  # without the weights no tie can be told
+    # without the weights no tie can be told
+    with pytest.raises(CheckFailed, match="values differ"):
         check_quantized("x", (half_up, ref.scale), (ref.q, ref.scale), int8_mistakes(w))
     check_quantized("x", (half_up, ref.scale), (ref.q, ref.scale), int8_mistakes(w), weights=w)
     assert "weights lie exactly halfway between two levels" in capsys.readouterr().out
     wrong = half_up.clone()
     wrong[1, 2] += 1  # 3.0 is no tie
-    with pytest.raises(CheckFailed, match=r"first row that differs is 1 .*index \(1, 2\): expected 3, got 4"):
+    with pytest.raises(
+        CheckFailed, match=r"first row that differs is 1 .*index \(1, 2\): expected 3, got 4"
+    ):
         check_quantized("x", (wrong, ref.scale), (ref.q, ref.scale), int8_mistakes(w), weights=w)
     two_off = ref.q.clone()
     two_off[0, 1] += 2  # a tie, but two levels away
@@ -204,13 +235,16 @@ def test_int8_checker_accepts_ties_rounded_either_way_and_nothing_else(capsys):
 
 
 def test_int8_checker_accepts_w_times_127_over_absmax_on_the_course_weights():
-    W = ar_lab.load_pretrained("course", device="cpu").blocks[0].mlp.fc.weight.detach()  # (1024, 256)
+    # (1024, 256)
+    W = ar_lab.load_pretrained("course", device="cpu").blocks[0].mlp.fc.weight.detach()
     ref = quantize_int8(W)
     q = torch.round(W * (127 / W.abs().amax(1, keepdim=True))).clamp(-127, 127).to(torch.int8)
     assert 0 < int((q != ref.q).sum()) < 100  # a few dozen ties land the other way
-    differ = (q != ref.q).nonzero()[0].tolist()  # the first tie that landed the other way, in row order
+    # the first tie that landed the other way, in row order
+    differ = (q != ref.q).nonzero()[0].tolist()
     want, got = int(ref.q[differ[0], differ[1]]), int(q[differ[0], differ[1]])
-    with pytest.raises(CheckFailed, match=f"expected {want}, got {got}"):  # without the weights: a plain mismatch
+    # without the weights: a plain mismatch
+    with pytest.raises(CheckFailed, match=f"expected {want}, got {got}"):
         check_quantized("x", (q, ref.scale), (ref.q, ref.scale), int8_mistakes(W))
     check_quantized("x", (q, ref.scale), (ref.q, ref.scale), int8_mistakes(W), weights=W)
 
@@ -229,4 +263,6 @@ def test_int4_checker_names_groups_along_the_wrong_axis():
     q8 = (groups / s8[..., None]).round().clamp(-8, 7).view(16, 32).to(torch.int8)
     with mistaken("8 levels"):
         check_quantized("levels", (q8, s8), (ref.q, ref.scale), int4_mistakes(w, g))
-    check_quantized("right", (ref.q.clone(), ref.scale.clone()), (ref.q, ref.scale), int4_mistakes(w, g))
+    check_quantized(
+        "right", (ref.q.clone(), ref.scale.clone()), (ref.q, ref.scale), int4_mistakes(w, g)
+    )

@@ -1,6 +1,7 @@
-"""Inputs that gave silently wrong results are refused (issue 64): a prefix cache used with another model or
-after its weights changed, a chi-square test of counts or probabilities that mean nothing, a memory read too
-small to tell a cache from memory, a seed no generator takes. Each error names its argument."""
+"""Inputs that gave silently wrong results are refused (issue 64): a prefix cache used with another
+model or after its weights changed, a chi-square test of counts or probabilities that mean nothing,
+a memory read too small to tell a cache from memory, a seed no generator takes. Each error names its
+argument."""
 
 from __future__ import annotations
 
@@ -31,13 +32,14 @@ def model(seed: int = 0) -> GPT:
     return GPT(CONFIG).eval()
 
 
-# --- PrefixCache ---------------------------------------------------------------------------------------------
+# --- PrefixCache ----------------------------------------------------------------------------------
 
 
 def test_the_model_that_filled_a_prefix_cache_reuses_it_and_gets_plain_decodings_tokens():
     m = model()
     pc = PrefixCache(m, PREFIX)
-    generate(m, PROMPT, 4, eos_id=None)  # running the model (its decoders, its lean copies) changes no weight
+    # running the model (its decoders, its lean copies) changes no weight
+    generate(m, PROMPT, 4, eos_id=None)
     reused = generate(m, PROMPT, 4, eos_id=None, cache=pc.cache_for(PROMPT, 4, model=m))
     assert reused.tokens == generate(m, PROMPT, 4, eos_id=None).tokens
     assert pc.copy_into(KVCache.for_model(m, max_len=20), PROMPT, model=m) == len(PREFIX)
@@ -114,7 +116,7 @@ def test_a_prefix_cache_whose_model_is_gone_is_refused():
         pc.cache_for(PROMPT, 4)
 
 
-# --- chi_square ----------------------------------------------------------------------------------------------
+# --- chi_square -----------------------------------------------------------------------------------
 
 distributions = st.lists(st.floats(0.01, 1.0), min_size=2, max_size=8).map(
     lambda w: torch.tensor(w, dtype=torch.float64) / sum(w))
@@ -123,7 +125,9 @@ distributions = st.lists(st.floats(0.01, 1.0), min_size=2, max_size=8).map(
 @given(probs=distributions, data=st.data())
 def test_chi_square_takes_counts_and_a_distribution(probs, data):
     k = len(probs)
-    counts = data.draw(st.lists(st.integers(0, 50), min_size=k, max_size=k).filter(lambda c: sum(c) > 0))
+    counts = data.draw(
+        st.lists(st.integers(0, 50), min_size=k, max_size=k).filter(lambda c: sum(c) > 0)
+    )
     counts = torch.tensor(counts, dtype=torch.float64)
     stat, dof, p = chi_square(counts, probs)
     assert stat >= 0 and dof == k - 1 and 0 <= p <= 1
@@ -132,7 +136,9 @@ def test_chi_square_takes_counts_and_a_distribution(probs, data):
 @given(probs=distributions, data=st.data())
 def test_chi_square_refuses_negative_fractional_or_no_counts(probs, data):
     k = len(probs)
-    counts = torch.tensor(data.draw(st.lists(st.integers(1, 50), min_size=k, max_size=k)), dtype=torch.float64)
+    counts = torch.tensor(
+        data.draw(st.lists(st.integers(1, 50), min_size=k, max_size=k)), dtype=torch.float64
+    )
     i = data.draw(st.integers(0, k - 1))
     negative, fractional = counts.clone(), counts.clone()
     negative[i] = -data.draw(st.integers(1, 50))
@@ -142,7 +148,10 @@ def test_chi_square_refuses_negative_fractional_or_no_counts(probs, data):
             chi_square(bad, probs)
 
 
-@given(probs=distributions, scale=st.floats(0.0, 3.0).filter(lambda s: abs(s - 1) > 2 * PROBS_TOLERANCE))
+@given(
+    probs=distributions,
+    scale=st.floats(0.0, 3.0).filter(lambda s: abs(s - 1) > 2 * PROBS_TOLERANCE),
+)
 def test_chi_square_refuses_probabilities_that_do_not_sum_to_one(probs, scale):
     counts = torch.ones(len(probs))
     with raises(BadValue, "probs"):
@@ -160,7 +169,7 @@ def test_chi_square_refuses_empty_observations():
         chi_square(torch.zeros(3), torch.tensor([0.2, 0.3, 0.5]))
 
 
-# --- reads_from_memory --------------------------------------------------------------------------------------
+# --- reads_from_memory ----------------------------------------------------------------------------
 
 
 @settings(max_examples=30)
@@ -174,17 +183,25 @@ def test_a_read_too_small_to_tell_a_cache_from_memory_is_refused(nbytes):
 @settings(max_examples=30)
 @given(nbytes=st.integers(peaks.MIN_READ_BYTES, 2**32), data=st.data())
 def test_a_reference_not_larger_than_twice_the_buffer_is_refused(nbytes, data):
-    """A reference the buffer's size reads at the buffer's rate wherever both come from: "from memory" always."""
+    """A reference the buffer's size reads at the buffer's rate wherever both come from: "from
+    memory" always."""
     reference = data.draw(st.integers(1, 2 * nbytes - 1))
     with raises(BadValue, "reference"):
         peaks.reads_from_memory(nbytes, reference=reference)
 
 
-# --- speculation_view's seed ----------------------------------------------------------------------------------
+# --- speculation_view's seed ----------------------------------------------------------------------
 
 
-@given(st.one_of(st.integers(max_value=-1), st.integers(min_value=SEED_MAX + 1), st.booleans(), st.floats(),
-                 st.text(max_size=3)))
+@given(
+    st.one_of(
+        st.integers(max_value=-1),
+        st.integers(min_value=SEED_MAX + 1),
+        st.booleans(),
+        st.floats(),
+        st.text(max_size=3),
+    )
+)
 def test_speculation_view_refuses_a_seed_like_every_other_entry_point(seed):
     """Checked before the models are touched (none is given here)."""
     with raises(BadValue, "seed"):

@@ -1,5 +1,5 @@
-"""The submissions report (ar_lab.course.grading.report): each kind of cheat is flagged where it is, and
-the course's own solutions and plain torch code are not flagged at all.
+"""The submissions report (ar_lab.course.grading.report): each kind of cheat is flagged where it is,
+and the course's own solutions and plain torch code are not flagged at all.
 
 Synthetic submissions are built as nbgrader writes a learner's copy: the solution cell keeps
 its ``nbgrader`` metadata (``solution: true``, a ``grade_id``) while the markers are gone.
@@ -32,7 +32,9 @@ def submission(*answers: str, setup: str = SETUP) -> nbformat.NotebookNode:
         nb.cells.append(nbformat.v4.new_code_cell(answer, metadata={"nbgrader": meta}))
     test = {"grade": True, "grade_id": "ex-test", "locked": True, "points": 1, "schema_version": 3,
             "solution": False, "task": False}
-    nb.cells.append(nbformat.v4.new_code_cell("import threading\nassert f(1) == 2", metadata={"nbgrader": test}))
+    nb.cells.append(
+        nbformat.v4.new_code_cell("import threading\nassert f(1) == 2", metadata={"nbgrader": test})
+    )
     return nb
 
 
@@ -40,15 +42,17 @@ def kinds_and_lines(answer: str, setup: str = SETUP) -> list[tuple[str, int]]:
     return [(f.kind, f.line) for f in scan_notebook(submission(answer, setup=setup))]
 
 
-@pytest.mark.parametrize("path", sorted(NOTEBOOKS.glob("[0-9][0-9]*_*.ipynb")), ids=lambda p: p.stem.split("_")[0])
+@pytest.mark.parametrize(
+    "path", sorted(NOTEBOOKS.glob("[0-9][0-9]*_*.ipynb")), ids=lambda p: p.stem.split("_")[0]
+)
 def test_the_courses_own_solutions_give_no_flags(path):
     nb = nbformat.read(path, as_version=4)
     assert solution_cells(nb), "the notebook should have solution cells to scan"
     assert scan_notebook(path) == []
 
 
-def test_there_are_ten_chapters_and_an_appendix_without_exercises():
-    assert len(list(NOTEBOOKS.glob("[0-9][0-9]_*.ipynb"))) == 10
+def test_there_are_eleven_chapters_and_an_appendix_without_exercises():
+    assert len(list(NOTEBOOKS.glob("[0-9][0-9]_*.ipynb"))) == 11
     appendices = sorted(NOTEBOOKS.glob("A[0-9]_*.ipynb"))
     assert [p.stem for p in appendices] == ["A1_measuring_time"]
     assert not solution_cells(nbformat.read(appendices[0], as_version=4))
@@ -66,7 +70,10 @@ CHEATS = [
     ("sys.modules['ar_lab.engine.sampling'] = None", [("interpreter", 1)]),
     ("sys.settrace(tracer)\nsys.setprofile(tracer)", [("interpreter", 1), ("interpreter", 2)]),
     ("objs = gc.get_objects()", [("interpreter", 1)]),
-    ("ip = get_ipython()\nip.events.register('pre_run_cell', f)", [("ipython-hook", 1), ("ipython-hook", 2)]),
+    (
+        "ip = get_ipython()\nip.events.register('pre_run_cell', f)",
+        [("ipython-hook", 1), ("ipython-hook", 2)],
+    ),
     ("shell.input_transformers_post.append(f)", [("ipython-hook", 1)]),
     ("shell.set_custom_exc((AssertionError,), handler)", [("ipython-hook", 1)]),
     ("sys.excepthook = handler", [("ipython-hook", 1), ("monkeypatch", 1)]),
@@ -86,17 +93,28 @@ CHEATS = [
 ]
 
 
-@pytest.mark.parametrize("answer,expected", CHEATS, ids=[c[0].splitlines()[-1][:40] for c in CHEATS])
+@pytest.mark.parametrize(
+    "answer,expected", CHEATS, ids=[c[0].splitlines()[-1][:40] for c in CHEATS]
+)
 def test_each_kind_of_cheat_is_flagged_on_its_line(answer, expected):
     assert kinds_and_lines(answer) == expected
 
 
 def test_a_flag_says_where_and_what():
-    (flag,) = scan_notebook(submission("x = 1", "text = open('/srv/answers.txt').read()"), name="04_kv_cache.ipynb")
-    assert (flag.notebook, flag.grade_id, flag.line, flag.kind) == ("04_kv_cache.ipynb", "ex-1", 1, "file-read")
+    (flag,) = scan_notebook(
+        submission("x = 1", "text = open('/srv/answers.txt').read()"), name="04_kv_cache.ipynb"
+    )
+    assert (flag.notebook, flag.grade_id, flag.line, flag.kind) == (
+        "04_kv_cache.ipynb",
+        "ex-1",
+        1,
+        "file-read",
+    )
     assert flag.source == "text = open('/srv/answers.txt').read()"
     assert "'/srv/answers.txt'" in flag.detail and flag.cell
-    assert flag.format().startswith(f"04_kv_cache.ipynb cell {flag.cell} (ex-1) line 1: file-read: text = open(")
+    assert flag.format().startswith(
+        f"04_kv_cache.ipynb cell {flag.cell} (ex-1) line 1: file-read: text = open("
+    )
 
 
 HARMLESS = '''\
@@ -131,7 +149,9 @@ def test_only_solution_cells_are_scanned():
 
 def test_a_cell_with_source_markers_is_a_solution_cell_too():
     nb = submission()
-    nb.cells.append(nbformat.v4.new_code_cell("### BEGIN SOLUTION\nimport inspect\n### END SOLUTION"))
+    nb.cells.append(
+        nbformat.v4.new_code_cell("### BEGIN SOLUTION\nimport inspect\n### END SOLUTION")
+    )
     assert [(f.kind, f.line, f.grade_id) for f in scan_notebook(nb)] == [("inspect", 2, None)]
 
 
@@ -161,7 +181,9 @@ def write_course(root: Path) -> Path:
         folder.mkdir(parents=True)
         nbformat.write(submission(*cells), folder / f"{assignment}.ipynb")
     (course / "source" / "04_kv_cache").mkdir(parents=True)  # the source folder is not scanned
-    nbformat.write(submission("import inspect"), course / "source" / "04_kv_cache" / "04_kv_cache.ipynb")
+    nbformat.write(
+        submission("import inspect"), course / "source" / "04_kv_cache" / "04_kv_cache.ipynb"
+    )
     return course
 
 
@@ -178,10 +200,15 @@ def test_the_command_prints_the_report(tmp_path, capsys):
     assert report.main([str(write_course(tmp_path))]) == 0
     lines = capsys.readouterr().out.splitlines()
     assert lines[0] == "alice / 04_kv_cache: 1 flag"
-    assert lines[1].startswith("  04_kv_cache.ipynb cell ") and "(ex-0) line 1: threads: import threading" in lines[1]
+    assert (
+        lines[1].startswith("  04_kv_cache.ipynb cell ")
+        and "(ex-0) line 1: threads: import threading" in lines[1]
+    )
     assert lines[2] == "bob / 04_kv_cache: ok"
     assert lines[3] == "bob / 06_sampling: 1 flag"
-    assert "(ex-0) line 2: grader-import: from ar_lab.course.checkers.checks import passed" in lines[4]
+    assert (
+        "(ex-0) line 2: grader-import: from ar_lab.course.checkers.checks import passed" in lines[4]
+    )
     assert lines[-1] == "2 flags in 2 of 3 submissions (2 students)"
     assert len(lines) == 6
 
@@ -198,4 +225,9 @@ def test_an_unreadable_notebook_is_a_flag_not_a_crash(tmp_path, capsys):
 def test_the_command_exits_2_on_a_missing_or_empty_folder(tmp_path, capsys, make):
     assert report.main([str(make(tmp_path))]) == 2
     out, err = capsys.readouterr()
-    assert out == "" and err.startswith("error: ") and len(err.splitlines()) == 1 and "Traceback" not in err
+    assert (
+        out == ""
+        and err.startswith("error: ")
+        and len(err.splitlines()) == 1
+        and "Traceback" not in err
+    )

@@ -34,13 +34,14 @@ def configs(draw):
 
 
 def test_costs_by_hand():
-    # d = 2, one layer, one head, vocabulary 10, context window 8.
-    # matmul weights: qkv 2x6 + proj 2x2 + fc 2x8 + proj 8x2 = 12 + 4 + 16 + 16, head 10x2 = 20 -> 68
+    # d = 2, one layer, one head, vocabulary 10, context window 8. matmul weights: qkv 2x6 + proj
+    # 2x2 + fc 2x8 + proj 8x2 = 12 + 4 + 16 + 16, head 10x2 = 20 -> 68
     assert rl.matmul_parameters(HAND) == 68
     # all parameters: layer = 68 - 20 + biases (6 + 2 + 8 + 2) + 2 LayerNorms (4 + 4) = 74;
     # + token table 20 + position table 16 + final LayerNorm 4 -> 114
     assert rl.parameter_count(HAND) == 114
-    assert rl.kv_bytes_per_token(HAND, 4) == 1 * 1 * 2 * 2 * 4  # layers x heads x head_dim x (K, V) x fp32
+    # layers x heads x head_dim x (K, V) x fp32
+    assert rl.kv_bytes_per_token(HAND, 4) == 1 * 1 * 2 * 2 * 4
     c = rl.prefill_cost(HAND, 3)
     assert c.matmul_flops == 2 * 68 * 3
     assert c.attention_flops == 4 * 2 * (1 + 2 + 3)  # token i attends to i keys
@@ -55,7 +56,8 @@ def test_costs_by_hand():
     assert d.matmul_flops == 2 * 68 * 2
     assert d.attention_flops == 4 * 2 * 2 * 5  # each of 2 sequences: one query against 5 keys
     assert d.weight_bytes == 4 * (114 - 16 + 2)
-    assert d.kv_bytes == 4 * 2 * (4 + 2) * 4  # per sequence: 4 cached + the new one read, the new one written
+    # per sequence: 4 cached + the new one read, the new one written
+    assert d.kv_bytes == 4 * 2 * (4 + 2) * 4
     assert (d.phase, d.batch, d.tokens, d.context) == ("decode", 2, 1, 5)
 
 
@@ -77,7 +79,8 @@ def test_counts_match_the_model_and_the_flop_counter(cfg, batch, tokens):
     tokens = min(tokens, cfg.block_size - 1)
     past = cfg.block_size - tokens - 1
     cache = KVCache.for_model(model, batch_size=batch)
-    with torch.inference_mode(), sdpa_kernel(SDPBackend.MATH):  # the math path shows attention as bmm
+    # the math path shows attention as bmm
+    with torch.inference_mode(), sdpa_kernel(SDPBackend.MATH):
         with FlopCounterMode(display=False) as prefill:
             model(torch.zeros(batch, tokens, dtype=torch.long), cache)
         cache.length = past
@@ -119,14 +122,20 @@ def test_decode_is_memory_bound_and_batching_moves_it_right():
     # A longer context reads more KV cache: more bytes, and (with one KV head per query head)
     # 4 x d FLOPs per 2 x d fp32 values read: the same 0.5 FLOP/byte as the weights.
     long = rl.decode_cost(cfg, 1024)
-    assert long.kv_bytes > 7 * one.kv_bytes and long.intensity == pytest.approx(one.intensity, rel=0.01)
+    assert long.kv_bytes > 7 * one.kv_bytes and long.intensity == pytest.approx(
+        one.intensity, rel=0.01
+    )
     # Grouped-query attention (4 query heads per KV head) reads a quarter of the cache.
-    gqa = rl.decode_cost(GPTConfig(block_size=1024, n_layer=12, n_head=12, n_kv_heads=3, n_embd=768), 1024)
+    gqa = rl.decode_cost(
+        GPTConfig(block_size=1024, n_layer=12, n_head=12, n_kv_heads=3, n_embd=768), 1024
+    )
     assert gqa.kv_bytes == pytest.approx(long.kv_bytes / 4) and gqa.intensity > long.intensity
     # bf16 halves the bytes: intensity doubles (almost exactly, the FLOPs are unchanged).
     assert rl.decode_cost(cfg, 128, bytes_per_value=2).intensity == pytest.approx(2 * one.intensity)
     peak, bw = 100e9, 10e9
-    assert one.bound(peak, bw) == "memory" and rl.prefill_cost(cfg, 512).bound(peak, bw) == "compute"
+    assert (
+        one.bound(peak, bw) == "memory" and rl.prefill_cost(cfg, 512).bound(peak, bw) == "compute"
+    )
     assert one.time_at(peak, bw) == pytest.approx(one.bytes / bw)
 
 
@@ -156,7 +165,11 @@ def test_the_probes_chapter_05_stands_in_count_what_they_run_and_time_the_fastes
     real = peaks.time_call
     try:
         peaks.time_call = lambda fn, **kw: calls.append(kw) or [0.3, 0.1, 0.2]
-        assert peaks.stream_probe(8, 3) == (96, 0.1) and calls[-1]["repeats"] == 3 and calls[-1]["warmup"] == 1
+        assert (
+            peaks.stream_probe(8, 3) == (96, 0.1)
+            and calls[-1]["repeats"] == 3
+            and calls[-1]["warmup"] == 1
+        )
         assert peaks.matmul_probe(2, 3, 4, 7)[1] == 0.1 and calls[-1]["repeats"] == 7
     finally:
         peaks.time_call = real
@@ -200,7 +213,9 @@ def test_bench_roofline_quick(tmp_path, capsys):
     assert "ridge point" in out and "key figure" in out and "phase" in out
     k = result["key_figures"]
     key = result["bandwidth_fraction"]
-    assert 0 < k["decode_bandwidth_fraction"] == key["fraction"] and k["decode_variant"] == key["best"]
+    assert (
+        0 < k["decode_bandwidth_fraction"] == key["fraction"] and k["decode_variant"] == key["best"]
+    )
     q1, q3 = k["decode_bandwidth_fraction_pair_quartiles"]
     assert 0 < q1 <= q3
     assert key["context"] == 32 and result["device"]["threads"] == key["best_threads"]

@@ -110,7 +110,8 @@ def test_filters_validate_their_arguments_too():
         (torch.tensor([0.0, float("nan"), 1.0]), BadValue),  # NaN
         (torch.tensor([0.0, float("inf"), 1.0]), BadValue),  # +inf
         (torch.full((4,), NEG_INF), BadValue),  # every logit is -inf
-        (torch.tensor([[0.0, 1.0], [NEG_INF, NEG_INF]]), BadValue),  # every logit of one row is -inf
+        # every logit of one row is -inf
+        (torch.tensor([[0.0, 1.0], [NEG_INF, NEG_INF]]), BadValue),
         (torch.zeros(2, 3, 4), BadValue),  # not (vocab,) or (batch, vocab)
         (torch.tensor([1, 2, 3]), BadType),  # not floating-point
     ],
@@ -140,17 +141,25 @@ def test_extreme_logits_do_not_overflow():
     x = torch.tensor([3e38, -3e38, 1e38, NEG_INF])
     p = probabilities(x, SamplingParams(temperature=GREEDY_EPS * 1.01))
     assert torch.isfinite(p).all() and p[0] == 1.0
-    p = probabilities(torch.tensor([-1e30, -1e30 - 1e25, NEG_INF]), SamplingParams(temperature=1e-3))
+    p = probabilities(
+        torch.tensor([-1e30, -1e30 - 1e25, NEG_INF]), SamplingParams(temperature=1e-3)
+    )
     assert torch.isfinite(p).all() and p.sum() == pytest.approx(1.0)
 
 
 @given(logit_vectors(), st.floats(1e-3, 10.0))
 def test_temperature_is_softmax_of_logits_over_t(x, t):
     expected = torch.softmax(x.double() / t, dim=-1).float()
-    torch.testing.assert_close(probabilities(x, SamplingParams(temperature=t)), expected, atol=1e-6, rtol=1e-4)
+    torch.testing.assert_close(
+        probabilities(x, SamplingParams(temperature=t)), expected, atol=1e-6, rtol=1e-4
+    )
 
 
-@given(logit_vectors(allow_neg_inf=True), st.sampled_from([0.0, GREEDY_EPS / 2, 1e-9]), st.integers(0, 3))
+@given(
+    logit_vectors(allow_neg_inf=True),
+    st.sampled_from([0.0, GREEDY_EPS / 2, 1e-9]),
+    st.integers(0, 3),
+)
 def test_temperature_zero_is_greedy_without_division(x, t, n_rep):
     params = SamplingParams(temperature=t)
     assert params.greedy
@@ -191,7 +200,8 @@ def test_top_k_keeps_the_k_largest(x, k):
 def test_top_k_clamps_to_the_vocabulary_and_keeps_ties():
     x = torch.tensor([3.0, 2.0, 2.0, 1.0, 0.0])
     assert torch.equal(filter_top_k(x, 5), x) and torch.equal(filter_top_k(x, 1000), x)
-    assert (filter_top_k(x, 2) > NEG_INF).tolist() == [True, True, True, False, False]  # tie at the 2nd: both kept
+    # tie at the 2nd: both kept
+    assert (filter_top_k(x, 2) > NEG_INF).tolist() == [True, True, True, False, False]
     assert (filter_top_k(x, 1) > NEG_INF).tolist() == [True, False, False, False, False]
     p = probabilities(x, SamplingParams(top_k=2))
     torch.testing.assert_close(p[:3], torch.softmax(x[:3], 0))
@@ -210,14 +220,16 @@ def test_top_p_keeps_the_smallest_set_reaching_p(x, p):
     # The kept set is the m most likely tokens (no kept token is less likely than a dropped one) ...
     if (~kept).any():
         assert probs[kept].min() >= probs[~kept].max()
-    # ... its mass reaches p (the crossing token is in), and it is minimal: m - 1 tokens do not reach p.
+    # ... its mass reaches p (the crossing token is in), and it is minimal: m - 1 tokens do not
+    # reach p.
     assert probs[kept].sum() >= p - 1e-6 or m == int((probs > 0).sum())
     assert ranked[: m - 1].sum() < p + 1e-6
 
 
 def test_top_p_includes_the_crossing_token_and_p_one_keeps_all():
     x = torch.tensor([0.5, 0.3, 0.2]).log()
-    assert (filter_top_p(x, 0.6) > NEG_INF).tolist() == [True, True, False]  # 0.5 < 0.6: 0.3 crosses
+    # 0.5 < 0.6: 0.3 crosses
+    assert (filter_top_p(x, 0.6) > NEG_INF).tolist() == [True, True, False]
     assert (filter_top_p(x, 0.4) > NEG_INF).tolist() == [True, False, False]
     assert (filter_top_p(x, 0.85) > NEG_INF).tolist() == [True, True, True]
     tiny = torch.tensor([10.0, -60.0, -80.0])  # probabilities that underflow still survive p = 1
@@ -227,15 +239,22 @@ def test_top_p_includes_the_crossing_token_and_p_one_keeps_all():
 
 def test_top_p_exact_boundary_and_ties():
     x = torch.zeros(4)  # four tokens at exactly 0.25
-    assert (filter_top_p(x, 0.5) > NEG_INF).tolist() == [True, True, False, False]  # 0.25 + 0.25 reaches 0.5
+    # 0.25 + 0.25 reaches 0.5
+    assert (filter_top_p(x, 0.5) > NEG_INF).tolist() == [True, True, False, False]
     assert (filter_top_p(x, 0.51) > NEG_INF).tolist() == [True, True, True, False]
-    assert (filter_top_p(x, 1e-9) > NEG_INF).tolist() == [True, False, False, False]  # ties: lowest id first
+    # ties: lowest id first
+    assert (filter_top_p(x, 1e-9) > NEG_INF).tolist() == [True, False, False, False]
 
 
 def test_top_p_applies_to_what_top_k_left():
     x = torch.tensor([0.4, 0.3, 0.2, 0.1]).log()
     # After top-k 2 the renormalised masses are 4/7 and 3/7: top-p 0.5 keeps only the first.
-    assert (probabilities(x, SamplingParams(top_k=2, top_p=0.5)) > 0).tolist() == [True, False, False, False]
+    assert (probabilities(x, SamplingParams(top_k=2, top_p=0.5)) > 0).tolist() == [
+        True,
+        False,
+        False,
+        False,
+    ]
     assert (probabilities(x, SamplingParams(top_p=0.5)) > 0).tolist() == [True, True, False, False]
 
 
@@ -257,8 +276,13 @@ def test_min_p_keeps_tokens_above_a_fraction_of_the_top_after_temperature(x, min
 
 def test_min_p_depends_on_temperature():
     x = torch.tensor([2.0, 0.0])  # p1 / p0 = exp(-2 / T)
-    assert (probabilities(x, SamplingParams(min_p=0.2)) > 0).tolist() == [True, False]  # e^-2 = 0.135
-    assert (probabilities(x, SamplingParams(min_p=0.2, temperature=2.0)) > 0).tolist() == [True, True]  # e^-1
+    # e^-2 = 0.135
+    assert (probabilities(x, SamplingParams(min_p=0.2)) > 0).tolist() == [True, False]
+    # e^-1
+    assert (probabilities(x, SamplingParams(min_p=0.2, temperature=2.0)) > 0).tolist() == [
+        True,
+        True,
+    ]
     assert (probabilities(x, SamplingParams(min_p=1.0)) > 0).tolist() == [True, False]
     underflow = torch.tensor([0.0, -200.0])  # ratio e^-200 underflows float32, but is above 1e-90
     assert (filter_min_p(underflow, 1e-90) > NEG_INF).tolist() == [True, True]
@@ -274,23 +298,29 @@ def test_repetition_penalty_divides_positive_and_multiplies_negative_logits_once
     assert torch.equal(apply_repetition_penalty(x, [0, 1, 2], 2.0), out)
     mask = torch.tensor([True, True, True, False, False])
     assert torch.equal(apply_repetition_penalty(x, mask, 2.0), out)
-    assert torch.equal(apply_repetition_penalty(x, torch.tensor([1, 1, 0, 2]), 2.0), out)  # int tensor
+    # int tensor
+    assert torch.equal(apply_repetition_penalty(x, torch.tensor([1, 1, 0, 2]), 2.0), out)
     assert torch.equal(apply_repetition_penalty(x, [0, 1], 1.0), x)
-    assert apply_repetition_penalty(x, [0, 1], 0.5).tolist()[:2] == [4.0, -1.0]  # < 1 encourages repeats
+    # < 1 encourages repeats
+    assert apply_repetition_penalty(x, [0, 1], 0.5).tolist()[:2] == [4.0, -1.0]
     with raises(BadValue, 'history'):
         apply_repetition_penalty(x, [9], 2.0)
 
 
 def test_penalty_comes_before_temperature_and_truncation():
     x = torch.tensor([3.0, 2.0, 1.0])
-    p = probabilities(x, SamplingParams(temperature=0.5, top_k=1, repetition_penalty=3.0), history=[0])
+    p = probabilities(
+        x, SamplingParams(temperature=0.5, top_k=1, repetition_penalty=3.0), history=[0]
+    )
     assert p.tolist() == [0.0, 1.0, 0.0]  # 3 / 3 = 1 < 2: the penalised leader drops out of top-1
     batch = probabilities(
         torch.stack([x, x]),
         SamplingParams(repetition_penalty=3.0),
         history=torch.tensor([[True, False, False], [False, False, False]]),
     )
-    torch.testing.assert_close(batch[0], probabilities(x, SamplingParams(repetition_penalty=3.0), [0]))
+    torch.testing.assert_close(
+        batch[0], probabilities(x, SamplingParams(repetition_penalty=3.0), [0])
+    )
     torch.testing.assert_close(batch[1], torch.softmax(x, 0))
 
 
@@ -348,7 +378,9 @@ def test_seeded_sampling_is_reproducible_and_shapes_follow_the_input():
 @given(st.lists(logit_vectors(min_size=7, max_size=7), min_size=2, max_size=4), sampling_params)
 def test_batched_rows_match_single_rows(rows, params):
     x = torch.stack(rows)
-    torch.testing.assert_close(probabilities(x, params), torch.stack([probabilities(r, params) for r in rows]))
+    torch.testing.assert_close(
+        probabilities(x, params), torch.stack([probabilities(r, params) for r in rows])
+    )
 
 
 @given(logit_vectors(), sampling_params)
@@ -357,7 +389,8 @@ def test_processed_logits_and_probabilities_agree(x, params):
     p = probabilities(x, params)
     assert torch.equal(p, torch.softmax(z, dim=-1))
     assert (p[z == NEG_INF] == 0).all()
-    assert int(x.argmax()) in (z > NEG_INF).nonzero().flatten().tolist()  # the top token always survives
+    # the top token always survives
+    assert int(x.argmax()) in (z > NEG_INF).nonzero().flatten().tolist()
 
 
 def test_entropy_bits():

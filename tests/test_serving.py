@@ -10,7 +10,15 @@ from ar_lab.engine.decoder import ForwardDecoder
 from ar_lab.engine.generate import generate, stream
 from ar_lab.engine.prefix_cache import PrefixCache, reusable_length
 from ar_lab.engine.sampling import SamplingParams
-from ar_lab.engine.serving import Request, StreamSummary, generate_batch, latency_budget, serve, simulate, tokens_within
+from ar_lab.engine.serving import (
+    Request,
+    StreamSummary,
+    generate_batch,
+    latency_budget,
+    serve,
+    simulate,
+    tokens_within,
+)
 from ar_lab.model.cache import BatchKVCache, KVCache
 from ar_lab.model.gpt import GPT, GPTConfig
 from ar_lab.perf.serving_measure import (
@@ -25,7 +33,9 @@ from tests.raising import raises
 
 configs = st.builds(
     lambda layers, heads, group, d, seed: (
-        GPTConfig(block_size=64, n_layer=layers, n_head=heads, n_kv_heads=heads // group, n_embd=heads * d),
+        GPTConfig(
+            block_size=64, n_layer=layers, n_head=heads, n_kv_heads=heads // group, n_embd=heads * d
+        ),
         seed,
     ),
     layers=st.integers(1, 2),
@@ -59,13 +69,16 @@ def test_rows_of_different_lengths_give_each_sequence_its_own_logits(cfg_seed, l
     seqs = random_prompts([n + 3 * chunk for n in lengths], seed=len(lengths))
     cache = BatchKVCache.for_model(model, max_batch=len(lengths), max_len=max(lengths) + 3 * chunk)
     with torch.no_grad():
-        for n, s in zip(lengths, seqs, strict=True):  # prefill each prompt alone, straight into its slot
+        # prefill each prompt alone, straight into its slot
+        for n, s in zip(lengths, seqs, strict=True):
             slot = cache.slot(cache.rows)
             model(torch.tensor([s[:n]]), slot)
             cache.add(slot.length)
         steps = []
         for k in range(3):
-            idx = torch.tensor([s[n + k * chunk : n + (k + 1) * chunk] for n, s in zip(lengths, seqs, strict=True)])
+            idx = torch.tensor(
+                [s[n + k * chunk : n + (k + 1) * chunk] for n, s in zip(lengths, seqs, strict=True)]
+            )
             steps.append(ForwardDecoder(model).prefill(idx, cache, None))  # (rows, chunk, vocab)
         for row, (n, s) in enumerate(zip(lengths, seqs, strict=True)):
             full = model(torch.tensor([s]))[0, n:]  # (3 * chunk, vocab)
@@ -89,7 +102,9 @@ def test_batched_greedy_equals_each_alone(cfg_seed, lengths, n_new):
 def test_batched_greedy_equals_alone_with_per_prompt_lengths_and_eos(tiny_model):
     prompts = random_prompts([3, 11, 1, 7], seed=3)
     counts = [5, 12, 2, 9]
-    free = [generate(tiny_model, p, n, eos_id=None).tokens for p, n in zip(prompts, counts, strict=True)]
+    free = [
+        generate(tiny_model, p, n, eos_id=None).tokens for p, n in zip(prompts, counts, strict=True)
+    ]
     eos = free[1][4]  # a token the second request produces: it must stop there, like generate does
     batched = generate_batch(tiny_model, prompts, counts, eos_id=eos)
     for p, n, g in zip(prompts, counts, batched, strict=True):
@@ -105,7 +120,14 @@ def test_batched_sampling_equals_alone_with_the_same_seeds(tiny_model):
     seeds = [11, 22, 33]
     batched = generate_batch(tiny_model, prompts, 12, sampling=params, seeds=seeds, eos_id=None)
     for p, s, g in zip(prompts, seeds, batched, strict=True):
-        alone = generate(tiny_model, p, 12, sampling=params, generator=torch.Generator().manual_seed(s), eos_id=None)
+        alone = generate(
+            tiny_model,
+            p,
+            12,
+            sampling=params,
+            generator=torch.Generator().manual_seed(s),
+            eos_id=None,
+        )
         assert g.tokens == alone.tokens
     assert batched[0].tokens != batched[1].tokens  # really sampled, per request
 
@@ -155,7 +177,8 @@ def test_batch_cache_errors(tiny_model):
 @pytest.mark.parametrize("policy", ["static", "continuous"])
 def test_serve_outputs_and_schedule(tiny_model, policy):
     requests = [
-        Request(p, n) for p, n in zip(random_prompts([4, 9, 2, 6, 3, 5, 1]), [3, 20, 2, 1, 8, 15, 6], strict=True)
+        Request(p, n)
+        for p, n in zip(random_prompts([4, 9, 2, 6, 3, 5, 1]), [3, 20, 2, 1, 8, 15, 6], strict=True)
     ]
     report = serve(tiny_model, requests, max_batch=3, policy=policy, eos_id=None)
     steps_needed = [r.max_new_tokens - 1 for r in requests]
@@ -167,13 +190,18 @@ def test_serve_outputs_and_schedule(tiny_model, policy):
     for req, res in zip(requests, report.results, strict=True):
         alone = generate(tiny_model, req.prompt, req.max_new_tokens, eos_id=None)
         assert_same_greedy(tiny_model, list(req.prompt), alone.tokens, res.tokens)
-        assert len(res.token_times) == req.max_new_tokens and res.token_times == sorted(res.token_times)
+        assert len(res.token_times) == req.max_new_tokens and res.token_times == sorted(
+            res.token_times
+        )
         assert res.admitted <= res.ttft <= res.latency <= report.total_time
     if policy == "static":  # a new batch starts only when every request admitted before it is done
         for r in report.results:
             earlier = [e for e in report.results if e.admitted_step < r.admitted_step]
-            assert all(e.finish_step <= r.admitted_step and e.latency <= r.admitted for e in earlier)
-        assert len({r.admitted_step for r in report.results}) == 2  # r0-r2, then r3 (prefill only) + r4-r6
+            assert all(
+                e.finish_step <= r.admitted_step and e.latency <= r.admitted for e in earlier
+            )
+        # r0-r2, then r3 (prefill only) + r4-r6
+        assert len({r.admitted_step for r in report.results}) == 2
 
 
 def test_continuous_batching_keeps_the_batch_full_and_needs_fewer_steps(tiny_model):
@@ -204,7 +232,8 @@ def test_simulate_static_closed_form_and_continuous_never_later(needs, max_batch
         if n > 0:
             batch.append(i)
         assert static[i] == offset + n
-    if needs and any(needs):  # continuous: no faster than the work spread over all slots, or the longest
+    # continuous: no faster than the work spread over all slots, or the longest
+    if needs and any(needs):
         assert max(cont) >= max(max(needs), math.ceil(sum(needs) / max_batch))
     if max_batch == 1:
         assert cont == static  # one slot: nothing to refill early
@@ -214,7 +243,8 @@ def test_simulate_by_hand():
     # two slots; lengths 1, 10, 10: static waits for the long one before admitting the third
     assert simulate([1, 10, 10], 2, "static") == [1, 10, 20]
     assert simulate([1, 10, 10], 2, "continuous") == [1, 10, 11]
-    assert simulate([0, 2], 1, "continuous") == [0, 2]  # a prefill-only request never takes the slot
+    # a prefill-only request never takes the slot
+    assert simulate([0, 2], 1, "continuous") == [0, 2]
     with raises(BadValue, 'policy'):
         simulate([1], 1, "dynamic")
     with raises(BadValue, 'steps_needed'):
@@ -242,7 +272,9 @@ def test_serve_rejects_bad_input(tiny_model):
 
 
 @given(configs, st.integers(1, 30), st.integers(0, 8), st.integers(1, 8))
-def test_prefix_cache_gives_the_same_output_and_prefills_only_the_rest(cfg_seed, prefix_len, suffix_len, n_new):
+def test_prefix_cache_gives_the_same_output_and_prefills_only_the_rest(
+    cfg_seed, prefix_len, suffix_len, n_new
+):
     model = model_for(cfg_seed)
     prefix, suffix = random_prompts([prefix_len, suffix_len], seed=prefix_len)
     prompt = prefix + suffix
@@ -257,7 +289,9 @@ def test_prefix_cache_gives_the_same_output_and_prefills_only_the_rest(cfg_seed,
     with torch.no_grad():  # and the first token's logits are those of the full prompt
         c = pc.cache_for(prompt, 1)
         first = model(torch.tensor([prompt[n:]]), c)[0, -1]
-        torch.testing.assert_close(first, model(torch.tensor([prompt]))[0, -1], atol=1e-5, rtol=1e-4)
+        torch.testing.assert_close(
+            first, model(torch.tensor([prompt]))[0, -1], atol=1e-5, rtol=1e-4
+        )
 
 
 def test_reusable_length_rules():
@@ -272,7 +306,10 @@ def test_reusable_length_rules():
 
 def test_prefix_cache_in_serve_and_shape_errors(tiny_model):
     prefix = random_prompts([30])[0]
-    requests = [Request(prefix + s, n) for s, n in zip(random_prompts([3, 6, 1], seed=5), [6, 3, 9], strict=True)]
+    requests = [
+        Request(prefix + s, n)
+        for s, n in zip(random_prompts([3, 6, 1], seed=5), [6, 3, 9], strict=True)
+    ]
     pc = PrefixCache(tiny_model, prefix)
     with_prefix = serve(tiny_model, requests, max_batch=2, prefix=pc, eos_id=None)
     without = serve(tiny_model, requests, max_batch=2, eos_id=None)
@@ -312,7 +349,8 @@ def test_generate_continues_a_conversation_through_its_cache(tiny_model):
     second = generate(tiny_model, context, 10, eos_id=None, cache=cache)
     fresh = generate(tiny_model, context, 10, eos_id=None)
     assert_same_greedy(tiny_model, context, fresh.tokens, second.tokens)
-    assert second.stats.positions_processed == len(inserted) + 1 + 9  # last turn-1 token + inserted, then 9 steps
+    # last turn-1 token + inserted, then 9 steps
+    assert second.stats.positions_processed == len(inserted) + 1 + 9
     with raises(BadValue, 'use_cache'):
         generate(tiny_model, prompt, 3, use_cache=False, cache=cache)
     with raises(ContextFull, 'cache'):
@@ -343,8 +381,9 @@ def test_decode_throughput_rows(tiny_model):
 
 
 def test_decode_step_runs_can_be_called_again_and_again(tiny_model):
-    """Each call starts from the same state (rows back at ``context``), so a timing claim can re-time it:
-    the cache holds exactly ``context + steps`` positions, and a call that did not reset would overflow it."""
+    """Each call starts from the same state (rows back at ``context``), so a timing claim can
+    re-time it: the cache holds exactly ``context + steps`` positions, and a call that did not reset
+    would overflow it."""
     runs = decode_step_runs(tiny_model, [1, 3], context=8, steps=3)
     for _ in range(4):
         runs[1](), runs[3]()
@@ -373,16 +412,22 @@ def test_serving_leaves_the_model_as_it_was(tiny_model):
 
 
 def test_serve_takes_an_admission_policy_of_ones_own_and_checks_its_answers(tiny_model):
-    """policy= a function (chapter 08's learner passes theirs): the package's two as functions give the
-    named schedules; another policy runs too, with every request served its own tokens; bad answers are refused."""
+    """policy= a function (chapter 08's learner passes theirs): the package's two as functions give
+    the named schedules; another policy runs too, with every request served its own tokens; bad
+    answers are refused."""
     from ar_lab.engine.scheduling import continuous_admit, static_admit
     from ar_lab.perf.serving_measure import compare_policies
 
-    requests = [Request(p, n) for p, n in zip(random_prompts([4, 9, 2, 6, 3]), [3, 12, 1, 5, 8], strict=True)]
+    requests = [
+        Request(p, n)
+        for p, n in zip(random_prompts([4, 9, 2, 6, 3]), [3, 12, 1, 5, 8], strict=True)
+    ]
     needs = [r.max_new_tokens - 1 for r in requests]
     for name, fn in [("static", static_admit), ("continuous", continuous_admit)]:
         report = serve(tiny_model, requests, max_batch=2, policy=fn, eos_id=None)
-        assert [r.finish_step for r in report.results] == simulate(needs, 2, name) and report.policy == fn.__name__
+        assert [r.finish_step for r in report.results] == simulate(
+            needs, 2, name
+        ) and report.policy == fn.__name__
 
     def one_at_a_time(waiting, running, max_batch):
         return min(waiting, 1) if running < max_batch else 0
@@ -390,10 +435,16 @@ def test_serve_takes_an_admission_policy_of_ones_own_and_checks_its_answers(tiny
     report = serve(tiny_model, requests, max_batch=2, policy=one_at_a_time, eos_id=None)
     named = serve(tiny_model, requests, max_batch=2, policy="continuous", eos_id=None)
     assert [r.tokens for r in report.results] == [r.tokens for r in named.results]
-    runs = compare_policies(tiny_model, requests, 2, policies={"mine": one_at_a_time, "static": "static"})
+    runs = compare_policies(
+        tiny_model, requests, 2, policies={"mine": one_at_a_time, "static": "static"}
+    )
     assert list(runs) == ["mine", "static"] and runs["mine"][0].policy == "one_at_a_time"
-    for bad, _why in [(lambda w, r, b: w + 1, "an int from 0 to"), (lambda w, r, b: 0, "wait forever"),
-                     (lambda w, r, b: 1.0, "an int from 0 to"), (lambda w, r, b: -1, "an int from 0 to")]:
+    for bad, _why in [
+        (lambda w, r, b: w + 1, "an int from 0 to"),
+        (lambda w, r, b: 0, "wait forever"),
+        (lambda w, r, b: 1.0, "an int from 0 to"),
+        (lambda w, r, b: -1, "an int from 0 to"),
+    ]:
         with raises(BadValue, 'policy'):
             serve(tiny_model, requests, max_batch=2, policy=bad, eos_id=None)
     for bad in ("dynamic", 3):
@@ -405,19 +456,26 @@ def test_serve_takes_an_admission_policy_of_ones_own_and_checks_its_answers(tiny
 
 
 def _a_step(mask=None, *, retire=True, record_all=True, drop_one=False):
-    """A server step written against ServerState only, as chapter 08's learner writes it (with a slip switched on)."""
+    """A server step written against ServerState only, as chapter 08's learner writes it (with a
+    slip switched on)."""
     from ar_lab.model.cache import row_mask
 
     def step(server):
         if server.waiting:
-            goal = len(server.rows) + server.policy(len(server.waiting), len(server.rows), server.max_batch)
+            goal = len(server.rows) + server.policy(
+                len(server.waiting), len(server.rows), server.max_batch
+            )
             if drop_one:
                 server.waiting.popleft()  # taken from the queue, never prefilled
             while server.waiting and len(server.rows) < goal and server.has_room():
                 server.prefill(server.waiting.popleft())
         if server.rows:
             tokens = server.pick(server.decode((mask or row_mask)(server.lengths, 1)))
-            done = [i for i, t in enumerate(tokens[: len(tokens) if record_all else -1]) if server.record(i, t)]
+            done = [
+                i
+                for i, t in enumerate(tokens[: len(tokens) if record_all else -1])
+                if server.record(i, t)
+            ]
             if retire:
                 server.retire(done)
 
@@ -425,25 +483,43 @@ def _a_step(mask=None, *, retire=True, record_all=True, drop_one=False):
 
 
 def _observed(report):
-    return ([(r.tokens, r.finish_step, r.admitted_step, r.stop_reason) for r in report.results], report.step_rows,
-            report.kv_reserved, report.kv_used)
+    return (
+        [(r.tokens, r.finish_step, r.admitted_step, r.stop_reason) for r in report.results],
+        report.step_rows,
+        report.kv_reserved,
+        report.kv_used,
+    )
 
 
-@pytest.mark.parametrize("options", [
-    {"policy": "static"}, {"policy": "continuous"}, {"kv": "paged", "block_size": 4, "num_blocks": 9},
-    {"sampling": SamplingParams(temperature=0.9, top_k=30, repetition_penalty=1.2)},
-], ids=["static", "continuous", "paged-tight", "sampled"])
-def test_the_package_step_keeps_serves_schedule_and_a_step_of_ones_own_gives_the_same(tiny_model, options):
-    """serve's own step (serve_step, the default) keeps serve's schedule (simulate's finish steps, generate's
-    tokens per request, a request its prefill finishes taking no row); a step written against ServerState gives
-    the same tokens, steps, rows and KV accounting, on contiguous slots, a tight paged pool and sampled tokens."""
+@pytest.mark.parametrize(
+    "options",
+    [
+        {"policy": "static"},
+        {"policy": "continuous"},
+        {"kv": "paged", "block_size": 4, "num_blocks": 9},
+        {"sampling": SamplingParams(temperature=0.9, top_k=30, repetition_penalty=1.2)},
+    ],
+    ids=["static", "continuous", "paged-tight", "sampled"],
+)
+def test_the_package_step_keeps_serves_schedule_and_a_step_of_ones_own_gives_the_same(
+    tiny_model, options
+):
+    """serve's own step (serve_step, the default) keeps serve's schedule (simulate's finish steps,
+    generate's tokens per request, a request its prefill finishes taking no row); a step written
+    against ServerState gives the same tokens, steps, rows and KV accounting, on contiguous slots, a
+    tight paged pool and sampled tokens."""
     from ar_lab.engine.serving import serve_step
 
     lengths, counts = [4, 9, 2, 6, 3, 5, 1], [3, 12, 2, 1, 8, 6, 5]
-    requests = [Request(p, n, seed=i) for i, (p, n) in enumerate(zip(random_prompts(lengths), counts, strict=True))]
+    requests = [
+        Request(p, n, seed=i)
+        for i, (p, n) in enumerate(zip(random_prompts(lengths), counts, strict=True))
+    ]
     ours = serve(tiny_model, requests, max_batch=3, eos_id=None, **options)
     for step in (serve_step, _a_step()):
-        assert _observed(serve(tiny_model, requests, max_batch=3, eos_id=None, step=step, **options)) == _observed(ours)
+        assert _observed(
+            serve(tiny_model, requests, max_batch=3, eos_id=None, step=step, **options)
+        ) == _observed(ours)
     if "sampling" in options:
         return
     needs = [n - 1 for n in counts]
@@ -452,13 +528,17 @@ def test_the_package_step_keeps_serves_schedule_and_a_step_of_ones_own_gives_the
     else:
         assert any(n < 3 for n in ours.step_rows[: max(r.admitted_step for r in ours.results)])
     for req, res in zip(requests, ours.results, strict=True):
-        assert_same_greedy(tiny_model, list(req.prompt), generate(tiny_model, req.prompt, req.max_new_tokens,
-                                                                  eos_id=None).tokens, res.tokens)
+        assert_same_greedy(
+            tiny_model,
+            list(req.prompt),
+            generate(tiny_model, req.prompt, req.max_new_tokens, eos_id=None).tokens,
+            res.tokens,
+        )
 
 
 def test_the_steps_mask_is_the_one_the_decode_step_attends_through(tiny_model):
-    """ServerState.decode uses the mask it is given: a mask that lets each row attend to the padding (every row
-    masked as the longest) changes some request's tokens."""
+    """ServerState.decode uses the mask it is given: a mask that lets each row attend to the padding
+    (every row masked as the longest) changes some request's tokens."""
     requests = [Request(p, 12) for p in random_prompts([2, 11, 5])]
     right = serve(tiny_model, requests, max_batch=3, eos_id=None, step=_a_step())
 
@@ -469,7 +549,9 @@ def test_the_steps_mask_is_the_one_the_decode_step_attends_through(tiny_model):
     assert [r.tokens for r in wrong.results] != [r.tokens for r in right.results]
 
 
-def test_a_step_that_breaks_the_loop_or_a_helper_given_bad_input_fails_with_a_typed_error(tiny_model):
+def test_a_step_that_breaks_the_loop_or_a_helper_given_bad_input_fails_with_a_typed_error(
+    tiny_model,
+):
     from ar_lab.engine.serving import StepError
 
     requests = [Request(p, n) for p, n in zip(random_prompts([3, 5, 2]), [4, 2, 3], strict=True)]
@@ -497,9 +579,11 @@ def test_a_step_that_breaks_the_loop_or_a_helper_given_bad_input_fails_with_a_ty
         return step
 
     cases = [
-        (lambda s: s.decode(torch.ones(len(s.rows), 1, 1, max(s.lengths) + 1)), BadType, "mask"),  # not bool
+        # not bool
+        (lambda s: s.decode(torch.ones(len(s.rows), 1, 1, max(s.lengths) + 1)), BadType, "mask"),
         (lambda s: s.decode([[True]]), BadType, "mask"),  # not a tensor
-        (lambda s: s.decode(torch.ones(len(s.rows), 1, 1, 2, dtype=torch.bool)), BadValue, "mask"),  # wrong shape
+        # wrong shape
+        (lambda s: s.decode(torch.ones(len(s.rows), 1, 1, 2, dtype=torch.bool)), BadValue, "mask"),
         (lambda s: s.record(0, 5), BadValue, "i"),  # not a row waiting for its token
         (lambda s: s.retire([0]), BadValue, "done"),  # row 0's request is not finished
         (lambda s: s.retire([5]), BadValue, "done"),  # not a row in use

@@ -9,10 +9,11 @@ The browser checks serve the folder on 127.0.0.1 (a free port, Python's http.ser
 open every page in the system's Chromium through Playwright: no console error, no failed request,
 every image decoded, every link into the site and every #anchor resolving, every chapter reachable
 from the landing page through the navigation, and no horizontal scroll at a phone's width (375 px).
-Screenshots of the landing page and a chapter, at desktop and phone width, go to bench-results/site/.
+Screenshots of the landing page and a chapter, at desktop and phone width, go to
+bench-results/site/.
 
-Marked ``site``: a run selects these tests only with ``-m site`` (tests/conftest.py), so ``make test``
-leaves them to ``make test-site``.
+Marked ``site``: a run selects these tests only with ``-m site`` (tests/conftest.py), so ``make
+test`` leaves them to ``make test-site``.
 """
 
 from __future__ import annotations
@@ -69,13 +70,17 @@ def text_of(markup: str) -> str:
 
 
 def answer_lines(nb) -> list[str]:
-    """Every non-trivial line of the notebook's solution regions and hidden tests (a solution cell without
-    markers is all answer, as nbgrader reads it)."""
+    """Every non-trivial line of the notebook's solution regions and hidden tests (a solution cell
+    without markers is all answer, as nbgrader reads it)."""
     lines = []
     for cell in nb.cells:
         meta = nbgrader_meta(cell)
         if meta.get("solution"):
-            regions = SOLUTION.findall(cell.source) if "### BEGIN SOLUTION" in cell.source else [cell.source]
+            regions = (
+                SOLUTION.findall(cell.source)
+                if "### BEGIN SOLUTION" in cell.source
+                else [cell.source]
+            )
         else:
             regions = []
         if meta.get("grade") and cell.cell_type == "code":
@@ -90,14 +95,15 @@ def normal(text: str) -> str:
 
 
 def leaked(lines: list[str], code_lines: set[str], text: str) -> list[str]:
-    """The answer lines a page shows: as a whole line of code or output, or (long enough to be unmistakable,
-    30 characters) anywhere in its text."""
+    """The answer lines a page shows: as a whole line of code or output, or (long enough to be
+    unmistakable, 30 characters) anywhere in its text."""
     return [line for line in lines if line in code_lines or (len(line) >= 30 and line in text)]
 
 
 def learner_text() -> str:
-    """Everything the learner's versions show anyway: a line a solution shares with the chapter's own code or
-    its instructions (`with torch.no_grad():`, the call an exercise asks for) gives nothing away."""
+    """Everything the learner's versions show anyway: a line a solution shares with the chapter's
+    own code or its instructions (`with torch.no_grad():`, the call an exercise asks for) gives
+    nothing away."""
     return " \n ".join(normal(cell.source) for path in NOTEBOOKS
                        for cell in student_version(nbformat.read(path, as_version=4)).cells)
 
@@ -106,7 +112,9 @@ def code_lines_of(markup: str) -> set[str]:
     """Every line of every <pre> block (code and outputs) of a page, normalized."""
     lines = set()
     for block in re.findall(r"<pre\b[^>]*>(.*?)</pre>", markup, flags=re.S):
-        lines |= {normal(line) for line in html.unescape(re.sub(r"<[^>]+>", "", block)).splitlines()}
+        lines |= {
+            normal(line) for line in html.unescape(re.sub(r"<[^>]+>", "", block)).splitlines()
+        }
     return lines
 
 
@@ -121,15 +129,17 @@ def pages() -> dict[str, str]:
 def test_every_chapter_the_appendix_glossary_and_landing_page_are_built(pages):
     expected = {"index.html", "glossary.html"} | {page_file(nb).name for nb in NOTEBOOKS}
     assert set(pages) == expected
-    assert any(nb.name.startswith("A1_") for nb in NOTEBOOKS) and any("b_" in nb.name[:4] for nb in NOTEBOOKS)
+    assert any(nb.name.startswith("A1_") for nb in NOTEBOOKS) and any(
+        "b_" in nb.name[:4] for nb in NOTEBOOKS
+    )
     for nb in NOTEBOOKS:
         title = nbformat.read(nb, as_version=4).cells[0].source.splitlines()[0].lstrip("# ").strip()
         assert f"<h1>{html.escape(title)}</h1>" in pages[page_file(nb).name], nb.name
 
 
 def test_the_leak_check_finds_a_planted_solution():
-    """The check below is not vacuous: every chapter with exercises has answer lines, and a page holding
-    the source notebook's text (solutions included) is caught."""
+    """The check below is not vacuous: every chapter with exercises has answer lines, and a page
+    holding the source notebook's text (solutions included) is caught."""
     with_exercises = 0
     for path in NOTEBOOKS:
         nb = nbformat.read(path, as_version=4)
@@ -148,7 +158,9 @@ def test_no_solution_region_or_hidden_test_anywhere_on_the_site(pages):
     code_lines = set().union(*(code_lines_of(markup) for markup in pages.values()))
     found, shown, checked = {}, learner_text(), 0
     for path in NOTEBOOKS:
-        lines = [line for line in answer_lines(nbformat.read(path, as_version=4)) if line not in shown]
+        lines = [
+            line for line in answer_lines(nbformat.read(path, as_version=4)) if line not in shown
+        ]
         checked += len(lines)
         hits = leaked(lines, code_lines, everything)
         if hits:
@@ -177,10 +189,16 @@ def test_claim_checks_are_hidden_and_their_sentences_shown(pages):
         text = text_of(pages[page_file(path).name])
         code = set().union(*(code_lines_of(block) for block in re.findall(
             r'<pre class="code">.*?</pre>', pages[page_file(path).name], flags=re.S)))
-        visible = {normal(line) for c in nb.cells if c.cell_type == "code"
-                   and not c.metadata.get("jupyter", {}).get("source_hidden") for line in c.source.splitlines()}
+        visible = {
+            normal(line)
+            for c in nb.cells
+            if c.cell_type == "code" and not c.metadata.get("jupyter", {}).get("source_hidden")
+            for line in c.source.splitlines()
+        }
         for cell in nb.cells:
-            if cell.cell_type != "code" or not cell.metadata.get("jupyter", {}).get("source_hidden"):
+            if cell.cell_type != "code" or not cell.metadata.get("jupyter", {}).get(
+                "source_hidden"
+            ):
                 continue
             hidden_cells += 1
             assert "remove-input" in cell.metadata.get("tags", []), (path.name, cell.source[:60])
@@ -188,25 +206,36 @@ def test_claim_checks_are_hidden_and_their_sentences_shown(pages):
             shown = sorted(lines & code)
             assert not shown, f"{path.name}: a collapsed cell's code is on the page: {shown[:3]}"
             for sentence in rendered_sentences(cell):
-                assert sentence in text, f"{path.name}: a rendered sentence is missing: {sentence[:80]}"
+                assert sentence in text, (
+                    f"{path.name}: a rendered sentence is missing: {sentence[:80]}"
+                )
     assert hidden_cells >= 20
 
 
 def test_every_formula_is_drawn_as_mathml(pages):
-    """Each $...$ and $$...$$ of a chapter's prose is a MathML <math> element on its page (browsers draw it
-    without scripts), not TeX source."""
+    """Each $...$ and $$...$$ of a chapter's prose is a MathML <math> element on its page (browsers
+    draw it without scripts), not TeX source."""
     for path in NOTEBOOKS:
-        prose = "\n".join(c.source for c in nbformat.read(path, as_version=4).cells if c.cell_type == "markdown")
+        prose = "\n".join(
+            c.source for c in nbformat.read(path, as_version=4).cells if c.cell_type == "markdown"
+        )
         displays = len(re.findall(r"\$\$.+?\$\$", prose, re.S))
-        inline = len(re.findall(r"(?<![$\\])\$[^$\n]+?\$(?!\$)", re.sub(r"\$\$.+?\$\$", "", prose, flags=re.S)))
+        inline = len(
+            re.findall(
+                r"(?<![$\\])\$[^$\n]+?\$(?!\$)", re.sub(r"\$\$.+?\$\$", "", prose, flags=re.S)
+            )
+        )
         page = pages[page_file(path).name]
-        assert page.count("<math") >= displays + inline, f"{path.name}: {displays} + {inline} formulas in the prose"
+        assert page.count("<math") >= displays + inline, (
+            f"{path.name}: {displays} + {inline} formulas in the prose"
+        )
         assert 'class="math tex"' not in page, f"{path.name}: a formula left as TeX source"
     assert sum(p.count("<math") for p in pages.values()) >= 3
 
 
 def markdown_tables(nb) -> int:
-    """Markdown tables in the notebook's prose and in the Markdown its cells displayed (a delimiter row each)."""
+    """Markdown tables in the notebook's prose and in the Markdown its cells displayed (a delimiter
+    row each)."""
     texts = [c.source for c in nb.cells if c.cell_type == "markdown"]
     texts += ["".join(o["data"]["text/markdown"]) for c in nb.cells if c.cell_type == "code"
               for o in c.get("outputs", []) if "text/markdown" in o.get("data", {})]
@@ -221,7 +250,9 @@ def test_every_figure_and_table_of_the_notebooks_is_on_its_page(pages):
         assert pages[page_file(path).name].count("<table") == markdown_tables(nb), path.name
         figures = sum("image/png" in o.get("data", {}) for c in nb.cells if c.cell_type == "code"
                       for o in c.get("outputs", []))
-        sources = re.findall(r'<figure class="output"><img src="([^"]+)"', pages[page_file(path).name])
+        sources = re.findall(
+            r'<figure class="output"><img src="([^"]+)"', pages[page_file(path).name]
+        )
         assert len(sources) == figures, path.name
         for src in sources:
             assert (HTML / src).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", src
@@ -236,11 +267,14 @@ def test_the_landing_page_is_the_readme_course_map(pages):
     landing = pages["index.html"]
     for nb in NOTEBOOKS:
         assert f'href="{page_file(nb).name}"><code>{nb.stem}</code></a>' in landing, nb.stem
-    quotes = str.maketrans({"\u2019": "'", "\u2018": "'", "\u201c": '"', "\u201d": '"'})  # MyST's typography
+    # MyST's typography
+    quotes = str.maketrans({"\u2019": "'", "\u2018": "'", "\u201c": '"', "\u201d": '"'})
     landing_text = text_of(landing).translate(quotes)
     for _, learn in rows:  # each row's "what you learn", as the README says it
         words = re.sub(r"[*`]", "", learn).split()
-        assert " ".join(words[:8]) in landing_text and " ".join(words[-4:]) in landing_text, learn[:60]
+        assert " ".join(words[:8]) in landing_text and " ".join(words[-4:]) in landing_text, learn[
+            :60
+        ]
     assert 'href="glossary.html"' in landing
 
 
@@ -268,15 +302,24 @@ def test_the_binder_links_follow_the_clones_github_remote(remote, url):
 
 def test_make_site_says_what_to_install_without_node(tmp_path):
     """With no node on PATH the build stops at once, with one line naming what to install."""
-    run = subprocess.run([sys.executable, str(ROOT / "site" / "build.py")], capture_output=True, text=True,
-                         env={**os.environ, "PATH": str(tmp_path)}, cwd=ROOT, timeout=120)
+    run = subprocess.run(
+        [sys.executable, str(ROOT / "site" / "build.py")],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PATH": str(tmp_path)},
+        cwd=ROOT,
+        timeout=120,
+    )
     assert run.returncode != 0
     line = run.stderr.strip()
-    assert "\n" not in line and "Node.js" in line and "apt-get install nodejs npm" in line, run.stderr
+    assert "\n" not in line and "Node.js" in line and "apt-get install nodejs npm" in line, (
+        run.stderr
+    )
 
 
 def test_the_site_notebook_keeps_outputs_but_not_answers():
-    """site_notebook: the student version's cells, the committed outputs of every non-answer cell."""
+    """site_notebook: the student version's cells, the committed outputs of every non-answer
+    cell."""
     path = next(p for p in NOTEBOOKS if p.name.startswith("04_"))
     nb = nbformat.read(path, as_version=4)
     page = build.site_notebook(nb)
@@ -291,7 +334,7 @@ def test_the_site_notebook_keeps_outputs_but_not_answers():
             assert "### BEGIN HIDDEN TESTS" not in cell.source
 
 
-# --- in a browser -------------------------------------------------------------------------------------
+# --- in a browser ---------------------------------------------------------------------------------
 
 class QuietHandler(SimpleHTTPRequestHandler):
     def log_message(self, format, *args):  # noqa: A002 - the base class's name
@@ -334,26 +377,36 @@ PAGE_FACTS = """() => ({
   ids: [...document.querySelectorAll('[id]')].map(e => e.id),
   links: [...document.querySelectorAll('a[href]')].map(a => a.href),
   nav: [...document.querySelectorAll('nav.toc a, footer.steps a')].map(a => a.href),
-  images: [...document.images].map(i => ({src: i.currentSrc || i.src, ok: i.complete && i.naturalWidth > 0})),
+  images: [...document.images].map(i => ({src: i.currentSrc || i.src,
+                                          ok: i.complete && i.naturalWidth > 0})),
 })"""
 
 
 def visit(browser, url: str, viewport: dict) -> tuple[dict, list[str]]:
-    """Open ``url``; its facts (PAGE_FACTS) and every console error, page error and failed request."""
+    """Open ``url``; its facts (PAGE_FACTS) and every console error, page error and failed
+    request."""
     context = browser.new_context(viewport=viewport)
     page = context.new_page()
     problems: list[str] = []
-    page.on("console", lambda m: problems.append(f"console {m.type}: {m.text}") if m.type == "error" else None)
+    page.on(
+        "console",
+        lambda m: problems.append(f"console {m.type}: {m.text}") if m.type == "error" else None,
+    )
     page.on("pageerror", lambda e: problems.append(f"page error: {e}"))
     page.on("requestfailed", lambda r: problems.append(f"request failed: {r.url}"))
-    page.on("response", lambda r: problems.append(f"HTTP {r.status}: {r.url}") if r.status >= 400 else None)
+    page.on(
+        "response",
+        lambda r: problems.append(f"HTTP {r.status}: {r.url}") if r.status >= 400 else None,
+    )
     try:
         page.goto(url, wait_until="load")
         page.wait_for_function("[...document.images].every(i => i.complete)")
         facts = page.evaluate(PAGE_FACTS)
         facts["overflow"] = page.evaluate(
-            "() => ({page: document.scrollingElement.scrollWidth - window.innerWidth,"
-            " main: document.querySelector('main').scrollWidth - document.querySelector('main').clientWidth})")
+            "() => ({page: document.scrollingElement.scrollWidth - window.innerWidth, main: "
+            "document.querySelector('main').scrollWidth - "
+            "document.querySelector('main').clientWidth})"
+        )
         return facts, problems
     finally:
         context.close()
@@ -409,8 +462,12 @@ def test_pages_are_readable_at_a_phones_width(browser, served, pages):
     for name in pages:
         facts, problems = visit(browser, served + name, PHONE)
         assert not problems, f"{name}: {problems[:5]}"
-        assert facts["overflow"]["page"] <= 0, f"{name} scrolls sideways by {facts['overflow']['page']} px at 375 px"
-        assert facts["overflow"]["main"] <= 0, f"{name}: the text overflows by {facts['overflow']['main']} px"
+        assert facts["overflow"]["page"] <= 0, (
+            f"{name} scrolls sideways by {facts['overflow']['page']} px at 375 px"
+        )
+        assert facts["overflow"]["main"] <= 0, (
+            f"{name}: the text overflows by {facts['overflow']['main']} px"
+        )
 
 
 def test_screenshots_of_the_landing_page_and_a_chapter(browser, served):

@@ -1,4 +1,5 @@
-"""Speculative decoding: the theory formulas, the exactness proof, the real checkpoints, the explorer.
+"""Speculative decoding: the theory formulas, the exactness proof, the real checkpoints, the
+explorer.
 
 The central test is statistical: with bigram "models" whose next-token distributions
 are known exactly, the joint distribution of the first three speculative tokens must
@@ -48,11 +49,14 @@ from tests.raising import raises
 @pytest.mark.parametrize("alpha", [0.0, 0.1, 0.5, 0.8, 0.95, 0.999])
 @pytest.mark.parametrize("gamma", [0, 1, 2, 5, 12])
 def test_expected_tokens_is_the_geometric_sum(alpha, gamma):
-    assert expected_tokens_per_iteration(alpha, gamma) == pytest.approx(sum(alpha**k for k in range(gamma + 1)))
+    assert expected_tokens_per_iteration(alpha, gamma) == pytest.approx(
+        sum(alpha**k for k in range(gamma + 1))
+    )
 
 
 def test_expected_tokens_limits():
-    assert expected_tokens_per_iteration(0.0, 7) == 1.0  # every draft rejected: the target's own token only
+    # every draft rejected: the target's own token only
+    assert expected_tokens_per_iteration(0.0, 7) == 1.0
     assert expected_tokens_per_iteration(1.0, 7) == 8.0  # all accepted + the bonus
     for eps in (1e-4, 1e-8, 1e-12, 1e-15):  # continuous as alpha -> 1, no cancellation
         got = expected_tokens_per_iteration(1.0 - eps, 7)
@@ -65,9 +69,12 @@ def test_expected_tokens_matches_a_simulation_of_the_acceptance_process():
     g = torch.Generator().manual_seed(0)
     for alpha, gamma in [(0.3, 3), (0.7, 5), (0.9, 8)]:
         coins = torch.rand(200_000, gamma, generator=g) < alpha  # (iterations, gamma)
-        accepted = coins.int().cumprod(dim=1).sum(dim=1)  # run of accepts before the first rejection
+        # run of accepts before the first rejection
+        accepted = coins.int().cumprod(dim=1).sum(dim=1)
         tokens = accepted + 1  # plus the residual draw or the bonus
-        assert float(tokens.double().mean()) == pytest.approx(expected_tokens_per_iteration(alpha, gamma), rel=5e-3)
+        assert float(tokens.double().mean()) == pytest.approx(
+            expected_tokens_per_iteration(alpha, gamma), rel=5e-3
+        )
 
 
 def test_expected_speedup_and_its_limits():
@@ -96,10 +103,18 @@ def test_best_gamma_extremes():
 
 
 def test_alpha_for_speedup_inverts_the_formula():
-    for speedup, gamma, c, v in [(1.5, 2, 0.2, 1.0), (2.0, 4, 0.1, 1.0), (1.5, 3, 0.19, 1.5), (1.2, 1, 0.0, 1.0)]:
+    for speedup, gamma, c, v in [
+        (1.5, 2, 0.2, 1.0),
+        (2.0, 4, 0.1, 1.0),
+        (1.5, 3, 0.19, 1.5),
+        (1.2, 1, 0.0, 1.0),
+    ]:
         a = alpha_for_speedup(speedup, gamma, c, v)
-        assert expected_tokens_per_iteration(a, gamma) / (gamma * c + v) == pytest.approx(speedup, rel=1e-9)
-    assert expected_speedup(alpha_for_speedup(1.5, 2, 0.2), 2, 0.2) == pytest.approx(1.5)  # verify_cost 1
+        assert expected_tokens_per_iteration(a, gamma) / (gamma * c + v) == pytest.approx(
+            speedup, rel=1e-9
+        )
+    # verify_cost 1
+    assert expected_speedup(alpha_for_speedup(1.5, 2, 0.2), 2, 0.2) == pytest.approx(1.5)
     assert alpha_for_speedup(3.5, 2, 0.0) is None  # gamma 2 emits at most 3 tokens per call
     assert alpha_for_speedup(0.5, 2, 0.2) == 0.0  # slower than plain decoding is always reachable
     with raises(BadValue, 'verify_cost'):
@@ -134,7 +149,9 @@ def distribution_pairs(draw):
 @given(distribution_pairs())
 def test_alpha_is_one_minus_total_variation(pq):
     p, q = pq
-    assert float(acceptance_rate(p, q)) == pytest.approx(1 - float(total_variation(p, q)), abs=1e-12)
+    assert float(acceptance_rate(p, q)) == pytest.approx(
+        1 - float(total_variation(p, q)), abs=1e-12
+    )
     assert float(acceptance_rate(p, p)) == pytest.approx(1.0)
 
 
@@ -155,7 +172,8 @@ def test_accepted_count_is_the_run_before_the_first_rejection():
     assert accepted_count(p_x, q_x, torch.tensor([0.99, 0.99, 0.2, 0.0], dtype=torch.float64)) == 4
     assert accepted_count(p_x, q_x, torch.tensor([0.99, 0.99, 0.3, 0.0], dtype=torch.float64)) == 2
     assert accepted_count(p_x[:0], q_x[:0], p_x[:0]) == 0
-    assert accepted_count(torch.zeros(3), torch.full((3,), 0.5), torch.zeros(3)) == 0  # p = 0: never
+    # p = 0: never
+    assert accepted_count(torch.zeros(3), torch.full((3,), 0.5), torch.zeros(3)) == 0
     g = torch.Generator().manual_seed(0)
     u = torch.rand(20_000, 1, generator=g, dtype=torch.float64)
     hits = sum(accepted_count(torch.tensor([0.1]), torch.tensor([0.4]), row) for row in u)
@@ -177,7 +195,8 @@ def tables():
 
 
 def exact_joint(model, params: SamplingParams) -> dict[tuple[int, ...], float]:
-    """P(first N_TOKENS tokens) under the target with the sampler, by enumeration (the history counts)."""
+    """P(first N_TOKENS tokens) under the target with the sampler, by enumeration (the history
+    counts)."""
     out = {}
     for ys in itertools.product(range(V), repeat=N_TOKENS):
         prob, history = 1.0, list(PROMPT)
@@ -189,12 +208,21 @@ def exact_joint(model, params: SamplingParams) -> dict[tuple[int, ...], float]:
 
 
 def speculative_samples(target, draft, gamma, params, n=N_SAMPLES, seed=0, accept=None):
-    """(tokens, tokens the first iteration emitted) of ``n`` runs drawing from one generator, in order."""
+    """(tokens, tokens the first iteration emitted) of ``n`` runs drawing from one generator, in
+    order."""
     g = torch.Generator().manual_seed(seed)
     samples = []
     for _ in range(n):
         out = speculative_generate(
-            target, draft, PROMPT, N_TOKENS, gamma, sampling=params, generator=g, eos_id=None, accept=accept
+            target,
+            draft,
+            PROMPT,
+            N_TOKENS,
+            gamma,
+            sampling=params,
+            generator=g,
+            eos_id=None,
+            accept=accept,
         )
         samples.append((tuple(out.tokens), out.stats.emitted_per_iteration[0]))
     return samples
@@ -214,23 +242,30 @@ def run_speculative(target, draft, gamma, params, n=N_SAMPLES, seed=0, accept=No
 
 @pytest.fixture(scope="module")
 def gamma2_samples(tables):
-    """The built-in rule's N_SAMPLES runs at gamma 2, T=1, seed 0: several tests read the same draws, computed once
-    (the first n of them are exactly what a run of n draws, the generator being consumed in order)."""
+    """The built-in rule's N_SAMPLES runs at gamma 2, T=1, seed 0: several tests read the same
+    draws, computed once (the first n of them are exactly what a run of n draws, the generator being
+    consumed in order)."""
     target, draft = tables
     return speculative_samples(target, draft, 2, T1)
 
 
 def chi_square_pvalue(counts: dict, probs: dict, n: int) -> float:
-    """Pearson's chi-square test (``speculative_view.chi_square``) of outcome counts against exact probabilities."""
-    assert set(counts) <= {k for k, p in probs.items() if p > 0}, "an impossible outcome was produced"
+    """Pearson's chi-square test (``speculative_view.chi_square``) of outcome counts against exact
+    probabilities."""
+    assert set(counts) <= {k for k, p in probs.items() if p > 0}, (
+        "an impossible outcome was produced"
+    )
     keys = list(probs)
     observed = torch.tensor([counts.get(k, 0) for k in keys], dtype=torch.float64)
     assert observed.sum() == n
     return chi_square(observed, torch.tensor([probs[k] for k in keys], dtype=torch.float64))[2]
 
 
-def expected_first_iteration(target, draft, gamma: int, params: SamplingParams) -> tuple[float, float]:
-    """Exact E[tokens emitted by the first iteration] and P(all gamma drafts accepted), by enumeration.
+def expected_first_iteration(
+    target, draft, gamma: int, params: SamplingParams
+) -> tuple[float, float]:
+    """Exact E[tokens emitted by the first iteration] and P(all gamma drafts accepted), by
+    enumeration.
 
     E[tokens] = 1 + sum_k P(the first k drafts are all accepted); the drafts are enumerated.
     """
@@ -268,7 +303,8 @@ def test_speculative_output_has_exactly_the_target_distribution(tables, gamma, r
 
 @pytest.mark.slow
 def test_exact_under_any_sampler_settings(tables):
-    """p and q are the distributions after temperature, top-k and the repetition penalty, on both sides."""
+    """p and q are the distributions after temperature, top-k and the repetition penalty, on both
+    sides."""
     target, draft = tables
     params = SamplingParams(temperature=0.7, top_k=3, repetition_penalty=1.5)
     counts, _ = run_speculative(target, draft, 2, params)
@@ -282,12 +318,14 @@ def test_exact_under_any_sampler_settings(tables):
 
 def _resample_from_p(p, q, drafts, u):
     n, dist = accept_step(p, q, drafts, u)
-    return n, (p[n] if n < len(drafts) else dist)  # WRONG: after a rejection, p instead of the residual
+    # WRONG: after a rejection, p instead of the residual
+    return n, (p[n] if n < len(drafts) else dist)
 
 
 def _bonus_from_previous_row(p, q, drafts, u):
     n, dist = accept_step(p, q, drafts, u)
-    return n, (p[n - 1] if n == len(drafts) and n > 0 else dist)  # WRONG: the bonus from the last draft's row
+    # WRONG: the bonus from the last draft's row
+    return n, (p[n - 1] if n == len(drafts) and n > 0 else dist)
 
 
 def _accept_when_q_below_p(p, q, drafts, u):
@@ -298,7 +336,9 @@ def _accept_when_q_below_p(p, q, drafts, u):
 
 
 @pytest.mark.parametrize(
-    "rule", [_resample_from_p, _bonus_from_previous_row, _accept_when_q_below_p], ids=lambda f: f.__name__[1:]
+    "rule",
+    [_resample_from_p, _bonus_from_previous_row, _accept_when_q_below_p],
+    ids=lambda f: f.__name__[1:],
 )
 @pytest.mark.slow
 def test_the_distribution_test_catches_wrong_rules(tables, rule):
@@ -309,15 +349,24 @@ def test_the_distribution_test_catches_wrong_rules(tables, rule):
 
 
 @pytest.mark.slow
-def test_the_accept_hook_runs_a_correct_rule_exactly_and_checks_what_it_returns(tables, gamma2_samples):
+def test_the_accept_hook_runs_a_correct_rule_exactly_and_checks_what_it_returns(
+    tables, gamma2_samples
+):
     """accept_step through the hook draws what the built-in path draws, sample for sample."""
     target, draft = tables
     hooked = speculative_samples(target, draft, 2, T1, n=300, accept=accept_step)
-    assert hooked == gamma2_samples[:300]  # the built-in path's first 300 runs (run_speculative with n=300)
-    for bad, _why in [(lambda p, q, d, u: (len(d) + 1, p[0]), "n an int in"), (lambda p, q, d, u: 1, "n an int in"),
-                     (lambda p, q, d, u: (0, p[0] * 2), "probability vector"), (lambda p, q, d, u: (0, p), "shape")]:
+    # the built-in path's first 300 runs (run_speculative with n=300)
+    assert hooked == gamma2_samples[:300]
+    for bad, _why in [
+        (lambda p, q, d, u: (len(d) + 1, p[0]), "n an int in"),
+        (lambda p, q, d, u: 1, "n an int in"),
+        (lambda p, q, d, u: (0, p[0] * 2), "probability vector"),
+        (lambda p, q, d, u: (0, p), "shape"),
+    ]:
         with raises(BadValue, 'accept'):
-            speculative_generate(target, draft, PROMPT, N_TOKENS, 2, sampling=T1, eos_id=None, accept=bad)
+            speculative_generate(
+                target, draft, PROMPT, N_TOKENS, 2, sampling=T1, eos_id=None, accept=bad
+            )
     with raises(BadType, 'accept'):
         speculative_generate(target, draft, PROMPT, N_TOKENS, 2, eos_id=None, accept="min(p, q)")
 
@@ -330,7 +379,9 @@ def test_the_first_iteration_emits_the_expected_tokens_bonus_included(tables, ga
     expected, p_all = expected_first_iteration(target, draft, 2, T1)
     se = 1.0 / math.sqrt(N_SAMPLES)  # emitted tokens lie in [1, 3]: standard deviation <= 1
     counts, mean_first = tally(gamma2_samples)
-    assert len(gamma2_samples) == N_SAMPLES and p_all > 10 * se and abs(mean_first - expected) < 4 * se
+    assert (
+        len(gamma2_samples) == N_SAMPLES and p_all > 10 * se and abs(mean_first - expected) < 4 * se
+    )
 
 
 # --- greedy: the target's own output, token for token ---------------------------------
@@ -338,7 +389,9 @@ def test_the_first_iteration_emits_the_expected_tokens_bonus_included(tables, ga
 
 def _tiny(seed, **kw):
     torch.manual_seed(seed)
-    return GPT(GPTConfig(**{"block_size": 96, "n_layer": 2, "n_head": 2, "n_embd": 32, **kw})).eval()
+    return GPT(
+        GPTConfig(**{"block_size": 96, "n_layer": 2, "n_head": 2, "n_embd": 32, **kw})
+    ).eval()
 
 
 @pytest.mark.parametrize("gamma", [0, 1, 3, 8])
@@ -366,7 +419,9 @@ def _checkpoints():
 
     if not (checkpoint_path("course").exists() and checkpoint_path("draft").exists()):
         pytest.skip("data/course.safetensors or data/draft.safetensors missing (make checkpoints)")
-    return load_checkpoint(checkpoint_path("course"), "cpu"), load_checkpoint(checkpoint_path("draft"), "cpu")
+    return load_checkpoint(checkpoint_path("course"), "cpu"), load_checkpoint(
+        checkpoint_path("draft"), "cpu"
+    )
 
 
 @pytest.mark.slow
@@ -383,11 +438,15 @@ def test_greedy_equals_target_greedy_with_the_shipped_checkpoints():
         want = generate(target, prompt, 64).tokens  # EOS stops both alike
         for gamma in (1, 3, 6) if i % 2 else (2, 4, 8):
             got = speculative_generate(target, draft, prompt, 64, gamma)
-            assert got.tokens == want, f"prompt {i}, gamma {gamma}: differs at token {_first_diff(got.tokens, want)}"
+            assert got.tokens == want, (
+                f"prompt {i}, gamma {gamma}: differs at token {_first_diff(got.tokens, want)}"
+            )
 
 
 def _first_diff(a, b):
-    return next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
+    return next(
+        (i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b))
+    )
 
 
 def test_self_draft_accepts_everything_and_tracks_its_cache():
@@ -398,18 +457,22 @@ def test_self_draft_accepts_everything_and_tracks_its_cache():
     out = speculative_generate(target, target, "abc", 41, 4)
     s = out.stats
     assert s.acceptances == s.tested == s.proposals and s.alpha == 1.0
-    assert s.emitted_per_iteration == [5] * 8 + [1] and s.target_calls == 9  # the last: max_new_tokens cuts gamma
-    assert s.draft_calls == 32 and s.draft_positions == 3 + 3 + 7 * (2 + 3)  # prompt, then 2 new + 3 per iteration
+    # the last: max_new_tokens cuts gamma
+    assert s.emitted_per_iteration == [5] * 8 + [1] and s.target_calls == 9
+    # prompt, then 2 new + 3 per iteration
+    assert s.draft_calls == 32 and s.draft_positions == 3 + 3 + 7 * (2 + 3)
     assert out.tokens == generate(target, "abc", 41, eos_id=None).tokens
 
 
 def test_useless_draft_still_gives_the_target_text():
     target = _tiny(0)
     want = generate(target, "abc", 30, eos_id=None)
-    wrong = ScriptedModel([EOS_ID] * 40, prompt_len=3, block_size=96)  # proposes EOS at every position
+    # proposes EOS at every position
+    wrong = ScriptedModel([EOS_ID] * 40, prompt_len=3, block_size=96)
     got = speculative_generate(target, wrong, "abc", 30, 3, eos_id=None)
     assert got.tokens == want.tokens and got.stats.acceptances == 0 and got.stats.target_calls == 30
-    assert got.stats.tested == got.stats.target_calls - 1  # the last iteration has no room to propose
+    # the last iteration has no room to propose
+    assert got.stats.tested == got.stats.target_calls - 1
 
 
 def test_stop_rules_match_generate():
@@ -423,18 +486,28 @@ def test_stop_rules_match_generate():
         assert got.stats.stop_reason == want.stats.stop_reason == "eos" and got.stats.produced == 4
     for n in (1, 2, 3):
         got = speculative_generate(target, draft, prompt, n, 4)
-        assert got.tokens == generate(target, prompt, n).tokens and got.stats.stop_reason == "max_new_tokens"
+        assert (
+            got.tokens == generate(target, prompt, n).tokens
+            and got.stats.stop_reason == "max_new_tokens"
+        )
     no_eos = speculative_generate(target, draft, prompt, 8, 3, eos_id=None)
-    assert no_eos.tokens == generate(target, prompt, 8, eos_id=None).tokens and len(no_eos.tokens) == 8
+    assert (
+        no_eos.tokens == generate(target, prompt, 8, eos_id=None).tokens and len(no_eos.tokens) == 8
+    )
 
 
 def test_gamma_zero_is_plain_sampling_draw_for_draw():
-    """With no drafts, each iteration draws the target's token exactly as generate's sampler does."""
+    """With no drafts, each iteration draws the target's token exactly as generate's sampler
+    does."""
     target, draft = _tiny(0), _tiny(1, n_layer=1, n_embd=16)
     params = SamplingParams(temperature=0.9, top_k=50)
-    want = generate(target, "abc", 30, sampling=params, generator=torch.Generator().manual_seed(3), eos_id=None)
+    want = generate(
+        target, "abc", 30, sampling=params, generator=torch.Generator().manual_seed(3), eos_id=None
+    )
     g = torch.Generator().manual_seed(3)
-    got = speculative_generate(target, draft, "abc", 30, 0, sampling=params, generator=g, eos_id=None)
+    got = speculative_generate(
+        target, draft, "abc", 30, 0, sampling=params, generator=g, eos_id=None
+    )
     assert got.tokens == want.tokens and got.stats.draft_calls == 0 and got.stats.target_calls == 30
 
 
@@ -442,17 +515,25 @@ def test_sampled_runs_are_seeded_and_counted_consistently():
     target, draft = _tiny(0), _tiny(1, n_layer=1, n_embd=16)
     params = SamplingParams(temperature=1.0)
     runs = [
-        speculative_generate(target, draft, "abc", 50, 3, sampling=params, generator=torch.Generator().manual_seed(s))
+        speculative_generate(
+            target, draft, "abc", 50, 3, sampling=params, generator=torch.Generator().manual_seed(s)
+        )
         for s in (1, 1, 2)
     ]
     assert runs[0].tokens == runs[1].tokens != runs[2].tokens
     for out in runs:
         s = out.stats
-        assert s.produced == sum(s.emitted_per_iteration) == len(out.tokens) + (s.stop_reason == "eos")
-        assert s.target_calls == len(s.accepted_per_iteration) and s.acceptances == sum(s.accepted_per_iteration)
+        assert (
+            s.produced == sum(s.emitted_per_iteration) == len(out.tokens) + (s.stop_reason == "eos")
+        )
+        assert s.target_calls == len(s.accepted_per_iteration) and s.acceptances == sum(
+            s.accepted_per_iteration
+        )
         assert s.acceptances <= s.tested <= s.proposals == s.draft_calls
         assert 0 <= s.alpha <= 1 and 0 < s.alpha_exact <= 1
-        assert s.target_time > 0 and s.draft_time > 0 and s.total_time >= s.target_time + s.draft_time
+        assert (
+            s.target_time > 0 and s.draft_time > 0 and s.total_time >= s.target_time + s.draft_time
+        )
         assert len(token_sources(s)) == len(out.tokens) + (s.stop_reason == "eos")
 
 
@@ -481,15 +562,23 @@ def test_training_mode_is_restored_and_bad_input_is_explained():
 def test_speculation_view_measures_and_predicts():
     target, draft = _tiny(0), _tiny(1, n_layer=1, n_embd=16)
     view = speculation_view(target, draft, "hello", gamma=3, max_new_tokens=24, draft_name="tiny")
-    again = speculation_view(target, draft, "hello", gamma=3, max_new_tokens=24, draft_name="tiny", repeats=1)
-    assert view.same_tokens and view.result.tokens == again.result.tokens and view.alpha == again.alpha
+    again = speculation_view(
+        target, draft, "hello", gamma=3, max_new_tokens=24, draft_name="tiny", repeats=1
+    )
+    assert (
+        view.same_tokens and view.result.tokens == again.result.tokens and view.alpha == again.alpha
+    )
     assert view.measured_speedup > 0 and view.cost_ratio > 0 and view.clock_name == "CPU time"
     curves = view.theory()
     assert curves["gamma"] == list(range(9)) and curves["speedup"][0] == 1.0
     assert curves["speedup"][3] == pytest.approx(view.predicted_speedup)
-    assert curves["tokens_per_iteration"][3] == pytest.approx(expected_tokens_per_iteration(view.alpha, 3))
+    assert curves["tokens_per_iteration"][3] == pytest.approx(
+        expected_tokens_per_iteration(view.alpha, 3)
+    )
     params = SamplingParams(temperature=1.0)
-    sampled = speculation_view(target, draft, "hello", gamma=3, sampling=params, seed=5, max_new_tokens=24)
+    sampled = speculation_view(
+        target, draft, "hello", gamma=3, sampling=params, seed=5, max_new_tokens=24
+    )
     assert len(sampled.result.tokens) == len(sampled.baseline.tokens) == 24
     self_view = speculation_view(target, target, "hello", gamma=2, max_new_tokens=24)
     assert self_view.alpha == 1.0 and self_view.tokens_per_target_call > 2.5
@@ -505,7 +594,9 @@ def test_speculation_explorer_widget_headless():
     from ar_lab.course.views.widgets import speculation_explorer
 
     target, draft = _tiny(0), _tiny(1, n_layer=1, n_embd=16)
-    w = speculation_explorer(target, {"tiny draft": draft, "the target itself": target}, "hello", 2, 20)
+    w = speculation_explorer(
+        target, {"tiny draft": draft, "the target itself": target}, "hello", 2, 20
+    )
     assert w.error == "" and w.view.gamma == 2 and w.view.same_tokens and "yes" in w.status.value
     assert w.image.value[:4] == b"\x89PNG" and "accepted draft token" in w.text.value
     w.draft.value = "the target itself"
@@ -513,7 +604,11 @@ def test_speculation_explorer_widget_headless():
     w.gamma.value = 5
     assert w.view.gamma == 5 and w.view.tokens_per_target_call > 4
     w.temperature.value = 1.0
-    assert not w.view.sampling.greedy and "T=1" in w.status.value and "plain greedy" not in w.status.value
+    assert (
+        not w.view.sampling.greedy
+        and "T=1" in w.status.value
+        and "plain greedy" not in w.status.value
+    )
     w.prompt.value = ""
     assert "prompt is empty" in w.error and "prompt is empty" in w.status.value
     assert w.view.prompt == "hello"
@@ -530,13 +625,17 @@ def test_speculative_benchmark_runs_and_reports_ratios():
     from ar_lab.bench.speculative import format_speculative_results, speculative_benchmark
 
     target, draft = _tiny(0, block_size=128), _tiny(1, n_layer=1, n_embd=16, block_size=128)
-    res = speculative_benchmark(target, draft, tokens=12, prompts=2, prompt_tokens=8, gammas=[1, 3], repeats=1)
+    res = speculative_benchmark(
+        target, draft, tokens=12, prompts=2, prompt_tokens=8, gammas=[1, 3], repeats=1
+    )
     assert set(res["modes"]) == {"greedy", "T=1"} and res["greedy_best"]["gamma"] in (1, 3)
     for mode in res["modes"].values():
         assert set(mode["gammas"]) == {1, 3} and mode["cost_ratio_c"] > 0
         for g, row in mode["gammas"].items():
             assert 0 <= row["alpha"] <= 1 and 1 <= row["tokens_per_target_call"] <= g + 1
-            assert row["predicted_speedup"] == pytest.approx(expected_speedup(row["alpha"], g, mode["cost_ratio_c"]))
+            assert row["predicted_speedup"] == pytest.approx(
+                expected_speedup(row["alpha"], g, mode["cost_ratio_c"])
+            )
             assert row["speedup"] > 0 and row["measured_over_predicted"] == pytest.approx(
                 row["speedup"] / row["predicted_speedup"]
             )
@@ -595,21 +694,46 @@ def _learners_iteration(target, draft, seq, gamma, accept, probs, generator):
 
 
 def test_the_package_iteration_through_the_hook_is_speculative_generate():
-    """speculative_generate's own round passed as iteration= gives the same tokens and counts, greedy
-    (its argmax path), sampled with a penalty, and with a proposer for a draft."""
+    """speculative_generate's own round passed as iteration= gives the same tokens and counts,
+    greedy (its argmax path), sampled with a penalty, and with a proposer for a draft."""
     from ar_lab.engine.lookup import PromptLookup
     from ar_lab.engine.speculative import speculative_iteration
 
     target, draft = _tiny(0), _tiny(1, n_layer=1, n_embd=16)
-    for d, params in [(draft, SamplingParams(temperature=0.0)), (draft, SamplingParams(repetition_penalty=1.3)),
-                      (PromptLookup(), SamplingParams(temperature=0.8)), (target, SamplingParams(temperature=0.0))]:
-        runs = [speculative_generate(target, d, "abcab", 37, 3, sampling=params, eos_id=None, iteration=it,
-                                     generator=torch.Generator().manual_seed(5))
-                for it in (None, speculative_iteration)]
+    for d, params in [
+        (draft, SamplingParams(temperature=0.0)),
+        (draft, SamplingParams(repetition_penalty=1.3)),
+        (PromptLookup(), SamplingParams(temperature=0.8)),
+        (target, SamplingParams(temperature=0.0)),
+    ]:
+        runs = [
+            speculative_generate(
+                target,
+                d,
+                "abcab",
+                37,
+                3,
+                sampling=params,
+                eos_id=None,
+                iteration=it,
+                generator=torch.Generator().manual_seed(5),
+            )
+            for it in (None, speculative_iteration)
+        ]
         a, b = (r.stats for r in runs)
         assert runs[0].tokens == runs[1].tokens
-        for field in ("target_calls", "draft_calls", "proposals", "tested", "acceptances", "produced",
-                      "accepted_per_iteration", "emitted_per_iteration", "target_positions", "draft_positions"):
+        for field in (
+            "target_calls",
+            "draft_calls",
+            "proposals",
+            "tested",
+            "acceptances",
+            "produced",
+            "accepted_per_iteration",
+            "emitted_per_iteration",
+            "target_positions",
+            "draft_positions",
+        ):
             assert getattr(a, field) == getattr(b, field), field
         assert a.alpha_sum == pytest.approx(b.alpha_sum)
 
@@ -619,49 +743,73 @@ def test_a_learners_iteration_gives_greedys_tokens_and_the_package_loops_counts(
     target, draft = _tiny(0), _tiny(1, n_layer=1, n_embd=16)
     for prompt in ["a", "def f(x):"]:
         ours = speculative_generate(target, draft, prompt, 40, gamma, eos_id=None)
-        theirs = speculative_generate(target, draft, prompt, 40, gamma, eos_id=None, iteration=_learners_iteration)
+        theirs = speculative_generate(
+            target, draft, prompt, 40, gamma, eos_id=None, iteration=_learners_iteration
+        )
         assert theirs.tokens == ours.tokens == generate(target, prompt, 40, eos_id=None).tokens
         assert theirs.stats.accepted_per_iteration == ours.stats.accepted_per_iteration
         a, b = theirs.stats, ours.stats
-        assert (a.target_calls, a.draft_calls, a.tested) == (b.target_calls, b.draft_calls, b.tested)
+        assert (a.target_calls, a.draft_calls, a.tested) == (
+            b.target_calls,
+            b.draft_calls,
+            b.tested,
+        )
 
 
 @pytest.mark.parametrize("slip", ["rollback", "bonus", "lag"])
 @pytest.mark.parametrize("partial", [False, True], ids=["full accepts", "rejections"])
 def test_a_loop_that_leaves_a_cache_off_the_text_stops_with_an_error(slip, partial):
-    """A forgotten rollback, a dropped bonus token, a draft fed only the text's last token: each leaves a cache
-    holding what the text does not, which would make the next pass wrong; the loop stops (CacheMismatch)
-    instead of returning a wrong text. The right loop runs on the same models."""
+    """A forgotten rollback, a dropped bonus token, a draft fed only the text's last token: each
+    leaves a cache holding what the text does not, which would make the next pass wrong; the loop
+    stops (CacheMismatch) instead of returning a wrong text. The right loop runs on the same
+    models."""
     from ar_lab.course.checkers.mistakes import slipped_iteration
     from ar_lab.engine.sides import CacheMismatch
 
     target = _tiny(2)
-    draft = _tiny(1, n_layer=1, n_embd=16) if partial else target  # itself: every draft right, full accepts
-    ok = speculative_generate(target, draft, "abc", 40, 2, eos_id=None, iteration=speculative_iteration)
+    # itself: every draft right, full accepts
+    draft = _tiny(1, n_layer=1, n_embd=16) if partial else target
+    ok = speculative_generate(
+        target, draft, "abc", 40, 2, eos_id=None, iteration=speculative_iteration
+    )
     assert ok.tokens == generate(target, "abc", 40, eos_id=None).tokens
-    if not partial and slip == "rollback":  # every draft accepted: nothing to roll back, and nothing goes wrong
-        slipped = speculative_generate(target, draft, "abc", 40, 2, eos_id=None, iteration=slipped_iteration(slip))
+    # every draft accepted: nothing to roll back, and nothing goes wrong
+    if not partial and slip == "rollback":
+        slipped = speculative_generate(
+            target, draft, "abc", 40, 2, eos_id=None, iteration=slipped_iteration(slip)
+        )
         assert slipped.tokens == ok.tokens
         return
     if partial and slip != "rollback" and all(n < 2 for n in ok.stats.accepted_per_iteration):
         pytest.skip("no full accept with this draft: the slip has nothing to act on")
     with pytest.raises(CacheMismatch):
-        speculative_generate(target, draft, "abc", 40, 2, eos_id=None, iteration=slipped_iteration(slip))
+        speculative_generate(
+            target, draft, "abc", 40, 2, eos_id=None, iteration=slipped_iteration(slip)
+        )
 
 
-@pytest.mark.parametrize("bad, kind, arg", [
-    (lambda t, d, s, g, a, p, r: {5}, BadType, "iteration"),
-    (lambda t, d, s, g, a, p, r: torch.tensor([5]), BadType, "iteration"),
-    (lambda t, d, s, g, a, p, r: [5.0], BadType, "iteration"),
-    (lambda t, d, s, g, a, p, r: [5] * (g + 2), BadValue, "iteration"),
-    (lambda t, d, s, g, a, p, r: [], BadValue, "iteration"),
-    (lambda t, d, s, g, a, p, r: [999], BadValue, "iteration"),
-    (lambda t, d, s, g, a, p, r: [int(a(p(t.feed(s[-1:] + [1, 2]), s + [1, 2]), [], [1, 2])[0])], BadValue, "qs"),
-    (lambda t, d, s, g, a, p, r: [int(a(p(t.feed(s[-1:]), s), [], [1])[0])], BadValue, "p"),
-    (lambda t, d, s, g, a, p, r: d.feed("ab"), BadType, "tokens"),
-    (lambda t, d, s, g, a, p, r: d.feed([300]), BadValue, "tokens"),
-    ("not a function", BadType, "iteration"),
-])
+@pytest.mark.parametrize(
+    "bad, kind, arg",
+    [
+        (lambda t, d, s, g, a, p, r: {5}, BadType, "iteration"),
+        (lambda t, d, s, g, a, p, r: torch.tensor([5]), BadType, "iteration"),
+        (lambda t, d, s, g, a, p, r: [5.0], BadType, "iteration"),
+        (lambda t, d, s, g, a, p, r: [5] * (g + 2), BadValue, "iteration"),
+        (lambda t, d, s, g, a, p, r: [], BadValue, "iteration"),
+        (lambda t, d, s, g, a, p, r: [999], BadValue, "iteration"),
+        (
+            lambda t, d, s, g, a, p, r: [
+                int(a(p(t.feed(s[-1:] + [1, 2]), s + [1, 2]), [], [1, 2])[0])
+            ],
+            BadValue,
+            "qs",
+        ),
+        (lambda t, d, s, g, a, p, r: [int(a(p(t.feed(s[-1:]), s), [], [1])[0])], BadValue, "p"),
+        (lambda t, d, s, g, a, p, r: d.feed("ab"), BadType, "tokens"),
+        (lambda t, d, s, g, a, p, r: d.feed([300]), BadValue, "tokens"),
+        ("not a function", BadType, "iteration"),
+    ],
+)
 def test_an_iteration_of_ones_own_is_checked(bad, kind, arg):
     target, draft = _tiny(0), _tiny(1, n_layer=1, n_embd=16)
     with raises(kind, arg):
@@ -670,26 +818,50 @@ def test_an_iteration_of_ones_own_is_checked(bad, kind, arg):
 
 @pytest.mark.slow
 @given(st.integers(0, 2**31 - 1), st.integers(1, 3), st.sampled_from([1.0, 0.7]))
-def test_sampling_through_a_learners_iteration_is_speculative_sampling_draw_for_draw(seed, gamma, temperature):
-    """Property: the learner's round draws what ar_lab's draws (same generator, same order of draws), so its
-    sampled output is the package's, which the chi-square tests above prove exact."""
+def test_sampling_through_a_learners_iteration_is_speculative_sampling_draw_for_draw(
+    seed, gamma, temperature
+):
+    """Property: the learner's round draws what ar_lab's draws (same generator, same order of
+    draws), so its sampled output is the package's, which the chi-square tests above prove exact."""
     target = BigramModel(TARGET_TABLE, smoothing=0.0, block_size=16)
     draft = BigramModel(DRAFT_TABLE, smoothing=0.0, block_size=16)
     params = SamplingParams(temperature=temperature)
-    runs = [speculative_generate(target, draft, PROMPT, 8, gamma, sampling=params, eos_id=None, iteration=it,
-                                 generator=torch.Generator().manual_seed(seed)) for it in (None, _learners_iteration)]
+    runs = [
+        speculative_generate(
+            target,
+            draft,
+            PROMPT,
+            8,
+            gamma,
+            sampling=params,
+            eos_id=None,
+            iteration=it,
+            generator=torch.Generator().manual_seed(seed),
+        )
+        for it in (None, _learners_iteration)
+    ]
     assert runs[0].tokens == runs[1].tokens
     assert runs[0].stats.accepted_per_iteration == runs[1].stats.accepted_per_iteration
 
 
 @pytest.mark.slow
 def test_a_learners_iteration_samples_exactly(tables):
-    """The joint distribution of the first tokens through the learner's round: the chi-square test."""
+    """The joint distribution of the first tokens through the learner's round: the chi-square
+    test."""
     target, draft = tables
     g = torch.Generator().manual_seed(0)
     counts = {}
     for _ in range(N_SAMPLES):
-        out = speculative_generate(target, draft, PROMPT, N_TOKENS, 2, sampling=T1, generator=g, eos_id=None,
-                                   iteration=_learners_iteration)
+        out = speculative_generate(
+            target,
+            draft,
+            PROMPT,
+            N_TOKENS,
+            2,
+            sampling=T1,
+            generator=g,
+            eos_id=None,
+            iteration=_learners_iteration,
+        )
         counts[tuple(out.tokens)] = counts.get(tuple(out.tokens), 0) + 1
     assert chi_square_pvalue(counts, exact_joint(target, T1), N_SAMPLES) > 1e-3

@@ -1,4 +1,5 @@
-"""The speculative explorer's text: whole characters, each coloured by the token that completed it."""
+"""The speculative explorer's text: whole characters, each coloured by the token that completed
+it."""
 
 from __future__ import annotations
 
@@ -11,7 +12,11 @@ from hypothesis import strategies as st
 
 from ar_lab.base.errors import BadValue
 from ar_lab.course.views.plots import COLORS
-from ar_lab.course.views.speculative_view import speculation_text_html, speculation_view, token_pieces
+from ar_lab.course.views.speculative_view import (
+    speculation_text_html,
+    speculation_view,
+    token_pieces,
+)
 from ar_lab.engine.speculative import SpeculativeStats
 from ar_lab.model.tokenizer import EOS_ID, decode, encode
 from tests.conftest import ScriptedModel
@@ -39,7 +44,9 @@ def test_pieces_join_to_the_decoded_text(tokens):
 
 
 def _view(tokens, accepted, emitted):
-    stats = SpeculativeStats(gamma=2, accepted_per_iteration=accepted, emitted_per_iteration=emitted)
+    stats = SpeculativeStats(
+        gamma=2, accepted_per_iteration=accepted, emitted_per_iteration=emitted
+    )
     return SimpleNamespace(prompt="A ", result=SimpleNamespace(tokens=tokens, stats=stats))
 
 
@@ -50,7 +57,9 @@ def test_the_text_html_shows_whole_characters_in_the_colour_of_their_last_byte()
     assert "\ufffd" not in html and "na\ufffd" not in html
     assert span.format(COLORS["draft"], "ï") in html  # its second byte was an accepted draft token
     assert (
-        span.format(COLORS["draft"], "n") + span.format(COLORS["draft"], "a") + span.format(COLORS["draft"], "ï")
+        span.format(COLORS["draft"], "n")
+        + span.format(COLORS["draft"], "a")
+        + span.format(COLORS["draft"], "ï")
         in html
     )
     assert span.format(COLORS["target"], "v") + span.format(COLORS["target"], "e") in html
@@ -74,6 +83,7 @@ def test_chi_square_against_known_values():
     assert stat == 0 and dof == 2 and abs(p - 1) < 1e-12
     stat, dof, p = chi_square(torch.tensor([30, 20, 50]), torch.tensor([0.25, 0.25, 0.5]))
     assert abs(stat - 2.0) < 1e-12 and abs(p - math.exp(-1)) < 1e-9  # 2 dof: p = exp(-stat / 2)
-    assert chi_square(torch.tensor([1, 9, 0]), torch.tensor([0.0, 0.5, 0.5]))[2] == 0.0  # an impossible outcome
+    # an impossible outcome
+    assert chi_square(torch.tensor([1, 9, 0]), torch.tensor([0.0, 0.5, 0.5]))[2] == 0.0
     with raises(BadValue, 'probs'):
         chi_square(torch.ones(3), torch.ones(4) / 4)

@@ -1,8 +1,8 @@
 """Several threads decoding with one model at once: each caller gets exactly what it gets alone.
 
-The lean engine's working memory is per thread, its weights are the model's own, each call
-has its own KV cache, and no call ever switches the model's mode (``ar_lab.model.inference``): there
-is no shared state to race on. Every test compares threaded results with the same calls run one by one.
+The lean engine's working memory is per thread, its weights are the model's own, each call has its
+own KV cache, and no call ever switches the model's mode (``ar_lab.model.inference``): there is no
+shared state to race on. Every test compares threaded results with the same calls run one by one.
 """
 
 from __future__ import annotations
@@ -41,21 +41,35 @@ def _jobs(target, draft, n: int = 24) -> list:
     for i, p in enumerate(PROMPTS):
         jobs += [
             lambda p=p: generate(target, p, n, eos_id=None).tokens,
-            lambda p=p, i=i: generate(target, p, n, eos_id=None, sampling=SAMPLED, generator=_seeded(i)).tokens,
+            lambda p=p, i=i: (
+                generate(target, p, n, eos_id=None, sampling=SAMPLED, generator=_seeded(i)).tokens
+            ),
             lambda p=p: [e.token for e in stream(target, p, n, eos_id=None) if e.token >= 0],
             lambda p=p: speculative_generate(target, draft, p, n, 3, eos_id=None).tokens,
             lambda p=p, i=i: (
                 speculative_generate(
-                    target, draft, p, n, 2, eos_id=None, sampling=SAMPLED, generator=_seeded(100 + i)
+                    target,
+                    draft,
+                    p,
+                    n,
+                    2,
+                    eos_id=None,
+                    sampling=SAMPLED,
+                    generator=_seeded(100 + i),
                 ).tokens
             ),
-            lambda p=p, i=i: generate(draft, p, n, eos_id=None, sampling=SAMPLED, generator=_seeded(200 + i)).tokens,
+            lambda p=p, i=i: (
+                generate(
+                    draft, p, n, eos_id=None, sampling=SAMPLED, generator=_seeded(200 + i)
+                ).tokens
+            ),
         ]
     return jobs
 
 
 def _run_in_threads(jobs: list, n_threads: int = N_THREADS) -> list:
-    """Run ``jobs`` spread over ``n_threads`` threads that start together; their results in job order."""
+    """Run ``jobs`` spread over ``n_threads`` threads that start together; their results in job
+    order."""
     results: list = [None] * len(jobs)
     errors: list[BaseException] = []
     start = threading.Barrier(n_threads)
@@ -85,7 +99,10 @@ def test_threads_decoding_with_one_model_get_their_own_results(models):
     for _ in range(2):
         together = _run_in_threads(jobs)
         wrong = [j for j, (a, b) in enumerate(zip(alone, together, strict=True)) if a != b]
-        assert not wrong, f"{len(wrong)} of {len(jobs)} threaded results differ from the same calls alone: jobs {wrong}"
+        assert not wrong, (
+            f"{len(wrong)} of {len(jobs)} threaded results differ from the same calls alone: "
+            f"jobs {wrong}"
+        )
 
 
 def test_one_engine_serves_several_threads(models):
@@ -105,12 +122,14 @@ def test_one_engine_serves_several_threads(models):
 
     jobs = [lambda p=p: greedy(p) for p in PROMPTS * 2]
     assert _run_in_threads(jobs) == [job() for job in jobs]
-    assert [greedy(p) for p in PROMPTS] == [generate(target, p, 30, eos_id=None).tokens for p in PROMPTS]
+    assert [greedy(p) for p in PROMPTS] == [
+        generate(target, p, 30, eos_id=None).tokens for p in PROMPTS
+    ]
 
 
 def test_threads_decoding_with_a_model_in_training_mode(models):
-    """A model in training mode without dropout computes what it computes in eval mode: threads decode
-    it as it is, and every submodule's own flag is left as it was."""
+    """A model in training mode without dropout computes what it computes in eval mode: threads
+    decode it as it is, and every submodule's own flag is left as it was."""
     torch.manual_seed(0)
     model = GPT(GPTConfig(block_size=128, n_layer=2, n_head=4, n_embd=64))
     with torch.no_grad():
@@ -126,7 +145,11 @@ def test_threads_decoding_with_a_model_in_training_mode(models):
     ]
     alone = [job() for job in jobs]
     model.eval()
-    evaluated = [generate(model, p, 30, eos_id=None, lean=lean_).tokens for p in PROMPTS for lean_ in (True, False)]
+    evaluated = [
+        generate(model, p, 30, eos_id=None, lean=lean_).tokens
+        for p in PROMPTS
+        for lean_ in (True, False)
+    ]
     assert alone == evaluated
     model.train()
     model.blocks[1].mlp.eval()
@@ -136,7 +159,8 @@ def test_threads_decoding_with_a_model_in_training_mode(models):
 
 
 def test_a_model_with_active_dropout_is_refused_in_every_thread():
-    """Dropout in training mode would make the text random: every call refuses it, none switches it."""
+    """Dropout in training mode would make the text random: every call refuses it, none switches
+    it."""
     model = GPT(GPTConfig(block_size=8, n_layer=1, n_head=1, n_embd=8, dropout=0.5)).train()
     errors = []
 

@@ -16,7 +16,8 @@ def recorder(calls: list, *names: str) -> dict:
 
 
 def fake_clock(readings: list | None = None):
-    """A clock reading 0, 1, 3, 6, 10, 15, ...: each reading one second further on from the last than the one before."""
+    """A clock reading 0, 1, 3, 6, 10, 15, ...: each reading one second further on from the last
+    than the one before."""
     ticks = itertools.accumulate(itertools.count())
 
     def clock() -> float:
@@ -44,8 +45,11 @@ def test_without_rotation_every_round_keeps_the_given_order():
 
 def test_warm_up_rounds_run_first_untimed_and_count_in_the_rotation():
     calls, rounds = [], []
-    times = interleaved(recorder(calls, "a", "b"), 2, warmup=1, clock=fake_clock(), progress=rounds.append)
-    assert calls == ["a", "b", "b", "a", "a", "b"]  # round 0 warms up, then rounds 1 and 2 are timed
+    times = interleaved(
+        recorder(calls, "a", "b"), 2, warmup=1, clock=fake_clock(), progress=rounds.append
+    )
+    # round 0 warms up, then rounds 1 and 2 are timed
+    assert calls == ["a", "b", "b", "a", "a", "b"]
     assert rounds == [0, 1, 2]
     assert {k: len(v) for k, v in times.items()} == {"a": 2, "b": 2}
 
@@ -60,7 +64,9 @@ def test_each_call_is_timed_on_the_given_clock():
 
 def test_the_default_clock_is_the_wall_clock_on_the_cpu():
     # sleeping takes no CPU time: only a wall clock sees it
-    times = interleaved({"sleep": lambda: time.sleep(0.002), "nothing": lambda: None}, 2, device="cpu")
+    times = interleaved(
+        {"sleep": lambda: time.sleep(0.002), "nothing": lambda: None}, 2, device="cpu"
+    )
     assert all(t >= 0.002 for t in times["sleep"]) and all(t >= 0 for t in times["nothing"])
 
 

@@ -23,8 +23,9 @@ from tests.raising import raises
 
 
 def short_corpus(monkeypatch, train_module, n=40_000):
-    """train_preset on the corpus' first ``n`` tokens: each phase ends with a full pass of the protocol over the
-    validation split, and these tests are about phases, resuming and teachers, not about the corpus."""
+    """train_preset on the corpus' first ``n`` tokens: each phase ends with a full pass of the
+    protocol over the validation split, and these tests are about phases, resuming and teachers, not
+    about the corpus."""
     tokens = corpus_tokens()[:n]
     monkeypatch.setattr(train_module, "corpus_tokens", lambda: tokens)
 
@@ -36,7 +37,9 @@ def test_training_lowers_the_loss():
     model = GPT(GPTConfig(block_size=64, n_layer=1, n_head=2, n_embd=32))
     before = evaluate(model, va, 64, batches=2)
     assert before == pytest.approx(math.log(257), abs=0.3)  # random init: near uniform
-    result = train(model, tr, va, TrainConfig(steps=40, block_size=64, eval_every=20, lr=3e-3), progress=False)
+    result = train(
+        model, tr, va, TrainConfig(steps=40, block_size=64, eval_every=20, lr=3e-3), progress=False
+    )
     assert result.val_loss[-1] < before - 1.0
     assert len(result.train_loss) == 40 and result.eval_steps == [19, 39]
 
@@ -78,7 +81,11 @@ def test_corrupted_checkpoints_give_clear_errors(tmp_path, tiny_model):
 def test_mismatched_checkpoint_gives_clear_error(tmp_path, tiny_model):
     state = {k: v.contiguous() for k, v in tiny_model.state_dict().items() if k != "lm_head.weight"}
     wrong = dict(tiny_model.config.to_dict(), n_embd=64)
-    save_file(state, str(tmp_path / "w.safetensors"), {"format": "ar_lab-gpt-1", "config": json.dumps(wrong)})
+    save_file(
+        state,
+        str(tmp_path / "w.safetensors"),
+        {"format": "ar_lab-gpt-1", "config": json.dumps(wrong)},
+    )
     with raises(CheckpointError, 'path'):
         load_checkpoint(tmp_path / "w.safetensors")
 
@@ -98,8 +105,9 @@ def test_shipped_checkpoints_load_and_beat_chance(name):
 
 
 def test_preset_phases_resume_gives_the_same_weights(tmp_path, monkeypatch):
-    """Training in phases, resumed from the saved phase-1 checkpoint, equals one uninterrupted run."""
-    from ar_lab.model import train as train_module
+    """Training in phases, resumed from the saved phase-1 checkpoint, equals one uninterrupted
+    run."""
+    from ar_lab.model.train import presets as train_module
 
     tiny = GPTConfig(block_size=32, n_layer=1, n_head=2, n_embd=16)
     phases = [
@@ -111,7 +119,10 @@ def test_preset_phases_resume_gives_the_same_weights(tmp_path, monkeypatch):
     full = train_module.train_preset("tiny", tmp_path / "full.safetensors", progress=False)
     assert (tmp_path / "full.phase1.safetensors").exists()
     resumed = train_module.train_preset(
-        "tiny", tmp_path / "resumed.safetensors", progress=False, resume=tmp_path / "full.phase1.safetensors"
+        "tiny",
+        tmp_path / "resumed.safetensors",
+        progress=False,
+        resume=tmp_path / "full.phase1.safetensors",
     )
     assert full["train_steps"] == resumed["train_steps"] == 10 and len(full["phases"]) == 2
     a, b = (
@@ -121,7 +132,9 @@ def test_preset_phases_resume_gives_the_same_weights(tmp_path, monkeypatch):
     for (name, p), q in zip(a.state_dict().items(), b.state_dict().values(), strict=True):
         assert torch.equal(p, q), name
     with raises(BadValue, 'resume'):
-        train_module.train_preset("course", tmp_path / "x.safetensors", resume=tmp_path / "full.safetensors")
+        train_module.train_preset(
+            "course", tmp_path / "x.safetensors", resume=tmp_path / "full.safetensors"
+        )
 
 
 def _mean_tv(p_model, q_model, tokens, block=32):
@@ -136,8 +149,8 @@ def _mean_tv(p_model, q_model, tokens, block=32):
 
 @pytest.mark.slow
 def test_distillation_pulls_the_student_to_the_teacher():
-    """A teacher phase: the loss is KL(teacher || student), so the student's distributions approach the teacher's
-    (training on the text alone, same steps, does not)."""
+    """A teacher phase: the loss is KL(teacher || student), so the student's distributions approach
+    the teacher's (training on the text alone, same steps, does not)."""
     tr, va = train_val_split(corpus_tokens())
     cfg = GPTConfig(block_size=32, n_layer=1, n_head=2, n_embd=16)
     torch.manual_seed(0)
@@ -150,7 +163,9 @@ def test_distillation_pulls_the_student_to_the_teacher():
         torch.manual_seed(1)
         students[distil] = GPT(cfg)
         before = _mean_tv(teacher, students[distil], va)
-        result = train(students[distil], tr, va, tc, progress=False, teacher=teacher if distil else None)
+        result = train(
+            students[distil], tr, va, tc, progress=False, teacher=teacher if distil else None
+        )
     after = {k: _mean_tv(teacher, m, va) for k, m in students.items()}
     assert after[True] < before / 2, (before, after)
     assert after[False] > 3 * after[True]
@@ -163,12 +178,20 @@ def test_distillation_pulls_the_student_to_the_teacher():
 
 
 def test_preset_with_a_teacher_phase(tmp_path, monkeypatch):
-    from ar_lab.model import train as train_module
+    from ar_lab.model.train import presets as train_module
 
     tiny = GPTConfig(block_size=32, n_layer=1, n_head=2, n_embd=16)
     phases = [
         TrainConfig(steps=4, batch_size=2, block_size=32, eval_every=2, eval_batches=1),
-        TrainConfig(steps=4, batch_size=2, block_size=32, eval_every=2, eval_batches=1, seed=3, teacher="tinyteacher"),
+        TrainConfig(
+            steps=4,
+            batch_size=2,
+            block_size=32,
+            eval_every=2,
+            eval_batches=1,
+            seed=3,
+            teacher="tinyteacher",
+        ),
     ]
     monkeypatch.setitem(train_module.PRESETS, "tinyteacher", (tiny, phases[:1]))
     monkeypatch.setitem(train_module.PRESETS, "tinystudent", (tiny, phases))
@@ -177,9 +200,12 @@ def test_preset_with_a_teacher_phase(tmp_path, monkeypatch):
     with pytest.raises(FileNotFoundError, match="train it first"):
         train_module.train_preset("tinystudent", tmp_path / "student.safetensors", progress=False)
     assert not list(tmp_path.iterdir())  # the missing teacher was found before any phase ran
-    train_module.train_preset("tinyteacher", progress=False)  # writes tmp_path/tinyteacher.safetensors
+    # writes tmp_path/tinyteacher.safetensors
+    train_module.train_preset("tinyteacher", progress=False)
     assert (tmp_path / "tinyteacher.safetensors").exists()  # checkpoint_path follows AR_LAB_DATA
-    record = train_module.train_preset("tinystudent", tmp_path / "student.safetensors", progress=False)
+    record = train_module.train_preset(
+        "tinystudent", tmp_path / "student.safetensors", progress=False
+    )
     assert record["phases"][1]["teacher"] == "tinyteacher" and "teacher" not in record["phases"][0]
 
 
@@ -187,11 +213,14 @@ def test_preset_with_a_teacher_phase(tmp_path, monkeypatch):
     "argv, message",
     [
         (["--preset", "draft", "--threads", "0"], "--threads must be >= 1, got 0"),
-        (["--preset", "draft", "--resume", "nowhere/draft.phase1.safetensors"], "no checkpoint at nowhere"),
+        (
+            ["--preset", "draft", "--resume", "nowhere/draft.phase1.safetensors"],
+            "no checkpoint at nowhere",
+        ),
     ],
 )
 def test_command_line_mistakes_give_one_line_and_exit_2(argv, message, capsys):
-    from ar_lab.model.train import main
+    from ar_lab.model.train.presets import main
 
     with pytest.raises(SystemExit) as stop:
         main(argv)
@@ -200,10 +229,14 @@ def test_command_line_mistakes_give_one_line_and_exit_2(argv, message, capsys):
 
 
 def test_resume_from_a_finished_checkpoint_gives_one_line(tmp_path, tiny_model, capsys):
-    from ar_lab.model.train import main
+    from ar_lab.model.train.presets import main
 
     save_checkpoint(tmp_path / "x.safetensors", tiny_model, {"preset": "draft"})
     with pytest.raises(SystemExit) as stop:
         main(["--preset", "draft", "--resume", str(tmp_path / "x.safetensors")])
     err = capsys.readouterr().err
-    assert stop.value.code == 2 and "is not a partial 'draft' checkpoint" in err and err.count("\n") == 1, err
+    assert (
+        stop.value.code == 2
+        and "is not a partial 'draft' checkpoint" in err
+        and err.count("\n") == 1
+    ), err

@@ -1,11 +1,11 @@
 """The errors ar_lab raises on purpose, each naming the argument at fault.
 
-Every one subclasses the built-in a caller already catches (``ValueError`` for a bad value, ``TypeError``
-for the wrong kind of object, ``RuntimeError`` for a state the call cannot go on from), so existing
-``except ValueError`` handlers keep working, and ``ArLabError`` catches them all. ``arg`` is the name of the
-argument to change (``"top_k"``, ``"prompt"``, ``"cache"``), or None when no single argument is at fault;
-the message names it too, shows what was given and says what to pass. Tests assert the type and ``arg``;
-the wording is free to improve.
+Every one subclasses the built-in a caller already catches (``ValueError`` for a bad value,
+``TypeError`` for the wrong kind of object, ``RuntimeError`` for a state the call cannot go on
+from), so existing ``except ValueError`` handlers keep working, and ``ArLabError`` catches them all.
+``arg`` is the name of the argument to change (``"top_k"``, ``"prompt"``, ``"cache"``), or None when
+no single argument is at fault; the message names it too, shows what was given and says what to
+pass. Tests assert the type and ``arg``; the wording is free to improve.
 
 - ``BadValue``: a value of the right kind out of range, of the wrong shape, empty, or not finite.
 - ``BadType``: an object of the wrong kind (a str where token ids go, a float where a count goes).
@@ -21,7 +21,8 @@ from collections.abc import Callable
 
 
 class ArLabError(Exception):
-    """An error ar_lab raised on purpose; ``arg`` names the argument at fault (None: no single one)."""
+    """An error ar_lab raised on purpose; ``arg`` names the argument at fault (None: no single
+    one)."""
 
     def __init__(self, message: str, *, arg: str | None = None) -> None:
         super().__init__(message)
@@ -38,7 +39,8 @@ def _rebuild(kind: type[ArLabError], message: str, arg: str | None) -> ArLabErro
 
 
 class BadValue(ArLabError, ValueError):
-    """A value of the right kind but not one the call accepts (out of range, wrong shape, empty, NaN)."""
+    """A value of the right kind but not one the call accepts (out of range, wrong shape, empty,
+    NaN)."""
 
 
 class BadType(ArLabError, TypeError):
@@ -50,8 +52,8 @@ class ContextFull(BadValue):
 
 
 def named(arg: str, check: Callable[[], object]) -> None:
-    """Run ``check``; a BadValue it raises comes back naming ``arg``, the argument (a list, an option) the checked
-    value came from, as the message's first word."""
+    """Run ``check``; a BadValue it raises comes back naming ``arg``, the argument (a list, an
+    option) the checked value came from, as the message's first word."""
     try:
         check()
     except BadValue as error:

@@ -31,7 +31,8 @@ def default_device() -> torch.device:
 
 
 def checked_device(device: torch.device | str, *, present: bool = True) -> torch.device:
-    """``device`` as a ``torch.device`` ar_lab can compute on here: the CPU, or a CUDA GPU torch sees.
+    """``device`` as a ``torch.device`` ar_lab can compute on here: the CPU, or a CUDA GPU torch
+    sees.
 
     One check for every function that takes a device, so "mps", "banana" or "cuda" on a
     machine without a GPU all give the same message instead of an error from deep in torch.
@@ -40,17 +41,26 @@ def checked_device(device: torch.device | str, *, present: bool = True) -> torch
     try:
         d = torch.device(device)
     except (RuntimeError, TypeError, ValueError):
-        raise BadValue(f"device must be like 'cpu' or 'cuda', got {device!r}", arg="device") from None
+        raise BadValue(
+            f"device must be like 'cpu' or 'cuda', got {device!r}", arg="device"
+        ) from None
     if d.type not in ("cpu", "cuda"):
         raise BadValue(
-            f"device must be like 'cpu' or 'cuda', got {str(d)!r} (ar_lab runs on a CPU or a CUDA GPU)", arg="device"
+            f"device must be like 'cpu' or 'cuda', got {str(d)!r} (ar_lab runs on a CPU or a "
+            "CUDA GPU)",
+            arg="device",
         )
     if d.type == "cuda" and present:
         if not torch.cuda.is_available():
-            raise BadValue(f"device {str(d)!r} asked for, but torch sees no CUDA GPU here: use 'cpu'", arg="device")
+            raise BadValue(
+                f"device {str(d)!r} asked for, but torch sees no CUDA GPU here: use 'cpu'",
+                arg="device",
+            )
         if d.index is not None and d.index >= torch.cuda.device_count():
             raise BadValue(
-                f"device {str(d)!r} asked for, but torch sees {torch.cuda.device_count()} CUDA GPU(s)", arg="device"
+                f"device {str(d)!r} asked for, but torch sees {torch.cuda.device_count()} CUDA "
+                "GPU(s)",
+                arg="device",
             )
     return d
 
@@ -63,13 +73,18 @@ def synchronize(device: torch.device | str | None = None) -> None:
     """
     if device is None:
         return
-    # A torch.device (what model.device gives, in timed loops) needs no check; a string is checked once here.
+    # A torch.device (what model.device gives, in timed loops) needs no check; a string is checked
+    # once here.
     if (device if isinstance(device, torch.device) else checked_device(device)).type == "cuda":
         torch.cuda.synchronize(device)
 
 
 def time_call(
-    fn: Callable[[], object], *, repeats: int = 5, warmup: int = 1, device: torch.device | str | None = None
+    fn: Callable[[], object],
+    *,
+    repeats: int = 5,
+    warmup: int = 1,
+    device: torch.device | str | None = None,
 ) -> list[float]:
     """Seconds per call of ``fn()``, for each of ``repeats`` calls after ``warmup`` calls.
 
@@ -77,7 +92,10 @@ def time_call(
     launch time); elsewhere from ``time.perf_counter``.
     """
     if not callable(fn):
-        raise BadType(f"time_call times a function of no arguments (fn), e.g. lambda: model(x); got {fn!r}", arg="fn")
+        raise BadType(
+            f"time_call times a function of no arguments (fn), e.g. lambda: model(x); got {fn!r}",
+            arg="fn",
+        )
     positive_int("repeats", repeats)
     positive_int("warmup", warmup, minimum=0)
     on_cuda = device is not None and checked_device(device).type == "cuda"
@@ -110,7 +128,8 @@ def interleaved(
     device: torch.device | str | None = None,
     progress: Callable[[int], None] | None = None,
 ) -> dict[Name, list[float]]:
-    """Seconds of each call of every function in ``runs``, called in turns: one call of each per round.
+    """Seconds of each call of every function in ``runs``, called in turns: one call of each per
+    round.
 
     The load on a shared machine drifts from second to second; taking turns lets the drift
     hit every side alike, where timing all of one side and then all of the other would not.
@@ -123,16 +142,24 @@ def interleaved(
     is called with each round's index (from 0, warm-up rounds included) before it runs.
     """
     if not isinstance(runs, dict) or not runs:
-        raise BadValue(f"runs must be a non-empty dict {{name: function of no arguments}}, got {runs!r}", arg="runs")
+        raise BadValue(
+            f"runs must be a non-empty dict {{name: function of no arguments}}, got {runs!r}",
+            arg="runs",
+        )
     for name, fn in runs.items():
         if not callable(fn):
             raise BadType(
-                f"runs[{name!r}] must be a function of no arguments, e.g. lambda: model(x); got {fn!r}", arg="runs"
+                f"runs[{name!r}] must be a function of no arguments, e.g. lambda: model(x); got "
+                f"{fn!r}",
+                arg="runs",
             )
     positive_int("rounds", rounds)
     positive_int("warmup", warmup, minimum=0)
     if clock is not None and not callable(clock):
-        raise BadType(f"clock must be a function returning seconds, e.g. time.perf_counter; got {clock!r}", arg="clock")
+        raise BadType(
+            f"clock must be a function returning seconds, e.g. time.perf_counter; got {clock!r}",
+            arg="clock",
+        )
     device = None if device is None else checked_device(device)
     names = list(runs)
     times: dict[Name, list[float]] = {name: [] for name in names}
@@ -157,7 +184,9 @@ def interleaved(
 def median(values: list[float]) -> float:
     values = list(values)
     if not values:
-        raise BadValue("no values to take the median of (did the measurement run zero times?)", arg="values")
+        raise BadValue(
+            "no values to take the median of (did the measurement run zero times?)", arg="values"
+        )
     return statistics.median(values)
 
 
@@ -230,4 +259,7 @@ def machine_line(described: dict | torch.device | str = "cpu") -> str:
     (a dict ``machine`` returned), or of this machine running on a device."""
     m = described if isinstance(described, dict) else machine(described)
     d, v = m["device"], m["versions"]
-    return f"{d['name']} ({d['type']}, {d['threads']} of {d['cpus']} threads); torch {v['torch']}, python {v['python']}"
+    return (
+        f"{d['name']} ({d['type']}, {d['threads']} of {d['cpus']} threads); torch {v['torch']}, "
+        f"python {v['python']}"
+    )

@@ -1,5 +1,5 @@
-"""Benchmarks: ``python -m ar_lab.bench NAME`` (decode, roofline, sampler, constrained, speculative, lookup,
-serving, paged, quant).
+"""Benchmarks: ``python -m ar_lab.bench NAME`` (decode, roofline, sampler, constrained, speculative,
+lookup, serving, paged, quant).
 
 Each benchmark measures the things it compares side by side in one process, repeats
 them, and reports medians with the *ratios* as the key figures: this machine (and a

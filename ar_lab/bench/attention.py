@@ -194,23 +194,19 @@ def attention_benchmark(
     }
 
 
-def format_attention_results(res: dict) -> str:
-    s = res["shape"]
+def _mib(n: int) -> str:
+    return f"{n / 2**20:,.2f}"
 
-    def mib(n: int) -> str:
-        return f"{n / 2**20:,.2f}"
 
-    head = (
-        f"causal attention, B=1, Hq={s['Hq']}, Hkv={s['Hkv']}, D={s['D']}, float32; "
-        f"tiles {res['tile']} x {res['tile']}; {machine_line(res['machine'])}"
-    )
+def _memory_lines(res: dict) -> list[str]:
+    """The report's peak-bytes table and the fitted growth exponents."""
     mem = [
         [
             r["T"],
-            mib(r["peak_bytes"]["materialised"]),
-            mib(r["model_bytes"]["materialised"]),
-            mib(r["peak_bytes"]["tiled"]),
-            mib(r["model_bytes"]["tiled"]),
+            _mib(r["peak_bytes"]["materialised"]),
+            _mib(r["model_bytes"]["materialised"]),
+            _mib(r["peak_bytes"]["tiled"]),
+            _mib(r["model_bytes"]["tiled"]),
             f"{r['peak_bytes']['materialised'] / r['peak_bytes']['tiled']:.1f}",
         ]
         for r in res["memory"]
@@ -225,27 +221,31 @@ def format_attention_results(res: dict) -> str:
         f"tiled b = {e['tiled']:.2f}"
     )
     g = res["growth_exponents"]
-    if (
-        None not in g.values()
-    ):  # the tiles' fixed working set weighs at short T; growth leaves it out
+    # the tiles' fixed working set weighs at short T; growth leaves it out
+    if None not in g.values():
         fit += (
             f"\npeak(rT) - peak(T) ~ T^b (the fixed part cancels): "
             f"materialised b = {g['materialised']:.2f}, tiled b = {g['tiled']:.2f}"
         )
+    return [mem_table, fit]
+
+
+def _time_table(res: dict) -> str:
+    """The report's table of times, ratios to sdpa, peak bytes and the largest difference."""
     t_rows = [
         [
             r["T"],
             *(f"{r['seconds'][n] * 1e3:,.1f}" for n in ("materialised", "tiled", "sdpa")),
             f"{r['ratio_to_sdpa']['materialised']:.2f}",
             f"{r['ratio_to_sdpa']['tiled']:.2f}",
-            mib(r["peak_bytes"]["materialised"]),
-            mib(r["peak_bytes"]["tiled"]),
-            mib(r["peak_bytes"]["sdpa"]),
+            _mib(r["peak_bytes"]["materialised"]),
+            _mib(r["peak_bytes"]["tiled"]),
+            _mib(r["peak_bytes"]["sdpa"]),
             f"{r['max_abs_difference']:.1e}",
         ]
         for r in res["time"]
     ]
-    t_table = format_table(
+    return format_table(
         [
             "T",
             "materialised ms",
@@ -260,18 +260,25 @@ def format_attention_results(res: dict) -> str:
         ],
         t_rows,
     )
+
+
+def format_attention_results(res: dict) -> str:
+    s = res["shape"]
+    head = (
+        f"causal attention, B=1, Hq={s['Hq']}, Hkv={s['Hkv']}, D={s['D']}, float32; "
+        f"tiles {res['tile']} x {res['tile']}; {machine_line(res['machine'])}"
+    )
     return "\n".join(
         [
             head,
             "",
             "peak bytes of the tensors each way creates "
             "(counted on the meta device: shapes, no arithmetic)",
-            mem_table,
-            fit,
+            *_memory_lines(res),
             "",
             f"time on this CPU, {res['rounds']} interleaved rounds (medians), "
             "ratios measured side by side",
-            t_table,
+            _time_table(res),
         ]
     )
 

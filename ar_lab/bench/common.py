@@ -1,4 +1,5 @@
-"""What the benchmarks start from: the course model (or a stand-in), and their arguments checked once."""
+"""What the benchmarks start from: the course model (or a stand-in), and their arguments checked
+once."""
 
 from __future__ import annotations
 
@@ -56,7 +57,8 @@ def torch_threads(threads: int) -> Iterator[None]:
 
 
 def checkpoints(target, draft, device: torch.device) -> tuple[object, object, dict]:
-    """The models (the shipped checkpoints on ``device`` where not given) and where each came from."""
+    """The models (the shipped checkpoints on ``device`` where not given) and where each came
+    from."""
     from ar_lab.model.train import checkpoint_path, load_checkpoint
 
     models, sources = {"target": target, "draft": draft}, {}
@@ -65,6 +67,8 @@ def checkpoints(target, draft, device: torch.device) -> tuple[object, object, di
         if models[role] is None:
             path = checkpoint_path(name)
             if not path.exists():
-                raise FileNotFoundError(f"{path} is missing; run `make checkpoints` (or pass the models)")
+                raise FileNotFoundError(
+                    f"{path} is missing; run `make checkpoints` (or pass the models)"
+                )
             models[role], sources[role] = load_checkpoint(path, device).eval(), f"data/{path.name}"
     return models["target"], models["draft"], sources

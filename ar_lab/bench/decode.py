@@ -30,10 +30,17 @@ TARGET_VS_TRANSFORMERS = 3.0  # ar_lab's tokens/s over transformers', the course
 
 
 def add_options(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--tokens", type=int, default=1000, help="new tokens per generation (default 1000)")
-    p.add_argument("--repeats", type=int, default=3, help="timed repeats of each run; medians are reported")
     p.add_argument(
-        "--uncached-repeats", type=int, default=None, help="repeats of the slow uncached run (default: --repeats)"
+        "--tokens", type=int, default=1000, help="new tokens per generation (default 1000)"
+    )
+    p.add_argument(
+        "--repeats", type=int, default=3, help="timed repeats of each run; medians are reported"
+    )
+    p.add_argument(
+        "--uncached-repeats",
+        type=int,
+        default=None,
+        help="repeats of the slow uncached run (default: --repeats)",
     )
     p.add_argument("--prompt", default="Python ", help="prompt text (default 'Python ')")
     p.add_argument(
@@ -41,9 +48,10 @@ def add_options(p: argparse.ArgumentParser) -> None:
         type=int,
         nargs="+",
         default=None,
-        help="torch CPU thread counts, each measured in turn (default: 1, then torch's default, all cores). "
-        "Batch-1 decode of a 3.5 M-parameter model is a chain of small kernels: one thread is the steady "
-        "figure on a shared machine; more threads split each weight read across cores",
+        help="torch CPU thread counts, each measured in turn (default: 1, then torch's default, "
+        "all cores). Batch-1 decode of a 3.5 M-parameter model is a chain of small kernels: one "
+        "thread is the steady figure on a shared machine; more threads split each weight read "
+        "across cores",
     )
     p.add_argument("--no-peer", action="store_true", help="skip the transformers reference peer")
 
@@ -78,7 +86,9 @@ def _transformers_peer(model, prompt_ids: list[int]) -> Callable[[int], list[int
     return theirs
 
 
-def _runners(model, prompt_ids: list[int], n: int, peer: bool) -> dict[str, Callable[[int], object]]:
+def _runners(
+    model, prompt_ids: list[int], n: int, peer: bool
+) -> dict[str, Callable[[int], object]]:
     """name -> ``fn(n)``, in the order each repeat runs them (the uncached one last)."""
     from ar_lab.engine.generate import generate
     from ar_lab.engine.lean import weights_only_pass
@@ -96,10 +106,15 @@ def _runners(model, prompt_ids: list[int], n: int, peer: bool) -> dict[str, Call
     return runners
 
 
-def _timed_repeats(runners: dict, n: int, repeats: int, uncached_repeats: int, say: Callable[[str], None]) -> dict:
+def _timed_repeats(
+    runners: dict, n: int, repeats: int, uncached_repeats: int, say: Callable[[str], None]
+) -> dict:
     """Wall-clock and CPU seconds of every run, interleaved within each repeat (a load change on
     the machine hits all of them alike); every run must produce the same tokens."""
-    runs = {name: {"seconds": [], "cpu_seconds": []} for name in [CACHED, FORWARD, UNCACHED, PEER, FLOOR]}
+    runs = {
+        name: {"seconds": [], "cpu_seconds": []}
+        for name in [CACHED, FORWARD, UNCACHED, PEER, FLOOR]
+    }
     say("warm-up")
     for name, fn in runners.items():
         if name != FLOOR:
@@ -121,8 +136,12 @@ def _timed_repeats(runners: dict, n: int, repeats: int, uncached_repeats: int, s
                 if reference is None:
                     reference = got
                 elif got != reference:
-                    first = next(i for i, (a, b) in enumerate(zip(got, reference, strict=False)) if a != b)
-                    raise AssertionError(f"{name} produced different tokens (first difference at new token {first})")
+                    first = next(
+                        i for i, (a, b) in enumerate(zip(got, reference, strict=False)) if a != b
+                    )
+                    raise AssertionError(
+                        f"{name} produced different tokens (first difference at new token {first})"
+                    )
             runs[name]["seconds"].append(wall)
             runs[name]["cpu_seconds"].append(cpu)
     return runs
@@ -154,7 +173,9 @@ def _ratios(runs: dict, n: int) -> dict:
         "lean_vs_forward": speedup(CACHED, FORWARD),
     }
     if UNCACHED in runs:
-        ratios["positions_uncached_vs_cached"] = runs[UNCACHED]["positions"] / runs[CACHED]["positions"]
+        ratios["positions_uncached_vs_cached"] = (
+            runs[UNCACHED]["positions"] / runs[CACHED]["positions"]
+        )
     # Time per token above the floor: what each implementation adds to the unavoidable weight reads.
     floor = runs.get(FLOOR)
     if floor is not None:
@@ -190,7 +211,9 @@ def decode_benchmark(
 
     positive_int("tokens", tokens)
     positive_int("repeats", repeats)
-    uncached_repeats = positive_int("uncached_repeats", repeats if uncached_repeats is None else uncached_repeats, 0)
+    uncached_repeats = positive_int(
+        "uncached_repeats", repeats if uncached_repeats is None else uncached_repeats, 0
+    )
     if threads is not None:
         checked_threads(threads)
     say = progress or (lambda _m: None)
@@ -265,7 +288,8 @@ def format_decode_results(res: dict) -> str:
         verdict = "met" if r["ar_lab_vs_transformers"] >= target else "NOT met"
         lines.append(
             f"ar_lab vs transformers generate: {r['ar_lab_vs_transformers']:.2f}x the tokens/s "
-            f"(CPU time {r['ar_lab_vs_transformers_cpu']:.2f}x); identical tokens; target {target:.0f}x {verdict}"
+            f"(CPU time {r['ar_lab_vs_transformers_cpu']:.2f}x); identical tokens; target "
+            f"{target:.0f}x {verdict}"
         )
     if r.get("lean_vs_forward") is not None:
         lines.append(
@@ -275,15 +299,16 @@ def format_decode_results(res: dict) -> str:
     if "overhead_transformers_vs_ar_lab" in r:
         over = r["overhead_ms_per_token"]
         lines.append(
-            f"above the weights-only floor ({r['floor_ms_per_token']:.2f} ms/token, paid by both): ar_lab adds "
-            f"{over[CACHED]:.2f} ms/token, transformers {over[PEER]:.2f} "
-            f"({r['overhead_transformers_vs_ar_lab']:.1f}x)"
+            f"above the weights-only floor ({r['floor_ms_per_token']:.2f} ms/token, paid by "
+            f"both): ar_lab adds {over[CACHED]:.2f} ms/token, transformers {over[PEER]:.2f} ("
+            f"{r['overhead_transformers_vs_ar_lab']:.1f}x)"
         )
     return "\n".join(lines)
 
 
 def run(args: argparse.Namespace) -> dict:
-    """The command: each thread count in turn (the slow uncached run only in the first), then the tables."""
+    """The command: each thread count in turn (the slow uncached run only in the first), then the
+    tables."""
     from ar_lab.engine.prompts import checked_prompt
     from ar_lab.model.reference import have_transformers
 
@@ -297,7 +322,9 @@ def run(args: argparse.Namespace) -> dict:
     checked_prompt(model, args.prompt, args.tokens)
     peer = not args.no_peer
     if peer and not have_transformers():
-        print("transformers is not installed: skipping the reference peer (pip install transformers)")
+        print(
+            "transformers is not installed: skipping the reference peer (pip install transformers)"
+        )
         peer = False
     results = []
     for i, t in enumerate(threads):

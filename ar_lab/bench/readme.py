@@ -24,33 +24,41 @@ from ar_lab.bench.decode import CACHED, PEER
 
 # name -> what the benchmark compares (the table's second column)
 COMPARES = {
-    "decode": "1,000 greedy tokens, batch 1, on 1 thread and on all cores: ar_lab cached (lean step) vs the same "
-    "steps through `GPT.forward()` vs uncached vs Hugging Face `transformers` `generate` (same weights, identical "
-    "tokens asserted)",
-    "roofline": "measured matmul peak and streaming bandwidth; prefill and decode of a random-init model read "
-    "from main memory",
+    "decode": "1,000 greedy tokens, batch 1, on 1 thread and on all cores: ar_lab cached (lean "
+    "step) vs the same steps through `GPT.forward()` vs uncached vs Hugging Face `transformers` "
+    "`generate` (same weights, identical tokens asserted)",
+    "roofline": "measured matmul peak and streaming bandwidth; prefill and decode of a "
+    "random-init model read from main memory",
     "sampler": "one sampler step vs one cached (lean) decode step, batch 1",
-    "constrained": "JSON records sampled at T = 1 from the course model, free vs under a grammar (a JSON object "
-    "with fixed keys): valid share, time per step on equal steps, mean log-probability per token",
-    "speculative": "speculative vs plain cached decoding, γ = 1…8, greedy and T = 1, against theory",
-    "selfspec": "greedy speculative decoding where the step is memory-bound: the course model widened 5x (same "
-    "text, 80 M dense weights streamed from memory) drafted by its own int4 copy, vs plain decoding; the verify pass "
-    "alone in decode steps, weights packed for a few rows vs (in, out) copies",
-    "lookup": "greedy decoding with prompt lookup (no draft model) vs the draft checkpoint vs plain, on prompts that "
-    "repeat their context and on fresh text; ar_lab's lookup vs `transformers`' `prompt_lookup_num_tokens` (same "
-    "weights, identical tokens asserted)",
-    "serving": "continuous vs static batching on a mixed workload; tokens/s vs batch size; prefix cache",
-    "paged": "KV memory in contiguous max-length slots vs paged blocks on a mixed workload (identical tokens "
-    "asserted): memory reserved vs used, requests at once in a fixed budget, the cost per step of the "
-    "bookkeeping and gather; "
-    "Llama-3-8B on an 80 GB GPU",
-    "quant": "fp32 vs bf16 vs int8 vs int4 weights, batch-1 cached decode of the course model and of a "
-    "random-init model that streams from main memory, against the roofline's bytes ratio; quality of each; "
-    "an int8 KV cache",
+    "constrained": "JSON records sampled at T = 1 from the course model, free vs under a grammar "
+    "(a JSON object with fixed keys): valid share, time per step on equal steps, mean "
+    "log-probability per token",
+    "speculative": (
+        "speculative vs plain cached decoding, γ = 1…8, greedy and T = 1, against theory"
+    ),
+    "selfspec": "greedy speculative decoding where the step is memory-bound: the course model "
+    "widened 5x (same text, 80 M dense weights streamed from memory) drafted by its own int4 "
+    "copy, vs plain decoding; the verify pass alone in decode steps, weights packed for a few "
+    "rows vs (in, out) copies",
+    "lookup": "greedy decoding with prompt lookup (no draft model) vs the draft checkpoint vs "
+    "plain, on prompts that repeat their context and on fresh text; ar_lab's lookup vs "
+    "`transformers`' `prompt_lookup_num_tokens` (same weights, identical tokens asserted)",
+    "serving": "continuous vs static batching on a mixed workload; tokens/s vs batch size; "
+    "prefix cache",
+    "paged": "KV memory in contiguous max-length slots vs paged blocks on a mixed workload "
+    "(identical tokens asserted): memory reserved vs used, requests at once in a fixed budget, "
+    "the cost per step of the bookkeeping and gather; Llama-3-8B on an 80 GB GPU",
+    "quant": "fp32 vs bf16 vs int8 vs int4 weights, batch-1 cached decode of the course model "
+    "and of a random-init model that streams from main memory, against the roofline's bytes "
+    "ratio; quality of each; an int8 KV cache",
 }
-BENCH_START = "<!-- benchmark table: written by `python -m ar_lab.bench.readme` from data/bench/*.json -->"
+BENCH_START = (
+    "<!-- benchmark table: written by `python -m ar_lab.bench.readme` from data/bench/*.json -->"
+)
 BENCH_END = "<!-- end of benchmark table -->"
-CHECKPOINT_START = "<!-- checkpoint table: written by `python -m ar_lab.bench.readme` from the checkpoints -->"
+CHECKPOINT_START = (
+    "<!-- checkpoint table: written by `python -m ar_lab.bench.readme` from the checkpoints -->"
+)
 CHECKPOINT_END = "<!-- end of checkpoint table -->"
 
 
@@ -70,12 +78,14 @@ def _decode(res: dict) -> str:
     met = _met(rm["ar_lab_vs_transformers"] >= target)
     text = (
         f"cache {r1['cached_vs_uncached']:.0f}× faster than recomputing (for "
-        f"{r1['positions_uncached_vs_cached']:.0f}× fewer positions); the lean step {r1['lean_vs_forward']:.2f}× "
-        f"the tokens/s of `forward()`; ar_lab **{rm['ar_lab_vs_transformers']:.2f}×** the tokens/s of "
-        f"`transformers` on {most['threads']} threads (target {target:.0f}× {met}), "
-        f"{r1['ar_lab_vs_transformers']:.2f}× on one thread ({ms[CACHED]:.2f} against {ms[PEER]:.2f} ms/token: both "
-        f"pay the same {r1['floor_ms_per_token']:.2f} ms/token to read the weights; above that floor ar_lab spends "
-        f"{over[CACHED]:.2f} ms, `transformers` {over[PEER]:.2f} ms)"
+        f"{r1['positions_uncached_vs_cached']:.0f}× fewer positions); the lean step "
+        f"{r1['lean_vs_forward']:.2f}× the tokens/s of `forward()`; ar_lab **"
+        f"{rm['ar_lab_vs_transformers']:.2f}×** the tokens/s of `transformers` on "
+        f"{most['threads']} threads (target {target:.0f}× {met}), "
+        f"{r1['ar_lab_vs_transformers']:.2f}× on one thread ({ms[CACHED]:.2f} against "
+        f"{ms[PEER]:.2f} ms/token: both pay the same {r1['floor_ms_per_token']:.2f} ms/token to "
+        f"read the weights; above that floor ar_lab spends {over[CACHED]:.2f} ms, `transformers` "
+        f"{over[PEER]:.2f} ms)"
     )
     return text
 
@@ -83,10 +93,11 @@ def _decode(res: dict) -> str:
 def _roofline(res: dict) -> str:
     key, k = res["bandwidth_fraction"], res["key_figures"]
     return (
-        f"batch-1 decode of a {res['model']['parameters'] / 1e6:.0f} M-parameter model moves bytes at "
-        f"{key['fraction']:.0%} of the measured streaming bandwidth ({key['best']}, the best of "
-        f"{' and '.join(key['by_variant'])}); {k['prefill_tokens']}-token prefill reaches "
-        f"{k['prefill_compute_fraction']:.0%} of the measured matmul peak; ridge ≈ {res['ridge_point']:.0f} FLOP/byte"
+        f"batch-1 decode of a {res['model']['parameters'] / 1e6:.0f} M-parameter model moves "
+        f"bytes at {key['fraction']:.0%} of the measured streaming bandwidth ({key['best']}, the "
+        f"best of {' and '.join(key['by_variant'])}); {k['prefill_tokens']}-token prefill "
+        f"reaches {k['prefill_compute_fraction']:.0%} of the measured matmul peak; ridge ≈ "
+        f"{res['ridge_point']:.0f} FLOP/byte"
     )
 
 
@@ -94,16 +105,19 @@ def _sampler(res: dict) -> str:
     s = {name: v["ratio_to_decode_step"] for name, v in res["samplers"].items()}
     top_p = next(v for name, v in s.items() if "top-p" in name)
     every = next(v for name, v in s.items() if name.startswith("all"))
-    return f"greedy {s['greedy']:.1%}, top-p {top_p:.0%}, all filters + penalty {every:.0%} of a decode step"
+    return (
+        f"greedy {s['greedy']:.1%}, top-p {top_p:.0%}, all filters + penalty {every:.0%} of a "
+        "decode step"
+    )
 
 
 def _constrained(res: dict) -> str:
     v, lp = res["valid_share"], res["mean_logprob"]
     return (
-        f"valid records {v['free']:.0%} free, {v['constrained']:.0%} constrained; a constrained step takes "
-        f"**{res['mask_cost_ratio']:.2f}×** the time of a free one; mean log-prob/token {lp['constrained']:.2f} nats "
-        f"constrained vs {lp['free']:.2f} free (the model's top token refused at {res['top_refused_share']:.0%} "
-        "of constrained steps)"
+        f"valid records {v['free']:.0%} free, {v['constrained']:.0%} constrained; a constrained "
+        f"step takes **{res['mask_cost_ratio']:.2f}×** the time of a free one; mean "
+        f"log-prob/token {lp['constrained']:.2f} nats constrained vs {lp['free']:.2f} free (the "
+        f"model's top token refused at {res['top_refused_share']:.0%} of constrained steps)"
     )
 
 
@@ -119,8 +133,9 @@ def _speculative(res: dict) -> str:
     g = int(b["gamma"])
     others = [rows[k]["speedup"] for k in rows if k != g and k >= 2]
     text = (
-        f"greedy: α ≈ {rows[g]['alpha']:.2f}, c = {greedy['cost_ratio_c']:.2f}, **{b['speedup']:.2f}× faster at "
-        f"γ = {g}** (target {res['targets']['greedy_speedup_at_best_gamma']}× {_met(b['speedup_target_met'])}; "
+        f"greedy: α ≈ {rows[g]['alpha']:.2f}, c = {greedy['cost_ratio_c']:.2f}, **"
+        f"{b['speedup']:.2f}× faster at γ = {g}** (target "
+        f"{res['targets']['greedy_speedup_at_best_gamma']}× {_met(b['speedup_target_met'])}; "
         f"{_span(others, '.2f')}× at the other γ ≥ 2)"
     )
     if sampled is not None:
@@ -132,9 +147,12 @@ def _speculative(res: dict) -> str:
     held = [r["speedup"] / r["predicted_verify_measured"] for r in rows.values()]
     tol = res["targets"]["within_of_prediction"]
     return text + (
-        f". Measured/predicted {_span(ratio, '.2f')} with the paper's formula, which counts the verifying pass as one "
-        f"decode step; here it costs {_span(verify, '.2f')} steps (γ + 1 rows through small matrix products): with "
-        f'the measured verify cost the prediction holds to {_span(held, ".2f")} (target "within {tol:.0%} of the '
+        f". Measured/predicted {_span(ratio, '.2f')} with the paper's formula, which "
+        "counts the verifying pass as one "
+        f"decode step; here it costs {_span(verify, '.2f')} steps (γ + 1 rows through "
+        "small matrix products): with "
+        f"the measured verify cost the prediction holds to {_span(held, '.2f')} "
+        f'(target "within {tol:.0%} of the '
         f"paper's formula\" at the best γ {_met(b['prediction_target_met'])})"
     )
 
@@ -142,11 +160,16 @@ def _speculative(res: dict) -> str:
 def _lookup(res: dict) -> str:
     parts = []
     for kind, k in res["kinds"].items():
-        text = (f"{kind}: lookup α {k['alpha']:.2f}, {k['tokens_per_target_call']:.2f} tokens per target call, "
-                f"**{k['lookup_speedup']:.2f}×** plain (draft model {k['draft_speedup']:.2f}×)")
+        text = (
+            f"{kind}: lookup α {k['alpha']:.2f}, {k['tokens_per_target_call']:.2f} tokens per "
+            f"target call, **{k['lookup_speedup']:.2f}×** plain (draft model "
+            f"{k['draft_speedup']:.2f}×)"
+        )
         if "ar_lab_vs_transformers_lookup" in k:
-            text += (f"; transformers' lookup {k['transformers_lookup_speedup']:.2f}× its plain, ar_lab's lookup "
-                     f"{k['ar_lab_vs_transformers_lookup']:.2f}× its tokens/s")
+            text += (
+                f"; transformers' lookup {k['transformers_lookup_speedup']:.2f}× its plain, "
+                f"ar_lab's lookup {k['ar_lab_vs_transformers_lookup']:.2f}× its tokens/s"
+            )
         parts.append(text)
     return "; ".join(parts)
 
@@ -156,9 +179,9 @@ def _serving(res: dict) -> str:
     last, p = res["batch_sweep"][-1], res["prefix"]
     return (
         f"continuous {c['tokens_per_s'] / s['tokens_per_s']:.2f}× the tokens/s of static and "
-        f"{s['mean_latency_s'] / c['mean_latency_s']:.1f}× lower mean latency; batch {last['batch']} gives "
-        f"{last['x_batch_1']:.1f}× the tokens/s of batch 1; a reused {p['prefix_tokens']}-token prefix cuts time to "
-        f"first token {p['speedup']:.1f}×"
+        f"{s['mean_latency_s'] / c['mean_latency_s']:.1f}× lower mean latency; batch "
+        f"{last['batch']} gives {last['x_batch_1']:.1f}× the tokens/s of batch 1; a reused "
+        f"{p['prefix_tokens']}-token prefix cuts time to first token {p['speedup']:.1f}×"
     )
 
 
@@ -167,12 +190,13 @@ def _paged(res: dict) -> str:
     c, p = runs["contiguous"], runs["paged"]
     cb, pb = runs["contiguous, fixed budget"], runs["paged, fixed budget"]
     return (
-        f"blocks of {res['block_size']}: reserved / used: contiguous "
-        f"**{c['mean_reserved'] / c['mean_used']:.1f}×**, paged "
-        f"**{p['mean_reserved'] / p['mean_used']:.2f}×**; in {res['budget_slots']} slots' memory, "
+        f"blocks of {res['block_size']}: reserved / used: contiguous **"
+        f"{c['mean_reserved'] / c['mean_used']:.1f}×**, paged **"
+        f"{p['mean_reserved'] / p['mean_used']:.2f}×**; in {res['budget_slots']} slots' memory, "
         f"{pb['mean_rows']:.1f} rows per step paged vs {cb['mean_rows']:.1f}; paged "
-        f"{res['paged_vs_contiguous_tokens_per_s']:.2f}× the tokens/s with the same slots (bookkeeping and gather); "
-        f"{s['model']}: {s['paged_fit']} vs {s['contiguous_fit']} requests at once ({s['gain']:.1f}×)"
+        f"{res['paged_vs_contiguous_tokens_per_s']:.2f}× the tokens/s with the same slots "
+        f"(bookkeeping and gather); {s['model']}: {s['paged_fit']} vs {s['contiguous_fit']} "
+        f"requests at once ({s['gain']:.1f}×)"
     )
 
 
@@ -188,14 +212,20 @@ def _quant(res: dict) -> str:
     q = course["rows"]
     kv = res["kv_cache"]
     ev = res.get("quality", {})
-    on = f" ({ev['bpb_protocol']}, the course's evaluation protocol)" if ev.get("bpb_protocol") else ""
+    on = (
+        f" ({ev['bpb_protocol']}, the course's evaluation protocol)"
+        if ev.get("bpb_protocol")
+        else ""
+    )
     return (
-        f"{large['parameters'] / 1e6:.0f} M-parameter model, tokens/s over fp32: {speeds}: measured/predicted "
-        f"{_span(ratios, '.2f')}. Course model: bits/byte{on} {q['fp32']['bits_per_byte']:.3f} (fp32), "
-        f"{q['int8']['bits_per_byte']:.3f} (int8), {q['int4']['bits_per_byte']:.3f} (int4); top-1 agreement with "
-        f"fp32 {q['int8']['greedy_top1']:.3f} (int8), {q['int4']['greedy_top1']:.3f} (int4); as fp32's draft, "
-        f"greedy acceptance {q['int8']['acceptance_greedy']:.2f} (int8), {q['int4']['acceptance_greedy']:.2f} "
-        f"(int4). int8 KV cache: {kv['nbytes']['int8'] / kv['nbytes']['fp32']:.0%} of the fp32 cache's bytes"
+        f"{large['parameters'] / 1e6:.0f} M-parameter model, tokens/s over fp32: {speeds}: "
+        f"measured/predicted {_span(ratios, '.2f')}. Course model: bits/byte{on} "
+        f"{q['fp32']['bits_per_byte']:.3f} (fp32), {q['int8']['bits_per_byte']:.3f} (int8), "
+        f"{q['int4']['bits_per_byte']:.3f} (int4); top-1 agreement with fp32 "
+        f"{q['int8']['greedy_top1']:.3f} (int8), {q['int4']['greedy_top1']:.3f} (int4); as "
+        f"fp32's draft, greedy acceptance {q['int8']['acceptance_greedy']:.2f} (int8), "
+        f"{q['int4']['acceptance_greedy']:.2f} (int4). int8 KV cache: "
+        f"{kv['nbytes']['int8'] / kv['nbytes']['fp32']:.0%} of the fp32 cache's bytes"
     )
 
 
@@ -206,12 +236,13 @@ def _selfspec(res: dict) -> str:
     verify = {int(t): v for t, v in res["verify_pass"]["rows"].items()}
     t = g + 1 if g + 1 in verify else max(verify)
     return (
-        f"α ≈ {rows[g]['alpha']:.2f}, c = {greedy['cost_ratio_c']:.2f}: **{b['speedup']:.2f}× faster at γ = {g}** "
-        f"(target {res['targets']['greedy_speedup_at_best_gamma']}× {_met(b['speedup_target_met'])}; "
-        f"{_span([r['speedup'] for r in rows.values()], '.2f')}× over γ = {_span(list(rows), 'd')}); predicted "
-        f"{b['predicted_verify_measured']:.2f}× with the measured verify cost, {b['predicted']:.2f}× with the paper's "
-        f"one step. The verify pass over {t} positions costs {verify[t]['packed']:.2f} decode steps on packed weights, "
-        f"{verify[t]['(in, out)']:.2f} on (in, out) copies (reading the weights once: 1)"
+        f"α ≈ {rows[g]['alpha']:.2f}, c = {greedy['cost_ratio_c']:.2f}: **{b['speedup']:.2f}× "
+        f"faster at γ = {g}** (target {res['targets']['greedy_speedup_at_best_gamma']}× "
+        f"{_met(b['speedup_target_met'])}; {_span([r['speedup'] for r in rows.values()], '.2f')}"
+        f"× over γ = {_span(list(rows), 'd')}); predicted {b['predicted_verify_measured']:.2f}× "
+        f"with the measured verify cost, {b['predicted']:.2f}× with the paper's one step. The "
+        f"verify pass over {t} positions costs {verify[t]['packed']:.2f} decode steps on packed "
+        f"weights, {verify[t]['(in, out)']:.2f} on (in, out) copies (reading the weights once: 1)"
     )
 
 
@@ -239,10 +270,14 @@ def bench_table(folder: Path) -> str:
     for name in ROWS:
         path = folder / f"{name}.json"
         if not path.is_file():
-            raise FileNotFoundError(f"{path} is missing: run python -m ar_lab.bench {name} --json {path}")
+            raise FileNotFoundError(
+                f"{path} is missing: run python -m ar_lab.bench {name} --json {path}"
+            )
         results[name] = json.loads(path.read_text())
     described = [_machine(r) for r in results.values()]
-    machines = {(m["device"]["name"], m["device"]["cpus"], m["versions"]["torch"]) for m in described}
+    machines = {
+        (m["device"]["name"], m["device"]["cpus"], m["versions"]["torch"]) for m in described
+    }
     dates = sorted(m["date"][:10] for m in described)
     where = "; ".join(f"{n} ({cpus} cores), torch {t}" for n, cpus, t in sorted(machines))
     when = dates[0] if dates[0] == dates[-1] else f"{dates[0]} to {dates[-1]}"
@@ -251,7 +286,11 @@ def bench_table(folder: Path) -> str:
     cores = min(cpus for _, cpus, _ in machines)
     busy = (
         f" Load average (1 min) recorded with the results: {_span(loads, '.1f')}"
-        + (f"; above {cores}, they shared the cores with other jobs." if max(loads) > cores else ".")
+        + (
+            f"; above {cores}, they shared the cores with other jobs."
+            if max(loads) > cores
+            else "."
+        )
         if loads
         else ""
     )
@@ -288,22 +327,28 @@ def checkpoint_table(paths: list[Path]) -> str:
         taught = [i + 1 for i, p in enumerate(phases) if p.get("teacher")]
         how = f"{len(phases)} phases, {rec['train_steps']:,} steps"
         if taught:
-            how += f"; phase {', '.join(map(str, taught))} distils the {phases[taught[0] - 1]['teacher']} model"
+            how += (
+                f"; phase {', '.join(map(str, taught))} distils the "
+                f"{phases[taught[0] - 1]['teacher']} model"
+            )
             t = taught[0]
             if t > 1 and phases[t - 2].get("val_curve") and phases[t - 1].get("val_curve"):
                 notes.append(
-                    f"`{path.name}`'s loss on the text as the trainer tracked it (its running estimate on random "
-                    "validation windows, not the protocol of the table): "
+                    f"`{path.name}`'s loss on the text as the trainer tracked it (its running "
+                    "estimate on random validation windows, not the protocol of the table): "
                     f"{phases[t - 2]['val_curve'][-1]:.2f} nats at the end of phase {t - 1}, "
                     f"{phases[t - 1]['val_curve'][-1]:.2f} after the distillation of phase {t}."
                 )
         halves = rec.get("val_halves_nats")
-        by_half = f" (positions 0–511: {halves[0]:.2f}, 512–1,023: {halves[1]:.2f})" if halves else ""
+        by_half = (
+            f" (positions 0–511: {halves[0]:.2f}, 512–1,023: {halves[1]:.2f})" if halves else ""
+        )
         lines.append(
-            f"| `{path.name}` | {rec['parameters']:,} | {cfg['n_layer']} × {cfg['n_embd']}, {_heads(cfg)} | "
-            f"{rec['train_tokens'] / 1e6:.1f} M tokens ({how}) | {rec['val_loss_nats']:.3f} nats = "
-            f"{rec['val_bits_per_byte']:.2f} bits/byte{by_half} | {rec['train_seconds'] / 60:.0f} min, "
-            f"{_threads(phases, rec['threads'])}, torch {rec['torch']} |"
+            f"| `{path.name}` | {rec['parameters']:,} | {cfg['n_layer']} × {cfg['n_embd']}, "
+            f"{_heads(cfg)} | {rec['train_tokens'] / 1e6:.1f} M tokens ({how}) | "
+            f"{rec['val_loss_nats']:.3f} nats = {rec['val_bits_per_byte']:.2f} bits/byte{by_half}"
+            f" | {rec['train_seconds'] / 60:.0f} min, {_threads(phases, rec['threads'])}, torch "
+            f"{rec['torch']} |"
         )
     return "\n".join(lines + ([""] + notes if notes else []))
 
@@ -312,13 +357,21 @@ def _heads(cfg: dict) -> str:
     """"4 heads", or for a Llama-shaped block "4 heads (2 KV); RMSNorm, RoPE, SwiGLU"."""
     kv = cfg.get("n_kv_heads")
     text = f"{cfg['n_head']} heads" + (f" ({kv} KV)" if kv not in (None, cfg["n_head"]) else "")
-    modern = [name for key, value, name in (("norm", "rmsnorm", "RMSNorm"), ("positions", "rope", "RoPE"),
-                                            ("mlp", "swiglu", "SwiGLU")) if cfg.get(key) == value]
+    modern = [
+        name
+        for key, value, name in (
+            ("norm", "rmsnorm", "RMSNorm"),
+            ("positions", "rope", "RoPE"),
+            ("mlp", "swiglu", "SwiGLU"),
+        )
+        if cfg.get(key) == value
+    ]
     return text + (f"; {', '.join(modern)}" if modern else "")
 
 
 def _threads(phases: list[dict], default: int) -> str:
-    """"2 threads", or per phase where the phases differ ("phases 1-3: 1 thread; phase 4: 2 threads")."""
+    """"2 threads", or per phase where the phases differ ("phases 1-3: 1 thread; phase 4: 2
+    threads")."""
     counts = [p.get("threads", default) for p in phases]
 
     def word(n: int) -> str:
@@ -338,7 +391,9 @@ def _threads(phases: list[dict], default: int) -> str:
 def _replace(text: str, start: str, end: str, body: str) -> str:
     if text.count(start) != 1 or text.count(end) != 1 or text.index(start) > text.index(end):
         raise BadValue(
-            f"the README (readme) must hold the markers {start!r} and {end!r} once each, in that order", arg="readme"
+            f"the README (readme) must hold the markers {start!r} and {end!r} once each, in that "
+            "order",
+            arg="readme",
         )
     head, rest = text.split(start)
     _, tail = rest.split(end)
@@ -354,9 +409,15 @@ def render(readme: str, root: Path) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m ar_lab.bench.readme", description=__doc__.split("\n")[0])
-    parser.add_argument("--readme", type=Path, default=Path("README.md"), help="the README to write (README.md)")
-    parser.add_argument("--check", action="store_true", help="only compare; exit 1 with a diff if it is stale")
+    parser = argparse.ArgumentParser(
+        prog="python -m ar_lab.bench.readme", description=__doc__.split("\n")[0]
+    )
+    parser.add_argument(
+        "--readme", type=Path, default=Path("README.md"), help="the README to write (README.md)"
+    )
+    parser.add_argument(
+        "--check", action="store_true", help="only compare; exit 1 with a diff if it is stale"
+    )
     args = parser.parse_args(argv)
     try:
         old = args.readme.read_text()
@@ -365,7 +426,9 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(str(e))
     if args.check:
         if old != new:
-            diff = difflib.unified_diff(old.splitlines(True), new.splitlines(True), "README", "generated")
+            diff = difflib.unified_diff(
+                old.splitlines(True), new.splitlines(True), "README", "generated"
+            )
             sys.stdout.writelines(diff)
             return 1
         return 0

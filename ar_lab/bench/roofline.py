@@ -35,7 +35,13 @@ SWEEPS = {
         "context": 512,
         "contexts": [512, 2048, 4096],
     },
-    "quick": {"config": None, "prompt_lens": [8, 32], "batches": [1, 4], "context": 32, "contexts": [16]},
+    "quick": {
+        "config": None,
+        "prompt_lens": [8, 32],
+        "batches": [1, 4],
+        "context": 32,
+        "contexts": [16],
+    },
 }
 
 
@@ -45,29 +51,45 @@ def add_options(p: argparse.ArgumentParser) -> None:
         "--config",
         choices=["small", "cpu", "gpu"],
         default=None,
-        help="random-init model from ar_lab.perf.measure.CONFIGS (default: cpu on a CPU, gpu on CUDA)",
+        help="random-init model from ar_lab.perf.measure.CONFIGS (default: cpu on a CPU, gpu on "
+        "CUDA)",
     )
-    p.add_argument("--prompt-lens", type=int, nargs="+", default=None, help="prefill prompt lengths")
-    p.add_argument("--batches", type=int, nargs="+", default=None, help="decode batch sizes (at --context)")
-    p.add_argument("--context", type=int, default=None, help="context of the decode batch sweep")
-    p.add_argument("--contexts", type=int, nargs="+", default=None, help="decode contexts at batch 1")
     p.add_argument(
-        "--pairs", type=int, default=25, help="side-by-side (bandwidth kernel, decode step) pairs for the key figure"
+        "--prompt-lens", type=int, nargs="+", default=None, help="prefill prompt lengths"
+    )
+    p.add_argument(
+        "--batches", type=int, nargs="+", default=None, help="decode batch sizes (at --context)"
+    )
+    p.add_argument("--context", type=int, default=None, help="context of the decode batch sweep")
+    p.add_argument(
+        "--contexts", type=int, nargs="+", default=None, help="decode contexts at batch 1"
+    )
+    p.add_argument(
+        "--pairs",
+        type=int,
+        default=25,
+        help="side-by-side (bandwidth kernel, decode step) pairs for the key figure",
     )
     p.add_argument(
         "--threads",
         type=int,
         nargs="+",
         default=None,
-        help="CPU thread counts compared for the key figure (default: 1 and all); CUDA compares eager and graph",
+        help="CPU thread counts compared for the key figure (default: 1 and all); CUDA compares "
+        "eager and graph",
     )
-    p.add_argument("--buffer-mb", type=int, default=None, help="streaming buffer (default: max(1 GiB, 4 x L3))")
+    p.add_argument(
+        "--buffer-mb", type=int, default=None, help="streaming buffer (default: max(1 GiB, 4 x L3))"
+    )
     p.add_argument("--repeats", type=int, default=3, help="timed repeats per point (median kept)")
-    p.add_argument("--quick", action="store_true", help="tiny model and sizes: a smoke test, not a measurement")
+    p.add_argument(
+        "--quick", action="store_true", help="tiny model and sizes: a smoke test, not a measurement"
+    )
 
 
 def _config(config: str | None, quick: bool):
-    """The config of the sweep's random-init model: ``config`` from ``measure.CONFIGS``, or a tiny one when quick."""
+    """The config of the sweep's random-init model: ``config`` from ``measure.CONFIGS``, or a tiny
+    one when quick."""
     from ar_lab.model.gpt import GPTConfig
     from ar_lab.perf.measure import CONFIGS
 
@@ -78,8 +100,11 @@ def _config(config: str | None, quick: bool):
     raise BadValue(f"config must be one of {sorted(CONFIGS)}, got {config!r}", arg="config")
 
 
-def _check_sweep(cfg, sweep: dict, pairs: int, threads, buffer_mb: int | None, repeats: int) -> None:
-    """Every size against the model's window, every count >= 1: all before anything is built or measured."""
+def _check_sweep(
+    cfg, sweep: dict, pairs: int, threads, buffer_mb: int | None, repeats: int
+) -> None:
+    """Every size against the model's window, every count >= 1: all before anything is built or
+    measured."""
     from ar_lab.perf.roofline import decode_cost, prefill_cost
 
     for t in sweep["prompt_lens"]:  # each error names roofline_benchmark's argument
@@ -104,12 +129,15 @@ def _model(device: torch.device, cfg, say: Callable[[str], None]):
     from ar_lab.perf.peaks import cache_bytes, default_dtype
 
     dtype = default_dtype(device)
-    say(f"roofline on {device_name(device)}, {str(dtype).removeprefix('torch.')}, torch {torch.__version__}")
+    say(
+        f"roofline on {device_name(device)}, {str(dtype).removeprefix('torch.')}, torch "
+        f"{torch.__version__}"
+    )
     model = build_model(cfg, device, dtype)
     wbytes = sum(p.nbytes for p in model.parameters())
     say(
-        f"model: {model.num_parameters() / 1e6:.1f} M parameters, {wbytes / 2**20:,.0f} MiB of weights "
-        f"(largest CPU cache: {(cache_bytes() or 0) / 2**20:,.0f} MiB)"
+        f"model: {model.num_parameters() / 1e6:.1f} M parameters, {wbytes / 2**20:,.0f} MiB of "
+        f"weights (largest CPU cache: {(cache_bytes() or 0) / 2**20:,.0f} MiB)"
     )
     return model
 
@@ -143,7 +171,12 @@ def roofline_benchmark(
     say = progress or (lambda _m: None)
     device = default_device() if device is None else checked_device(device)
     sweep = dict(SWEEPS["quick" if quick else device.type])
-    given = {"prompt_lens": prompt_lens, "batches": batches, "context": context, "contexts": contexts}
+    given = {
+        "prompt_lens": prompt_lens,
+        "batches": batches,
+        "context": context,
+        "contexts": contexts,
+    }
     sweep.update({k: v for k, v in given.items() if v is not None})
     cfg = _config(config if config is not None else sweep["config"], quick)
     _check_sweep(cfg, sweep, pairs, threads, buffer_mb, repeats)
@@ -174,36 +207,50 @@ def roofline_benchmark(
         )
     finally:
         torch.set_num_threads(cores)
+    _add_key_figure(result, key)
+    return result
+
+
+def _add_key_figure(result: dict, key: dict) -> None:
+    """Put the decode-bandwidth key figure (``decode_bandwidth_fraction``'s ``key``) into the
+    roofline ``result``; the sweep's own figure stays, renamed ``..._sweep``."""
     result["bandwidth_fraction"] = key
     k = result["key_figures"]
     k["decode_bandwidth_fraction_sweep"] = k.pop("decode_bandwidth_fraction", None)
     best = key["by_variant"][key["best"]]
     k.update(
         decode_bandwidth_fraction=key["fraction"],
-        decode_bandwidth_fraction_pair_quartiles=[best["pair_quartiles"][0], best["pair_quartiles"][2]],
+        decode_bandwidth_fraction_pair_quartiles=[
+            best["pair_quartiles"][0],
+            best["pair_quartiles"][2],
+        ],
         decode_bandwidth_fraction_of_roof=key["fraction_of_roof"],
         decode_variant=key["best"],
     )
-    return result
 
 
 def format_roofline_results(result: dict) -> str:
-    """The printed report: the points against the roof, the peaks, and the key figure per variant."""
+    """The printed report: the points against the roof, the peaks, and the key figure per
+    variant."""
     from ar_lab.perf.measure import SUMMARY_HEADERS, summary_rows
     from ar_lab.perf.roofline import format_si
 
     peaks, key, k = result["peaks"], result["bandwidth_fraction"], result["key_figures"]
-    kernels = ", ".join(f"{n} {format_si(v, 'B/s')}" for n, v in peaks["bandwidth_by_kernel"].items())
+    kernels = ", ".join(
+        f"{n} {format_si(v, 'B/s')}" for n, v in peaks["bandwidth_by_kernel"].items()
+    )
     lines = [
         format_table(SUMMARY_HEADERS, summary_rows(result)),
         "",
-        f"matmul peak      {format_si(peaks['matmul_flops_per_s'], 'FLOP/s')} ({peaks['matmul_size']}^2 matmul)",
+        f"matmul peak      {format_si(peaks['matmul_flops_per_s'], 'FLOP/s')} ("
+        f"{peaks['matmul_size']}^2 matmul)",
         f"bandwidth        {format_si(peaks['bandwidth_bytes_per_s'], 'B/s')} (best of {kernels}; "
         f"{peaks['bandwidth_buffer_bytes'] / 2**20:,.0f} MiB buffer)",
         f"ridge point      {result['ridge_point']:.1f} FLOP/byte",
         "",
-        f"key figure: batch-1 decode at context {key['context']} ({key['decode_bytes'] / 2**20:,.0f} MiB per step), "
-        f"each step timed right after one call of the fastest streaming kernel ({key['kernel']}), "
+        f"key figure: batch-1 decode at context {key['context']} ("
+        f"{key['decode_bytes'] / 2**20:,.0f} MiB per step), each step timed right after one call "
+        f"of the fastest streaming kernel ({key['kernel']}), "
         f"{len(next(iter(key['by_variant'].values()))['pairs'])} pairs",
     ]
     rows = [
@@ -216,10 +263,15 @@ def format_roofline_results(result: dict) -> str:
         ]
         for name, v in key["by_variant"].items()
     ]
-    lines.append(format_table(["", "fraction", "pairs: middle half", "pairs: all", "vs the kernel's best call"], rows))
+    lines.append(
+        format_table(
+            ["", "fraction", "pairs: middle half", "pairs: all", "vs the kernel's best call"], rows
+        )
+    )
     if "prefill_compute_fraction" in k:
         lines.append(
-            f"largest prefill ({k['prefill_tokens']} tokens): {k['prefill_compute_fraction']:.0%} of the matmul peak"
+            f"largest prefill ({k['prefill_tokens']} tokens): {k['prefill_compute_fraction']:.0%}"
+            " of the matmul peak"
         )
     return "\n".join(lines)
 

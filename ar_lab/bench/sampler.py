@@ -17,10 +17,16 @@ from ar_lab.bench.table import format_table
 
 
 def add_options(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--context", type=int, default=128, help="tokens already in the KV cache (default 128)")
-    p.add_argument("--rounds", type=int, default=30, help="interleaved timing rounds; medians are reported")
+    p.add_argument(
+        "--context", type=int, default=128, help="tokens already in the KV cache (default 128)"
+    )
+    p.add_argument(
+        "--rounds", type=int, default=30, help="interleaved timing rounds; medians are reported"
+    )
     p.add_argument("--calls", type=int, default=20, help="calls per round, averaged (default 20)")
-    p.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1, as batch-1 decode)")
+    p.add_argument(
+        "--threads", type=int, default=1, help="torch CPU threads (default 1, as batch-1 decode)"
+    )
 
 
 def _samplers(history: list[int]) -> dict:
@@ -34,7 +40,9 @@ def _samplers(history: list[int]) -> dict:
         "T=0.8, top-p 0.9": (SamplingParams(temperature=0.8, top_p=0.9), ()),
         "T=0.8, min-p 0.05": (SamplingParams(temperature=0.8, min_p=0.05), ()),
         "all + repetition penalty 1.2": (
-            SamplingParams(temperature=0.8, top_k=40, top_p=0.9, min_p=0.05, repetition_penalty=1.2),
+            SamplingParams(
+                temperature=0.8, top_k=40, top_p=0.9, min_p=0.05, repetition_penalty=1.2
+            ),
             history,
         ),
     }
@@ -60,7 +68,8 @@ def sampler_benchmark(model=None, context: int = 128, *, rounds: int = 30, calls
         model, source = course_model_or_random()
     if context >= model.config.block_size:
         raise ContextFull(
-            f"context must be below the context window of {model.config.block_size}, got {context}", arg="context"
+            f"context must be below the context window of {model.config.block_size}, got {context}",
+            arg="context",
         )
     device = model.device
     gen = torch.Generator(device=device).manual_seed(0)
@@ -72,16 +81,20 @@ def sampler_benchmark(model=None, context: int = 128, *, rounds: int = 30, calls
     token = int(history[-1])
 
     def decode_step():
-        return decoder.step(token, cache, context)  # every timed step decodes position `context` again
+        # every timed step decodes position `context` again
+        return decoder.step(token, cache, context)
 
     samplers = _samplers(history.tolist())
     times: dict[str, list[float]] = {"decode step": [], **{k: [] for k in samplers}}
     with inference(model):
         logits = decode_step()
         for _ in range(rounds):  # interleaved, so load changes hit every column alike
-            times["decode step"].append(median(time_call(decode_step, repeats=calls, warmup=1, device=device)))
+            times["decode step"].append(
+                median(time_call(decode_step, repeats=calls, warmup=1, device=device))
+            )
             for name, (params, h) in samplers.items():
-                fn = lambda params=params, h=h: int(sample(logits, params, gen, h))  # int(): waits for the device
+                # int(): waits for the device
+                fn = lambda params=params, h=h: int(sample(logits, params, gen, h))
                 times[name].append(median(time_call(fn, repeats=calls, warmup=1)))
     decode = median(times["decode step"])
     out = {}
@@ -100,11 +113,14 @@ def sampler_benchmark(model=None, context: int = 128, *, rounds: int = 30, calls
 
 
 def format_sampler_results(res: dict) -> str:
-    """The printed table: the decode step, then each sampler, in µs and as a fraction of the step."""
+    """The printed table: the decode step, then each sampler, in µs and as a fraction of the
+    step."""
     decode = res["decode_step_seconds"]
     rows = [["decode step (cached, batch 1)", f"{decode * 1e6:,.1f}", "1"]]
     for name, s in res["samplers"].items():
-        rows.append([f"sampler: {name}", f"{s['seconds'] * 1e6:,.1f}", f"{s['ratio_to_decode_step']:.3f}"])
+        rows.append(
+            [f"sampler: {name}", f"{s['seconds'] * 1e6:,.1f}", f"{s['ratio_to_decode_step']:.3f}"]
+        )
     header = (
         f"model: {res['model']}; {res['parameters']:,} parameters; context {res['context']}; "
         f"{machine_line(res['machine'])}"

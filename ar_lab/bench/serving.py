@@ -30,17 +30,41 @@ POLICY_ROWS = [
 
 
 def add_options(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--requests", type=int, default=32, help="requests in the mixed workload (default 32)")
-    p.add_argument("--max-batch", type=int, default=8, help="slots (rows decoded together), default 8")
-    p.add_argument("--short", type=int, default=16, help="new tokens of a short request (default 16)")
-    p.add_argument("--long", type=int, default=256, help="new tokens of a long request (default 256)")
-    p.add_argument("--long-every", type=int, default=4, help="every n-th request is long (default 4)")
-    p.add_argument("--repeats", type=int, default=2, help="alternating runs of each policy; medians reported")
     p.add_argument(
-        "--batch-sizes", default="1,2,4,8,16,32", help="batch sizes for the tokens/s sweep (default 1,2,4,8,16,32)"
+        "--requests", type=int, default=32, help="requests in the mixed workload (default 32)"
     )
-    p.add_argument("--context", type=int, default=128, help="positions in every row during the sweep (default 128)")
-    p.add_argument("--prefix-tokens", type=int, default=800, help="shared static prefix for the TTFT test (800)")
+    p.add_argument(
+        "--max-batch", type=int, default=8, help="slots (rows decoded together), default 8"
+    )
+    p.add_argument(
+        "--short", type=int, default=16, help="new tokens of a short request (default 16)"
+    )
+    p.add_argument(
+        "--long", type=int, default=256, help="new tokens of a long request (default 256)"
+    )
+    p.add_argument(
+        "--long-every", type=int, default=4, help="every n-th request is long (default 4)"
+    )
+    p.add_argument(
+        "--repeats", type=int, default=2, help="alternating runs of each policy; medians reported"
+    )
+    p.add_argument(
+        "--batch-sizes",
+        default="1,2,4,8,16,32",
+        help="batch sizes for the tokens/s sweep (default 1,2,4,8,16,32)",
+    )
+    p.add_argument(
+        "--context",
+        type=int,
+        default=128,
+        help="positions in every row during the sweep (default 128)",
+    )
+    p.add_argument(
+        "--prefix-tokens",
+        type=int,
+        default=800,
+        help="shared static prefix for the TTFT test (800)",
+    )
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1)")
 
 
@@ -52,7 +76,9 @@ def _policies(model, work, max_batch: int, repeats: int) -> tuple[dict, int]:
     policies = {}
     for policy, runs in reports.items():
         keys = runs[0].summary().keys()
-        policies[policy] = {k: median([r.summary()[k] for r in runs]) if k != "policy" else policy for k in keys}
+        policies[policy] = {
+            k: median([r.summary()[k] for r in runs]) if k != "policy" else policy for k in keys
+        }
     same = sum(
         a.tokens == b.tokens
         for a, b in zip(reports["static"][0].results, reports["continuous"][0].results, strict=True)
@@ -61,11 +87,14 @@ def _policies(model, work, max_batch: int, repeats: int) -> tuple[dict, int]:
 
 
 def _batch_sweep(model, batch_sizes, context: int, repeats: int) -> list[dict]:
-    """Tokens/s of decode steps at each batch size, against batch 1 and with the weight bytes per token."""
+    """Tokens/s of decode steps at each batch size, against batch 1 and with the weight bytes per
+    token."""
     from ar_lab.perf.roofline import decode_cost
     from ar_lab.perf.serving_measure import decode_throughput
 
-    sweep = decode_throughput(model, list(batch_sizes), context=context, steps=16, repeats=max(3, repeats))
+    sweep = decode_throughput(
+        model, list(batch_sizes), context=context, steps=16, repeats=max(3, repeats)
+    )
     base = sweep[0]["tokens_per_s"]
     for row in sweep:
         row["x_batch_1"] = row["tokens_per_s"] / base
@@ -99,18 +128,26 @@ def serving_benchmark(
         model, source = course_model_or_random()
     work = mixed_workload(requests, short, long, long_every)
     # Every size is checked before the first run (the sweep and the TTFT test come minutes later).
-    sizes = [("max_batch", max_batch), ("repeats", repeats), ("context", context), ("prefix_tokens", prefix_tokens)]
+    sizes = [
+        ("max_batch", max_batch),
+        ("repeats", repeats),
+        ("context", context),
+        ("prefix_tokens", prefix_tokens),
+    ]
     for name, value in sizes + [("batch_sizes", b) for b in batch_sizes or [0]]:
         positive_int(name, value)
     window = model.config.block_size
     if context + 16 > window:  # the sweep decodes 16 steps after `context` positions
         raise ContextFull(
-            f"context {context} + 16 decode steps must fit in the context window ({window})", arg="context"
+            f"context {context} + 16 decode steps must fit in the context window ({window})",
+            arg="context",
         )
-    if prefix_tokens > window - PREFIX_ROOM:  # refused, not cut short: the report would show another size
+    # refused, not cut short: the report would show another size
+    if prefix_tokens > window - PREFIX_ROOM:
         raise ContextFull(
-            f"prefix_tokens must be at most {window - PREFIX_ROOM} (the context window of {window} less "
-            f"{PREFIX_ROOM} positions for each question and its answer), got {prefix_tokens}",
+            f"prefix_tokens must be at most {window - PREFIX_ROOM} (the context window of "
+            f"{window} less {PREFIX_ROOM} positions for each question and its answer), got "
+            f"{prefix_tokens}",
             arg="prefix_tokens",
         )
     policies, same = _policies(model, work, max_batch, repeats)
@@ -133,36 +170,52 @@ def serving_benchmark(
 
 
 def format_serving_results(res: dict) -> str:
-    """The printed report: both policies side by side, the batch sweep, the prefix cache, the key figures."""
+    """The printed report: both policies side by side, the batch sweep, the prefix cache, the key
+    figures."""
     w, s, c = res["workload"], res["policies"]["static"], res["policies"]["continuous"]
     sweep, p = res["batch_sweep"], res["prefix"]
-    rows = [[label, float(s[key]), float(c[key]), f"{c[key] / s[key]:.2f}"] for key, label in POLICY_ROWS]
+    rows = [
+        [label, float(s[key]), float(c[key]), f"{c[key] / s[key]:.2f}"]
+        for key, label in POLICY_ROWS
+    ]
     sweep_rows = [
-        [r["batch"], r["step_s"] * 1e3, r["tokens_per_s"], f"{r['x_batch_1']:.2f}", r["weight_bytes_per_token"]]
+        [
+            r["batch"],
+            r["step_s"] * 1e3,
+            r["tokens_per_s"],
+            f"{r['x_batch_1']:.2f}",
+            r["weight_bytes_per_token"],
+        ]
         for r in sweep
     ]
     return "\n".join(
         [
             f"serving: model {res['model']} ({res['parameters'] / 1e6:.2f} M parameters); "
             f"{machine_line(res['machine'])}",
-            f"workload: {w['requests']} requests, every {w['long_every']}th wants {w['long']} new tokens, "
-            f"the rest {w['short']}; {res['max_batch']} slots; greedy, no EOS",
+            f"workload: {w['requests']} requests, every {w['long_every']}th wants {w['long']} "
+            f"new tokens, the rest {w['short']}; {res['max_batch']} slots; greedy, no EOS",
             "",
             format_table(["", "static", "continuous", "continuous / static"], rows),
-            f"identical outputs under both policies: {res['identical_outputs']}/{w['requests']} requests",
+            f"identical outputs under both policies: {res['identical_outputs']}/{w['requests']} "
+            "requests",
             "",
-            f"decode steps with every row at {res['context']} positions (weights read once per step, chapter 05):",
-            format_table(["batch", "ms/step", "tokens/s", "x batch 1", "weight bytes / token"], sweep_rows),
+            f"decode steps with every row at {res['context']} positions (weights read once per "
+            "step, chapter 05):",
+            format_table(
+                ["batch", "ms/step", "tokens/s", "x batch 1", "weight bytes / token"], sweep_rows
+            ),
             "",
-            f"prefix cache: {p['prefix_tokens']}-token static prefix + {p['suffix_tokens']} question tokens: "
-            f"TTFT {p['ttft_plain_s'] * 1e3:.1f} ms prefilled whole vs {p['ttft_reused_s'] * 1e3:.1f} ms reused "
-            f"({p['speedup']:.1f}x); identical outputs {p['identical_outputs']}/{p['runs']}; "
-            f"building the prefix cache once: {p['build_s'] * 1e3:.1f} ms",
+            f"prefix cache: {p['prefix_tokens']}-token static prefix + {p['suffix_tokens']} "
+            f"question tokens: TTFT {p['ttft_plain_s'] * 1e3:.1f} ms prefilled whole vs "
+            f"{p['ttft_reused_s'] * 1e3:.1f} ms reused ({p['speedup']:.1f}x); identical outputs "
+            f"{p['identical_outputs']}/{p['runs']}; building the prefix cache once: "
+            f"{p['build_s'] * 1e3:.1f} ms",
             "",
-            f"key figures: continuous / static batching: {c['tokens_per_s'] / s['tokens_per_s']:.2f}x tokens/s, "
-            f"{s['mean_latency_s'] / c['mean_latency_s']:.2f}x lower mean latency; batch {sweep[-1]['batch']} "
-            f"decodes {sweep[-1]['x_batch_1']:.1f}x the tokens/s of batch 1; prefix cache {p['speedup']:.1f}x "
-            "faster TTFT",
+            "key figures: continuous / static batching: "
+            f"{c['tokens_per_s'] / s['tokens_per_s']:.2f}x tokens/s, "
+            f"{s['mean_latency_s'] / c['mean_latency_s']:.2f}x lower mean latency; batch "
+            f"{sweep[-1]['batch']} decodes {sweep[-1]['x_batch_1']:.1f}x the tokens/s of batch "
+            f"1; prefix cache {p['speedup']:.1f}x faster TTFT",
         ]
     )
 
@@ -172,7 +225,8 @@ def run(args: argparse.Namespace) -> dict:
         sizes = tuple(int(b) for b in args.batch_sizes.split(","))
     except ValueError:
         raise BadValue(
-            f"--batch-sizes must be ints separated by commas, e.g. 1,2,4, got {args.batch_sizes!r} (batch_sizes)",
+            "--batch-sizes must be ints separated by commas, e.g. 1,2,4, got "
+            f"{args.batch_sizes!r} (batch_sizes)",
             arg="batch_sizes",
         ) from None
     with torch_threads(args.threads):

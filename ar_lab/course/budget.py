@@ -1,7 +1,7 @@
 """A notebook's budget: what a learner reads and does in one sitting, measured from the file.
 
-A chapter is a lesson only if it fits a sitting (ARCHITECTURE.md, "How a claim is checked"). This module
-measures a notebook the way a learner meets it:
+A chapter is a lesson only if it fits a sitting (ARCHITECTURE.md, "How a claim is checked"). This
+module measures a notebook the way a learner meets it:
 
 - **words**: prose a learner reads, the markdown cells plus the Markdown that cells render
   (``say``'s sentences, in the committed outputs);
@@ -45,8 +45,9 @@ CODE_LINES_PER_MINUTE = 15
 EXERCISE_BASE_MINUTES = 5
 EXERCISE_MINUTES_PER_LINE = 1.0
 METHOD = (
-    f"prose at {WORDS_PER_MINUTE} words a minute, code at {CODE_LINES_PER_MINUTE} lines a minute, and each "
-    f"exercise {EXERCISE_BASE_MINUTES} minutes plus {EXERCISE_MINUTES_PER_LINE:g} a line of its reference solution"
+    f"prose at {WORDS_PER_MINUTE} words a minute, code at {CODE_LINES_PER_MINUTE} lines a "
+    f"minute, and each exercise {EXERCISE_BASE_MINUTES} minutes plus "
+    f"{EXERCISE_MINUTES_PER_LINE:g} a line of its reference solution"
 )
 
 _WORD = re.compile(r"[A-Za-z0-9][\w'-]*")
@@ -72,16 +73,23 @@ def is_hidden(cell) -> bool:
 
 
 def _code_body(source: str) -> str:
-    return "\n".join("" if line.lstrip().startswith(("%", "!")) else line for line in source.split("\n"))
+    return "\n".join(
+        "" if line.lstrip().startswith(("%", "!")) else line for line in source.split("\n")
+    )
 
 
 def code_lines(source: str) -> int:
     """Non-blank lines that are not comments (magics and shell escapes left out)."""
-    return sum(1 for line in _code_body(source).split("\n") if line.strip() and not line.strip().startswith("#"))
+    return sum(
+        1
+        for line in _code_body(source).split("\n")
+        if line.strip() and not line.strip().startswith("#")
+    )
 
 
 def machinery_lines(source: str) -> int:
-    """Lines inside calls of ``claim``, ``timed_claim`` or ``say`` (a cell that does not parse has none)."""
+    """Lines inside calls of ``claim``, ``timed_claim`` or ``say`` (a cell that does not parse has
+    none)."""
     body = _code_body(source)
     try:
         tree = ast.parse(body)
@@ -115,7 +123,9 @@ class Budget:
     def minutes(self) -> int:
         """The sitting by ``METHOD``, rounded up to whole minutes."""
         return math.ceil(
-            self.words / WORDS_PER_MINUTE + self.code_lines / CODE_LINES_PER_MINUTE + self.exercise_minutes
+            self.words / WORDS_PER_MINUTE
+            + self.code_lines / CODE_LINES_PER_MINUTE
+            + self.exercise_minutes
         )
 
     def over(self) -> list[str]:
@@ -144,7 +154,9 @@ def measure(path: str | Path) -> Budget:
         words += count_words(_rendered_markdown(cell))
         if cell.get("metadata", {}).get("nbgrader", {}).get("solution"):
             exercises += 1
-            exercise_minutes += EXERCISE_BASE_MINUTES + EXERCISE_MINUTES_PER_LINE * solution_lines(cell.source)
+            exercise_minutes += EXERCISE_BASE_MINUTES + EXERCISE_MINUTES_PER_LINE * solution_lines(
+                cell.source
+            )
         if is_hidden(cell):
             continue
         code += code_lines(cell.source)
@@ -162,7 +174,9 @@ def section_headings(path: str | Path) -> list[str]:
     return found
 
 
-TABLE_START = "<!-- sitting table: written by `python -m ar_lab.course.budget --write` from the notebooks -->"
+TABLE_START = (
+    "<!-- sitting table: written by `python -m ar_lab.course.budget --write` from the notebooks -->"
+)
 TABLE_END = "<!-- end of sitting table -->"
 DOCUMENTS = ("README.md", "INSTRUCTORS.md")  # each holds the table between the two markers
 
@@ -173,23 +187,31 @@ def sitting_table(rows: list[Budget]) -> str:
         "| notebook | minutes | words of prose | lines of code to read | graded exercises |",
         "|---|---|---|---|---|",
     ]
-    lines += [f"| `{b.name}` | {b.minutes} | {b.words:,} | {b.code_lines} | {b.exercises} |" for b in rows]
+    lines += [
+        f"| `{b.name}` | {b.minutes} | {b.words:,} | {b.code_lines} | {b.exercises} |" for b in rows
+    ]
     lines.append("")
-    lines.append(f"Minutes by a stated method: {METHOD} (the exercise estimate comes from the solution's length, "
-                 "not from timed learners).")
+    lines.append(
+        f"Minutes by a stated method: {METHOD} (the exercise estimate comes from the solution's "
+        "length, not from timed learners)."
+    )
     return "\n".join(lines)
 
 
 def write_tables(root: Path, rows: list[Budget]) -> list[Path]:
-    """Replace the table between the markers in README.md and INSTRUCTORS.md; returns the files changed."""
+    """Replace the table between the markers in README.md and INSTRUCTORS.md; returns the files
+    changed."""
     block = f"{TABLE_START}\n{sitting_table(rows)}\n{TABLE_END}"
     changed = []
     for name in DOCUMENTS:
         path = root / name
         text = path.read_text()
         if TABLE_START not in text or TABLE_END not in text:
-            raise BadValue(f"{path} (under root) has no sitting table markers ({TABLE_START!r} ... {TABLE_END!r})",
-                           arg="root")
+            raise BadValue(
+                f"{path} (under root) has no sitting table markers ({TABLE_START!r} ... "
+                f"{TABLE_END!r})",
+                arg="root",
+            )
         head, rest = text.split(TABLE_START, 1)
         new = head + block + rest.split(TABLE_END, 1)[1]
         if new != text:
@@ -199,10 +221,17 @@ def write_tables(root: Path, rows: list[Budget]) -> list[Path]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m ar_lab.course.budget", description=__doc__.split("\n\n")[0])
-    parser.add_argument("notebooks", nargs="*", type=Path, help="notebooks to measure (default: notebooks/*.ipynb)")
-    parser.add_argument("--write", action="store_true",
-                        help="also write the sitting table into README.md and INSTRUCTORS.md (from every notebook)")
+    parser = argparse.ArgumentParser(
+        prog="python -m ar_lab.course.budget", description=__doc__.split("\n\n")[0]
+    )
+    parser.add_argument(
+        "notebooks", nargs="*", type=Path, help="notebooks to measure (default: notebooks/*.ipynb)"
+    )
+    parser.add_argument(
+        "--write",
+        action="store_true",
+        help="also write the sitting table into README.md and INSTRUCTORS.md (from every notebook)",
+    )
     args = parser.parse_args(argv)
     if args.write and args.notebooks:
         parser.error("--write measures every notebook in notebooks/: give no notebooks with it")
@@ -215,8 +244,10 @@ def main(argv: list[str] | None = None) -> int:
     rows = [measure(p) for p in paths]
     print(f"{'notebook':36} {'words':>6} {'code':>5} {'mach.':>5} {'ex.':>3} {'min':>4}  over")
     for b in rows:
-        print(f"{b.name:36} {b.words:6} {b.code_lines:5} {b.machinery_lines:5} {b.exercises:3} {b.minutes:4}  "
-              + ("; ".join(b.over()) or "-"))
+        print(
+            f"{b.name:36} {b.words:6} {b.code_lines:5} {b.machinery_lines:5} {b.exercises:3} "
+            f"{b.minutes:4}  " + ("; ".join(b.over()) or "-")
+        )
     code, mach = sum(b.code_lines for b in rows), sum(b.machinery_lines for b in rows)
     print(f"machinery: {mach} of {code} visible code lines ({mach / max(code, 1):.1%}; at most "
           f"{MAX_MACHINERY_SHARE:.0%})")

@@ -33,7 +33,8 @@ from ar_lab.model.tokenizer import EOS_ID, decode
 @dataclass
 class Hypothesis:
     tokens: list[int]  # the new tokens (EOS, when it ended the text, is not included)
-    logprob: float  # sum of the log-probabilities of the new tokens, EOS included when it ended the text
+    # sum of the log-probabilities of the new tokens, EOS included when it ended the text
+    logprob: float
     score: float  # logprob / length ** length_penalty, length = new tokens counting EOS
     finished_by: str  # "eos" or "max_new_tokens"
 
@@ -69,7 +70,9 @@ def length_normalised(logprob: float, length: int, length_penalty: float) -> flo
     every token lowers it); 1 ranks by log-probability per token; above 1 favours long texts.
     """
     if not isinstance(length, int) or isinstance(length, bool) or length < 1:
-        raise BadValue(f"length must be an int >= 1 (new tokens, EOS included), got {length!r}", arg="length")
+        raise BadValue(
+            f"length must be an int >= 1 (new tokens, EOS included), got {length!r}", arg="length"
+        )
     return logprob / (length**length_penalty)
 
 
@@ -88,7 +91,9 @@ class _Beams:
         # so the first step expands one beam instead of K identical ones.
         sums = torch.full((N, K), float("-inf"), dtype=torch.float64)
         sums[:, 0] = 0.0
-        return cls(torch.empty(N, K, 0, dtype=torch.long), sums, [[] for _ in range(N)], [False] * N)
+        return cls(
+            torch.empty(N, K, 0, dtype=torch.long), sums, [[] for _ in range(N)], [False] * N
+        )
 
 
 def _reorder_cache(cache: KVCache, rows: torch.Tensor) -> None:
@@ -103,7 +108,8 @@ def _reorder_cache(cache: KVCache, rows: torch.Tensor) -> None:
     src = rows[moved]
     for buffers in (cache.k, cache.v):
         for t in buffers:
-            t[moved, :, :L] = t[src, :, :L]  # advanced indexing copies the sources first: overlap is safe
+            # advanced indexing copies the sources first: overlap is safe
+            t[moved, :, :L] = t[src, :, :L]
 
 
 def _expand(sums: torch.Tensor, logp: torch.Tensor, K: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -119,8 +125,8 @@ def _expand(sums: torch.Tensor, logp: torch.Tensor, K: int) -> tuple[torch.Tenso
 
 
 def _select(beams: _Beams, top_scores, top_ids, t: int, V: int, eos_id, alpha: float) -> tuple:
-    """Per prompt, walk its best extensions: one by EOS is a finished text, the others become
-    the K live beams. Returns (src, new_tok): the beam each live beam extends and its token, (N, K)."""
+    """Per prompt, walk its best extensions: one by EOS is a finished text, the others become the K
+    live beams. Returns (src, new_tok): the beam each live beam extends and its token, (N, K)."""
     N, K = beams.sums.shape
     src = torch.zeros(N, K, dtype=torch.long)
     new_tok = torch.zeros(N, K, dtype=torch.long)
@@ -135,7 +141,9 @@ def _select(beams: _Beams, top_scores, top_ids, t: int, V: int, eos_id, alpha: f
             beam, tok = divmod(j, V)
             if eos_id is not None and tok == eos_id:
                 toks = beams.seqs[i, beam].tolist()
-                beams.finished[i].append(Hypothesis(toks, s, length_normalised(s, t + 1, alpha), "eos"))
+                beams.finished[i].append(
+                    Hypothesis(toks, s, length_normalised(s, t + 1, alpha), "eos")
+                )
             else:
                 src[i, live], new_tok[i, live], new_sums[i, live] = beam, tok, s
                 live += 1
@@ -163,7 +171,9 @@ def _prune(beams: _Beams, t: int, T_new: int, alpha: float) -> None:
             beams.sums[i] = float("-inf")
 
 
-def _finish(beams: _Beams, idx: torch.Tensor, T_new: int, alpha: float, calls: int, positions: int) -> list:
+def _finish(
+    beams: _Beams, idx: torch.Tensor, T_new: int, alpha: float, calls: int, positions: int
+) -> list:
     """Each prompt's best K texts: its finished ones and the live beams that ran to the cap."""
     N, K = beams.sums.shape
     results = []
@@ -174,7 +184,9 @@ def _finish(beams: _Beams, idx: torch.Tensor, T_new: int, alpha: float, calls: i
                 s = float(beams.sums[i, b])
                 if s > float("-inf"):
                     toks = beams.seqs[i, b].tolist()
-                    hyps.append(Hypothesis(toks, s, length_normalised(s, T_new, alpha), "max_new_tokens"))
+                    hyps.append(
+                        Hypothesis(toks, s, length_normalised(s, T_new, alpha), "max_new_tokens")
+                    )
         hyps = sorted(hyps, key=lambda h: -h.score)[:K]
         results.append(BeamSearchResult(idx[i].tolist(), hyps, calls, positions))
     return results
@@ -215,7 +227,8 @@ def beam_search_batch(
     eos_id: int | None = EOS_ID,
     use_cache: bool = True,
 ) -> list[BeamSearchResult]:
-    """Beam search on several equal-length prompts at once (the beams of all prompts form one batch).
+    """Beam search on several equal-length prompts at once (the beams of all prompts form one
+    batch).
 
     Each step extends every live beam by every token and keeps, per prompt, the
     ``num_beams`` best extensions by summed log-probability (the model's own
@@ -232,7 +245,9 @@ def beam_search_batch(
         raise BadValue(f"num_beams must be an int >= 1, got {num_beams!r}", arg="num_beams")
     real = isinstance(length_penalty, numbers.Real) and not isinstance(length_penalty, bool)
     if not real or not math.isfinite(length_penalty):
-        raise BadValue(f"length_penalty must be a finite number, got {length_penalty!r}", arg="length_penalty")
+        raise BadValue(
+            f"length_penalty must be a finite number, got {length_penalty!r}", arg="length_penalty"
+        )
     V = model.config.vocab_size
     eos_id = check_eos(model, eos_id)
     idx = prompt_batch(model, prompts, max_new_tokens)  # (N, P)
@@ -247,7 +262,8 @@ def beam_search_batch(
         x = idx.repeat_interleave(K, dim=0)  # (N*K, P) prompt of each beam
         for t in range(T_new):
             if cache is not None and t > 0:
-                logits = decoder.step(x[:, 0], cache, P + t - 1)  # (N*K, V): each beam's newest token
+                # (N*K, V): each beam's newest token
+                logits = decoder.step(x[:, 0], cache, P + t - 1)
             else:
                 logits = decoder.prefill(x, cache)[:, -1]  # (N*K, V)
             calls += 1
@@ -259,9 +275,12 @@ def beam_search_batch(
             if all(beams.done) or t == T_new - 1:
                 break
             if cache is not None:
-                flat_src = (torch.arange(N)[:, None] * K + src).view(-1)  # (N*K,) row each beam came from
+                # (N*K,) row each beam came from
+                flat_src = (torch.arange(N)[:, None] * K + src).view(-1)
                 _reorder_cache(cache, flat_src.to(dev))
                 x = new_tok.view(-1, 1).to(dev)  # (N*K, 1)
             else:
-                x = torch.cat([idx.repeat_interleave(K, dim=0), beams.seqs.view(N * K, -1).to(dev)], dim=1)
+                x = torch.cat(
+                    [idx.repeat_interleave(K, dim=0), beams.seqs.view(N * K, -1).to(dev)], dim=1
+                )
     return _finish(beams, idx, T_new, alpha, calls, positions)

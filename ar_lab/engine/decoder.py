@@ -19,11 +19,11 @@ Two decoders implement it. ``LeanDecoder`` runs a stock ``GPT`` with a batch-1 c
 inference engine does (``ar_lab.engine.lean``: no module layers in the decode step).
 ``ForwardDecoder`` calls ``model(idx, cache)``: any model that keeps the cache contract (the
 learner's own, a quantized or wrapped one), any batch, and rows at different lengths.
-``decoder_for(model)`` picks the lean one where it reproduces the model (``pick_decoder`` the same for a
-loop that has checked the model already). Decoders trust the model and the token ids they are given (the
-public functions check them once, before the first token), but check each
-cache the first time they see it (``check_fits``: its type, shape, dtype and device against the
-model), so a cache built for another model is refused before it reaches torch's attention kernel.
+``decoder_for(model)`` picks the lean one where it reproduces the model (``pick_decoder`` the same
+for a loop that has checked the model already). Decoders trust the model and the token ids they are
+given (the public functions check them once, before the first token), but check each cache the first
+time they see it (``check_fits``: its type, shape, dtype and device against the model), so a cache
+built for another model is refused before it reaches torch's attention kernel.
 """
 
 from __future__ import annotations
@@ -39,7 +39,8 @@ from ar_lab.model.cache import BatchKVCache, KVCache
 
 
 class Decoder(Protocol):
-    """What a decoding loop needs of a decoder (``ForwardDecoder`` and ``LeanDecoder`` are the two)."""
+    """What a decoding loop needs of a decoder (``ForwardDecoder`` and ``LeanDecoder`` are the
+    two)."""
 
     model: torch.nn.Module
 
@@ -48,26 +49,31 @@ class Decoder(Protocol):
     def prefill(self, tokens: torch.Tensor, cache, pos: int = 0, *, mask: torch.Tensor | None = None
                 ) -> torch.Tensor: ...
 
-    def step(self, token, cache, pos: int | None, *, mask: torch.Tensor | None = None) -> torch.Tensor: ...
+    def step(
+        self, token, cache, pos: int | None, *, mask: torch.Tensor | None = None
+    ) -> torch.Tensor: ...
 
     def extend(self, tokens: list[int], cache, pos: int) -> torch.Tensor: ...
 
 
 def _rewind(cache, pos: int | None) -> None:
-    """Drop the positions from ``pos`` on (a cache only ever rewinds: it is never ahead of its writes)."""
+    """Drop the positions from ``pos`` on (a cache only ever rewinds: it is never ahead of its
+    writes)."""
     if pos is not None and cache.length != pos:
         cache.truncate(pos)
 
 
 def _record(cache, pos: int, ids: list[int]) -> None:
-    """Note which tokens a batch-1 ``KVCache`` now holds from ``pos`` (what lets ``generate`` reuse it)."""
+    """Note which tokens a batch-1 ``KVCache`` now holds from ``pos`` (what lets ``generate`` reuse
+    it)."""
     if isinstance(cache, KVCache) and cache.batch_size == 1:
         cache.record(pos, ids)
 
 
 def check_one_dtype(model: torch.nn.Module) -> None:
-    """Raise unless the model's floating-point parameters share one dtype (a quantized layer keeps its own): a
-    block cast alone would otherwise stop torch deep inside a product ("mixed dtype")."""
+    """Raise unless the model's floating-point parameters share one dtype (a quantized layer keeps
+    its own): a block cast alone would otherwise stop torch deep inside a product ("mixed
+    dtype")."""
     first = None
     for name, module in model.named_modules():
         if isinstance(module, QuantizedLinear):
@@ -79,8 +85,9 @@ def check_one_dtype(model: torch.nn.Module) -> None:
                 first = (f"{name}.{pname}" if name else pname, p.dtype)
             elif p.dtype != first[1]:
                 raise BadValue(
-                    f"the model holds {first[0]} in {first[1]} but {name}.{pname} in {p.dtype}: convert the whole "
-                    f"model to one dtype (model.to({first[1]}), or model.to({p.dtype})) before generating",
+                    f"the model holds {first[0]} in {first[1]} but {name}.{pname} in {p.dtype}: "
+                    f"convert the whole model to one dtype (model.to({first[1]}), or model.to("
+                    f"{p.dtype})) before generating",
                     arg="model",
                 )
 
@@ -91,26 +98,33 @@ class ForwardDecoder:
     def __init__(self, model) -> None:
         check_one_dtype(model)
         self.model = model
-        self._checked: object = ForwardDecoder  # the cache last checked against the model (none yet)
+        # the cache last checked against the model (none yet)
+        self._checked: object = ForwardDecoder
 
     def fits(self, cache) -> None:
-        """Raise unless ``cache`` is a ``KVCache`` or ``BatchKVCache`` that fits the model (checked once per cache)."""
+        """Raise unless ``cache`` is a ``KVCache`` or ``BatchKVCache`` that fits the model (checked
+        once per cache)."""
         if cache is self._checked:
             return
         if not isinstance(cache, (KVCache, BatchKVCache)):
-            raise BadType(f"cache must be a KVCache or a BatchKVCache, got {type(cache).__name__}", arg="cache")
+            raise BadType(
+                f"cache must be a KVCache or a BatchKVCache, got {type(cache).__name__}",
+                arg="cache",
+            )
         cache.check_fits(self.model)
         self._checked = cache
 
-    def prefill(self, tokens: torch.Tensor, cache, pos: int | None = 0, *, mask: torch.Tensor | None = None
-                ) -> torch.Tensor:
-        """``mask``: for rows of a ``BatchKVCache``, a mask of one's own (chapter 08's) instead of the one the
-        store derives from the rows' positions."""
+    def prefill(
+        self, tokens: torch.Tensor, cache, pos: int | None = 0, *, mask: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """``mask``: for rows of a ``BatchKVCache``, a mask of one's own (chapter 08's) instead of
+        the one the store derives from the rows' positions."""
         if cache is None:
             return self.model(tokens)  # (B, T, vocab): the whole sequence, no cache
         self.fits(cache)
         if isinstance(cache, BatchKVCache):  # rows at lengths of their own: explicit positions
-            positions, _ = cache.begin(tokens.shape[1])  # (a paged cache takes the blocks the step needs here)
+            # (a paged cache takes the blocks the step needs here)
+            positions, _ = cache.begin(tokens.shape[1])
             logits = self.model(tokens, cache, positions=positions, mask=mask)
             cache.advance(tokens.shape[1])
             return logits
@@ -120,7 +134,9 @@ class ForwardDecoder:
             _record(cache, pos, tokens[0].tolist())
         return logits
 
-    def step(self, token, cache, pos: int | None, *, mask: torch.Tensor | None = None) -> torch.Tensor:
+    def step(
+        self, token, cache, pos: int | None, *, mask: torch.Tensor | None = None
+    ) -> torch.Tensor:
         if isinstance(token, int):  # one sequence: (vocab,)
             idx = torch.tensor([[token]], device=self.model.device)
             self.fits(cache)
@@ -129,12 +145,17 @@ class ForwardDecoder:
             _record(cache, pos, [token])
             return logits
         if not isinstance(token, torch.Tensor) or token.ndim != 1:
-            raise BadType(f"token must be an int (one sequence) or a 1-D tensor of B token ids, got {token!r}",
-                          arg="token")
-        return self.prefill(token[:, None], cache, pos, mask=mask)[:, -1]  # (B, vocab): one token for every row
+            raise BadType(
+                "token must be an int (one sequence) or a 1-D tensor of B token ids, got "
+                f"{token!r}",
+                arg="token",
+            )
+        # (B, vocab): one token for every row
+        return self.prefill(token[:, None], cache, pos, mask=mask)[:, -1]
 
     def extend(self, tokens: list[int], cache, pos: int) -> torch.Tensor:
-        return self.prefill(torch.tensor([tokens], device=self.model.device), cache, pos)[0]  # (T, vocab)
+        # (T, vocab)
+        return self.prefill(torch.tensor([tokens], device=self.model.device), cache, pos)[0]
 
 
 class LeanDecoder(ForwardDecoder):
@@ -143,8 +164,8 @@ class LeanDecoder(ForwardDecoder):
 
     One decoder serves one generation: ``extend`` multiplies by copies of the weights made at its
     first use, in the layout a few rows read fastest (``lean.extend_copies``: packed for oneDNN, or
-    (in, out)); they cost a pass over the weights per generation, and a new decoder after the weights
-    change sees the change. ``step`` reads the model's parameters themselves at every call.
+    (in, out)); they cost a pass over the weights per generation, and a new decoder after the
+    weights change sees the change. ``step`` reads the model's parameters themselves at every call.
     """
 
     def __init__(self, model) -> None:
@@ -152,7 +173,9 @@ class LeanDecoder(ForwardDecoder):
         self.engine = LeanGPT(model)
         self._copies: ExtendCopies | None = None
 
-    def step(self, token, cache, pos: int | None, *, mask: torch.Tensor | None = None) -> torch.Tensor:
+    def step(
+        self, token, cache, pos: int | None, *, mask: torch.Tensor | None = None
+    ) -> torch.Tensor:
         if not isinstance(token, int):
             return super().step(token, cache, pos, mask=mask)  # a batch of rows: through forward
         self.fits(cache)
@@ -177,7 +200,10 @@ def decoder_for(model, *, lean: bool = True) -> Decoder:
     if not isinstance(lean, bool):
         raise BadType(f"lean must be True or False, got {lean!r}", arg="lean")
     if not isinstance(model, torch.nn.Module):
-        raise BadType(f"model must be a torch.nn.Module (an ar_lab GPT), got {type(model).__name__}", arg="model")
+        raise BadType(
+            f"model must be a torch.nn.Module (an ar_lab GPT), got {type(model).__name__}",
+            arg="model",
+        )
     return pick_decoder(model, lean=lean)
 
 

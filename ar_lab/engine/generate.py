@@ -62,7 +62,9 @@ class GenerationStats:
     @property
     def mean_tpot(self) -> float:
         """Mean time per output token after the first (decode), in seconds."""
-        return sum(self.decode_times) / len(self.decode_times) if self.decode_times else float("nan")
+        return (
+            sum(self.decode_times) / len(self.decode_times) if self.decode_times else float("nan")
+        )
 
 
 @dataclass
@@ -70,7 +72,8 @@ class StreamEvent:
     token: int  # the token id just produced
     text: str  # the new text it completes ("" while inside a multi-byte character)
     stats: GenerationStats  # counters so far (the same object throughout the stream)
-    latency: float = 0.0  # seconds this token took: TTFT for the first, its TPOT after (0 for held-back text)
+    # seconds this token took: TTFT for the first, its TPOT after (0 for held-back text)
+    latency: float = 0.0
 
 
 @dataclass
@@ -86,17 +89,24 @@ class Generation:
 
 def _check_cache(cache, use_cache: bool, ids: list[int], max_new_tokens: int) -> None:
     if not use_cache:
-        raise BadValue("a cache was given with use_cache=False: pass use_cache=True to reuse it", arg="use_cache")
+        raise BadValue(
+            "a cache was given with use_cache=False: pass use_cache=True to reuse it",
+            arg="use_cache",
+        )
     if not isinstance(cache, KVCache):
         raise BadType(f"cache must be a KVCache, got {type(cache).__name__}", arg="cache")
     if cache.batch_size != 1:
-        raise BadValue(f"generation runs one sequence: the cache must have batch size 1, got {cache.batch_size}",
-                       arg="cache")
+        raise BadValue(
+            "generation runs one sequence: the cache must have batch size 1, got "
+            f"{cache.batch_size}",
+            arg="cache",
+        )
     needed = len(ids) + max_new_tokens - 1
     if cache.max_len < needed:
         raise ContextFull(
             f"the cache holds {cache.max_len} positions but this generation needs {needed} "
-            "(prompt + new tokens - 1): build it with KVCache.for_model(model, max_len=...)", arg="cache"
+            "(prompt + new tokens - 1): build it with KVCache.for_model(model, max_len=...)",
+            arg="cache",
         )
     cache.reusable(ids)  # raises if the cache holds positions whose token ids it does not know
 
@@ -105,8 +115,10 @@ def _stats(stats) -> GenerationStats:
     if stats is None:
         return GenerationStats()
     if not isinstance(stats, GenerationStats):
-        raise BadType(f"stats must be a GenerationStats (or None for a new one), got {type(stats).__name__}",
-                      arg="stats")
+        raise BadType(
+            f"stats must be a GenerationStats (or None for a new one), got {type(stats).__name__}",
+            arg="stats",
+        )
     return stats
 
 
@@ -122,15 +134,28 @@ class _Plan:
     generator: torch.Generator | None
     cache: KVCache | None
     stats: GenerationStats
-    picker: LogitsPipeline  # the settings and the sampler of one's own, checked: the step from logits to a token
-    constraint: object = None  # a grammar (``ar_lab.engine.constrained``); None: every token allowed
+    # the settings and the sampler of one's own, checked: the step from logits to a token
+    picker: LogitsPipeline
+    # a grammar (``ar_lab.engine.constrained``); None: every token allowed
+    constraint: object = None
 
 
 def _plan(
-    model, prompt, max_new_tokens: int, *, use_cache, sampling, generator, stats, cache, lean, sampler=None,
+    model,
+    prompt,
+    max_new_tokens: int,
+    *,
+    use_cache,
+    sampling,
+    generator,
+    stats,
+    cache,
+    lean,
+    sampler=None,
     constraint=None,
 ) -> _Plan:
-    """Check every option of ``token_steps`` against ``model`` and pick the decoder: the public boundary."""
+    """Check every option of ``token_steps`` against ``model`` and pick the decoder: the public
+    boundary."""
     loop_model(model)  # the model is checked here, once: what follows trusts it
     max_new_tokens = check_budget(max_new_tokens)  # an int from here on (a numpy integer is taken)
     ids = checked_prompt(model, prompt, max_new_tokens)
@@ -145,9 +170,21 @@ def _plan(
     check_inference_ready(model)
     decoder = pick_decoder(model, lean=lean and use_cache)
     if cache is not None:
-        decoder.fits(cache)  # the cache against the model, here at the call; the decoder remembers it
+        # the cache against the model, here at the call; the decoder remembers it
+        decoder.fits(cache)
     stats = _stats(stats)
-    return _Plan(decoder, ids, max_new_tokens, use_cache, sampling, generator, cache, stats, picker, constraint)
+    return _Plan(
+        decoder,
+        ids,
+        max_new_tokens,
+        use_cache,
+        sampling,
+        generator,
+        cache,
+        stats,
+        picker,
+        constraint,
+    )
 
 
 # --- the loops (arguments already checked) ----------------------------------------------
@@ -166,7 +203,8 @@ def _steps(plan: _Plan) -> Iterator[int]:
         skip = cache.reusable(prompt)
     elif plan.use_cache:
         cache = KVCache.for_model(model, max_len=P + N - 1)
-    seq = torch.empty(1, P + N, dtype=torch.long, device=model.device)  # (1, P + N): the text so far
+    # (1, P + N): the text so far
+    seq = torch.empty(1, P + N, dtype=torch.long, device=model.device)
     seq[0, :P] = torch.tensor(prompt)
     history = list(prompt) if sampling.repetition_penalty != 1.0 else ()
     picker = plan.picker
@@ -182,7 +220,8 @@ def _steps(plan: _Plan) -> Iterator[int]:
                 logits, fed = decoder.prefill(seq[:, skip:end], cache, skip)[0, -1], end - skip
             else:  # decode: the token picked last step, at the next position
                 logits, fed = decoder.step(token, cache, end - 1), 1
-            if state is not None:  # the grammar's mask, before the sampler chain (which renormalises)
+            # the grammar's mask, before the sampler chain (which renormalises)
+            if state is not None:
                 logits = masked_logits(logits, plan.constraint, state, n)
             token = picker.one(logits, generator, history)
         stats.forward_calls += 1
@@ -253,19 +292,25 @@ def token_steps(
 ) -> Iterator[int]:
     """Yield new token ids one at a time (no stop rule other than the count).
 
-    The inner loop, kept lean: the token buffer and the cache are allocated once, and with
-    a cache each decode step of a ``GPT`` runs through ``ar_lab.engine.lean`` (the same arithmetic
-    without nn.Module layers; ``lean=False`` calls ``model.forward`` instead, to compare).
-    ``cache``: a cache of your own, e.g. from an earlier call (a shared prefix, the earlier turns
-    of a conversation): the positions whose recorded token ids (``KVCache.token_ids``) agree with
-    the prompt's start are reused, and only the rest of the prompt is prefilled; the cache is
-    left holding the sequence, for the next call. A cache holding positions whose ids it does
-    not know is refused. ``constraint``: see ``generate`` (the steps end after the EOS it allows). Arguments
-    are checked here, before the first token is asked for.
+    The inner loop, kept lean: the token buffer and the cache are allocated once, and with a cache
+    each decode step of a ``GPT`` runs through ``ar_lab.engine.lean`` (the same arithmetic without
+    nn.Module layers; ``lean=False`` calls ``model.forward`` instead, to compare). ``cache``: a
+    cache of your own, e.g. from an earlier call (a shared prefix, the earlier turns of a
+    conversation): the positions whose recorded token ids (``KVCache.token_ids``) agree with the
+    prompt's start are reused, and only the rest of the prompt is prefilled; the cache is left
+    holding the sequence, for the next call. A cache holding positions whose ids it does not know is
+    refused. ``constraint``: see ``generate`` (the steps end after the EOS it allows). Arguments are
+    checked here, before the first token is asked for.
     """
     options = dict(
-        use_cache=use_cache, sampling=sampling, generator=generator, stats=stats, cache=cache, lean=lean,
-        sampler=sampler, constraint=constraint,
+        use_cache=use_cache,
+        sampling=sampling,
+        generator=generator,
+        stats=stats,
+        cache=cache,
+        lean=lean,
+        sampler=sampler,
+        constraint=constraint,
     )
     return _steps(_plan(model, prompt, max_new_tokens, **options))
 
@@ -288,26 +333,34 @@ def stream(
 ) -> Iterator[StreamEvent]:
     """Yield a ``StreamEvent`` per new token; text never splits a UTF-8 character.
 
-    Stops at EOS (unless ``eos_id`` is None), after ``max_new_tokens``, or once the
-    text contains one of ``stop_strings`` (a list, tuple or set of non-empty strings;
-    text is held back while it could still be the start of a stop string, and the stop
-    string itself is never yielded). An event with ``token == -1`` carries only such
-    held-back text, released at the end. Pass ``stats`` to have the counters filled in
-    an object of your own. Each event's ``latency`` is the model time of its token (TTFT
-    for the first, TPOT after), so a consumer can plot latency against position as the
-    stream goes. ``cache``: see ``token_steps`` (reuse the keys/values of the prompt's
-    start); so is ``lean``; ``constraint``: see ``generate``. Arguments are checked here, before the first
-    event is asked for.
+    Stops at EOS (unless ``eos_id`` is None), after ``max_new_tokens``, or once the text contains
+    one of ``stop_strings`` (a list, tuple or set of non-empty strings; text is held back while it
+    could still be the start of a stop string, and the stop string itself is never yielded). An
+    event with ``token == -1`` carries only such held-back text, released at the end. Pass ``stats``
+    to have the counters filled in an object of your own. Each event's ``latency`` is the model time
+    of its token (TTFT for the first, TPOT after), so a consumer can plot latency against position
+    as the stream goes. ``cache``: see ``token_steps`` (reuse the keys/values of the prompt's
+    start); so is ``lean``; ``constraint``: see ``generate``. Arguments are checked here, before the
+    first event is asked for.
     """
     options = dict(
-        use_cache=use_cache, sampling=sampling, generator=generator, stats=stats, cache=cache, lean=lean,
-        sampler=sampler, constraint=constraint,
+        use_cache=use_cache,
+        sampling=sampling,
+        generator=generator,
+        stats=stats,
+        cache=cache,
+        lean=lean,
+        sampler=sampler,
+        constraint=constraint,
     )
     return _stream(model, prompt, max_new_tokens, eos_id, stop_strings, options)[1]
 
 
-def _stream(model, prompt, max_new_tokens, eos_id, stop_strings, options: dict) -> tuple[_Plan, Iterator[StreamEvent]]:
-    """``stream``'s checks and its events, with the plan they run (``generate`` reads its prompt and stats)."""
+def _stream(
+    model, prompt, max_new_tokens, eos_id, stop_strings, options: dict
+) -> tuple[_Plan, Iterator[StreamEvent]]:
+    """``stream``'s checks and its events, with the plan they run (``generate`` reads its prompt and
+    stats)."""
     plan = _plan(model, prompt, max_new_tokens, **options)
     stops = stop_list(stop_strings)
     check_eos(model, eos_id)
@@ -332,17 +385,25 @@ def generate(
 ) -> Generation:
     """Generate up to ``max_new_tokens`` tokens after ``prompt`` (text or token ids).
 
-    ``cache``: a cache from an earlier call (see ``token_steps``): the positions where its token
-    ids agree with the prompt's start are reused, only the rest is prefilled. ``lean=False``: every decode step
-    through ``model.forward`` instead of ``ar_lab.engine.lean`` (same tokens; for comparison). ``sampler``: a
-    function that picks each token instead of ``ar_lab.engine.sampling.sample`` (see ``Sampler``; chapter 06).
-    ``constraint``: a grammar (``ar_lab.engine.constrained``) whose refused tokens get logit -inf each step, before
-    the sampler chain; the text ends at the EOS it allows once complete (stop reason "eos": a whole sentence of
-    the grammar) or at the cap (stop reason "max_new_tokens": a valid but possibly unfinished prefix).
+    ``cache``: a cache from an earlier call (see ``token_steps``): the positions where its token ids
+    agree with the prompt's start are reused, only the rest is prefilled. ``lean=False``: every
+    decode step through ``model.forward`` instead of ``ar_lab.engine.lean`` (same tokens; for
+    comparison). ``sampler``: a function that picks each token instead of
+    ``ar_lab.engine.sampling.sample`` (see ``Sampler``; chapter 06). ``constraint``: a grammar
+    (``ar_lab.engine.constrained``) whose refused tokens get logit -inf each step, before the
+    sampler chain; the text ends at the EOS it allows once complete (stop reason "eos": a whole
+    sentence of the grammar) or at the cap (stop reason "max_new_tokens": a valid but possibly
+    unfinished prefix).
     """
     options = dict(
-        use_cache=use_cache, sampling=sampling, generator=generator, stats=None, cache=cache, lean=lean,
-        sampler=sampler, constraint=constraint,
+        use_cache=use_cache,
+        sampling=sampling,
+        generator=generator,
+        stats=None,
+        cache=cache,
+        lean=lean,
+        sampler=sampler,
+        constraint=constraint,
     )
     plan, events = _stream(model, prompt, max_new_tokens, eos_id, stop_strings, options)
     tokens, pieces = [], []
@@ -357,10 +418,18 @@ def generate(
 
 
 def sample_rows(
-    model, idx: torch.Tensor, N: int, sampling, generator, use_cache: bool, sampler=None, constraint=None
+    model,
+    idx: torch.Tensor,
+    N: int,
+    sampling,
+    generator,
+    use_cache: bool,
+    sampler=None,
+    constraint=None,
 ) -> torch.Tensor:
-    """The batched loop on checked prompts ``idx`` (B, P): returns all B x N new tokens (``sampler``: see ``pick``;
-    ``constraint``: one grammar state per row, None once the row has picked EOS)."""
+    """The batched loop on checked prompts ``idx`` (B, P): returns all B x N new tokens
+    (``sampler``: see ``pick``; ``constraint``: one grammar state per row, None once the row has
+    picked EOS)."""
     B, P = idx.shape
     decoder = ForwardDecoder(model)  # rows of one batch: through forward
     buf = torch.empty(B, P + N, dtype=torch.long, device=idx.device)  # (B, P + N)
@@ -382,7 +451,8 @@ def sample_rows(
             history = seen if seen is not None else ()
             if states is not None:
                 logits = masked_logits(logits, constraint, states, n)
-            token = picker(logits, generator, history)  # (B,) (a sampler of one's own: called row by row)
+            # (B,) (a sampler of one's own: called row by row)
+            token = picker(logits, generator, history)
             buf[:, end] = token
             if states is not None:
                 states = [None if s is None or t == EOS_ID else constraint.advance(s, t)
@@ -406,12 +476,12 @@ def sample_batch(
 ) -> list[list[int]]:
     """Continue each of several equal-length prompts at once (one batched forward per step).
 
-    Row i is what ``generate(model, prompts[i], ..., sampling=sampling)`` would do (the
-    repetition penalty sees each row's own prompt and tokens); the random draws of all
-    rows come from the one ``generator``. The default ``sampling`` draws from the model's
-    own distribution (T = 1). Each list stops before its first EOS. ``sampler``: a function that picks
-    each row's token instead of ``sample`` (called row by row, in order, with the one generator). ``constraint``:
-    see ``generate`` (each row keeps its own grammar state).
+    Row i is what ``generate(model, prompts[i], ..., sampling=sampling)`` would do (the repetition
+    penalty sees each row's own prompt and tokens); the random draws of all rows come from the one
+    ``generator``. The default ``sampling`` draws from the model's own distribution (T = 1). Each
+    list stops before its first EOS. ``sampler``: a function that picks each row's token instead of
+    ``sample`` (called row by row, in order, with the one generator). ``constraint``: see
+    ``generate`` (each row keeps its own grammar state).
     """
     loop_model(model)
     check_sampling(sampling)
@@ -421,7 +491,9 @@ def sample_batch(
     check_constraint_eos(constraint, eos_id)
     idx = prompt_batch(model, prompts, max_new_tokens)  # (B, P)
     out = []
-    for row in sample_rows(model, idx, max_new_tokens, sampling, generator, use_cache, sampler, constraint).tolist():
+    for row in sample_rows(
+        model, idx, max_new_tokens, sampling, generator, use_cache, sampler, constraint
+    ).tolist():
         if eos_id is not None and eos_id in row:
             row = row[: row.index(eos_id)]
         out.append(row)

@@ -29,22 +29,32 @@ from ar_lab.model.cache import KVCache, kv_cache_bytes
 
 
 def int8_kv_cache_bytes(
-    n_layer: int, n_kv_heads: int, head_dim: int, seq_len: int, batch_size: int = 1, scale_bytes: int = 4
+    n_layer: int,
+    n_kv_heads: int,
+    head_dim: int,
+    seq_len: int,
+    batch_size: int = 1,
+    scale_bytes: int = 4,
 ) -> int:
-    """Bytes of an ``Int8KVCache``: the int8 keys and values (``kv_cache_bytes`` at one byte per value)
-    plus one scale per key and value vector (the same formula with one value of ``scale_bytes`` per head)."""
+    """Bytes of an ``Int8KVCache``: the int8 keys and values (``kv_cache_bytes`` at one byte per
+    value) plus one scale per key and value vector (the same formula with one value of
+    ``scale_bytes`` per head)."""
     values = kv_cache_bytes(n_layer, n_kv_heads, head_dim, seq_len, batch_size, bytes_per_value=1)
-    return values + kv_cache_bytes(n_layer, n_kv_heads, 1, seq_len, batch_size, bytes_per_value=scale_bytes)
+    return values + kv_cache_bytes(
+        n_layer, n_kv_heads, 1, seq_len, batch_size, bytes_per_value=scale_bytes
+    )
 
 
 class Int8KVCache(KVCache):
     """A ``KVCache`` whose keys and values are int8, with a float32 scale per (row, head, position).
 
-    ``k``/``v``: per layer (B, H_kv, T_max, D) int8; ``k_scale``/``v_scale``: per layer (B, H_kv, T_max)
-    float32. ``dtype``: what the model computes in (attention receives dequantized values of it).
+    ``k``/``v``: per layer (B, H_kv, T_max, D) int8; ``k_scale``/``v_scale``: per layer (B, H_kv,
+    T_max) float32. ``dtype``: what the model computes in (attention receives dequantized values of
+    it).
 
     A key or value vector holding NaN or inf gets a NaN or inf scale, so it dequantizes to
-    non-finite values, as a float cache would hold them: never to a finite vector that hides the fault.
+    non-finite values, as a float cache would hold them: never to a finite vector that hides the
+    fault.
     """
 
     storage_dtype = torch.int8  # the buffers; ``dtype`` is what attention reads
@@ -59,7 +69,8 @@ class Int8KVCache(KVCache):
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
     ) -> None:
-        super().__init__(n_layer, batch_size, n_kv_heads, max_len, head_dim, dtype, device)  # checks dtype
+        # checks dtype
+        super().__init__(n_layer, batch_size, n_kv_heads, max_len, head_dim, dtype, device)
         self._dtype = dtype
         shape = (batch_size, n_kv_heads, max_len)
         self.k_scale = [torch.ones(shape, device=device) for _ in range(n_layer)]
@@ -72,19 +83,24 @@ class Int8KVCache(KVCache):
 
     @classmethod
     def from_buffers(cls, k, v, length: int = 0):
-        # arg=None: no argument of this call is at fault; this constructor is not one Int8KVCache offers.
-        raise BadType("Int8KVCache owns its buffers and scales: build it with Int8KVCache.for_model(model)", arg=None)
+        # arg=None: no argument of this call is at fault; this constructor is not one Int8KVCache
+        # offers.
+        raise BadType(
+            "Int8KVCache owns its buffers and scales: build it with Int8KVCache.for_model(model)",
+            arg=None,
+        )
 
     def _store(self, layer: int, start: int, end: int, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Quantize k, v (B, H_kv, T, D) into positions start..end: int8 values, one scale per (row, head, position)."""
+        """Quantize k, v (B, H_kv, T, D) into positions start..end: int8 values, one scale per (row,
+        head, position)."""
         for values, scales, x in ((self.k, self.k_scale, k), (self.v, self.v_scale, v)):
             q, s = absmax_quantize(x.float(), 127)
             values[layer][:, :, start:end] = q
             scales[layer][:, :, start:end] = s
 
     def keys(self, layer: int, pos: int, T: int) -> Keys:
-        """The int8 keys and values of positions 0 .. pos + T - 1 with their scales: attention folds the scales
-        into the scores and the weights (one query) or dequantizes (several)."""
+        """The int8 keys and values of positions 0 .. pos + T - 1 with their scales: attention folds
+        the scales into the scores and the weights (one query) or dequantizes (several)."""
         end = pos + T
         return Keys(self.k[layer][:, :, :end], self.v[layer][:, :, :end], None,
                     self.k_scale[layer][:, :, :end], self.v_scale[layer][:, :, :end])
@@ -92,7 +108,11 @@ class Int8KVCache(KVCache):
     @property
     def nbytes(self) -> int:
         """Bytes held: the int8 keys and values and their float32 scales (all layers)."""
-        return super().nbytes + sum(t.nbytes for t in self.k_scale) + sum(t.nbytes for t in self.v_scale)
+        return (
+            super().nbytes
+            + sum(t.nbytes for t in self.k_scale)
+            + sum(t.nbytes for t in self.v_scale)
+        )
 
     def __repr__(self) -> str:
         return "Int8" + super().__repr__()

@@ -1,11 +1,11 @@
 """One sequence with a KV cache, run the way an inference engine runs it: no framework layers.
 
-``GPT.forward`` serves training and every batch shape through ``nn.Module`` calls. For
-one sequence and one new token that generality costs real time: a decode step of the
-course model is dozens of small PyTorch calls (``ar_lab.perf.op_count`` counts them), each paying
-microseconds of Python and dispatch, and the scaled-dot-product kernel sets up tiles for a query of length one.
-On a CPU that overhead is a large share of the step (chapter 04 measures it). ``LeanGPT`` does
-the same arithmetic on the model's own weights with direct tensor calls:
+``GPT.forward`` serves training and every batch shape through ``nn.Module`` calls. For one sequence
+and one new token that generality costs real time: a decode step of the course model is dozens of
+small PyTorch calls (``ar_lab.perf.op_count`` counts them), each paying microseconds of Python and
+dispatch, and the scaled-dot-product kernel sets up tiles for a query of length one. On a CPU that
+overhead is a large share of the step (chapter 04 measures it). ``LeanGPT`` does the same arithmetic
+on the model's own weights with direct tensor calls:
 
 - ``step``: one new token. Every weight matrix is applied to one vector (``addmv``), the
   new key and value are written into the cache in place, and attention over the cache's
@@ -26,11 +26,11 @@ the float32 weights reach that only in the layout the product's kernel reads fas
 on a CPU that has it), fresh at each call; a ``LeanDecoder`` (``ar_lab.engine.decoder``) takes them
 once per generation and hands them to ``extend``.
 
-A block's Linear layer may be a ``QuantizedLinear`` (``ar_lab.engine.quant``, chapter 09): the step and
-``extend`` then call its kernel, which reads the layer's narrow weights (its buffers) at every
-call, so edits are seen there too; no copy is ever made of them. A quantized model cast to
-another dtype afterwards (``.bfloat16()``) is not run here: ``supports`` says so, and ``generate``
-takes it through ``forward``, so ``lean=True`` and ``lean=False`` give the same tokens.
+A block's Linear layer may be a ``QuantizedLinear`` (``ar_lab.engine.quant``, chapter 09): the step
+and ``extend`` then call its kernel, which reads the layer's narrow weights (its buffers) at every
+call, so edits are seen there too; no copy is ever made of them. A quantized model cast to another
+dtype afterwards (``.bfloat16()``) is not run here: ``supports`` says so, and ``generate`` takes it
+through ``forward``, so ``lean=True`` and ``lean=False`` give the same tokens.
 
 The results equal ``GPT.forward``'s up to float rounding (tests: logits within 1e-5, the
 same greedy tokens). ``for_model(model)`` makes an engine (cheap: it copies nothing).
@@ -56,8 +56,8 @@ from ar_lab.model.block import BlockWeights, block
 from ar_lab.model.cache import KVCache
 from ar_lab.model.gpt import GPT, MLP, Block, CausalSelfAttention
 
-# A weight matrix as the step reads it: nn.Linear's parameter, or a whole QuantizedLinear (chapter 09),
-# whose own kernel multiplies with its narrow weights (read from the module at every call).
+# A weight matrix as the step reads it: nn.Linear's parameter, or a whole QuantizedLinear (chapter
+# 09), whose own kernel multiplies with its narrow weights (read from the module at every call).
 Matrix = torch.Tensor | QuantizedLinear
 
 
@@ -67,7 +67,12 @@ class LayerNorm:
     __slots__ = ("weight", "bias", "eps", "shape")
 
     def __init__(self, m: nn.LayerNorm) -> None:
-        self.weight, self.bias, self.eps, self.shape = m.weight, m.bias, m.eps, tuple(m.normalized_shape)
+        self.weight, self.bias, self.eps, self.shape = (
+            m.weight,
+            m.bias,
+            m.eps,
+            tuple(m.normalized_shape),
+        )
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         return torch.native_layer_norm(x, self.shape, self.weight, self.bias, self.eps)[0]
@@ -85,11 +90,14 @@ class RMSNorm:
         return torch.rms_norm(x, self.shape, self.weight, self.eps)
 
 
-def vector(m: nn.Linear | QuantizedLinear, slow_addmv: bool) -> Callable[[torch.Tensor], torch.Tensor]:
-    """A linear layer applied to one vector (in,): a matrix-vector product on the layer's own weight (or a
-    ``QuantizedLinear``'s kernel), the fastest product for one vector; bias added in the same call. The step
-    keeps its residual stream as one vector (C,), so no view is needed around the product. A ``partial`` of
-    torch's function itself: the step's 17 products a token call the kernel with no Python frame between."""
+def vector(
+    m: nn.Linear | QuantizedLinear, slow_addmv: bool
+) -> Callable[[torch.Tensor], torch.Tensor]:
+    """A linear layer applied to one vector (in,): a matrix-vector product on the layer's own weight
+    (or a ``QuantizedLinear``'s kernel), the fastest product for one vector; bias added in the same
+    call. The step keeps its residual stream as one vector (C,), so no view is needed around the
+    product. A ``partial`` of torch's function itself: the step's 17 products a token call the
+    kernel with no Python frame between."""
     if type(m) is QuantizedLinear:
         return partial(m.addmv, m.bias)
     if m.bias is None:
@@ -98,8 +106,8 @@ def vector(m: nn.Linear | QuantizedLinear, slow_addmv: bool) -> Callable[[torch.
 
 
 class Rows:
-    """A linear layer applied to a few rows (1, T, in) through ``extend``'s copy of its weight (packed for
-    oneDNN, (in, out), or a ``QuantizedLinear``'s kernel)."""
+    """A linear layer applied to a few rows (1, T, in) through ``extend``'s copy of its weight
+    (packed for oneDNN, (in, out), or a ``QuantizedLinear``'s kernel)."""
 
     __slots__ = ("copy", "bias")
 
@@ -137,23 +145,27 @@ def _no_grad_needed() -> None:
 class LeanGPT:
     """The batch-1 cached inference of a ``GPT``: ``step`` (one token) and ``extend`` (several).
 
-    Both run ``ar_lab.model.block.block``, the block ``GPT.forward`` runs, on the model's own parameters
-    held without their modules (no copies), so several threads may use one engine, each with its own cache.
+    Both run ``ar_lab.model.block.block``, the block ``GPT.forward`` runs, on the model's own
+    parameters held without their modules (no copies), so several threads may use one engine, each
+    with its own cache.
     """
 
     def __init__(self, model: GPT) -> None:
         blocks = _stock_blocks(model)
         if blocks is None:
             raise NotLean(
-                f"LeanGPT runs a GPT with the stock modules and GPT.forward (see lean.supports), got "
-                f"{type(model).__name__}: call the model itself", arg="model"
+                "LeanGPT runs a GPT with the stock modules and GPT.forward (see lean.supports), "
+                f"got {type(model).__name__}: call the model itself",
+                arg="model",
             )
         if _cast_after_quantizing(model, blocks):
             raise NotLean(
-                f"LeanGPT runs a quantized model on a float32 residual stream (what quantize_model makes); this one "
-                f"computes in {model.wte.weight.dtype} (cast after quantizing), which the step would round "
-                "differently from GPT.forward: call the model itself (generate does), or quantize the float32 "
-                "model and keep it so", arg="model"
+                "LeanGPT runs a quantized model on a float32 residual stream (what "
+                f"quantize_model makes); this one computes in {model.wte.weight.dtype} (cast "
+                "after quantizing), which the step would round differently from GPT.forward: "
+                "call the model itself (generate does), or quantize the float32 model and keep "
+                "it so",
+                arg="model",
             )
         cfg = model.config
         self.config, self.model, self.spec = cfg, model, model.spec
@@ -165,8 +177,14 @@ class LeanGPT:
         slow_addmv = dtype == torch.bfloat16 and self.device.type == "cpu"  # (see quant.bf16_addmv)
         self.blocks = blocks
         self.layers = [
-            BlockWeights(_norm(b.ln1), vector(b.attn.qkv, slow_addmv), vector(b.attn.proj, slow_addmv),
-                         _norm(b.ln2), vector(b.mlp.fc, slow_addmv), vector(b.mlp.proj, slow_addmv))
+            BlockWeights(
+                _norm(b.ln1),
+                vector(b.attn.qkv, slow_addmv),
+                vector(b.attn.proj, slow_addmv),
+                _norm(b.ln2),
+                vector(b.mlp.fc, slow_addmv),
+                vector(b.mlp.proj, slow_addmv),
+            )
             for b in blocks
         ]
         self.ln_f = _norm(model.ln_f)
@@ -176,21 +194,33 @@ class LeanGPT:
         if not isinstance(cache, KVCache):
             raise BadType(f"cache must be a KVCache, got {type(cache).__name__}", arg="cache")
         if cache.batch_size != 1:
-            raise BadValue(f"LeanGPT runs one sequence: the cache must have batch size 1, got {cache.batch_size}",
-                           arg="cache")
-        if len(cache.k) != len(self.layers) or cache.k[0].shape[1::2] != (self.config.kv_heads, self.config.head_dim):
-            raise BadValue(f"cache {cache!r} is not shaped for this model: build it with KVCache.for_model(model)",
-                           arg="cache")
+            raise BadValue(
+                "LeanGPT runs one sequence: the cache must have batch size 1, got "
+                f"{cache.batch_size}",
+                arg="cache",
+            )
+        if len(cache.k) != len(self.layers) or cache.k[0].shape[1::2] != (
+            self.config.kv_heads,
+            self.config.head_dim,
+        ):
+            raise BadValue(
+                f"cache {cache!r} is not shaped for this model: build it with "
+                "KVCache.for_model(model)",
+                arg="cache",
+            )
         end = cache.length + T
         if end > self.config.block_size:
             raise ContextFull(
                 f"{end} positions (the cache's and the new tokens) exceed the context window of "
-                f"{self.config.block_size} tokens (config.block_size); shorten the prompt or generate fewer tokens",
+                f"{self.config.block_size} tokens (config.block_size); shorten the prompt or "
+                "generate fewer tokens",
                 arg="cache",
             )
         if end > cache.max_len:
-            raise ContextFull(f"KV cache full: positions up to {end} requested, capacity is {cache.max_len}",
-                              arg="cache")
+            raise ContextFull(
+                f"KV cache full: positions up to {end} requested, capacity is {cache.max_len}",
+                arg="cache",
+            )
         dtype = cache.dtype  # an Int8KVCache: what it dequantizes to
         if dtype != self.wte.dtype or cache.k[0].device != self.device:
             raise BadValue(
@@ -200,11 +230,15 @@ class LeanGPT:
         return cache.length
 
     def step(self, token: int, cache: KVCache) -> torch.Tensor:
-        """Logits (vocab,) after feeding one token at position ``cache.length``; the cache advances by one."""
+        """Logits (vocab,) after feeding one token at position ``cache.length``; the cache advances
+        by one."""
         if type(token) is not int:
             token = _token_id(token)
         if not 0 <= token < self.config.vocab_size:
-            raise BadValue(f"token id {token} is outside the vocabulary [0, {self.config.vocab_size - 1}]", arg="token")
+            raise BadValue(
+                f"token id {token} is outside the vocabulary [0, {self.config.vocab_size - 1}]",
+                arg="token",
+            )
         pos = self._check(cache, 1)
         if torch.is_grad_enabled():
             _no_grad_needed()
@@ -219,9 +253,13 @@ class LeanGPT:
         return self.head(self.ln_f(x))  # tied output projection: (vocab,)
 
     def extend(
-        self, tokens: Sequence[int] | torch.Tensor, cache: KVCache, copies: ExtendCopies | None = None
+        self,
+        tokens: Sequence[int] | torch.Tensor,
+        cache: KVCache,
+        copies: ExtendCopies | None = None,
     ) -> torch.Tensor:
-        """Logits (T, vocab) after feeding T tokens at positions ``cache.length ..``; the cache advances by T.
+        """Logits (T, vocab) after feeding T tokens at positions ``cache.length ..``; the cache
+        advances by T.
 
         ``copies``: ``extend_copies(model)`` (faster on CPU), taken after the weights last
         changed; without them the products read the parameters through transposed views.
@@ -230,10 +268,15 @@ class LeanGPT:
             return self.step(tokens[0], cache)[None]
         idx = _token_ids(tokens, self.device)
         if idx.ndim != 1 or idx.numel() == 0:
-            raise BadValue(f"tokens must be a non-empty 1-D sequence of ids, got shape {tuple(idx.shape)}",
-                           arg="tokens")
+            raise BadValue(
+                f"tokens must be a non-empty 1-D sequence of ids, got shape {tuple(idx.shape)}",
+                arg="tokens",
+            )
         if int(idx.min()) < 0 or int(idx.max()) >= self.config.vocab_size:
-            raise BadValue(f"tokens hold ids outside the vocabulary [0, {self.config.vocab_size - 1}]", arg="tokens")
+            raise BadValue(
+                f"tokens hold ids outside the vocabulary [0, {self.config.vocab_size - 1}]",
+                arg="tokens",
+            )
         T = idx.numel()
         pos = self._check(cache, T)
         if torch.is_grad_enabled():
@@ -243,15 +286,24 @@ class LeanGPT:
         x = x.view(1, T, -1)
         layers_t, out_t = copies if copies is not None else self._views()
         for i, (w, wt, b) in enumerate(zip(self.layers, layers_t, self.blocks, strict=True)):
-            rows = BlockWeights(w.norm1, Rows(wt.qkv, b.attn.qkv.bias), Rows(wt.attn_proj, b.attn.proj.bias),
-                                w.norm2, Rows(wt.fc, b.mlp.fc.bias), Rows(wt.mlp_proj, b.mlp.proj.bias))
+            rows = BlockWeights(
+                w.norm1,
+                Rows(wt.qkv, b.attn.qkv.bias),
+                Rows(wt.attn_proj, b.attn.proj.bias),
+                w.norm2,
+                Rows(wt.fc, b.mlp.fc.bias),
+                Rows(wt.mlp_proj, b.mlp.proj.bias),
+            )
             x = block(x, rows, self.spec, cache, i, pos)
         cache.length = L
-        cache.record(pos, tokens.tolist() if isinstance(tokens, torch.Tensor) else [int(t) for t in tokens])
+        cache.record(
+            pos, tokens.tolist() if isinstance(tokens, torch.Tensor) else [int(t) for t in tokens]
+        )
         return Rows(out_t, None)(self.ln_f(x)).view(T, -1)  # (T, vocab)
 
     def _views(self) -> ExtendCopies:
-        """The parameters' (in, out) views: always current, no copy (slower than copies on CPU for a few rows)."""
+        """The parameters' (in, out) views: always current, no copy (slower than copies on CPU for a
+        few rows)."""
         layers = [BlockCopies(*(_t(_matrix(m)) for m in _linears(b))) for b in self.blocks]
         return ExtendCopies(layers, self.wte.t())
 
@@ -265,7 +317,8 @@ def _linears(b: Block) -> tuple[nn.Module, ...]:
 
 
 def _token_id(token) -> int:
-    """``token`` as an int: a whole number or a one-element integer tensor (a bool or a float is a mistake)."""
+    """``token`` as an int: a whole number or a one-element integer tensor (a bool or a float is a
+    mistake)."""
     if isinstance(token, torch.Tensor) and token.numel() == 1 and not token.is_floating_point():
         token = token.item()
     if isinstance(token, bool) or not isinstance(token, numbers.Integral):
@@ -274,24 +327,34 @@ def _token_id(token) -> int:
 
 
 def _token_ids(tokens, device: torch.device) -> torch.Tensor:
-    """``tokens`` (ids, or an integer tensor) as a long tensor; floats and bools are refused, not truncated."""
+    """``tokens`` (ids, or an integer tensor) as a long tensor; floats and bools are refused, not
+    truncated."""
     if isinstance(tokens, str):
-        raise BadType("tokens must be token ids (a list of ints or an integer tensor), not a str: encode it first",
-                      arg="tokens")
+        raise BadType(
+            "tokens must be token ids (a list of ints or an integer tensor), not a str: encode "
+            "it first",
+            arg="tokens",
+        )
     try:
         t = torch.as_tensor(tokens, device=device)
     except (TypeError, ValueError, RuntimeError):
-        raise BadType(f"tokens must be token ids (a list of ints or an integer tensor), got {tokens!r}",
-                      arg="tokens") from None
+        raise BadType(
+            f"tokens must be token ids (a list of ints or an integer tensor), got {tokens!r}",
+            arg="tokens",
+        ) from None
     if t.numel() == 0:
-        raise BadValue(f"tokens must be a non-empty 1-D sequence of ids, got shape {tuple(t.shape)}", arg="tokens")
+        raise BadValue(
+            f"tokens must be a non-empty 1-D sequence of ids, got shape {tuple(t.shape)}",
+            arg="tokens",
+        )
     if t.is_floating_point() or t.dtype == torch.bool or t.is_complex():
         raise BadType(f"tokens must be integer token ids, got {t.dtype}", arg="tokens")
     return t.long()
 
 
 def _t(m: Matrix) -> Matrix:
-    """(in, out) view of a weight; a QuantizedLinear stands for its own transpose (its kernel takes x rows)."""
+    """(in, out) view of a weight; a QuantizedLinear stands for its own transpose (its kernel takes
+    x rows)."""
     return m if type(m) is QuantizedLinear else m.t()
 
 
@@ -300,22 +363,24 @@ class NotLean(BadType):
 
 
 def supports(model) -> bool:
-    """True for a ``GPT`` that runs ``GPT.forward`` with the stock modules: what ``LeanGPT`` reproduces.
+    """True for a ``GPT`` that runs ``GPT.forward`` with the stock modules: what ``LeanGPT``
+    reproduces.
 
     A subclass with its own ``forward``, a module swapped for another or subclassed (an experiment
     in a notebook, a parametrized weight), or an output projection no longer tied to the token
-    embedding keeps going through ``forward``, so ``generate`` never silently skips it. A block's Linear
-    layer may be a ``QuantizedLinear`` (``ar_lab.engine.quant``): the step then calls its kernel, as
-    long as the model keeps the float32 embeddings ``quantize_model`` gave it.
+    embedding keeps going through ``forward``, so ``generate`` never silently skips it. A block's
+    Linear layer may be a ``QuantizedLinear`` (``ar_lab.engine.quant``): the step then calls its
+    kernel, as long as the model keeps the float32 embeddings ``quantize_model`` gave it.
     """
     blocks = _stock_blocks(model)
     return blocks is not None and not _cast_after_quantizing(model, blocks)
 
 
 def _cast_after_quantizing(model: GPT, blocks: list[Block]) -> bool:
-    """A quantized model whose embeddings are not float32 (cast after ``quantize_model``, e.g. ``.bfloat16()``):
-    its QuantizedLinear layers add float32 biases, and the step's reduced-precision attention would round
-    differently from ``GPT.forward``'s, so such a model goes through ``forward``."""
+    """A quantized model whose embeddings are not float32 (cast after ``quantize_model``, e.g.
+    ``.bfloat16()``): its QuantizedLinear layers add float32 biases, and the step's
+    reduced-precision attention would round differently from ``GPT.forward``'s, so such a model goes
+    through ``forward``."""
     return model.wte.weight.dtype != torch.float32 and any(
         type(m) is QuantizedLinear for b in blocks for m in _linears(b)
     )
@@ -339,7 +404,11 @@ def _stock_blocks(model) -> list[Block] | None:
     ):
         return None
     for b in model.blocks:
-        if type(b) is not Block or type(b.attn) is not CausalSelfAttention or type(b.mlp) is not MLP:
+        if (
+            type(b) is not Block
+            or type(b.attn) is not CausalSelfAttention
+            or type(b.mlp) is not MLP
+        ):
             return None
         if not (
             all(type(m) in (nn.Linear, QuantizedLinear) for m in _linears(b))
@@ -350,12 +419,14 @@ def _stock_blocks(model) -> list[Block] | None:
 
 
 def _matrix(linear: nn.Linear | QuantizedLinear) -> Matrix:
-    """What the step multiplies by: an nn.Linear's weight parameter, or the QuantizedLinear itself."""
+    """What the step multiplies by: an nn.Linear's weight parameter, or the QuantizedLinear
+    itself."""
     return linear if type(linear) is QuantizedLinear else linear.weight
 
 
 def for_model(model: GPT) -> LeanGPT:
-    """A ``LeanGPT`` for ``model``: cheap to make (it copies nothing), always on the model's current weights."""
+    """A ``LeanGPT`` for ``model``: cheap to make (it copies nothing), always on the model's current
+    weights."""
     return LeanGPT(model)
 
 
@@ -363,22 +434,28 @@ def for_model(model: GPT) -> LeanGPT:
 
 
 def _matrices(model: GPT) -> list[Matrix]:
-    """The matrices ``extend`` multiplies by, in ``ExtendCopies`` order (4 per block, then the embedding).
+    """The matrices ``extend`` multiplies by, in ``ExtendCopies`` order (4 per block, then the
+    embedding).
 
-    A QuantizedLinear is its own entry: its kernel reads the module's buffers at each call, no copy."""
+    A QuantizedLinear is its own entry: its kernel reads the module's buffers at each call, no
+    copy."""
     out = [_matrix(m) for b in model.blocks for m in _linears(b)]
     return [*out, model.wte.weight]
 
 
 def extend_copies(model: GPT, *, pack: bool = True) -> ExtendCopies:
-    """Copies of every matrix ``LeanGPT.extend`` multiplies by, in the layout its products read fastest
-    (``ar_lab.engine.packed``; ``pack=False``: (in, out) copies, to compare), equal to ``model``'s weights now.
+    """Copies of every matrix ``LeanGPT.extend`` multiplies by, in the layout its products read
+    fastest (``ar_lab.engine.packed``; ``pack=False``: (in, out) copies, to compare), equal to
+    ``model``'s weights now.
 
     Fresh copies each call, kept by whoever asked (a ``LeanDecoder``, for one generation): no
     registry to consult, and a later change of the weights is never hidden behind a stale copy.
     """
     if not supports(model):
-        raise NotLean(f"extend_copies takes a GPT that LeanGPT runs as model, got {type(model).__name__}", arg="model")
+        raise NotLean(
+            f"extend_copies takes a GPT that LeanGPT runs as model, got {type(model).__name__}",
+            arg="model",
+        )
     with torch.no_grad():
         t = [product_copy(m, pack=pack) for m in _matrices(model)]
     layers = [BlockCopies(*t[i : i + 4]) for i in range(0, len(t) - 1, 4)]
@@ -388,19 +465,28 @@ def extend_copies(model: GPT, *, pack: bool = True) -> ExtendCopies:
 def weights_only_pass(model, steps: int) -> None:
     """Apply every weight matrix of ``model`` to one vector, ``steps`` times, and nothing else.
 
-    The floor under any batch-1 decoder of the model (no attention, no LayerNorm, no sampling,
-    no Python around it): time it to see what a decode step adds on top. Matrix-vector
-    products, the fastest kernel for one vector (the one ``LeanGPT.step`` uses); a ``QuantizedLinear``'s own kernel.
+    The floor under any batch-1 decoder of the model (no attention, no LayerNorm, no sampling, no
+    Python around it): time it to see what a decode step adds on top. Matrix-vector products, the
+    fastest kernel for one vector (the one ``LeanGPT.step`` uses); a ``QuantizedLinear``'s own
+    kernel.
     """
     positive_int("steps", steps)
     if not isinstance(model, nn.Module):
-        raise BadType(f"model must be a torch.nn.Module (an ar_lab GPT), got {type(model).__name__}", arg="model")
+        raise BadType(
+            f"model must be a torch.nn.Module (an ar_lab GPT), got {type(model).__name__}",
+            arg="model",
+        )
     calls = []  # (product, its input)
     for m in model.modules():
         if type(m) is QuantizedLinear:
             calls.append((m.matmul, torch.randn(1, m.in_features)))  # (the CPU kernels: one row)
         elif isinstance(m, torch.nn.Linear):
-            calls.append((m.weight.mv, torch.randn(m.in_features, device=m.weight.device, dtype=m.weight.dtype)))
+            calls.append(
+                (
+                    m.weight.mv,
+                    torch.randn(m.in_features, device=m.weight.device, dtype=m.weight.dtype),
+                )
+            )
     with torch.inference_mode():
         for _ in range(steps):
             for product, x in calls:

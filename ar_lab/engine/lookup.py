@@ -12,13 +12,13 @@ distribution when sampling (a deterministic proposal is a draft distribution q
 that puts all its mass on one token; accepting it with probability min(1, p(x) / q(x)) = p(x) and
 otherwise drawing from norm(max(0, p - q)) is the same exact rule).
 
-A *proposer* is any function ``(tokens, k) -> list of at most k token ids``; ``speculative_generate``
-takes one where it takes a draft model. ``PromptLookup`` is the n-gram one, with the match rule of
-``transformers``' prompt lookup: n from ``max_ngram`` down to ``min_ngram``, the earliest earlier
-occurrence of the last n tokens that has at least one token after it, and up to k of the tokens
-that follow it (never past the end of the text). ``transformers`` has no ``min_ngram`` (it goes down
-to 1), its default n is 2 (this default, 3, is Saxena's), and it also cuts a proposal at EOS and at
-tokens its logits processors forbid.
+A *proposer* is any function ``(tokens, k) -> list of at most k token ids``;
+``speculative_generate`` takes one where it takes a draft model. ``PromptLookup`` is the n-gram one,
+with the match rule of ``transformers``' prompt lookup: n from ``max_ngram`` down to ``min_ngram``,
+the earliest earlier occurrence of the last n tokens that has at least one token after it, and up to
+k of the tokens that follow it (never past the end of the text). ``transformers`` has no
+``min_ngram`` (it goes down to 1), its default n is 2 (this default, 3, is Saxena's), and it also
+cuts a proposal at EOS and at tokens its logits processors forbid.
 """
 
 from __future__ import annotations
@@ -45,8 +45,10 @@ class PromptLookup:
         positive_int("max_ngram", self.max_ngram)
         positive_int("min_ngram", self.min_ngram)
         if self.min_ngram > self.max_ngram:
-            raise BadValue(f"min_ngram ({self.min_ngram}) must be at most max_ngram ({self.max_ngram})",
-                           arg="min_ngram")
+            raise BadValue(
+                f"min_ngram ({self.min_ngram}) must be at most max_ngram ({self.max_ngram})",
+                arg="min_ngram",
+            )
 
     @property
     def name(self) -> str:
@@ -56,15 +58,19 @@ class PromptLookup:
         return prompt_lookup(tokens, k, self.max_ngram, self.min_ngram)
 
 
-def prompt_lookup(tokens: Sequence[int], k: int, max_ngram: int = 3, min_ngram: int = 1) -> list[int]:
-    """Up to ``k`` tokens that followed the earliest earlier occurrence of the last n tokens of ``tokens``,
-    trying n = ``max_ngram`` down to ``min_ngram``; ``[]`` when no such occurrence exists (or k = 0)."""
+def prompt_lookup(
+    tokens: Sequence[int], k: int, max_ngram: int = 3, min_ngram: int = 1
+) -> list[int]:
+    """Up to ``k`` tokens that followed the earliest earlier occurrence of the last n tokens of
+    ``tokens``, trying n = ``max_ngram`` down to ``min_ngram``; ``[]`` when no such occurrence
+    exists (or k = 0)."""
     positive_int("k", k, minimum=0)
     tokens = list(tokens)
     length = len(tokens)
     for n in range(min(max_ngram, length - 1), min_ngram - 1, -1):
         tail = tokens[length - n :]
-        for start in range(0, length - n):  # an occurrence that ends before the text does: a token follows it
+        # an occurrence that ends before the text does: a token follows it
+        for start in range(0, length - n):
             if tokens[start : start + n] == tail:
                 follow = start + n
                 return tokens[follow : min(follow + k, length)]
@@ -77,13 +83,22 @@ def is_proposer(draft) -> bool:
 
 
 def checked_proposal(proposal, k: int, vocab_size: int) -> list[int]:
-    """A proposer's answer as a list of token ids, or a TypeError/ValueError saying what is wrong with it."""
+    """A proposer's answer as a list of token ids, or a TypeError/ValueError saying what is wrong
+    with it."""
     if isinstance(proposal, (str, bytes)) or not isinstance(proposal, Sequence):
-        raise BadType(f"a proposer (draft) must return a list of token ids, got {type(proposal).__name__}", arg="draft")
+        raise BadType(
+            f"a proposer (draft) must return a list of token ids, got {type(proposal).__name__}",
+            arg="draft",
+        )
     ids = list(proposal)
     if len(ids) > k:
-        raise BadValue(f"a proposer (draft) asked for at most {k} tokens returned {len(ids)}", arg="draft")
+        raise BadValue(
+            f"a proposer (draft) asked for at most {k} tokens returned {len(ids)}", arg="draft"
+        )
     for x in ids:
         if not isinstance(x, int) or isinstance(x, bool) or not 0 <= x < vocab_size:
-            raise BadValue(f"a proposer (draft) returned {x!r}: token ids are ints in [0, {vocab_size})", arg="draft")
+            raise BadValue(
+                f"a proposer (draft) returned {x!r}: token ids are ints in [0, {vocab_size})",
+                arg="draft",
+            )
     return ids

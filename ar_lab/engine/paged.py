@@ -1,4 +1,5 @@
-"""Paged KV memory: keys and values in fixed-size blocks of one pool, found through block tables (chapter 08).
+"""Paged KV memory: keys and values in fixed-size blocks of one pool, found through block tables
+(chapter 08).
 
 A contiguous cache (``BatchKVCache``) gives every slot room for the longest request the server may
 see, whether it uses it or not. vLLM's PagedAttention (Kwon et al., SOSP 2023, "Efficient Memory
@@ -39,7 +40,8 @@ from ar_lab.engine.paged_slot import PagedSlot
 from ar_lab.model.attention import Keys
 from ar_lab.model.cache import BatchKVCache, check_dtype
 
-ALLOCATOR_METHODS = ("allocate", "grow", "fork", "free", "table")  # what PagedKVCache calls (results: table's only)
+# what PagedKVCache calls (results: table's only)
+ALLOCATOR_METHODS = ("allocate", "grow", "fork", "free", "table")
 ALLOCATOR_FIELDS = ("block_size", "num_blocks", "num_free")  # what it reads
 
 
@@ -50,8 +52,11 @@ class OutOfBlocks(ArLabError, RuntimeError):
     def __init__(self, asked: int, free: int, request: Hashable) -> None:
         self.asked, self.free, self.request = asked, free, request
         super().__init__(
-            f"out of KV blocks: request {request!r} needs {asked} more block(s), {free} are free in the allocator; "
-            "wait for a request to finish (or give the pool more blocks)", arg="allocator"  # the pool is full
+            f"out of KV blocks: request {request!r} needs {asked} more block(s), {free}"
+            " are free in the allocator; "
+            # the pool is full
+            "wait for a request to finish (or give the pool more blocks)",
+            arg="allocator",
         )
 
 
@@ -89,8 +94,14 @@ class BlockAllocator:
 
     def refcount(self, block: int) -> int:
         """How many requests' tables hold physical ``block`` (0: it is free)."""
-        if not isinstance(block, int) or isinstance(block, bool) or not 0 <= block < self.num_blocks:
-            raise BadValue(f"block must be an int in 0..{self.num_blocks - 1}, got {block!r}", arg="block")
+        if (
+            not isinstance(block, int)
+            or isinstance(block, bool)
+            or not 0 <= block < self.num_blocks
+        ):
+            raise BadValue(
+                f"block must be an int in 0..{self.num_blocks - 1}, got {block!r}", arg="block"
+            )
         return self._refs[block]
 
     @property
@@ -130,7 +141,8 @@ class BlockAllocator:
         return self._extend(request, n_tokens)
 
     def fork(self, parent: Hashable, child: Hashable, n_tokens: int | None = None) -> list[int]:
-        """Start ``child`` holding ``parent``'s first ``n_tokens`` positions (all of them by default).
+        """Start ``child`` holding ``parent``'s first ``n_tokens`` positions (all of them by
+        default).
 
         The blocks those positions fill completely are shared (their reference counts go up); a
         partly filled last block gets a fresh block of the child's own, into which the caller copies
@@ -139,8 +151,10 @@ class BlockAllocator:
         self._new(child, "child")
         n_tokens = have if n_tokens is None else n_tokens
         if not isinstance(n_tokens, int) or isinstance(n_tokens, bool) or not 0 <= n_tokens <= have:
-            raise BadValue(f"n_tokens must be an int in 0..{have} (the parent's length), got {n_tokens!r}",
-                           arg="n_tokens")
+            raise BadValue(
+                f"n_tokens must be an int in 0..{have} (the parent's length), got {n_tokens!r}",
+                arg="n_tokens",
+            )
         full = n_tokens // self.block_size
         self._take(child, blocks_for(n_tokens, self.block_size) - full)
         shared = self._tables[parent][:full]
@@ -151,7 +165,8 @@ class BlockAllocator:
         return self._extend(child, n_tokens)
 
     def free(self, request: Hashable) -> None:
-        """``request`` has finished: each of its blocks that no other request holds returns to the free list."""
+        """``request`` has finished: each of its blocks that no other request holds returns to the
+        free list."""
         for b in self._tables.pop(self._known(request)):
             self._refs[b] -= 1
             if self._refs[b] == 0:
@@ -165,14 +180,24 @@ class BlockAllocator:
         if request in self._tables:
             return request
         if request in self._freed:
-            raise KeyError(f"request {request!r} was already freed (a second free, or a use after free)")
-        raise KeyError(f"unknown request {request!r}: allocate it first (requests now: {list(self._tables)})")
+            raise KeyError(
+                f"request {request!r} was already freed (a second free, or a use after free)"
+            )
+        raise KeyError(
+            f"unknown request {request!r}: allocate it first (requests now: {list(self._tables)})"
+        )
 
     def _new(self, request: Hashable, name: str = "request") -> None:
         if not isinstance(request, Hashable):
-            raise BadType(f"a {name} id must be hashable (an int or a str), got {type(request).__name__}", arg=name)
+            raise BadType(
+                f"a {name} id must be hashable (an int or a str), got {type(request).__name__}",
+                arg=name,
+            )
         if request in self._tables:
-            raise BadValue(f"{name} {request!r} already holds blocks: free it first or pick another id", arg=name)
+            raise BadValue(
+                f"{name} {request!r} already holds blocks: free it first or pick another id",
+                arg=name,
+            )
 
     def _take(self, request: Hashable, n_blocks: int) -> None:
         """Check that ``n_blocks`` are free (the caller then takes them in ``_extend``)."""
@@ -190,39 +215,42 @@ class BlockAllocator:
 
     def __repr__(self) -> str:
         return (
-            f"BlockAllocator(blocks={self.num_blocks}, block_size={self.block_size}, free={self.num_free}, "
-            f"requests={len(self._tables)}, tokens={self.tokens})"
+            f"BlockAllocator(blocks={self.num_blocks}, block_size={self.block_size}, free="
+            f"{self.num_free}, requests={len(self._tables)}, tokens={self.tokens})"
         )
 
 
 def check_allocator(allocator) -> None:
-    """Raise unless ``allocator`` has what ``PagedKVCache`` uses (``BlockAllocator``'s interface) and is
-    empty: a TypeError naming the first missing method or attribute."""
+    """Raise unless ``allocator`` has what ``PagedKVCache`` uses (``BlockAllocator``'s interface)
+    and is empty: a TypeError naming the first missing method or attribute."""
     missing = [m for m in ALLOCATOR_METHODS if not callable(getattr(allocator, m, None))]
     missing += [f for f in ALLOCATOR_FIELDS if not hasattr(allocator, f)]
     if missing:
         raise BadType(
-            f"allocator must have BlockAllocator's interface; {type(allocator).__name__} lacks {missing[0]!r} "
-            f"(it needs the methods {', '.join(ALLOCATOR_METHODS)} and the attributes {', '.join(ALLOCATOR_FIELDS)})",
+            f"allocator must have BlockAllocator's interface; {type(allocator).__name__} lacks "
+            f"{missing[0]!r} (it needs the methods {', '.join(ALLOCATOR_METHODS)} and the "
+            f"attributes {', '.join(ALLOCATOR_FIELDS)})",
             arg="allocator",
         )
     for f in ("block_size", "num_blocks"):
         positive_int(f"allocator.{f}", getattr(allocator, f))
     if allocator.num_free != allocator.num_blocks:
         raise BadValue(
-            f"allocator must be empty (a fresh one): {allocator.num_free} of its {allocator.num_blocks} "
-            "blocks are free", arg="allocator"
+            f"allocator must be empty (a fresh one): {allocator.num_free} of its "
+            f"{allocator.num_blocks} blocks are free",
+            arg="allocator",
         )
 
 
 class PagedKVCache(BatchKVCache):
-    """``BatchKVCache``'s interface (``slot``, ``add``, ``remove``, ``begin``, ``update``, ``advance``)
-    over a pool of blocks: the memory a row holds grows with it, one block at a time.
+    """``BatchKVCache``'s interface (``slot``, ``add``, ``remove``, ``begin``, ``update``,
+    ``advance``) over a pool of blocks: the memory a row holds grows with it, one block at a time.
 
     ``slot(rows)`` starts a new request (no blocks yet: its prefill allocates them as it writes);
     ``add`` makes it a row; ``remove`` frees its blocks and moves the last row's *table* into the
     freed row (no keys or values move). ``hold_prefix`` writes a shared prefix into blocks of its
-    own once, and ``slot(rows, shared=n)`` starts a request that shares them (``BlockAllocator.fork``).
+    own once, and ``slot(rows, shared=n)`` starts a request that shares them
+    (``BlockAllocator.fork``).
     """
 
     def __init__(
@@ -239,22 +267,38 @@ class PagedKVCache(BatchKVCache):
         num_blocks: int | None = None,
         allocator=None,
     ) -> None:
-        for name, value in [("n_layer", n_layer), ("max_batch", max_batch), ("n_kv_heads", n_kv_heads),
-                            ("max_len", max_len), ("head_dim", head_dim)]:
+        for name, value in [
+            ("n_layer", n_layer),
+            ("max_batch", max_batch),
+            ("n_kv_heads", n_kv_heads),
+            ("max_len", max_len),
+            ("head_dim", head_dim),
+        ]:
             positive_int(name, value)
         dtype = check_dtype(dtype)
         if allocator is None:
             block_size = positive_int("block_size", 16 if block_size is None else block_size)
             per_row = blocks_for(max_len, block_size)
-            num_blocks = max_batch * per_row if num_blocks is None else positive_int("num_blocks", num_blocks)
+            num_blocks = (
+                max_batch * per_row
+                if num_blocks is None
+                else positive_int("num_blocks", num_blocks)
+            )
             allocator = BlockAllocator(num_blocks, block_size)
         else:
             check_allocator(allocator)
             for name, value in [("block_size", block_size), ("num_blocks", num_blocks)]:
                 if value is not None and value != getattr(allocator, name):
-                    raise BadValue(f"{name}={value} but the allocator has {getattr(allocator, name)}: "
-                                   f"leave {name} out when you pass an allocator", arg=name)
-        self.allocator, self.block_size, self.num_blocks = allocator, allocator.block_size, allocator.num_blocks
+                    raise BadValue(
+                        f"{name}={value} but the allocator has {getattr(allocator, name)}: leave "
+                        f"{name} out when you pass an allocator",
+                        arg=name,
+                    )
+        self.allocator, self.block_size, self.num_blocks = (
+            allocator,
+            allocator.block_size,
+            allocator.num_blocks,
+        )
         device = torch.device(device)
         shape = (n_layer, self.num_blocks, n_kv_heads, self.block_size, head_dim)
         self.k = torch.zeros(shape, dtype=dtype, device=device)
@@ -266,15 +310,26 @@ class PagedKVCache(BatchKVCache):
         self._pending: Hashable | None = None  # started by slot(rows), not yet a row
         self._prefix: Hashable | None = None
         self._steps = torch.arange(max_len + self.block_size, device=device)
-        self._where: tuple[torch.Tensor, torch.Tensor] | None = None  # (block, offset) of this step's positions
+        # (block, offset) of this step's positions
+        self._where: tuple[torch.Tensor, torch.Tensor] | None = None
         self._table: torch.Tensor | None = None  # (rows, blocks) of this step
 
     @classmethod
-    def for_model(cls, model, max_batch: int, max_len: int | None = None, dtype=None, *, block_size: int | None = None,
-                  num_blocks: int | None = None, allocator=None) -> PagedKVCache:
-        """A paged cache shaped for ``model``; ``num_blocks`` defaults to the contiguous cache's memory
-        (``max_batch`` rows of ``max_len``, rounded up to whole blocks)."""
-        plain = BatchKVCache.for_model(model, 1, max_len, dtype)  # checks the model, max_len and dtype
+    def for_model(
+        cls,
+        model,
+        max_batch: int,
+        max_len: int | None = None,
+        dtype=None,
+        *,
+        block_size: int | None = None,
+        num_blocks: int | None = None,
+        allocator=None,
+    ) -> PagedKVCache:
+        """A paged cache shaped for ``model``; ``num_blocks`` defaults to the contiguous cache's
+        memory (``max_batch`` rows of ``max_len``, rounded up to whole blocks)."""
+        # checks the model, max_len and dtype
+        plain = BatchKVCache.for_model(model, 1, max_len, dtype)
         _, h, t, d = plain.k[0].shape
         return cls(len(plain.k), max_batch, h, t, d, plain.dtype, plain.k[0].device,
                    block_size=block_size, num_blocks=num_blocks, allocator=allocator)
@@ -291,15 +346,20 @@ class PagedKVCache(BatchKVCache):
     # --- requests in and out ----------------------------------------------------------------
 
     def slot(self, i: int, shared: int = 0) -> PagedSlot:
-        """Row ``i`` as a batch-1 cache; ``i == rows`` starts a new request, sharing the first ``shared``
-        positions of the prefix held by ``hold_prefix``. A started request that never became a row
-        (``add``) is freed by the next ``slot(rows)`` or by ``drop_pending``."""
+        """Row ``i`` as a batch-1 cache; ``i == rows`` starts a new request, sharing the first
+        ``shared`` positions of the prefix held by ``hold_prefix``. A started request that never
+        became a row (``add``) is freed by the next ``slot(rows)`` or by ``drop_pending``."""
         positive_int("slot", i, 0)
         if i < self.rows:
             return PagedSlot(self, self.ids[i], self.lengths[i])
         if i != self.rows or i >= self.max_batch:
-            raise BadValue(f"slot must be a row in use (0..{self.rows - 1}) or the next free one ({self.rows}), "
-                           f"and there are {self.max_batch} rows; got {i}", arg="slot")  # (as positive_int names i)
+            raise BadValue(
+                f"slot must be a row in use (0..{self.rows - 1}) or the next free one ("
+                f"{self.rows}), "
+                # (as positive_int names i)
+                f"and there are {self.max_batch} rows; got {i}",
+                arg="slot",
+            )
         self.drop_pending()
         rid, self._next = self._next, self._next + 1
         if shared:
@@ -316,13 +376,17 @@ class PagedKVCache(BatchKVCache):
             self._pending = None
 
     def hold_prefix(self, k: list[torch.Tensor], v: list[torch.Tensor]) -> int:
-        """Write a shared prefix's keys/values (per layer (1, H_kv, n, D), e.g. a ``PrefixCache``'s) into
-        blocks of its own, held until ``close``; requests then share them (``slot(rows, shared=...)``)."""
+        """Write a shared prefix's keys/values (per layer (1, H_kv, n, D), e.g. a ``PrefixCache``'s)
+        into blocks of its own, held until ``close``; requests then share them (``slot(rows,
+        shared=...)``)."""
         if self._prefix is not None:
             raise BadValue("this cache already holds a prefix", arg="cache")
         if k[0].dtype != self.k.dtype or k[0].device != self.k.device:
-            raise BadValue(f"the prefix (k, v) holds {k[0].dtype} on {k[0].device}, the cache {self.k.dtype} on "
-                           f"{self.k.device}: build the prefix from the model that uses the cache", arg="k")
+            raise BadValue(
+                f"the prefix (k, v) holds {k[0].dtype} on {k[0].device}, the cache {self.k.dtype}"
+                f" on {self.k.device}: build the prefix from the model that uses the cache",
+                arg="k",
+            )
         rid, self._next = self._next, self._next + 1
         self.allocator.allocate(rid, 0)
         self._prefix, holder = rid, PagedSlot(self, rid, 0)
@@ -332,11 +396,14 @@ class PagedKVCache(BatchKVCache):
 
     def _share(self, rid: Hashable, n: int) -> None:
         if self._prefix is None:
-            raise BadValue("no prefix is held: call hold_prefix first, or pass shared=0", arg="shared")
+            raise BadValue(
+                "no prefix is held: call hold_prefix first, or pass shared=0", arg="shared"
+            )
         self.allocator.fork(self._prefix, rid, n)
         table = self.allocator.table(rid)
         j = n // self.block_size
-        if n % self.block_size:  # the partly filled block is the child's own: copy the prefix's positions in
+        # the partly filled block is the child's own: copy the prefix's positions in
+        if n % self.block_size:
             src = self.allocator.table(self._prefix)[j]
             self.k[:, table[j]], self.v[:, table[j]] = self.k[:, src], self.v[:, src]
 
@@ -351,21 +418,30 @@ class PagedKVCache(BatchKVCache):
             self._prefix = None
 
     def add(self, length: int) -> int:
-        """Make the request started by ``slot(rows)`` (prefilled with ``length`` positions) a row; its index."""
+        """Make the request started by ``slot(rows)`` (prefilled with ``length`` positions) a row;
+        its index."""
         if self._pending is None:
-            raise BadValue("no request was started in this cache: call slot(rows) and prefill it first", arg="cache")
+            raise BadValue(
+                "no request was started in this cache: call slot(rows) and prefill it first",
+                arg="cache",
+            )
         if self.rows == self.max_batch:
-            raise BadValue(f"all {self.max_batch} rows are in use: remove a finished row from the cache first",
-                           arg="cache")
+            raise BadValue(
+                f"all {self.max_batch} rows are in use: remove a finished row from the cache first",
+                arg="cache",
+            )
         positive_int("length", length, 0)
         i, self.rows = self.rows, self.rows + 1
         self.lengths[i], self.ids[i], self._pending = length, self._pending, None
         return i
 
     def remove(self, i: int) -> int | None:
-        """Free row ``i``'s blocks; the last row's table moves into it. Returns the index that moved (or None)."""
+        """Free row ``i``'s blocks; the last row's table moves into it. Returns the index that moved
+        (or None)."""
         if not isinstance(i, int) or isinstance(i, bool) or not 0 <= i < self.rows:
-            raise BadValue(f"row i must be in use: an int in 0..{self.rows - 1}, got {i!r}", arg="i")
+            raise BadValue(
+                f"row i must be in use: an int in 0..{self.rows - 1}, got {i!r}", arg="i"
+            )
         self.allocator.free(self.ids[i])
         last = self.rows = self.rows - 1
         self.lengths[i], self.ids[i] = self.lengths[last], self.ids[last]
@@ -375,14 +451,17 @@ class PagedKVCache(BatchKVCache):
     # --- a forward step -------------------------------------------------------------------
 
     def begin(self, T: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """``BatchKVCache.begin``, after growing every row by ``T`` positions (new blocks where its last is full)."""
+        """``BatchKVCache.begin``, after growing every row by ``T`` positions (new blocks where its
+        last is full)."""
         positions, mask = super().begin(T)
         bs, tables = self.block_size, []
         for i in range(self.rows):
             self.allocator.grow(self.ids[i], self.lengths[i] + T)
             tables.append(self.allocator.table(self.ids[i]))
         for i, t in enumerate(tables):  # the blocks this step writes are each row's own
-            self.check_owned(self.ids[i], t[self.lengths[i] // bs : blocks_for(self.lengths[i] + T, bs)])
+            self.check_owned(
+                self.ids[i], t[self.lengths[i] // bs : blocks_for(self.lengths[i] + T, bs)]
+            )
         width = blocks_for(self._end, bs)
         padded = [t + [0] * (width - len(t)) for t in tables]  # (masked beyond each row's length)
         self._table = torch.tensor(padded, device=self.device)  # (rows, blocks)
@@ -391,9 +470,10 @@ class PagedKVCache(BatchKVCache):
         return positions, mask
 
     def check_owned(self, request: Hashable, blocks: list[int]) -> None:
-        """Raise unless ``blocks``, which ``request`` is about to write, are in no other live request's table (a
-        running row, the request being prefilled, the held prefix). Blocks shared by ``fork`` are full ones of the
-        prefix, which nobody writes; a block two requests write would mix their keys and values silently."""
+        """Raise unless ``blocks``, which ``request`` is about to write, are in no other live
+        request's table (a running row, the request being prefilled, the held prefix). Blocks shared
+        by ``fork`` are full ones of the prefix, which nobody writes; a block two requests write
+        would mix their keys and values silently."""
         mine = set(blocks)
         live = [*self.ids[: self.rows], self._pending, self._prefix]
         for other in live:
@@ -402,14 +482,18 @@ class PagedKVCache(BatchKVCache):
             both = mine.intersection(self.allocator.table(other))
             if both:
                 raise BadValue(
-                    f"the allocator gave block {min(both)} to request {request!r}, which writes it, while request "
-                    f"{other!r} holds it too: a block a request writes must be its own (fork shares only full "
-                    "prefix blocks, never written again)", arg="allocator")
+                    f"the allocator gave block {min(both)} to request {request!r}, which writes "
+                    f"it, while request {other!r} holds it too: a block a request writes must be "
+                    "its own (fork shares only full prefix blocks, never written again)",
+                    arg="allocator",
+                )
 
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, pos) -> None:
-        """Scatter k, v (rows, H_kv, T, D) into each row's blocks, at the positions ``begin`` gave."""
+        """Scatter k, v (rows, H_kv, T, D) into each row's blocks, at the positions ``begin``
+        gave."""
         block, offset = self._where
-        self.k[layer][block, :, offset] = k.transpose(1, 2)  # (rows, T, H_kv, D): advanced indices first
+        # (rows, T, H_kv, D): advanced indices first
+        self.k[layer][block, :, offset] = k.transpose(1, 2)
         self.v[layer][block, :, offset] = v.transpose(1, 2)
 
     def keys(self, layer: int, pos, T: int) -> Keys:
@@ -420,7 +504,8 @@ class PagedKVCache(BatchKVCache):
     @staticmethod
     def gather(pool: torch.Tensor, table: torch.Tensor, end: int) -> torch.Tensor:
         """The first ``end`` positions of each table's blocks, (rows, H_kv, end, D), from ``pool``
-        (blocks, H_kv, block_size, D): the copy a CPU makes where a GPU kernel reads the blocks in place."""
+        (blocks, H_kv, block_size, D): the copy a CPU makes where a GPU kernel reads the blocks in
+        place."""
         rows, n = table.shape
         _, h, bs, d = pool.shape
         blocks = pool[table]  # (rows, n, H_kv, bs, D)
@@ -429,6 +514,7 @@ class PagedKVCache(BatchKVCache):
     def __repr__(self) -> str:
         _, nb, h, bs, d = self.k.shape
         return (
-            f"PagedKVCache(layers={len(self.k)}, blocks={nb}x{bs}, free={self.allocator.num_free}, rows={self.rows}, "
-            f"kv_heads={h}, head_dim={d}, lengths={self.lengths[: self.rows]}, nbytes={self.nbytes:,})"
+            f"PagedKVCache(layers={len(self.k)}, blocks={nb}x{bs}, free={self.allocator.num_free}"
+            f", rows={self.rows}, kv_heads={h}, head_dim={d}, lengths={self.lengths[: self.rows]}"
+            f", nbytes={self.nbytes:,})"
         )

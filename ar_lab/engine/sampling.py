@@ -22,14 +22,15 @@ and no step can produce NaN: logits are shifted by their maximum before dividing
 +inf or all -inf raise a ``ValueError`` that says so.
 
 ``LogitsPipeline`` is this chain as one object, built once per call and run by every loop that picks
-tokens (generate, stream, token_steps, sample_batch, serve, speculative decoding): the greedy shortcut
-(the argmax of the raw logits, no distribution built) lives there once.
+tokens (generate, stream, token_steps, sample_batch, serve, speculative decoding): the greedy
+shortcut (the argmax of the raw logits, no distribution built) lives there once.
 
 A sampler of your own (chapter 06's learner writes one) plugs into generate, stream, token_steps,
-sample_batch and serve through ``sampler=``: a function ``(logits (vocab,), params, generator) -> token id``
-called once per row and step, instead of ``sample``, on the logits after step 1 (the loops keep the
-repetition penalty, which needs the history); ``pick`` is that call, with its answer checked. Speculative
-decoding compares distributions, which a sampler does not give, and beam search has no pick step.
+sample_batch and serve through ``sampler=``: a function ``(logits (vocab,), params, generator) ->
+token id`` called once per row and step, instead of ``sample``, on the logits after step 1 (the
+loops keep the repetition penalty, which needs the history); ``pick`` is that call, with its answer
+checked. Speculative decoding compares distributions, which a sampler does not give, and beam search
+has no pick step.
 
 Nothing here runs a model: the loops that do (``generate``, ``sample_batch``, the
 explorer's ``sampler_view``) live in ``ar_lab.generate``, beam search in ``ar_lab.engine.beam``.
@@ -74,18 +75,27 @@ class SamplingParams:
     def __post_init__(self) -> None:
         t = self.temperature
         if not _is_real(t) or not math.isfinite(t) or t < 0:
-            raise BadValue(f"temperature must be a finite number >= 0 (0 means greedy), got {t!r}", arg="temperature")
+            raise BadValue(
+                f"temperature must be a finite number >= 0 (0 means greedy), got {t!r}",
+                arg="temperature",
+            )
         k = self.top_k
         if k is not None and (not isinstance(k, numbers.Integral) or isinstance(k, bool) or k < 1):
             raise BadValue(f"top_k must be an int >= 1 or None (no top-k), got {k!r}", arg="top_k")
         if not _is_real(self.top_p) or not 0.0 < self.top_p <= 1.0:
-            raise BadValue(f"top_p must be in (0, 1] (1 keeps everything), got {self.top_p!r}", arg="top_p")
+            raise BadValue(
+                f"top_p must be in (0, 1] (1 keeps everything), got {self.top_p!r}", arg="top_p"
+            )
         if not _is_real(self.min_p) or not 0.0 <= self.min_p <= 1.0:
-            raise BadValue(f"min_p must be in [0, 1] (0 keeps everything), got {self.min_p!r}", arg="min_p")
+            raise BadValue(
+                f"min_p must be in [0, 1] (0 keeps everything), got {self.min_p!r}", arg="min_p"
+            )
         r = self.repetition_penalty
         if not _is_real(r) or not math.isfinite(r) or r <= 0:
-            raise BadValue(f"repetition_penalty must be a finite number > 0 (1 means none), got {r!r}",
-                           arg="repetition_penalty")
+            raise BadValue(
+                f"repetition_penalty must be a finite number > 0 (1 means none), got {r!r}",
+                arg="repetition_penalty",
+            )
         # Plain Python numbers from here on (numpy scalars and the like are accepted above).
         object.__setattr__(self, "temperature", float(t))
         object.__setattr__(self, "top_k", None if k is None else int(k))
@@ -132,23 +142,33 @@ def apply_repetition_penalty(
     if penalty == 1.0:
         return logits
     if not _is_real(penalty) or not math.isfinite(penalty) or penalty <= 0:
-        raise BadValue(f"repetition_penalty must be a finite number > 0 (1 means none), got {penalty!r}", arg="penalty")
+        raise BadValue(
+            f"repetition_penalty must be a finite number > 0 (1 means none), got {penalty!r}",
+            arg="penalty",
+        )
     V = logits.shape[-1]
     if isinstance(history, torch.Tensor) and history.dtype == torch.bool:
         if history.shape[-1] != V:
-            raise BadValue(f"history mask has {history.shape[-1]} entries, the logits {V}", arg="history")
+            raise BadValue(
+                f"history mask has {history.shape[-1]} entries, the logits {V}", arg="history"
+            )
         penalised = torch.where(logits > 0, logits / penalty, logits * penalty)
         return torch.where(history, penalised, logits)
     if isinstance(history, torch.Tensor):
         if history.dtype.is_floating_point or history.dtype.is_complex:
-            raise BadType(f"history must hold integer token ids, got a {history.dtype} tensor", arg="history")
+            raise BadType(
+                f"history must hold integer token ids, got a {history.dtype} tensor", arg="history"
+            )
         idx = history.flatten().long().unique()  # each distinct id once
         lo, hi = (int(idx[0]), int(idx[-1])) if idx.numel() else (0, 0)
     else:
         ids = set(history)  # each distinct id once
         if not all(_is_id(i) for i in ids):
             bad = next(i for i in ids if not _is_id(i))
-            raise BadType(f"history must hold integers (token ids), got {bad!r} ({type(bad).__name__})", arg="history")
+            raise BadType(
+                f"history must hold integers (token ids), got {bad!r} ({type(bad).__name__})",
+                arg="history",
+            )
         ids = {int(i) for i in ids}
         if not ids:
             return logits
@@ -157,8 +177,10 @@ def apply_repetition_penalty(
     if idx.numel() == 0:
         return logits
     if lo < 0 or hi >= V:
-        raise BadValue(f"history holds token id {lo if lo < 0 else hi}, outside the vocabulary [0, {V - 1}]",
-                       arg="history")
+        raise BadValue(
+            f"history holds token id {lo if lo < 0 else hi}, outside the vocabulary [0, {V - 1}]",
+            arg="history",
+        )
     idx = idx.to(logits.device)
     dim = logits.ndim - 1
     seen = logits.index_select(dim, idx)
@@ -172,7 +194,9 @@ def apply_temperature(logits: torch.Tensor, temperature: float) -> torch.Tensor:
     other token -inf. Shifting by a constant does not change the softmax.
     """
     if not _is_real(temperature) or not math.isfinite(temperature) or temperature < 0:
-        raise BadValue(f"temperature must be a finite number >= 0, got {temperature!r}", arg="temperature")
+        raise BadValue(
+            f"temperature must be a finite number >= 0, got {temperature!r}", arg="temperature"
+        )
     return _temperature(logits, temperature)
 
 
@@ -247,26 +271,44 @@ def _min_p(logits: torch.Tensor, min_p: float) -> torch.Tensor:
 
 def logits_error(logits: torch.Tensor, after_penalty: torch.Tensor) -> BadValue:
     if torch.isnan(logits).any():
-        return BadValue("logits contain NaN; the model output is broken (check its inputs and weights)", arg="logits")
+        return BadValue(
+            "logits contain NaN; the model output is broken (check its inputs and weights)",
+            arg="logits",
+        )
     if torch.isposinf(logits).any():
-        return BadValue("logits contain +inf; the model output overflowed (check its dtype and weights)", arg="logits")
+        return BadValue(
+            "logits contain +inf; the model output overflowed (check its dtype and weights)",
+            arg="logits",
+        )
     if torch.isneginf(logits).all(dim=-1).any():
-        return BadValue("every logit is -inf: no token can be picked from these logits", arg="logits")
-    return BadValue("the repetition penalty (params.repetition_penalty) made a logit overflow to +inf; "
-                    "use a penalty closer to 1", arg="params")
+        return BadValue(
+            "every logit is -inf: no token can be picked from these logits", arg="logits"
+        )
+    return BadValue(
+        "the repetition penalty (params.repetition_penalty) made a logit overflow to +inf; use a "
+        "penalty closer to 1",
+        arg="params",
+    )
 
 
 def processed_logits(
-    logits: torch.Tensor, params: SamplingParams = SamplingParams(), history: Iterable[int] | torch.Tensor = ()
+    logits: torch.Tensor,
+    params: SamplingParams = SamplingParams(),
+    history: Iterable[int] | torch.Tensor = (),
 ) -> torch.Tensor:
     """Steps 1-3 in float32: the logits the token is drawn from; dropped tokens are -inf.
 
     ``softmax`` of the result is ``probabilities``; ``result > -inf`` is the kept set.
     """
     if not isinstance(logits, torch.Tensor) or not logits.is_floating_point():
-        raise BadType(f"logits must be a floating-point tensor, got {type(logits).__name__}", arg="logits")
+        raise BadType(
+            f"logits must be a floating-point tensor, got {type(logits).__name__}", arg="logits"
+        )
     if logits.ndim not in (1, 2):
-        raise BadValue(f"logits must have shape (vocab,) or (batch, vocab), got {tuple(logits.shape)}", arg="logits")
+        raise BadValue(
+            f"logits must have shape (vocab,) or (batch, vocab), got {tuple(logits.shape)}",
+            arg="logits",
+        )
     if not isinstance(params, SamplingParams):
         raise BadType(f"params must be a SamplingParams, got {type(params).__name__}", arg="params")
     x = apply_repetition_penalty(logits.float(), history, params.repetition_penalty)
@@ -274,7 +316,8 @@ def processed_logits(
     if not torch.isfinite(x.amax(dim=-1)).all():
         raise logits_error(logits, x)
     # SamplingParams checked its values when it was made: the steps run unchecked from here.
-    x = _temperature(x, params.temperature)  # greedy: one finite logit left, which every filter keeps
+    # greedy: one finite logit left, which every filter keeps
+    x = _temperature(x, params.temperature)
     if params.top_k is not None:
         x = _top_k(x, params.top_k)
     x = _top_p(x, params.top_p)
@@ -282,7 +325,9 @@ def processed_logits(
 
 
 def probabilities(
-    logits: torch.Tensor, params: SamplingParams = SamplingParams(), history: Iterable[int] | torch.Tensor = ()
+    logits: torch.Tensor,
+    params: SamplingParams = SamplingParams(),
+    history: Iterable[int] | torch.Tensor = (),
 ) -> torch.Tensor:
     """The exact float32 distribution a token is drawn from, (vocab,) or (batch, vocab)."""
     return torch.softmax(processed_logits(logits, params, history), dim=-1)
@@ -301,33 +346,44 @@ def sample(
     """
     if generator is not None and not isinstance(generator, torch.Generator):
         raise BadType(
-            f"generator must be a torch.Generator (e.g. torch.Generator().manual_seed(0)) or None, got {generator!r}",
+            "generator must be a torch.Generator (e.g. torch.Generator().manual_seed(0)) or "
+            f"None, got {generator!r}",
             arg="generator",
         )
     return choose(processed_logits(logits, params, history), params, generator)
 
 
-def choose(x: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> torch.Tensor:
-    """Token ids from processed logits x (vocab,) or (batch, vocab): the argmax when greedy, else one draw per row
-    from softmax(x) with ``generator``. The one place a loop's pick depends on ``params.greedy``."""
+def choose(
+    x: torch.Tensor, params: SamplingParams, generator: torch.Generator | None
+) -> torch.Tensor:
+    """Token ids from processed logits x (vocab,) or (batch, vocab): the argmax when greedy, else
+    one draw per row from softmax(x) with ``generator``. The one place a loop's pick depends on
+    ``params.greedy``."""
     if params.greedy:
         return x.argmax(dim=-1)
     if generator is not None and not isinstance(generator, torch.Generator):
-        raise BadType(f"generator must be a torch.Generator (e.g. torch.Generator().manual_seed(0)) or None, got "
-                      f"{generator!r}", arg="generator")
+        raise BadType(
+            "generator must be a torch.Generator (e.g. torch.Generator().manual_seed(0)) or "
+            f"None, got {generator!r}",
+            arg="generator",
+        )
     probs = torch.softmax(x, dim=-1)
-    drawn = torch.multinomial(on_generator_device(probs, generator), 1, generator=generator).to(probs.device)
+    drawn = torch.multinomial(on_generator_device(probs, generator), 1, generator=generator).to(
+        probs.device
+    )
     return drawn[0] if probs.ndim == 1 else drawn.squeeze(-1)
 
 
 def on_generator_device(t: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
-    """``t`` where ``generator`` draws: a seeded ``torch.Generator()`` (on the CPU) then also draws for a model on
-    a GPU, the same numbers as beside a model on the CPU, where torch would refuse a generator of another device."""
+    """``t`` where ``generator`` draws: a seeded ``torch.Generator()`` (on the CPU) then also draws
+    for a model on a GPU, the same numbers as beside a model on the CPU, where torch would refuse a
+    generator of another device."""
     return t if generator is None or generator.device == t.device else t.to(generator.device)
 
 
 # A sampler hook: one row of logits (vocab,) in float32, after the repetition penalty; the settings;
-# the generator every draw must use -> the token id picked (an int, or a one-element integer tensor).
+# the generator every draw must use -> the token id picked (an int, or a one-element integer
+# tensor).
 Sampler = Callable[[torch.Tensor, "SamplingParams", "torch.Generator | None"], int]
 
 
@@ -338,7 +394,8 @@ def check_sampling(sampling, name: str = "sampling") -> None:
 
 
 def check_sampler(sampler) -> None:
-    """A ``sampler=`` argument: None (the package's ``sample``) or a function as ``Sampler`` describes."""
+    """A ``sampler=`` argument: None (the package's ``sample``) or a function as ``Sampler``
+    describes."""
     if sampler is not None and not callable(sampler):
         raise BadType(
             "sampler must be a function (logits (vocab,), params, generator) -> token id, e.g. "
@@ -350,7 +407,9 @@ def check_sampler(sampler) -> None:
 def entropy_bits(probs: torch.Tensor) -> torch.Tensor:
     """Shannon entropy in bits along the last axis (0 log 0 counts as 0)."""
     if not isinstance(probs, torch.Tensor):
-        raise BadType(f"probs must be a tensor of probabilities, got {type(probs).__name__}", arg="probs")
+        raise BadType(
+            f"probs must be a tensor of probabilities, got {type(probs).__name__}", arg="probs"
+        )
     return torch.special.entr(probs.double()).sum(dim=-1) / math.log(2)
 
 
@@ -367,8 +426,11 @@ def repeated_ngram_fraction(tokens: Sequence[int], n: int = 4) -> float:
         raise BadValue(f"n must be an int >= 1, got {n!r}", arg="n")
     tokens = tokens.tolist() if isinstance(tokens, torch.Tensor) else tokens
     if isinstance(tokens, (str, bytes)) or not all(_is_id(t) for t in tokens):
-        raise BadType("tokens must be a list of token ids (ints), e.g. generate(...).tokens; text: encode(text)",
-                      arg="tokens")
+        raise BadType(
+            "tokens must be a list of token ids (ints), e.g. generate(...).tokens; text: "
+            "encode(text)",
+            arg="tokens",
+        )
     tokens = [int(t) for t in tokens]
     total = len(tokens) - n + 1
     if total <= 0:

@@ -14,9 +14,9 @@ from collections.abc import Callable
 
 from ar_lab.base.errors import BadValue
 
-# (requests waiting, requests running, slots) -> how many more requests join the batch before the next step
-# (the server admits waiting requests in order until that many have joined: one that its prefill alone
-# finishes takes no slot, and the next one is admitted in its place)
+# (requests waiting, requests running, slots) -> how many more requests join the batch before the
+# next step (the server admits waiting requests in order until that many have joined: one that its
+# prefill alone finishes takes no slot, and the next one is admitted in its place)
 AdmissionPolicy = Callable[[int, int, int], int]
 
 
@@ -35,12 +35,16 @@ POLICIES = tuple(ADMISSION)  # the policies known by name
 
 
 def policy_function(policy) -> AdmissionPolicy:
-    """``policy`` as a function: a name of ``POLICIES``, or a function of one's own (``AdmissionPolicy``)."""
+    """``policy`` as a function: a name of ``POLICIES``, or a function of one's own
+    (``AdmissionPolicy``)."""
     if callable(policy):
         return policy
     if policy not in ADMISSION:
-        raise BadValue(f"policy must be one of {POLICIES} or a function (waiting, running, max_batch) -> int, "
-                       f"got {policy!r}", arg="policy")
+        raise BadValue(
+            f"policy must be one of {POLICIES} or a function (waiting, running, max_batch) -> "
+            f"int, got {policy!r}",
+            arg="policy",
+        )
     return ADMISSION[policy]
 
 
@@ -50,20 +54,21 @@ def policy_name(policy) -> str:
 
 
 def admitted(policy: AdmissionPolicy, waiting: int, running: int, max_batch: int) -> int:
-    """``policy``'s answer for this state, checked: a whole number that fits the free slots and the queue,
-    and not 0 while nothing runs and requests wait (the server would wait forever)."""
+    """``policy``'s answer for this state, checked: a whole number that fits the free slots and the
+    queue, and not 0 while nothing runs and requests wait (the server would wait forever)."""
     n = policy(waiting, running, max_batch)
     most = min(waiting, max_batch - running)
     if isinstance(n, bool) or not isinstance(n, int) or not 0 <= n <= most:
         raise BadValue(
-            f"the admission policy answered {n!r} for {waiting} waiting, {running} running, {max_batch} slots: "
-            f"it must be an int from 0 to {most} (the waiting requests that fit the free slots)",
+            f"the admission policy answered {n!r} for {waiting} waiting, {running} running, "
+            f"{max_batch} slots: it must be an int from 0 to {most} (the waiting requests that "
+            "fit the free slots)",
             arg="policy",
         )
     if n == 0 and running == 0 and waiting:
         raise BadValue(
-            f"the admission policy admitted nothing while nothing runs and {waiting} requests wait: "
-            "the server would wait forever",
+            f"the admission policy admitted nothing while nothing runs and {waiting} requests "
+            "wait: the server would wait forever",
             arg="policy",
         )
     return n

@@ -13,10 +13,10 @@ is an option of the same config, as Llama, Qwen and Mistral are options of one f
   conversion permutes the projection rows instead).
 - ``mlp="swiglu"``: a gated MLP (Shazeer 2020, "GLU Variants Improve Transformer"):
   down(silu(gate(x)) * up(x)), ``mlp_hidden`` wide.
-- ``n_kv_heads``: grouped-query attention (Ainslie et al. 2023): groups of query heads share a key/value
-  head, and the KV cache holds ``n_kv_heads`` heads, not ``n_head``.
-- ``window``: sliding-window attention (Mistral 7B): a query at position p sees keys p - window + 1 .. p.
-  ``sinks``: with a window, the first ``sinks`` positions stay visible to every query as well
+- ``n_kv_heads``: grouped-query attention (Ainslie et al. 2023): groups of query heads share a
+  key/value head, and the KV cache holds ``n_kv_heads`` heads, not ``n_head``.
+- ``window``: sliding-window attention (Mistral 7B): a query at position p sees keys p - window + 1
+  .. p. ``sinks``: with a window, the first ``sinks`` positions stay visible to every query as well
   (StreamingLLM's attention sinks, Xiao et al. 2023), so a rolling cache keeps them.
 - ``bias=False``: no biases in the linear layers (Llama's choice).
 
@@ -44,13 +44,25 @@ def _positive(name: str, value) -> None:
 
 def _choice(name: str, value, choices: tuple[str, ...]) -> None:
     if value not in choices:
-        raise BadValue(f"GPTConfig.{name} must be one of {', '.join(map(repr, choices))}, got {value!r}", arg=name)
+        raise BadValue(
+            f"GPTConfig.{name} must be one of {', '.join(map(repr, choices))}, got {value!r}",
+            arg=name,
+        )
 
 
-def _finite(name: str, value, low: float, high: float | None = None, *, open_low: bool = False) -> None:
+def _finite(
+    name: str, value, low: float, high: float | None = None, *, open_low: bool = False
+) -> None:
     real = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-    if not real or value < low or (open_low and value == low) or (high is not None and value >= high):
-        bound = f"{'>' if open_low else '>='} {low:g}" + (f" and < {high:g}" if high is not None else "")
+    if (
+        not real
+        or value < low
+        or (open_low and value == low)
+        or (high is not None and value >= high)
+    ):
+        bound = f"{'>' if open_low else '>='} {low:g}" + (
+            f" and < {high:g}" if high is not None else ""
+        )
         raise BadValue(f"GPTConfig.{name} must be a finite number {bound}, got {value!r}", arg=name)
 
 
@@ -67,9 +79,11 @@ class GPTConfig:
     positions: str = "learned"  # or "rope"
     rope_theta: float = 10000.0
     mlp: str = "gelu"  # or "swiglu"
-    mlp_hidden: int | None = None  # None: 4 n_embd (gelu), 8/3 n_embd rounded up to a multiple of 32 (swiglu)
+    # None: 4 n_embd (gelu), 8/3 n_embd rounded up to a multiple of 32 (swiglu)
+    mlp_hidden: int | None = None
     bias: bool = True
-    window: int | None = None  # None: every earlier position is visible; else the last `window` positions
+    # None: every earlier position is visible; else the last `window` positions
+    window: int | None = None
     sinks: int = 0  # with a window: the first `sinks` positions stay visible too
     norm_eps: float = 1e-5
 
@@ -77,7 +91,9 @@ class GPTConfig:
         for name in ("vocab_size", "block_size", "n_layer", "n_head", "n_embd"):
             _positive(name, getattr(self, name))
         if self.n_embd % self.n_head:
-            raise BadValue(f"n_embd ({self.n_embd}) must be divisible by n_head ({self.n_head})", arg="n_head")
+            raise BadValue(
+                f"n_embd ({self.n_embd}) must be divisible by n_head ({self.n_head})", arg="n_head"
+            )
         if self.n_kv_heads is not None:
             kv = self.n_kv_heads
             if not isinstance(kv, int) or isinstance(kv, bool) or kv < 1:
@@ -98,8 +114,11 @@ class GPTConfig:
         _finite("rope_theta", self.rope_theta, 0.0, open_low=True)
         _finite("norm_eps", self.norm_eps, 0.0, open_low=True)
         if self.positions == "rope" and self.head_dim % 2:
-            raise BadValue(f"rotary positions pair a head's dimensions: head_dim ({self.head_dim}) must be even",
-                           arg="positions")
+            raise BadValue(
+                f"rotary positions pair a head's dimensions: head_dim ({self.head_dim}) must be "
+                "even",
+                arg="positions",
+            )
         if self.mlp_hidden is not None:
             _positive("mlp_hidden", self.mlp_hidden)
         if not isinstance(self.bias, bool):
@@ -109,13 +128,16 @@ class GPTConfig:
         if not isinstance(self.sinks, int) or isinstance(self.sinks, bool) or self.sinks < 0:
             raise BadValue(f"GPTConfig.sinks must be an int >= 0, got {self.sinks!r}", arg="sinks")
         if self.sinks and self.window is None:
-            raise BadValue("GPTConfig.sinks keeps the first positions visible past a window: set window too",
-                           arg="sinks")
+            raise BadValue(
+                "GPTConfig.sinks keeps the first positions visible past a window: set window too",
+                arg="sinks",
+            )
 
     @classmethod
     def modern(cls, **overrides) -> GPTConfig:
-        """The Llama-shaped block: RMSNorm, RoPE, SwiGLU, grouped-query attention (2 query heads per KV
-        head), no biases. Any field can be overridden (``window=256, sinks=4``, ``n_layer=2``)."""
+        """The Llama-shaped block: RMSNorm, RoPE, SwiGLU, grouped-query attention (2 query heads per
+        KV head), no biases. Any field can be overridden (``window=256, sinks=4``,
+        ``n_layer=2``)."""
         base = dict(n_layer=4, n_head=4, n_kv_heads=2, n_embd=256, norm="rmsnorm", positions="rope",
                     mlp="swiglu", bias=False)
         return cls(**{**base, **overrides})
@@ -142,8 +164,15 @@ class GPTConfig:
     @property
     def is_gpt2(self) -> bool:
         """Exactly GPT-2's block (what ``transformers``' GPT-2 reproduces)."""
-        return (self.kv_heads == self.n_head and self.hidden == 4 * self.n_embd and self.norm == "layernorm"
-                and self.learned_positions and self.mlp == "gelu" and self.bias and self.window is None)
+        return (
+            self.kv_heads == self.n_head
+            and self.hidden == 4 * self.n_embd
+            and self.norm == "layernorm"
+            and self.learned_positions
+            and self.mlp == "gelu"
+            and self.bias
+            and self.window is None
+        )
 
     def to_dict(self) -> dict:
         return asdict(self)

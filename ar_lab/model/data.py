@@ -28,18 +28,23 @@ def data_dir() -> Path:
 
 
 def check_writable(path: Path, what: str) -> None:
-    """Refuse a file path that cannot be written before the work that fills it: a folder, a path under
-    a file, a name too long, or a folder this process may not write in. A test file is created beside it
-    (or in its nearest existing folder) and removed; an existing file is opened for appending, unchanged."""
+    """Refuse a file path that cannot be written before the work that fills it: a folder, a path
+    under a file, a name too long, or a folder this process may not write in. A test file is created
+    beside it (or in its nearest existing folder) and removed; an existing file is opened for
+    appending, unchanged."""
     path = Path(path)
     try:
         if path.is_dir():
-            raise BadValue(f"{what} {path} is a folder: give a file name, e.g. {path / 'out.json'}", arg=what)
+            raise BadValue(
+                f"{what} {path} is a folder: give a file name, e.g. {path / 'out.json'}", arg=what
+            )
         folder = path.parent
         while not folder.exists() and folder != folder.parent:
             folder = folder.parent
         if not folder.is_dir():
-            raise BadValue(f"{what} {path} cannot be written: {folder} is a file, not a folder", arg=what)
+            raise BadValue(
+                f"{what} {path} cannot be written: {folder} is a file, not a folder", arg=what
+            )
         test = path if folder == path.parent else folder / f".ar_lab_write_test_{os.getpid()}"
         existed = test.exists()
         with open(test, "ab"):
@@ -47,7 +52,9 @@ def check_writable(path: Path, what: str) -> None:
         if not existed:
             test.unlink()
     except OSError as e:  # a name too long, no permission, a read-only or virtual file system
-        raise BadValue(f"{what} {path} cannot be written ({e.strerror}): choose another path", arg=what) from None
+        raise BadValue(
+            f"{what} {path} cannot be written ({e.strerror}): choose another path", arg=what
+        ) from None
 
 
 def builtin_documents() -> list[str]:
@@ -65,7 +72,10 @@ def builtin_corpus() -> str:
 def load_text(path: str | Path) -> str:
     """Read a UTF-8 text file, with errors a learner can act on."""
     if not isinstance(path, (str, Path)):
-        raise BadType(f"give the path of a UTF-8 text file (a str or Path), got {type(path).__name__}", arg="path")
+        raise BadType(
+            f"give the path of a UTF-8 text file (a str or Path), got {type(path).__name__}",
+            arg="path",
+        )
     p = Path(path)
     if not p.exists():
         raise FileNotFoundError(f"no such text file: {p} (give the path of a UTF-8 text file)")
@@ -74,7 +84,9 @@ def load_text(path: str | Path) -> str:
     try:
         text = p.read_text(encoding="utf-8")
     except UnicodeDecodeError as e:
-        raise BadValue(f"path {p} is not UTF-8 text ({e.reason} at byte {e.start})", arg="path") from None
+        raise BadValue(
+            f"path {p} is not UTF-8 text ({e.reason} at byte {e.start})", arg="path"
+        ) from None
     if not text.strip():
         raise BadValue(f"path {p} is empty; a corpus needs some text to learn from", arg="path")
     return text
@@ -84,13 +96,16 @@ def tokenize_documents(documents: list[str]) -> torch.Tensor:
     """Encode documents, each followed by EOS, into one 1-D tensor of token ids."""
     if isinstance(documents, str) or not isinstance(documents, (list, tuple)):
         raise BadType(
-            f"documents must be a list of str (one text per document), got {type(documents).__name__}", arg="documents"
+            "documents must be a list of str (one text per document), got "
+            f"{type(documents).__name__}",
+            arg="documents",
         )
     ids: list[int] = []
     for doc in documents:
         if not isinstance(doc, str):  # (encode would name its own argument, text)
             raise BadType(
-                f"documents must hold str (one text per document), got a {type(doc).__name__}", arg="documents"
+                f"documents must hold str (one text per document), got a {type(doc).__name__}",
+                arg="documents",
             )
         ids.extend(encode(doc))
         ids.append(EOS_ID)
@@ -106,7 +121,9 @@ def corpus_tokens(path: str | Path | None = None) -> torch.Tensor:
     return tokenize_documents([load_text(path)])
 
 
-def train_val_split(tokens: torch.Tensor, val_fraction: float = 0.1) -> tuple[torch.Tensor, torch.Tensor]:
+def train_val_split(
+    tokens: torch.Tensor, val_fraction: float = 0.1
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Split a 1-D token tensor: the first part trains, the last ``val_fraction`` validates.
 
     A contiguous tail (not a random sample) keeps validation text unseen during
@@ -117,7 +134,9 @@ def train_val_split(tokens: torch.Tensor, val_fraction: float = 0.1) -> tuple[to
         raise BadValue(f"val_fraction must be in (0, 1), got {val_fraction}", arg="val_fraction")
     n_val = max(1, int(len(tokens) * val_fraction))
     if len(tokens) - n_val < 2:
-        raise BadValue(f"only {len(tokens)} tokens: too few to split into train and validation", arg="tokens")
+        raise BadValue(
+            f"only {len(tokens)} tokens: too few to split into train and validation", arg="tokens"
+        )
     return tokens[:-n_val], tokens[-n_val:]
 
 
@@ -146,10 +165,19 @@ def get_batch(
 
 
 def _check_tokens(tokens) -> None:
-    if not isinstance(tokens, torch.Tensor) or tokens.dtype.is_floating_point or tokens.dtype == torch.bool:
-        got = f"a {tokens.dtype} tensor" if isinstance(tokens, torch.Tensor) else type(tokens).__name__
+    if (
+        not isinstance(tokens, torch.Tensor)
+        or tokens.dtype.is_floating_point
+        or tokens.dtype == torch.bool
+    ):
+        got = (
+            f"a {tokens.dtype} tensor"
+            if isinstance(tokens, torch.Tensor)
+            else type(tokens).__name__
+        )
         raise BadType(
-            f"tokens must be a 1-D integer tensor of token ids (e.g. corpus_tokens()), got {got}", arg="tokens"
+            f"tokens must be a 1-D integer tensor of token ids (e.g. corpus_tokens()), got {got}",
+            arg="tokens",
         )
     if tokens.ndim != 1:
         raise BadValue(f"tokens must be 1-D, got shape {tuple(tokens.shape)}", arg="tokens")

@@ -1,4 +1,5 @@
-"""How ar_lab runs a model for inference: under ``torch.inference_mode()``, never switching its mode.
+"""How ar_lab runs a model for inference: under ``torch.inference_mode()``, never switching its
+mode.
 
 A model's training flag belongs to whoever trains it. ar_lab's loops (generate, stream, beam,
 speculative, serving, the measurements) never call ``model.eval()`` or ``model.train()`` on the
@@ -40,7 +41,8 @@ def _random_in_training(module: nn.Module) -> str | None:
 
 
 def check_inference_ready(*models: nn.Module) -> None:
-    """Raise if a model in training mode would compute differently from eval mode (active dropout)."""
+    """Raise if a model in training mode would compute differently from eval mode (active
+    dropout)."""
     for m in models:
         if not isinstance(m, nn.Module):
             raise BadType(f"model must be a torch.nn.Module, got {type(m).__name__}", arg="model")
@@ -48,18 +50,21 @@ def check_inference_ready(*models: nn.Module) -> None:
             what = _random_in_training(m)
             if what is not None:
                 raise BadValue(
-                    f"the model is in training mode and {what} would make its outputs random: call "
-                    "model.eval() before generating or measuring (ar_lab never switches your model's mode)",
+                    f"the model is in training mode and {what} would make its outputs random: "
+                    "call model.eval() before generating or measuring (ar_lab never switches "
+                    "your model's mode)",
                     arg="model",
                 )
 
 
 @contextlib.contextmanager
 def inference(*models: nn.Module) -> Iterator[None]:
-    """Check ``models`` (``check_inference_ready``) and run the block under ``torch.inference_mode()``.
+    """Check ``models`` (``check_inference_ready``) and run the block under
+    ``torch.inference_mode()``.
 
-    The check is one attribute read for a model in eval mode, so a generator can enter this per step:
-    a model switched to training mode (dropout on) during a paused stream is refused at the next step.
+    The check is one attribute read for a model in eval mode, so a generator can enter this per
+    step: a model switched to training mode (dropout on) during a paused stream is refused at the
+    next step.
     """
     check_inference_ready(*models)
     with torch.inference_mode():

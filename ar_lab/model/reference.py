@@ -30,7 +30,8 @@ def _transformers():
         import transformers
     except ImportError:
         raise ImportError(
-            "the reference peer needs transformers: `pip install transformers` (it is in the dev extra)"
+            "the reference peer needs transformers: `pip install transformers` (it is in the dev "
+            "extra)"
         ) from None
     return transformers
 
@@ -43,43 +44,62 @@ def to_hf(model: GPT):
 
 
 def to_hf_llama(model: GPT):
-    """A ``transformers.LlamaForCausalLM`` (``MistralForCausalLM`` with a window) with ``model``'s weights.
+    """A ``transformers.LlamaForCausalLM`` (``MistralForCausalLM`` with a window) with ``model``'s
+    weights.
 
-    The fused projections split: qkv into q_proj, k_proj, v_proj (n_head, n_kv_heads and n_kv_heads heads);
-    the SwiGLU fc into gate_proj and up_proj. Both use RoPE's rotate-half pairing, so no row is permuted."""
+    The fused projections split: qkv into q_proj, k_proj, v_proj (n_head, n_kv_heads and n_kv_heads
+    heads); the SwiGLU fc into gate_proj and up_proj. Both use RoPE's rotate-half pairing, so no row
+    is permuted."""
     cfg = model.config
     llama = (cfg.norm, cfg.positions, cfg.mlp) == ("rmsnorm", "rope", "swiglu")
     if not llama or cfg.sinks or (cfg.window is not None and cfg.bias):
         raise BadValue(
-            "only a Llama-shaped model converts to transformers' Llama or Mistral (norm='rmsnorm', "
-            "positions='rope', mlp='swiglu'; a window without sinks and without biases): "
-            f"got norm={cfg.norm!r}, positions={cfg.positions!r}, mlp={cfg.mlp!r}, sinks={cfg.sinks}",
+            "only a Llama-shaped model converts to transformers' Llama or Mistral "
+            "(norm='rmsnorm', positions='rope', mlp='swiglu'; a window without sinks and "
+            f"without biases): got norm={cfg.norm!r}, positions={cfg.positions!r}, mlp="
+            f"{cfg.mlp!r}, sinks={cfg.sinks}",
             arg="model",
         )
     tf = _transformers()
     common = dict(
-        vocab_size=cfg.vocab_size, hidden_size=cfg.n_embd, intermediate_size=cfg.hidden,
-        num_hidden_layers=cfg.n_layer, num_attention_heads=cfg.n_head, num_key_value_heads=cfg.kv_heads,
-        head_dim=cfg.head_dim, max_position_embeddings=cfg.block_size, rms_norm_eps=cfg.norm_eps,
+        vocab_size=cfg.vocab_size,
+        hidden_size=cfg.n_embd,
+        intermediate_size=cfg.hidden,
+        num_hidden_layers=cfg.n_layer,
+        num_attention_heads=cfg.n_head,
+        num_key_value_heads=cfg.kv_heads,
+        head_dim=cfg.head_dim,
+        max_position_embeddings=cfg.block_size,
+        rms_norm_eps=cfg.norm_eps,
         rope_parameters={"rope_type": "default", "rope_theta": float(cfg.rope_theta)},
-        tie_word_embeddings=True, bos_token_id=EOS_ID, eos_token_id=EOS_ID, attention_dropout=0.0,
+        tie_word_embeddings=True,
+        bos_token_id=EOS_ID,
+        eos_token_id=EOS_ID,
+        attention_dropout=0.0,
     )
     if cfg.window is None:
-        hf = tf.LlamaForCausalLM(tf.LlamaConfig(**common, attention_bias=cfg.bias, mlp_bias=cfg.bias))
+        hf = tf.LlamaForCausalLM(
+            tf.LlamaConfig(**common, attention_bias=cfg.bias, mlp_bias=cfg.bias)
+        )
     else:
         hf = tf.MistralForCausalLM(tf.MistralConfig(**common, sliding_window=cfg.window))
     ours = model.state_dict()
     H, Hk, F = cfg.n_head * cfg.head_dim, cfg.kv_heads * cfg.head_dim, cfg.hidden
-    mapping = {"model.embed_tokens.weight": ours["wte.weight"], "model.norm.weight": ours["ln_f.weight"]}
+    mapping = {
+        "model.embed_tokens.weight": ours["wte.weight"],
+        "model.norm.weight": ours["ln_f.weight"],
+    }
     for i in range(cfg.n_layer):
         h, b = f"model.layers.{i}.", f"blocks.{i}."
         for kind in ("weight", "bias") if cfg.bias else ("weight",):
             qkv, fc = ours[f"{b}attn.qkv.{kind}"], ours[f"{b}mlp.fc.{kind}"]
             mapping |= {
-                f"{h}self_attn.q_proj.{kind}": qkv[:H], f"{h}self_attn.k_proj.{kind}": qkv[H : H + Hk],
+                f"{h}self_attn.q_proj.{kind}": qkv[:H],
+                f"{h}self_attn.k_proj.{kind}": qkv[H : H + Hk],
                 f"{h}self_attn.v_proj.{kind}": qkv[H + Hk :],
                 f"{h}self_attn.o_proj.{kind}": ours[f"{b}attn.proj.{kind}"],
-                f"{h}mlp.gate_proj.{kind}": fc[:F], f"{h}mlp.up_proj.{kind}": fc[F:],
+                f"{h}mlp.gate_proj.{kind}": fc[:F],
+                f"{h}mlp.up_proj.{kind}": fc[F:],
                 f"{h}mlp.down_proj.{kind}": ours[f"{b}mlp.proj.{kind}"],
             }
         mapping[f"{h}input_layernorm.weight"] = ours[f"{b}ln1.weight"]
@@ -92,7 +112,9 @@ def _load(hf, mapping: dict, device):
         hf_state = hf.state_dict()
         missing = set(hf_state) - set(mapping) - {"lm_head.weight"}
         if missing:
-            raise RuntimeError(f"no weights of ours for {sorted(missing)[:3]} of the transformers model")
+            raise RuntimeError(
+                f"no weights of ours for {sorted(missing)[:3]} of the transformers model"
+            )
         for name, tensor in mapping.items():
             hf_state[name].copy_(tensor)
     hf.tie_weights()
@@ -105,13 +127,14 @@ def to_hf_gpt2(model: GPT):
         from transformers import GPT2Config, GPT2LMHeadModel
     except ImportError:
         raise ImportError(
-            "the reference peer needs transformers: `pip install transformers` (it is in the dev extra)"
+            "the reference peer needs transformers: `pip install transformers` (it is in the dev "
+            "extra)"
         ) from None
     cfg = model.config
     if cfg.kv_heads != cfg.n_head:
         raise BadValue(
-            f"GPT-2 has no grouped-query attention: n_kv_heads={cfg.kv_heads} != n_head={cfg.n_head}; "
-            "only a model of the MHA configuration converts",
+            f"GPT-2 has no grouped-query attention: n_kv_heads={cfg.kv_heads} != n_head="
+            f"{cfg.n_head}; only a model of the MHA configuration converts",
             arg="model",
         )
     hf_config = GPT2Config(
@@ -132,7 +155,10 @@ def to_hf_gpt2(model: GPT):
     hf = GPT2LMHeadModel(hf_config)
     # HF's Conv1D stores weights as (in, out): the transpose of nn.Linear's (out, in).
     ours = model.state_dict()
-    mapping = {"transformer.wte.weight": ours["wte.weight"], "transformer.wpe.weight": ours["wpe.weight"]}
+    mapping = {
+        "transformer.wte.weight": ours["wte.weight"],
+        "transformer.wpe.weight": ours["wpe.weight"],
+    }
     for i in range(cfg.n_layer):
         h, b = f"transformer.h.{i}.", f"blocks.{i}."
         for hf_name, our_name, transpose in [

@@ -30,11 +30,25 @@ class RollingKVCache(Store):
     """Keys and values of one sequence batch (B rows at the same positions) for a windowed model."""
 
     def __init__(
-        self, n_layer: int, batch_size: int, n_kv_heads: int, head_dim: int, *, window: int, sinks: int = 0,
-        spare: int = 0, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
+        self,
+        n_layer: int,
+        batch_size: int,
+        n_kv_heads: int,
+        head_dim: int,
+        *,
+        window: int,
+        sinks: int = 0,
+        spare: int = 0,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
     ) -> None:
-        for name, value in [("n_layer", n_layer), ("batch_size", batch_size), ("n_kv_heads", n_kv_heads),
-                            ("head_dim", head_dim), ("window", window)]:
+        for name, value in [
+            ("n_layer", n_layer),
+            ("batch_size", batch_size),
+            ("n_kv_heads", n_kv_heads),
+            ("head_dim", head_dim),
+            ("window", window),
+        ]:
             checked_index(name, value, 1, 1 << 40)
         checked_index("sinks", sinks, 0, 1 << 40)
         checked_index("spare", spare, 0, 1 << 40)
@@ -45,7 +59,8 @@ class RollingKVCache(Store):
         shape = (batch_size, n_kv_heads, self.places, head_dim)
         self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_layer)]
         self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_layer)]
-        self.held = torch.full((self.places,), -1, dtype=torch.long, device=device)  # the position at each place
+        # the position at each place
+        self.held = torch.full((self.places,), -1, dtype=torch.long, device=device)
         self.batch_size, self.max_len = batch_size, 1 << 62  # no capacity: old positions roll out
         self._length = 0
         self._pending: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * n_layer
@@ -55,12 +70,24 @@ class RollingKVCache(Store):
         """A rolling cache for a windowed ``model`` (``GPTConfig.window``), with its sinks."""
         cfg = config_of(model)
         if getattr(cfg, "window", None) is None:
-            raise BadValue("a rolling cache keeps a sliding window: the model has none (GPTConfig.window is None); "
-                           "use KVCache.for_model(model)", arg="model")
+            raise BadValue(
+                "a rolling cache keeps a sliding window: the model has none (GPTConfig.window is "
+                "None); use KVCache.for_model(model)",
+                arg="model",
+            )
         p = next(model.parameters())
         dtype = p.dtype if dtype is None else check_dtype(dtype)
-        return cls(cfg.n_layer, batch_size, cfg.kv_heads, cfg.head_dim, window=cfg.window, sinks=cfg.sinks,
-                   spare=spare, dtype=dtype, device=p.device)
+        return cls(
+            cfg.n_layer,
+            batch_size,
+            cfg.kv_heads,
+            cfg.head_dim,
+            window=cfg.window,
+            sinks=cfg.sinks,
+            spare=spare,
+            dtype=dtype,
+            device=p.device,
+        )
 
     @property
     def dtype(self) -> torch.dtype:
@@ -83,9 +110,12 @@ class RollingKVCache(Store):
         """Raise unless the model attends over this cache's window and sinks, with its shapes."""
         check_shape(self, cfg)
         if (cfg.window, cfg.sinks) != tuple(self.span):
-            raise BadValue(f"this rolling cache keeps window={self.span.window}, sinks={self.span.sinks}, the model "
-                           f"attends with window={cfg.window}, sinks={cfg.sinks}: build it with "
-                           "RollingKVCache.for_model(model)", arg="cache")
+            raise BadValue(
+                f"this rolling cache keeps window={self.span.window}, sinks={self.span.sinks}, "
+                f"the model attends with window={cfg.window}, sinks={cfg.sinks}: build it with "
+                "RollingKVCache.for_model(model)",
+                arg="cache",
+            )
 
     def _place(self, positions: torch.Tensor) -> torch.Tensor:
         S = self.span.sinks
@@ -93,10 +123,15 @@ class RollingKVCache(Store):
 
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, pos: Pos) -> None:
         if not isinstance(pos, int):
-            raise BadType("a rolling cache's rows share their positions: pass pos as an int", arg="pos")
+            raise BadType(
+                "a rolling cache's rows share their positions: pass pos as an int", arg="pos"
+            )
         if pos != self._length:
-            raise BadValue(f"a rolling cache is written in order: the next position is {self._length}, got {pos} "
-                           "(truncate first to go back)", arg="pos")
+            raise BadValue(
+                f"a rolling cache is written in order: the next position is {self._length}, got "
+                f"{pos} (truncate first to go back)",
+                arg="pos",
+            )
         self._pending[layer] = (k, v)
 
     def keys(self, layer: int, pos: Pos, T: int) -> Keys:
@@ -116,7 +151,8 @@ class RollingKVCache(Store):
         k, v = self._pending[layer]
         self._pending[layer] = None
         T = k.shape[2]
-        keep = min(T, self.ring)  # of a long write, only the latest positions outlive it (and the sinks)
+        # of a long write, only the latest positions outlive it (and the sinks)
+        keep = min(T, self.ring)
         positions = torch.arange(pos, pos + T, device=self.held.device)
         chosen = (positions < self.span.sinks) | (positions >= pos + T - keep)
         places = self._place(positions[chosen])
@@ -126,14 +162,16 @@ class RollingKVCache(Store):
             self.held[places] = positions[chosen]
 
     def truncate(self, n: int) -> None:
-        """Forget positions n and later; raises if the ring no longer holds what position n's query needs."""
+        """Forget positions n and later; raises if the ring no longer holds what position n's query
+        needs."""
         checked_index("n", n, 0, self._length)
         oldest_needed = max(n - self.span.window + 1, self.span.sinks)
         ring_oldest = max(self._length - self.ring, self.span.sinks)
         if n < self._length and oldest_needed < ring_oldest:
             raise ContextFull(
-                f"cannot roll a rolling cache back from {self._length} to {n} positions: position {oldest_needed} "
-                f"has rolled out (the ring holds {self.ring}); build it with spare >= {self._length - n}",
+                f"cannot roll a rolling cache back from {self._length} to {n} positions: "
+                f"position {oldest_needed} has rolled out (the ring holds {self.ring}); build it "
+                f"with spare >= {self._length - n}",
                 arg="n",
             )
         self.held[self.held >= n] = -1
@@ -145,5 +183,8 @@ class RollingKVCache(Store):
 
     def __repr__(self) -> str:
         b, h, p, d = self.k[0].shape
-        return (f"RollingKVCache(layers={len(self.k)}, batch={b}, kv_heads={h}, places={p}, head_dim={d}, "
-                f"window={self.span.window}, sinks={self.span.sinks}, length={self.length}, nbytes={self.nbytes:,})")
+        return (
+            f"RollingKVCache(layers={len(self.k)}, batch={b}, kv_heads={h}, places={p}, head_dim="
+            f"{d}, window={self.span.window}, sinks={self.span.sinks}, length={self.length}, "
+            f"nbytes={self.nbytes:,})"
+        )

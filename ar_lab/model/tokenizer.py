@@ -31,21 +31,29 @@ def encode(text: str, add_eos: bool = False) -> list[int]:
 
 
 def _check_ids(ids: Iterable[int], name: str = "ids") -> list[int]:
-    """``ids`` as a list of ints in the vocabulary, or an error that says what to pass (``name``: the argument)."""
+    """``ids`` as a list of ints in the vocabulary, or an error that says what to pass (``name``:
+    the argument)."""
     if isinstance(ids, str):
         raise BadType(
-            f"decode expects a list of token ids (ints 0..{VOCAB_SIZE - 1}), got a str: use encode(text)", arg=name
+            f"decode expects a list of token ids (ints 0..{VOCAB_SIZE - 1}), got a str: use "
+            "encode(text)",
+            arg=name,
         )
     if hasattr(ids, "tolist") and hasattr(ids, "dtype"):  # a tensor or an array: integer ids, 1-D
         if getattr(ids, "ndim", 1) > 1:
-            raise BadValue(f"token ids must be 1-D, got shape {tuple(ids.shape)}: decode one row at a time", arg=name)
+            raise BadValue(
+                f"token ids must be 1-D, got shape {tuple(ids.shape)}: decode one row at a time",
+                arg=name,
+            )
         if not _integer_dtype(ids.dtype):
             raise BadType(f"token ids must be integers, got a {ids.dtype} array", arg=name)
         ids = ids.tolist()
         ids = [ids] if isinstance(ids, int) else ids
     elif not isinstance(ids, Iterable):
         raise BadType(
-            f"decode expects a list of token ids (ints 0..{VOCAB_SIZE - 1}), got {type(ids).__name__}", arg=name
+            f"decode expects a list of token ids (ints 0..{VOCAB_SIZE - 1}), got "
+            f"{type(ids).__name__}",
+            arg=name,
         )
     out = []
     for i in ids:
@@ -53,11 +61,15 @@ def _check_ids(ids: Iterable[int], name: str = "ids") -> list[int]:
             i = int(i)
         if isinstance(i, bool) or not isinstance(i, numbers.Integral):
             raise BadType(
-                f"{name}: token ids must be integers (0..{VOCAB_SIZE - 1}), got {i!r} ({type(i).__name__})", arg=name
+                f"{name}: token ids must be integers (0..{VOCAB_SIZE - 1}), got {i!r} ("
+                f"{type(i).__name__})",
+                arg=name,
             )
         i = int(i)
         if not 0 <= i < VOCAB_SIZE:
-            raise BadValue(f"{name}: token id {i} is outside the vocabulary [0, {VOCAB_SIZE - 1}]", arg=name)
+            raise BadValue(
+                f"{name}: token id {i} is outside the vocabulary [0, {VOCAB_SIZE - 1}]", arg=name
+            )
         out.append(i)
     return out
 
@@ -95,7 +107,8 @@ class StreamDecoder:
         self.finished = False
 
     def feed(self, token_id: int) -> str:
-        if type(token_id) is not int or not 0 <= token_id < VOCAB_SIZE:  # the common case needs no more checks
+        # the common case needs no more checks
+        if type(token_id) is not int or not 0 <= token_id < VOCAB_SIZE:
             (token_id,) = _check_ids([token_id], "token_id")
         if self.finished:
             return ""

@@ -41,19 +41,28 @@ def _copy(t: torch.Tensor, k: int, dims: tuple[int, ...]) -> torch.Tensor:
 
 
 def widen(model: GPT, k: int) -> GPT:
-    """A ``GPT`` with ``k`` times the width (``n_embd``; the heads k times wider, their number kept) that
-    computes the same logits as ``model`` (see the module docstring). ``model`` is not changed."""
-    if type(model) is not GPT:  # a subclass may compute something else: its forward is not widened here
-        raise BadType(f"widen takes an ar_lab GPT as model (not a subclass), got {type(model).__name__}", arg="model")
+    """A ``GPT`` with ``k`` times the width (``n_embd``; the heads k times wider, their number kept)
+    that computes the same logits as ``model`` (see the module docstring). ``model`` is not
+    changed."""
+    # a subclass may compute something else: its forward is not widened here
+    if type(model) is not GPT:
+        raise BadType(
+            f"widen takes an ar_lab GPT as model (not a subclass), got {type(model).__name__}",
+            arg="model",
+        )
     if model.lm_head.weight is not model.wte.weight:
         raise BadType(
-            "widen takes a GPT model whose output projection is tied to its token embedding, as GPT ties them",
+            "widen takes a GPT model whose output projection is tied to its token embedding, as "
+            "GPT ties them",
             arg="model",
         )
     layers = [m for b in model.blocks for m in (b.attn.qkv, b.attn.proj, b.mlp.fc, b.mlp.proj)]
-    if any(type(m) is not torch.nn.Linear for m in layers):  # a quantized layer's weights are not a matrix
+    # a quantized layer's weights are not a matrix
+    if any(type(m) is not torch.nn.Linear for m in layers):
         raise BadType(
-            "widen takes a GPT model of nn.Linear layers: widen first, then quantize (quantize_model)", arg="model"
+            "widen takes a GPT model of nn.Linear layers: widen first, then quantize "
+            "(quantize_model)",
+            arg="model",
         )
     try:
         k = positive_int("k (the widening factor)", k)
@@ -61,10 +70,19 @@ def widen(model: GPT, k: int) -> GPT:
         raise BadValue(str(e), arg="k") from None
     cfg = model.config
     with torch.device("meta"):  # no random initialisation: every weight is set below
-        wide = GPT(GPTConfig(vocab_size=cfg.vocab_size, block_size=cfg.block_size, n_layer=cfg.n_layer,
-                             n_head=cfg.n_head, n_kv_heads=cfg.n_kv_heads, n_embd=cfg.n_embd * k))
+        wide = GPT(
+            GPTConfig(
+                vocab_size=cfg.vocab_size,
+                block_size=cfg.block_size,
+                n_layer=cfg.n_layer,
+                n_head=cfg.n_head,
+                n_kv_heads=cfg.n_kv_heads,
+                n_embd=cfg.n_embd * k,
+            )
+        )
     wide.to_empty(device="cpu")  # memory, uninitialised
-    wide.lm_head.weight = wide.wte.weight  # tied again, as GPT ties them (to_empty gives each its own memory)
+    # tied again, as GPT ties them (to_empty gives each its own memory)
+    wide.lm_head.weight = wide.wte.weight
     src = model.state_dict()
     out = {}
     q_rows = cfg.n_head * cfg.head_dim * k  # the queries' share of a wide qkv layer's outputs
@@ -73,7 +91,8 @@ def widen(model: GPT, k: int) -> GPT:
         if name.endswith((".qkv.weight", ".proj.weight", ".fc.weight")):
             w = _copy(t, k, (0, 1)) / k  # (out k, in k): E W E^T / k
             if name.endswith(".qkv.weight"):
-                w[:q_rows] /= math.sqrt(k)  # the attention scale shrinks by sqrt(k): keep the scores
+                # the attention scale shrinks by sqrt(k): keep the scores
+                w[:q_rows] /= math.sqrt(k)
             out[name] = w
         elif name.endswith(".qkv.bias"):
             b = _copy(t, k, (0,))

@@ -52,8 +52,8 @@ def weight_format(weight_dtype) -> str:
         if text in WEIGHT_FORMATS:
             return text
     raise BadValue(
-        f"weight_dtype must be one of {list(WEIGHT_FORMATS)} (or 'float32', 'bfloat16', a torch dtype such as "
-        f"torch.bfloat16), got {weight_dtype!r}",
+        f"weight_dtype must be one of {list(WEIGHT_FORMATS)} (or 'float32', 'bfloat16', a torch "
+        f"dtype such as torch.bfloat16), got {weight_dtype!r}",
         arg="weight_dtype",
     )
 
@@ -69,7 +69,8 @@ class GPUSpec:
     memory: float  # bytes
     source: str  # the vendor document the figures come from
     quoted: str  # what the document prints for the tensor figure, and how the dense figure follows
-    device_names: str  # regular expression matching torch.cuda.get_device_name() of this exact product
+    # regular expression matching torch.cuda.get_device_name() of this exact product
+    device_names: str
 
     @property
     def ridge(self) -> float:
@@ -77,9 +78,9 @@ class GPUSpec:
         return ridge_point(self.tensor_flops, self.bandwidth)
 
     def peak_flops(self, weight_dtype="bf16") -> float:
-        """The compute roof for a weight format (any spelling ``weight_format`` takes): fp32 runs on the
-        fp32 units; bf16, int8 and int4 weights (int8/int4 dequantized to bf16 for the arithmetic) on
-        the 16-bit tensor cores."""
+        """The compute roof for a weight format (any spelling ``weight_format`` takes): fp32 runs on
+        the fp32 units; bf16, int8 and int4 weights (int8/int4 dequantized to bf16 for the
+        arithmetic) on the 16-bit tensor cores."""
         return self.fp32_flops if weight_format(weight_dtype) == "fp32" else self.tensor_flops
 
 
@@ -93,8 +94,8 @@ GPUS: dict[str, GPUSpec] = {
             300 * GB,
             16 * GB,
             source="NVIDIA T4 Tensor Core GPU datasheet",
-            quoted="Mixed Precision (FP16/FP32) 65 TFLOPS (dense; Turing has no bf16). The datasheet "
-            "gives 300 GB/s; NVIDIA's T4 web page says 320+ GB/s",
+            quoted="Mixed Precision (FP16/FP32) 65 TFLOPS (dense; Turing has no bf16). The "
+            "datasheet gives 300 GB/s; NVIDIA's T4 web page says 320+ GB/s",
             device_names=r"\bT4\b",
         ),
         GPUSpec(
@@ -145,8 +146,10 @@ GPUS: dict[str, GPUSpec] = {
             3.35 * TB,
             80 * GB,
             source="NVIDIA H100 Tensor Core GPU datasheet",
-            quoted="BF16 / FP16 Tensor Core 1,979 TFLOPS, printed with sparsity: dense is half, 989.5",
-            device_names=r"H100 80GB HBM3",  # how the SXM5 module names itself (the PCIe card: "H100 PCIe")
+            quoted="BF16 / FP16 Tensor Core 1,979 TFLOPS, printed with sparsity: dense is half, "
+            "989.5",
+            # how the SXM5 module names itself (the PCIe card: "H100 PCIe")
+            device_names=r"H100 80GB HBM3",
         ),
         GPUSpec(
             "H200 SXM",
@@ -155,7 +158,8 @@ GPUS: dict[str, GPUSpec] = {
             4.8 * TB,
             141 * GB,
             source="NVIDIA H200 Tensor Core GPU datasheet",
-            quoted="BF16 / FP16 Tensor Core 1,979 TFLOPS, printed with sparsity: dense is half, 989.5",
+            quoted="BF16 / FP16 Tensor Core 1,979 TFLOPS, printed with sparsity: dense is half, "
+            "989.5",
             device_names=r"\bH200\b(?!.*NVL)",
         ),
         GPUSpec(
@@ -166,8 +170,9 @@ GPUS: dict[str, GPUSpec] = {
             1440 * GB / 8,
             source="NVIDIA HGX B200 datasheet figures (the HGX platform's specifications for an "
             "8-GPU board: each figure here is one eighth)",
-            quoted="FP16 / BF16 Tensor Core 36 PFLOPS for 8 GPUs, printed with sparsity: dense is half, "
-            "2,250 TFLOPS per GPU; HBM3e 1,440 GB and 64 TB/s for the board: 180 GB, 8 TB/s each",
+            quoted="FP16 / BF16 Tensor Core 36 PFLOPS for 8 GPUs, printed with sparsity: dense "
+            "is half, 2,250 TFLOPS per GPU; HBM3e 1,440 GB and 64 TB/s for the board: 180 GB, 8 "
+            "TB/s each",
             device_names=r"\bB200\b",
         ),
         GPUSpec(
@@ -177,8 +182,9 @@ GPUS: dict[str, GPUSpec] = {
             5.3 * TB,
             192 * GB,
             source="AMD Instinct MI300X accelerator datasheet",
-            quoted="Peak FP16 / BF16 1,307.4 TFLOPS dense (2,614.9 with sparsity); FP32 matrix 163.4 TFLOPS "
-            "(full fp32 on the matrix cores, where rocBLAS runs fp32 GEMMs; 81.7 on the vector units)",
+            quoted="Peak FP16 / BF16 1,307.4 TFLOPS dense (2,614.9 with sparsity); FP32 matrix "
+            "163.4 TFLOPS (full fp32 on the matrix cores, where rocBLAS runs fp32 GEMMs; 81.7 on "
+            "the vector units)",
             device_names=r"MI300X",
         ),
         GPUSpec(
@@ -188,8 +194,8 @@ GPUS: dict[str, GPUSpec] = {
             1008 * GB,
             24 * GB,
             source="NVIDIA Ada GPU Architecture whitepaper (GeForce RTX 4090 specifications)",
-            quoted="Peak FP16 / BF16 Tensor TFLOPS with FP32 accumulate 165.2 dense (330.4 with sparsity); "
-            "with FP16 accumulate 330.3, which PyTorch's matmuls do not use",
+            quoted="Peak FP16 / BF16 Tensor TFLOPS with FP32 accumulate 165.2 dense (330.4 with "
+            "sparsity); with FP16 accumulate 330.3, which PyTorch's matmuls do not use",
             device_names=r"RTX 4090$",
         ),
     ]
@@ -197,14 +203,16 @@ GPUS: dict[str, GPUSpec] = {
 
 
 def match_gpu(device_name: str) -> GPUSpec | None:
-    """The table's row for a CUDA device name (``torch.cuda.get_device_name()``), or None if not tabulated.
+    """The table's row for a CUDA device name (``torch.cuda.get_device_name()``), or None if not
+    tabulated.
 
     Only the exact products of the table match: an "H100 PCIe" or an "A10G" has other
     roofs and gets None, not a neighbour's figures.
     """
     if not isinstance(device_name, str):
         raise BadType(
-            f"device_name must be a str (what torch.cuda.get_device_name() returns), got {device_name!r}",
+            "device_name must be a str (what torch.cuda.get_device_name() returns), got "
+            f"{device_name!r}",
             arg="device_name",
         )
     for spec in GPUS.values():
@@ -221,32 +229,50 @@ def gpu(name: str) -> GPUSpec:
 def _row(name, arg: str) -> GPUSpec:
     """The row named ``name``; else a BadValue for the argument ``arg`` listing the names."""
     if not isinstance(name, str) or name not in GPUS:
-        raise BadValue(f"unknown GPU {name!r}; choose one of {list(GPUS)} (argument {arg})", arg=arg)
+        raise BadValue(
+            f"unknown GPU {name!r}; choose one of {list(GPUS)} (argument {arg})", arg=arg
+        )
     return GPUS[name]
 
 
 def as_gpu(value, name: str = "gpu", *, arg: str | None = None) -> GPUSpec:
-    """``value`` if it is a ``GPUSpec``, the row it names if it is a name from ``GPUS``; else an error
-    naming the argument ``name`` and what to pass (functions that take a GPU take either). ``arg``: the
-    argument the error names as ``.arg`` when ``name`` describes a part of it (default: ``name``)."""
+    """``value`` if it is a ``GPUSpec``, the row it names if it is a name from ``GPUS``; else an
+    error naming the argument ``name`` and what to pass (functions that take a GPU take either).
+    ``arg``: the argument the error names as ``.arg`` when ``name`` describes a part of it (default:
+    ``name``)."""
     arg = name if arg is None else arg
     if isinstance(value, GPUSpec):
         return value
     if isinstance(value, str):
         return _row(value, arg)
-    raise BadType(f"{name} must be a GPUSpec or a name from GPUS such as 'H100 SXM', got {value!r}", arg=arg)
+    raise BadType(
+        f"{name} must be a GPUSpec or a name from GPUS such as 'H100 SXM', got {value!r}", arg=arg
+    )
 
 
-SPEC_HEADERS = ["GPU", "16-bit tensor TFLOP/s", "fp32 TFLOP/s", "bandwidth TB/s", "memory GB", "ridge FLOP/B", "source"]
+SPEC_HEADERS = [
+    "GPU",
+    "16-bit tensor TFLOP/s",
+    "fp32 TFLOP/s",
+    "bandwidth TB/s",
+    "memory GB",
+    "ridge FLOP/B",
+    "source",
+]
 
 
 def spec_rows(specs=None) -> list[list]:
-    """Rows under ``SPEC_HEADERS``: the table as a learner reads it, ridge computed. ``specs``: a list of
-    ``GPUSpec`` rows or their names (default: the whole table)."""
+    """Rows under ``SPEC_HEADERS``: the table as a learner reads it, ridge computed. ``specs``: a
+    list of ``GPUSpec`` rows or their names (default: the whole table)."""
     if isinstance(specs, (str, GPUSpec)) or not (specs is None or hasattr(specs, "__iter__")):
-        raise BadType(f"specs must be a list of GPUSpec rows or names (e.g. ['H100 SXM']), got {specs!r}", arg="specs")
+        raise BadType(
+            f"specs must be a list of GPUSpec rows or names (e.g. ['H100 SXM']), got {specs!r}",
+            arg="specs",
+        )
     rows = []
-    for s in GPUS.values() if specs is None else [as_gpu(x, "each of specs", arg="specs") for x in specs]:
+    for s in (
+        GPUS.values() if specs is None else [as_gpu(x, "each of specs", arg="specs") for x in specs]
+    ):
         rows.append(
             [
                 s.name,

@@ -20,7 +20,12 @@ SCHEMES = ("MHA", "GQA", "MQA", "MLA")
 
 
 def mla_cache_bytes(
-    n_layer: int, latent_dim: int, rope_dim: int, seq_len: int, batch_size: int = 1, bytes_per_value: int = 4
+    n_layer: int,
+    latent_dim: int,
+    rope_dim: int,
+    seq_len: int,
+    batch_size: int = 1,
+    bytes_per_value: int = 4,
 ) -> int:
     """layers x (latent + RoPE key dim) x sequence x batch x bytes per value.
 
@@ -65,7 +70,11 @@ class AttentionShape:
             latent_dim=self.latent_dim,
             context=self.context,
         )
-        if not isinstance(self.rope_dim, int) or isinstance(self.rope_dim, bool) or self.rope_dim < 0:
+        if (
+            not isinstance(self.rope_dim, int)
+            or isinstance(self.rope_dim, bool)
+            or self.rope_dim < 0
+        ):
             raise BadValue(f"rope_dim must be an int >= 0, got {self.rope_dim!r}", arg="rope_dim")
         if self.n_kv_heads > self.n_head or self.n_head % self.n_kv_heads:
             raise BadValue(
@@ -77,8 +86,11 @@ class AttentionShape:
             raise BadValue(f"scheme must be one of {SCHEMES}, got {self.scheme!r}", arg="scheme")
 
 
-def cache_sizes(shape: AttentionShape, seq_len: int, batch_size: int = 1, bytes_per_value: int = 2) -> dict[str, int]:
-    """Cache bytes of ``shape`` under each scheme, for ``seq_len`` positions x ``batch_size`` sequences.
+def cache_sizes(
+    shape: AttentionShape, seq_len: int, batch_size: int = 1, bytes_per_value: int = 2
+) -> dict[str, int]:
+    """Cache bytes of ``shape`` under each scheme, for ``seq_len`` positions x ``batch_size``
+    sequences.
 
     MHA: every query head has its own K and V (n_head KV heads). GQA: ``shape.n_kv_heads``
     shared KV heads. MQA: one. MLA: one latent + one RoPE key per token and layer.
@@ -115,31 +127,54 @@ def _mla_like(head_dim: int) -> dict:
 # Hugging Face Hub (the field names are those files'); head_dim = hidden_size / num_attention_heads.
 KV_PRESETS: dict[str, AttentionShape] = {
     # ar_lab's course model: GPTConfig() (4 layers, 4 heads, n_embd 256).
-    "ar_lab course model": AttentionShape(4, 4, 4, 64, **_mla_like(64), context=1024, source="ar_lab GPTConfig()"),
+    "ar_lab course model": AttentionShape(
+        4, 4, 4, 64, **_mla_like(64), context=1024, source="ar_lab GPTConfig()"
+    ),
     # openai-community/gpt2: n_layer 12, n_head 12, n_embd 768, n_positions 1024.
     "GPT-2 small (124M)": AttentionShape(
         12, 12, 12, 64, **_mla_like(64), context=1024, source="openai-community/gpt2 config.json"
     ),
-    # meta-llama/Llama-2-7b-hf: num_hidden_layers 32, num_attention_heads 32, num_key_value_heads 32,
-    # hidden_size 4096, max_position_embeddings 4096.
-    "Llama 2 7B": AttentionShape(32, 32, 32, 128, **_mla_like(128), context=4096, source="meta-llama/Llama-2-7b-hf"),
-    # meta-llama/Llama-2-70b-hf: 80 layers, 64 heads, num_key_value_heads 8, hidden_size 8192, 4096 positions.
+    # meta-llama/Llama-2-7b-hf: num_hidden_layers 32, num_attention_heads 32, num_key_value_heads
+    # 32, hidden_size 4096, max_position_embeddings 4096.
+    "Llama 2 7B": AttentionShape(
+        32, 32, 32, 128, **_mla_like(128), context=4096, source="meta-llama/Llama-2-7b-hf"
+    ),
+    # meta-llama/Llama-2-70b-hf: 80 layers, 64 heads, num_key_value_heads 8, hidden_size 8192, 4096
+    # positions.
     "Llama 2 70B": AttentionShape(
-        80, 64, 8, 128, **_mla_like(128), context=4096, scheme="GQA", source="meta-llama/Llama-2-70b-hf"
+        80,
+        64,
+        8,
+        128,
+        **_mla_like(128),
+        context=4096,
+        scheme="GQA",
+        source="meta-llama/Llama-2-70b-hf",
     ),
-    # meta-llama/Meta-Llama-3-8B: 32 layers, 32 heads, num_key_value_heads 8, hidden_size 4096, 8192 positions.
+    # meta-llama/Meta-Llama-3-8B: 32 layers, 32 heads, num_key_value_heads 8, hidden_size 4096, 8192
+    # positions.
     "Llama 3 8B": AttentionShape(
-        32, 32, 8, 128, **_mla_like(128), context=8192, scheme="GQA", source="meta-llama/Meta-Llama-3-8B"
+        32,
+        32,
+        8,
+        128,
+        **_mla_like(128),
+        context=8192,
+        scheme="GQA",
+        source="meta-llama/Meta-Llama-3-8B",
     ),
-    # tiiuae/falcon-7b: num_hidden_layers 32, num_attention_heads 71, hidden_size 4544, multi_query true
-    # (one KV head of 64), 2048 positions.
-    "Falcon 7B": AttentionShape(32, 71, 1, 64, **_mla_like(64), context=2048, scheme="MQA", source="tiiuae/falcon-7b"),
+    # tiiuae/falcon-7b: num_hidden_layers 32, num_attention_heads 71, hidden_size 4544, multi_query
+    # true (one KV head of 64), 2048 positions.
+    "Falcon 7B": AttentionShape(
+        32, 71, 1, 64, **_mla_like(64), context=2048, scheme="MQA", source="tiiuae/falcon-7b"
+    ),
     # deepseek-ai/DeepSeek-V2: num_hidden_layers 60, num_attention_heads 128, kv_lora_rank 512,
     # qk_rope_head_dim 64, qk_nope_head_dim = v_head_dim = 128, max_position_embeddings 163840.
     "DeepSeek-V2": AttentionShape(
         60, 128, 128, 128, 512, 64, context=163840, scheme="MLA", source="deepseek-ai/DeepSeek-V2"
     ),
-    # deepseek-ai/DeepSeek-V3: num_hidden_layers 61, the same MLA sizes, max_position_embeddings 163840.
+    # deepseek-ai/DeepSeek-V3: num_hidden_layers 61, the same MLA sizes, max_position_embeddings
+    # 163840.
     "DeepSeek-V3": AttentionShape(
         61, 128, 128, 128, 512, 64, context=163840, scheme="MLA", source="deepseek-ai/DeepSeek-V3"
     ),

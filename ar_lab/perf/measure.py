@@ -1,14 +1,14 @@
 """Chapter 05 measured: forward passes of a model timed on this machine, and the results on disk.
 
 ``ar_lab.perf.roofline`` predicts what a pass costs (FLOPs and bytes, from the config) and
-``ar_lab.perf.peaks`` measures the machine's two roofs; this module times the passes
-themselves: ``measure_prefill``, ``measure_decode`` and the general ``measure_forward``
-(time per pass -> achieved FLOP/s and bytes/s, a ``Point``); ``ar_lab.perf.side_by_side`` times
-a decode step in interleaved pairs against another call. ``run_roofline`` gathers peaks
-and points in the JSON-ready dict that ``python -m ar_lab.bench roofline`` writes and chapter 05 plots
+``ar_lab.perf.peaks`` measures the machine's two roofs; this module times the passes themselves:
+``measure_prefill``, ``measure_decode`` and the general ``measure_forward`` (time per pass ->
+achieved FLOP/s and bytes/s, a ``Point``); ``ar_lab.perf.side_by_side`` times a decode step in
+interleaved pairs against another call. ``run_roofline`` gathers peaks and points in the JSON-ready
+dict that ``python -m ar_lab.bench roofline`` writes and chapter 05 plots
 (``ar_lab.course.views.plots.plot_roofline``); reference runs made by the same command lie in the
-data folder as ``roofline_<name>.json`` (``reference_files``, ``load_result``).
-On a CPU the passes run in fp32, on CUDA in bf16, timed by ``ar_lab.base.timing``.
+data folder as ``roofline_<name>.json`` (``reference_files``, ``load_result``). On a CPU the passes
+run in fp32, on CUDA in bf16, timed by ``ar_lab.base.timing``.
 """
 
 from __future__ import annotations
@@ -29,9 +29,17 @@ from ar_lab.model.cache import KVCache
 from ar_lab.model.gpt import GPT, GPTConfig
 from ar_lab.model.inference import inference
 from ar_lab.perf.peaks import checked_peaks, default_dtype, measure_peaks
-from ar_lab.perf.roofline import PhaseCost, attainable_flops, decode_cost, forward_cost, prefill_cost, ridge_point
+from ar_lab.perf.roofline import (
+    PhaseCost,
+    attainable_flops,
+    decode_cost,
+    forward_cost,
+    prefill_cost,
+    ridge_point,
+)
 
-SCHEMA = "ar_lab.roofline/1"  # the JSON format of a result (unchanged since the first shipped references)
+# the JSON format of a result (unchanged since the first shipped references)
+SCHEMA = "ar_lab.roofline/1"
 
 
 # --- 1. passes of a model ----------------------------------------------------------
@@ -71,7 +79,8 @@ class Point:
 
 
 def _cuda_graph(step: Callable[[], object], device: torch.device) -> Callable[[], None]:
-    """Capture ``step`` as one CUDA graph (after warm-up on the capture stream); return its replay."""
+    """Capture ``step`` as one CUDA graph (after warm-up on the capture stream); return its
+    replay."""
     stream = torch.cuda.Stream(device)
     stream.wait_stream(torch.cuda.current_stream(device))
     with torch.cuda.stream(stream):
@@ -81,16 +90,25 @@ def _cuda_graph(step: Callable[[], object], device: torch.device) -> Callable[[]
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph, stream=stream):
         step()
-    held = (graph, step)  # the graph reads and writes the buffers step's closure holds (the KV cache, the ids)
+    # the graph reads and writes the buffers step's closure holds (the KV cache, the ids)
+    held = (graph, step)
 
-    def replay() -> None:  # so the replay holds them too: freed, their memory would go to the next allocation
+    # so the replay holds them too: freed, their memory would go to the next allocation
+    def replay() -> None:
         held[0].replay()
 
     return replay
 
 
 def measure_forward(
-    model, tokens: int, past: int = 0, batch: int = 1, *, repeats: int = 3, phase: str = "", cuda_graph: bool = False
+    model,
+    tokens: int,
+    past: int = 0,
+    batch: int = 1,
+    *,
+    repeats: int = 3,
+    phase: str = "",
+    cuda_graph: bool = False,
 ) -> Point:
     """Time one forward pass of ``tokens`` new tokens per sequence after ``past`` cached positions.
 
@@ -109,7 +127,9 @@ def measure_forward(
     restored afterwards.
     """
     with inference(model):
-        fn, cost, mode, note = prepare_forward(model, tokens, past, batch, phase=phase, cuda_graph=cuda_graph)
+        fn, cost, mode, note = prepare_forward(
+            model, tokens, past, batch, phase=phase, cuda_graph=cuda_graph
+        )
         times = time_call(fn, repeats=repeats, warmup=1 if tokens > 1 else 2, device=model.device)
     return Point(cost, times, mode, note)
 
@@ -131,7 +151,9 @@ def prepare_forward(
         for buf in cache.k + cache.v:
             buf.normal_(generator=g)
         cache.length = past
-        ids = torch.randint(0, model.config.vocab_size, (batch, tokens), generator=torch.Generator().manual_seed(1))
+        ids = torch.randint(
+            0, model.config.vocab_size, (batch, tokens), generator=torch.Generator().manual_seed(1)
+        )
         idx = ids.to(model.device)  # (B, T)
 
         def step():
@@ -148,27 +170,40 @@ def prepare_forward(
     return fn, cost, mode, note
 
 
-def measure_prefill(model, prompt_len: int, batch: int = 1, *, repeats: int = 3, cuda_graph: bool = False) -> Point:
+def measure_prefill(
+    model, prompt_len: int, batch: int = 1, *, repeats: int = 3, cuda_graph: bool = False
+) -> Point:
     """Time one prefill pass: ``batch`` prompts of ``prompt_len`` tokens into an empty KV cache."""
     positive_int("prompt_len", prompt_len)
-    _fits(model, lambda cfg: prefill_cost(cfg, prompt_len))  # a too-long prompt_len is named as such
-    return measure_forward(model, prompt_len, 0, batch, repeats=repeats, phase="prefill", cuda_graph=cuda_graph)
+    # a too-long prompt_len is named as such
+    _fits(model, lambda cfg: prefill_cost(cfg, prompt_len))
+    return measure_forward(
+        model, prompt_len, 0, batch, repeats=repeats, phase="prefill", cuda_graph=cuda_graph
+    )
 
 
-def measure_decode(model, context: int, batch: int = 1, *, repeats: int = 5, cuda_graph: bool = False) -> Point:
-    """Time one decode step at ``context``: ``batch`` new tokens, each attending to ``context`` positions."""
+def measure_decode(
+    model, context: int, batch: int = 1, *, repeats: int = 5, cuda_graph: bool = False
+) -> Point:
+    """Time one decode step at ``context``: ``batch`` new tokens, each attending to ``context``
+    positions."""
     positive_int("context", context)
     _fits(model, lambda cfg: decode_cost(cfg, context))  # a too-long context is named as such
-    return measure_forward(model, 1, context - 1, batch, repeats=repeats, phase="decode", cuda_graph=cuda_graph)
+    return measure_forward(
+        model, 1, context - 1, batch, repeats=repeats, phase="decode", cuda_graph=cuda_graph
+    )
 
 
 def _fits(model, cost: Callable[[GPTConfig], PhaseCost]) -> None:
-    """Run ``cost`` on the model's config, if it has one, for its errors (prepare_forward's own name past/tokens)."""
+    """Run ``cost`` on the model's config, if it has one, for its errors (prepare_forward's own name
+    past/tokens)."""
     if isinstance(getattr(model, "config", None), GPTConfig):
         cost(model.config)
 
 
-def fastest_threads(model, context: int = 64, candidates: Sequence[int] | None = None, *, repeats: int = 3) -> dict:
+def fastest_threads(
+    model, context: int = 64, candidates: Sequence[int] | None = None, *, repeats: int = 3
+) -> dict:
     """Time a batch-1 decode step with each CPU thread count in ``candidates`` (default: 1 and all).
 
     A decode step is a chain of small kernels, each split across the threads and
@@ -204,15 +239,23 @@ CONFIGS: dict[str, GPTConfig] = {
 
 
 def build_model(
-    cfg: GPTConfig, device: torch.device | str | None = None, dtype: torch.dtype | None = None, *, seed: int = 0
+    cfg: GPTConfig,
+    device: torch.device | str | None = None,
+    dtype: torch.dtype | None = None,
+    *,
+    seed: int = 0,
 ) -> GPT:
-    """A randomly initialised ``GPT(cfg)`` in eval mode, created directly on ``device`` in ``dtype``.
+    """A randomly initialised ``GPT(cfg)`` in eval mode, created directly on ``device`` in
+    ``dtype``.
 
     No full-precision or CPU copy is made first: a 6 B-parameter model in bf16 needs
     13 GB on the GPU, not 26 GB of fp32 on the way there.
     """
     if not isinstance(cfg, GPTConfig):
-        raise BadType(f"cfg must be a GPTConfig (e.g. ar_lab.perf.measure.CONFIGS['small']), got {cfg!r}", arg="cfg")
+        raise BadType(
+            f"cfg must be a GPTConfig (e.g. ar_lab.perf.measure.CONFIGS['small']), got {cfg!r}",
+            arg="cfg",
+        )
     device = default_device() if device is None else checked_device(device)
     dtype = default_dtype(device) if dtype is None else dtype
     torch.manual_seed(seed)
@@ -281,26 +324,37 @@ def run_roofline(
 
 
 def _decode_points(model, decodes, rounds: int, cuda_graph: bool, say) -> list[Point]:
-    """Decode steps at each (context, batch), timed in turns (``ar_lab.base.timing.interleaved``): a load that
-    comes and goes on a shared machine then slows every batch alike, and the points keep their order."""
+    """Decode steps at each (context, batch), timed in turns (``ar_lab.base.timing.interleaved``): a
+    load that comes and goes on a shared machine then slows every batch alike, and the points keep
+    their order."""
     if not decodes:
         return []
     say(f"decode steps at {len(decodes)} (context, batch) pairs, in turns")
     with inference(model):
-        prepared = {key: prepare_forward(model, 1, key[0] - 1, key[1], phase="decode", cuda_graph=cuda_graph)
-                    for key in decodes}
-        times = interleaved({key: p[0] for key, p in prepared.items()}, rounds, warmup=2, device=model.device)
-    return [Point(cost, times[key], mode, note) for key, (_fn, cost, mode, note) in prepared.items()]
+        prepared = {
+            key: prepare_forward(
+                model, 1, key[0] - 1, key[1], phase="decode", cuda_graph=cuda_graph
+            )
+            for key in decodes
+        }
+        times = interleaved(
+            {key: p[0] for key, p in prepared.items()}, rounds, warmup=2, device=model.device
+        )
+    return [
+        Point(cost, times[key], mode, note) for key, (_fn, cost, mode, note) in prepared.items()
+    ]
 
 
 def key_figures(result: dict) -> dict:
-    """Decode at batch 1: fraction of the measured bandwidth; largest prefill: fraction of the matmul peak."""
+    """Decode at batch 1: fraction of the measured bandwidth; largest prefill: fraction of the
+    matmul peak."""
     peaks = result["peaks"]
     decode = [p for p in result["points"] if p["phase"] == "decode" and p["batch"] == 1]
     prefill = [p for p in result["points"] if p["phase"] == "prefill"]
     out = {}
     if decode:
-        best = min(decode, key=lambda p: p["context"])  # the weights dominate at the shortest context
+        # the weights dominate at the shortest context
+        best = min(decode, key=lambda p: p["context"])
         out["decode_bandwidth_fraction"] = best["bytes_per_s"] / peaks["bandwidth_bytes_per_s"]
         out["decode_context"] = best["context"]
     if prefill:
@@ -317,18 +371,23 @@ def load_result(path: str | Path) -> dict:
     """Read a roofline JSON file written by ``python -m ar_lab.bench roofline --json PATH``."""
     path = Path(path)
     if not path.is_file():
-        raise FileNotFoundError(f"no roofline result at {path} (write one: python -m ar_lab.bench roofline --json)")
+        raise FileNotFoundError(
+            f"no roofline result at {path} (write one: python -m ar_lab.bench roofline --json)"
+        )
     try:
         result = json.loads(path.read_text(encoding="utf-8"))
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise BadValue(f"path {path} is not valid JSON: {e}", arg="path") from None
     required = ("schema", "device", "dtype", "versions", "date", "peaks", "points")
-    missing = [k for k in required if k not in result] if isinstance(result, dict) else list(required)
+    missing = (
+        [k for k in required if k not in result] if isinstance(result, dict) else list(required)
+    )
     if missing:
         raise BadValue(f"path {path} is not a roofline result: missing {missing}", arg="path")
     if result["schema"] != SCHEMA:
         raise BadValue(
-            f"path {path} has schema {result['schema']!r}; this version of ar_lab reads {SCHEMA!r}", arg="path"
+            f"path {path} has schema {result['schema']!r}; this version of ar_lab reads {SCHEMA!r}",
+            arg="path",
         )
     checked_peaks(result["peaks"], f"path {path}: peaks", arg="path")
     for i, p in enumerate(result["points"]):
@@ -338,26 +397,55 @@ def load_result(path: str | Path) -> dict:
     return result
 
 
-def reference_files(data_dir: str | Path | None = None, device_type: str | None = None) -> list[Path]:
-    """The roofline results in ``data_dir`` (default: the data folder, ``ar_lab.model.data.data_dir()``) named
-    ``roofline_*.json``, optionally only those of one device type."""
+def reference_files(
+    data_dir: str | Path | None = None, device_type: str | None = None
+) -> list[Path]:
+    """The roofline results in ``data_dir`` (default: the data folder,
+    ``ar_lab.model.data.data_dir()``) named ``roofline_*.json``, optionally only those of one device
+    type."""
     folder = data.data_dir() if data_dir is None else Path(data_dir)
     if not folder.is_dir():
         raise FileNotFoundError(f"no folder {folder} to look for roofline_*.json in")
     paths = sorted(folder.glob("roofline_*.json"))
-    return [p for p in paths if device_type is None or load_result(p)["device"]["type"] == device_type]
+    return [
+        p for p in paths if device_type is None or load_result(p)["device"]["type"] == device_type
+    ]
 
 
-SUMMARY_HEADERS = ["phase", "batch", "tokens", "context", "ms", "FLOP/byte", "GFLOP/s", "GB/s", "of roof"]
+SUMMARY_HEADERS = [
+    "phase",
+    "batch",
+    "tokens",
+    "context",
+    "ms",
+    "FLOP/byte",
+    "GFLOP/s",
+    "GB/s",
+    "of roof",
+]
 
 
 def summary_rows(result: dict) -> list[list]:
     """Rows for a table under ``SUMMARY_HEADERS``, one per measured point."""
     peaks, rows = result["peaks"], []
     for p in result["points"]:
-        roof = attainable_flops(p["intensity"], peaks["matmul_flops_per_s"], peaks["bandwidth_bytes_per_s"])
+        roof = attainable_flops(
+            p["intensity"], peaks["matmul_flops_per_s"], peaks["bandwidth_bytes_per_s"]
+        )
         ms, intensity = round(p["seconds"] * 1e3, 2), round(p["intensity"], 1)
         gflops, gbytes = round(p["flops_per_s"] / 1e9, 1), round(p["bytes_per_s"] / 1e9, 1)
         of_roof = f"{p['flops_per_s'] / roof:.0%}"
-        rows.append([p["phase"], p["batch"], p["tokens"], p["context"], ms, intensity, gflops, gbytes, of_roof])
+        rows.append(
+            [
+                p["phase"],
+                p["batch"],
+                p["tokens"],
+                p["context"],
+                ms,
+                intensity,
+                gflops,
+                gbytes,
+                of_roof,
+            ]
+        )
     return rows

@@ -13,8 +13,8 @@ again) and sorts them in two:
 
 ``pass_ops(model, positions)`` counts one forward pass over ``positions`` tokens without a cache;
 ``decode_step_ops(model, lean=...)`` one cached decode step, through ``GPT.forward`` or through
-``ar_lab.engine.lean`` (what ``generate(..., lean=...)`` runs). The counts depend on the model's code
-and on the PyTorch version, not on the machine.
+``ar_lab.engine.lean`` (what ``generate(..., lean=...)`` runs). The counts depend on the model's
+code and on the PyTorch version, not on the machine.
 """
 
 from __future__ import annotations
@@ -42,12 +42,15 @@ _IN_PLACE_OPERATORS = frozenset({"__setitem__", "__iadd__", "__isub__", "__imul_
 
 
 def _storages(values) -> set[int]:
-    return {t.untyped_storage().data_ptr() for t in tree_leaves(values) if isinstance(t, torch.Tensor)}
+    return {
+        t.untyped_storage().data_ptr() for t in tree_leaves(values) if isinstance(t, torch.Tensor)
+    }
 
 
 def _computes(name: str, args, kwargs: dict, result) -> bool:
-    """Did the call compute or write? In place (``add_``, ``x[i] = v``) or into ``out=``: yes. Otherwise yes
-    if it returned a tensor on new memory; a view shares its input's memory, an attribute read returns none."""
+    """Did the call compute or write? In place (``add_``, ``x[i] = v``) or into ``out=``: yes.
+    Otherwise yes if it returned a tensor on new memory; a view shares its input's memory, an
+    attribute read returns none."""
     in_place = (name.endswith("_") and not name.startswith("__")) or name in _IN_PLACE_OPERATORS
     if in_place or kwargs.get("out") is not None:
         return True
@@ -72,16 +75,20 @@ class _Recorder(TorchFunctionMode):
 
 
 def count_ops(fn: Callable[[], object]) -> OpCount:
-    """The PyTorch calls ``fn()`` makes, and those of them that compute (see the module's docstring)."""
+    """The PyTorch calls ``fn()`` makes, and those of them that compute (see the module's
+    docstring)."""
     if not callable(fn):
-        raise BadType(f"fn must be a function of no arguments, e.g. lambda: model(idx); got {fn!r}", arg="fn")
+        raise BadType(
+            f"fn must be a function of no arguments, e.g. lambda: model(idx); got {fn!r}", arg="fn"
+        )
     with torch.inference_mode(), _Recorder() as recorder:
         fn()
     return OpCount(recorder.calls, recorder.computing)
 
 
 def pass_ops(model, positions: int = 1) -> OpCount:
-    """The operations of one forward pass of ``model`` over ``positions`` tokens, without a cache."""
+    """The operations of one forward pass of ``model`` over ``positions`` tokens, without a
+    cache."""
     positive_int("positions", positions)
     idx = torch.zeros(1, positions, dtype=torch.long, device=next(model.parameters()).device)
     return count_ops(lambda: model(idx))

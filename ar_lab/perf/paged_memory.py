@@ -32,15 +32,16 @@ from ar_lab.perf.serving_measure import PROMPTS
 def _lengths(lengths) -> list[int]:
     if isinstance(lengths, (str, bytes)) or not isinstance(lengths, Sequence) or not lengths:
         raise BadValue(
-            f"lengths must be a non-empty list of request lengths (ints >= 1), got {lengths!r}", arg="lengths"
+            f"lengths must be a non-empty list of request lengths (ints >= 1), got {lengths!r}",
+            arg="lengths",
         )
     return [positive_int(f"lengths[{i}]", n, arg="lengths") for i, n in enumerate(lengths)]
 
 
 @dataclass(frozen=True)
 class Footprint:
-    """KV memory set aside for some requests, and the part of it holding keys and values (positions or
-    bytes: whatever unit the counts were made in)."""
+    """KV memory set aside for some requests, and the part of it holding keys and values (positions
+    or bytes: whatever unit the counts were made in)."""
 
     reserved: int
     used: int
@@ -55,30 +56,44 @@ class Footprint:
         return self.waste / self.reserved if self.reserved else 0.0
 
 
-def contiguous_footprint(lengths: Sequence[int], max_len: int, bytes_per_position: int = 1) -> Footprint:
-    """Every request reserves ``max_len`` positions (the longest the server accepts) and fills its length."""
+def contiguous_footprint(
+    lengths: Sequence[int], max_len: int, bytes_per_position: int = 1
+) -> Footprint:
+    """Every request reserves ``max_len`` positions (the longest the server accepts) and fills its
+    length."""
     lengths, max_len = _lengths(lengths), positive_int("max_len", max_len)
     bpp = positive_int("bytes_per_position", bytes_per_position)
     if max(lengths) > max_len:
-        raise ContextFull(f"a request of {max(lengths)} positions does not fit max_len={max_len}", arg="max_len")
+        raise ContextFull(
+            f"a request of {max(lengths)} positions does not fit max_len={max_len}", arg="max_len"
+        )
     return Footprint(len(lengths) * max_len * bpp, sum(lengths) * bpp)
 
 
-def paged_footprint(lengths: Sequence[int], block_size: int, bytes_per_position: int = 1) -> Footprint:
-    """Every request reserves ceil(length / block_size) blocks: at most one partly filled block each."""
+def paged_footprint(
+    lengths: Sequence[int], block_size: int, bytes_per_position: int = 1
+) -> Footprint:
+    """Every request reserves ceil(length / block_size) blocks: at most one partly filled block
+    each."""
     lengths, bs = _lengths(lengths), positive_int("block_size", block_size)
     bpp = positive_int("bytes_per_position", bytes_per_position)
     return Footprint(sum(blocks_for(n, bs) for n in lengths) * bs * bpp, sum(lengths) * bpp)
 
 
 def fit_contiguous(lengths: Sequence[int], budget: int, max_len: int) -> int:
-    """How many of ``lengths`` (in order) run at once in ``budget`` positions, each reserving ``max_len``."""
-    lengths, budget, max_len = _lengths(lengths), positive_int("budget", budget, 0), positive_int("max_len", max_len)
+    """How many of ``lengths`` (in order) run at once in ``budget`` positions, each reserving
+    ``max_len``."""
+    lengths, budget, max_len = (
+        _lengths(lengths),
+        positive_int("budget", budget, 0),
+        positive_int("max_len", max_len),
+    )
     return min(len(lengths), budget // max_len)
 
 
 def fit_paged(lengths: Sequence[int], budget: int, block_size: int) -> int:
-    """How many of ``lengths`` (in order) run at once in ``budget`` positions of ``block_size`` blocks."""
+    """How many of ``lengths`` (in order) run at once in ``budget`` positions of ``block_size``
+    blocks."""
     lengths, bs = _lengths(lengths), positive_int("block_size", block_size)
     free, n = positive_int("budget", budget, 0) // bs, 0
     for length in lengths:
@@ -92,7 +107,11 @@ def fit_paged(lengths: Sequence[int], budget: int, block_size: int) -> int:
 def mixed_lengths(n: int, max_len: int, *, shortest: int = 64, seed: int = 0) -> list[int]:
     """``n`` request lengths (prompt + answer) drawn log-uniformly from ``shortest`` to ``max_len``,
     seeded: many short chats, a few long documents (a stand-in for a real trace)."""
-    n, max_len, shortest = positive_int("n", n), positive_int("max_len", max_len), positive_int("shortest", shortest)
+    n, max_len, shortest = (
+        positive_int("n", n),
+        positive_int("max_len", max_len),
+        positive_int("shortest", shortest),
+    )
     if shortest > max_len:
         raise BadValue(f"shortest ({shortest}) must be at most max_len ({max_len})", arg="shortest")
     g = torch.Generator().manual_seed(seed)
@@ -129,11 +148,18 @@ class ScaleUp:
 
 
 def scale_up(
-    shape="Llama-3-8B", gpu="H100 SXM", *, n_requests: int = 1000, block_size: int = 16, seed: int = 0, lengths=None
+    shape="Llama-3-8B",
+    gpu="H100 SXM",
+    *,
+    n_requests: int = 1000,
+    block_size: int = 16,
+    seed: int = 0,
+    lengths=None,
 ) -> ScaleUp:
-    """``shape`` (a name of ``llm_costs.MODELS``) in bf16 on ``gpu`` (a name of ``gpus.GPUS``, 80 GB for the
-    H100 SXM): the weights subtracted, how many of ``lengths`` (by default ``mixed_lengths(n_requests, window)``)
-    fit at once with contiguous slots of the model's window against paged blocks, and the waste of each."""
+    """``shape`` (a name of ``llm_costs.MODELS``) in bf16 on ``gpu`` (a name of ``gpus.GPUS``, 80 GB
+    for the H100 SXM): the weights subtracted, how many of ``lengths`` (by default
+    ``mixed_lengths(n_requests, window)``) fit at once with contiguous slots of the model's window
+    against paged blocks, and the waste of each."""
     shape, spec = as_model(shape), as_gpu(gpu)
     if lengths is None:
         positive_int("n_requests", n_requests)
@@ -145,28 +171,42 @@ def scale_up(
     nc, npg = fit_contiguous(lengths, budget, window), fit_paged(lengths, budget, block_size)
     if nc == 0 or npg == 0:
         raise BadValue(
-            f"{shape.name}'s weights leave no room for one request's KV cache on the {spec.name}: choose a gpu with "
-            "more memory",
+            f"{shape.name}'s weights leave no room for one request's KV cache on the {spec.name}"
+            ": choose a gpu with more memory",
             arg="gpu",
         )
     return ScaleUp(
-        shape.name, spec.name, spec.memory, weights, bpp, window, block_size, list(lengths), nc, npg,
-        contiguous_footprint(lengths[:nc], window, bpp), paged_footprint(lengths[:npg], block_size, bpp),
+        shape.name,
+        spec.name,
+        spec.memory,
+        weights,
+        bpp,
+        window,
+        block_size,
+        list(lengths),
+        nc,
+        npg,
+        contiguous_footprint(lengths[:nc], window, bpp),
+        paged_footprint(lengths[:npg], block_size, bpp),
     )
 
 
 # --- measured on a model: serving with slots against serving on blocks ------------------------
 
 
-def paged_workload(n: int = 16, *, longest: int = 192, shortest: int = 4, seed: int = 0) -> list[Request]:
-    """``n`` requests with short documentation prompts and answers of ``shortest`` to ``longest`` new tokens,
-    drawn log-uniformly (seeded): most answers short, a few long, as in a chat service."""
+def paged_workload(
+    n: int = 16, *, longest: int = 192, shortest: int = 4, seed: int = 0
+) -> list[Request]:
+    """``n`` requests with short documentation prompts and answers of ``shortest`` to ``longest``
+    new tokens, drawn log-uniformly (seeded): most answers short, a few long, as in a chat
+    service."""
     news = mixed_lengths(n, longest, shortest=shortest, seed=seed)
     return [Request(PROMPTS[i % len(PROMPTS)], k, name=f"r{i}") for i, k in enumerate(news)]
 
 
 def _reports(model, requests, options: dict[str, dict], repeats: int, clock) -> tuple[dict, dict]:
-    """``serve`` once per option set, in turns, ``repeats`` times: the fastest report of each, and all times."""
+    """``serve`` once per option set, in turns, ``repeats`` times: the fastest report of each, and
+    all times."""
     best: dict[str, ServeReport] = {}
 
     def run(name: str):
@@ -176,29 +216,37 @@ def _reports(model, requests, options: dict[str, dict], repeats: int, clock) -> 
                 best[name] = r
         return go
 
-    times = interleaved({name: run(name) for name in options}, repeats, clock=clock, device=model.device)
+    times = interleaved(
+        {name: run(name) for name in options}, repeats, clock=clock, device=model.device
+    )
     return best, times
 
 
 def compare_kv(model, requests: Sequence[Request], *, max_batch: int = 8, block_size: int = 16,
                budget_slots: int = 2, repeats: int = 2) -> dict:
-    """Serve ``requests`` with slots (``BatchKVCache``) and on blocks (``PagedKVCache``), and compare.
+    """Serve ``requests`` with slots (``BatchKVCache``) and on blocks (``PagedKVCache``), and
+    compare.
 
     - *same slots*: ``max_batch`` rows both ways, the paged pool as large as the slots: the same
-      schedule, so the difference in time is the paged cache's bookkeeping and gather (timed in turns).
-    - *fixed budget*: KV memory for ``budget_slots`` contiguous slots of the longest request; the paged
-      pool of the same bytes admits a request whenever all of it fits, up to ``max_batch`` rows.
+      schedule, so the difference in time is the paged cache's bookkeeping and gather (timed in
+      turns).
+    - *fixed budget*: KV memory for ``budget_slots`` contiguous slots of the longest request; the
+      paged pool of the same bytes admits a request whenever all of it fits, up to ``max_batch``
+      rows.
 
-    Every run gives the same tokens (checked). Memory in positions (``bytes_per_position`` converts)."""
+    Every run gives the same tokens (checked). Memory in positions (``bytes_per_position``
+    converts)."""
     positive_int("max_batch", max_batch)
     positive_int("block_size", block_size)
     positive_int("budget_slots", budget_slots)
     positive_int("repeats", repeats)
     ids = [prompt_ids(r.prompt) for r in requests]
-    lengths = [len(p) + r.max_new_tokens - 1 for p, r in zip(ids, requests, strict=True)]  # each one's longest
+    # each one's longest
+    lengths = [len(p) + r.max_new_tokens - 1 for p, r in zip(ids, requests, strict=True)]
     longest = max(lengths)
     budget = budget_slots * longest  # positions
-    pool = max(budget // block_size, blocks_for(longest, block_size))  # within the budget (the longest must fit)
+    # within the budget (the longest must fit)
+    pool = max(budget // block_size, blocks_for(longest, block_size))
     options = {
         "contiguous": {"max_batch": max_batch},
         "paged": {"max_batch": max_batch, "kv": "paged", "block_size": block_size},
@@ -213,22 +261,33 @@ def compare_kv(model, requests: Sequence[Request], *, max_batch: int = 8, block_
             raise AssertionError(f"serving {name} gave other tokens than the contiguous cache")
     runs = {
         name: {
-            "seconds": min(times[name]), "tokens_per_s": rep.tokens / min(times[name]),
-            "decode_steps": rep.decode_steps, "mean_rows": rep.mean_rows, "most_rows": max(rep.step_rows),
-            "ms_per_step": 1e3 * statistics.median(rep.step_times), "mean_reserved": statistics.fmean(rep.kv_reserved),
+            "seconds": min(times[name]),
+            "tokens_per_s": rep.tokens / min(times[name]),
+            "decode_steps": rep.decode_steps,
+            "mean_rows": rep.mean_rows,
+            "most_rows": max(rep.step_rows),
+            "ms_per_step": 1e3 * statistics.median(rep.step_times),
+            "mean_reserved": statistics.fmean(rep.kv_reserved),
             "mean_used": statistics.fmean(rep.kv_used),
         }
         for name, rep in best.items()
     }
     same, paged = runs["contiguous"], runs["paged"]
     return {
-        "requests": len(requests), "lengths": lengths, "longest": longest, "max_batch": max_batch,
-        "block_size": block_size, "budget_positions": budget, "budget_slots": budget_slots,
+        "requests": len(requests),
+        "lengths": lengths,
+        "longest": longest,
+        "max_batch": max_batch,
+        "block_size": block_size,
+        "budget_positions": budget,
+        "budget_slots": budget_slots,
         "bytes_per_position": PagedKVCache.for_model(model, 1, 1, block_size=1).bytes_per_position,
         "contiguous_footprint": asdict(contiguous_footprint(lengths, longest)),
         "paged_footprint": asdict(paged_footprint(lengths, block_size)),
-        "fit_contiguous": fit_contiguous(lengths, budget, longest), "fit_paged": fit_paged(lengths, budget, block_size),
-        "runs": runs, "identical_tokens": True,
+        "fit_contiguous": fit_contiguous(lengths, budget, longest),
+        "fit_paged": fit_paged(lengths, budget, block_size),
+        "runs": runs,
+        "identical_tokens": True,
         "paged_vs_contiguous_tokens_per_s": paged["tokens_per_s"] / same["tokens_per_s"],
         "paged_vs_contiguous_step": paged["ms_per_step"] / same["ms_per_step"],
         "report": best,

@@ -25,10 +25,14 @@ from ar_lab.base.timing import checked_device, default_device, interleaved, stea
 
 
 def checked_peaks(peaks, where: str = "peaks", *, arg: str = "peaks") -> dict:
-    """``peaks`` if it holds both roofs as positive finite numbers (the form ``measure_peaks`` returns); else a
-    BadValue for the argument ``arg`` (``where``, which the message names, must contain it)."""
+    """``peaks`` if it holds both roofs as positive finite numbers (the form ``measure_peaks``
+    returns); else a BadValue for the argument ``arg`` (``where``, which the message names, must
+    contain it)."""
     if not isinstance(peaks, dict):
-        raise BadValue(f"{where} must be a dict like measure_peaks() returns, got {type(peaks).__name__}", arg=arg)
+        raise BadValue(
+            f"{where} must be a dict like measure_peaks() returns, got {type(peaks).__name__}",
+            arg=arg,
+        )
     for k in ("matmul_flops_per_s", "bandwidth_bytes_per_s"):
         v = peaks.get(k)
         if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v < math.inf:
@@ -84,19 +88,27 @@ def measure_matmul_peak(
 
 
 def stream_probe(
-    n: int, repeats: int = 5, *, device: torch.device | str | None = None, dtype: torch.dtype | None = None
+    n: int,
+    repeats: int = 5,
+    *,
+    device: torch.device | str | None = None,
+    dtype: torch.dtype | None = None,
 ) -> tuple[int, float]:
-    """``c = a + b`` over three arrays of ``n`` random values: (bytes one call moves, seconds of its fastest call).
+    """``c = a + b`` over three arrays of ``n`` random values: (bytes one call moves, seconds of its
+    fastest call).
 
-    The bytes are every array read or written once (STREAM's count: 3 n values). Chapter 05's learner
-    writes this probe; this one stands in until theirs passes its test, and is what the test times theirs
-    beside. On a CPU a write may cost a read too (the line is fetched before it is written), which the
-    count leaves out, so a read-only stream can go faster than this one's figure.
+    The bytes are every array read or written once (STREAM's count: 3 n values). Chapter 05's
+    learner writes this probe; this one stands in until theirs passes its test, and is what the test
+    times theirs beside. On a CPU a write may cost a read too (the line is fetched before it is
+    written), which the count leaves out, so a read-only stream can go faster than this one's
+    figure.
     """
     device = default_device() if device is None else checked_device(device)
     dtype = default_dtype(device) if dtype is None else dtype
     g = torch.Generator(device=device).manual_seed(0)
-    a, b, c = (torch.rand(positive_int("n", n), device=device, dtype=dtype, generator=g) for _ in range(3))
+    a, b, c = (
+        torch.rand(positive_int("n", n), device=device, dtype=dtype, generator=g) for _ in range(3)
+    )
     times = time_call(lambda: torch.add(a, b, out=c), repeats=repeats, warmup=1, device=device)
     return 3 * a.nbytes, min(times)
 
@@ -120,7 +132,8 @@ def matmul_probe(
 
 
 def default_buffer_bytes(device: torch.device | str) -> int:
-    """A streaming buffer far larger than the caches: 4 GiB on a GPU; max(1 GiB, 4 x L3) on a CPU."""
+    """A streaming buffer far larger than the caches: 4 GiB on a GPU; max(1 GiB, 4 x L3) on a
+    CPU."""
     if checked_device(device, present=False).type == "cuda":
         return 4 * 2**30
     return max(2**30, 4 * (cache_bytes() or 0))
@@ -133,7 +146,8 @@ def measure_bandwidth(
     nbytes: int | None = None,
     repeats: int = 5,
 ) -> dict:
-    """Streaming memory bandwidth (bytes/s) over one buffer of ``nbytes`` (far larger than the caches).
+    """Streaming memory bandwidth (bytes/s) over one buffer of ``nbytes`` (far larger than the
+    caches).
 
     Four kernels, each touching the whole buffer once per call, counted the way
     STREAM counts them (bytes the program asks to read plus bytes it writes):
@@ -164,9 +178,13 @@ def measure_bandwidth(
 
 
 def streaming_kernels(
-    device: torch.device | str | None = None, dtype: torch.dtype | None = None, *, nbytes: int | None = None
+    device: torch.device | str | None = None,
+    dtype: torch.dtype | None = None,
+    *,
+    nbytes: int | None = None,
 ) -> tuple[dict[str, tuple[Callable[[], object], int]], int]:
-    """The bandwidth kernels over one fresh buffer: ({name: (function, bytes moved per call)}, buffer bytes)."""
+    """The bandwidth kernels over one fresh buffer: ({name: (function, bytes moved per call)},
+    buffer bytes)."""
     device = default_device() if device is None else checked_device(device)
     dtype = default_dtype(device) if dtype is None else dtype
     nbytes = default_buffer_bytes(device) if nbytes is None else positive_int("nbytes", nbytes)
@@ -177,7 +195,10 @@ def streaming_kernels(
     buf = torch.ones(n, device=device, dtype=dtype)  # written once: the pages are really there
     half, third = buf.view(2, n // 2), buf.view(3, n // 3)
     cols = min(4096, n)
-    matrix, ones = buf[: n // cols * cols].view(-1, cols), torch.ones(cols, device=device, dtype=dtype)
+    matrix, ones = (
+        buf[: n // cols * cols].view(-1, cols),
+        torch.ones(cols, device=device, dtype=dtype),
+    )
     kernels = {
         "copy": (lambda: half[1].copy_(half[0]), n * item),
         "add": (lambda: torch.add(third[0], third[1], out=third[2]), n * item),
@@ -187,25 +208,33 @@ def streaming_kernels(
     return kernels, n * item
 
 
-MIN_READ_BYTES = 2**20  # the smallest read reads_from_memory times: 1 MiB takes long enough that a call's overhead
-# does not set its rate, and fits in every CPU's L2 or L3 (a smaller buffer cannot tell a cache from memory)
+# the smallest read reads_from_memory times: 1 MiB takes long enough that a call's overhead
+MIN_READ_BYTES = 2**20
+# does not set its rate, and fits in every CPU's L2 or L3 (a smaller buffer cannot tell a cache from
+# memory)
 
 
 def reads_from_memory(
-    nbytes: int, *, reference: int | None = None, repeats: int = 5, device: torch.device | str | None = None
+    nbytes: int,
+    *,
+    reference: int | None = None,
+    repeats: int = 5,
+    device: torch.device | str | None = None,
 ) -> dict:
-    """Whether reading ``nbytes`` streams from main memory on this machine, measured rather than taken from
-    the cache size it reports (a virtual machine may report its host socket's whole L3, which other cores
-    and tenants share): one matrix-vector product over ``nbytes`` (``streaming_kernels``' "matvec") beside one
-    over a ``reference`` buffer (by default twice as many bytes and at least 1 GiB), in turns (``interleaved``:
-    a busy spell slows both), the fastest of ``repeats`` calls each, on one thread on a CPU and timed by its
-    CPU time (``steady_clock``: the time other processes take is not counted). A buffer that a cache holds
-    reads faster than the reference; one that comes from memory reads at its rate.
+    """Whether reading ``nbytes`` streams from main memory on this machine, measured rather than
+    taken from the cache size it reports (a virtual machine may report its host socket's whole L3,
+    which other cores and tenants share): one matrix-vector product over ``nbytes``
+    (``streaming_kernels``' "matvec") beside one over a ``reference`` buffer (by default twice as
+    many bytes and at least 1 GiB), in turns (``interleaved``: a busy spell slows both), the fastest
+    of ``repeats`` calls each, on one thread on a CPU and timed by its CPU time (``steady_clock``:
+    the time other processes take is not counted). A buffer that a cache holds reads faster than the
+    reference; one that comes from memory reads at its rate.
 
-    Returns {"bytes_per_s", "reference_bytes_per_s", "reference_bytes", "from_memory"}: ``from_memory`` when
-    the first rate is at most 15 % above the reference's. ``nbytes`` must be at least ``MIN_READ_BYTES`` (below,
-    a call's fixed cost sets its rate, which then looks as slow as memory), and ``reference`` at least twice
-    ``nbytes`` (a buffer the same size reads at the same rate wherever it comes from): a ``BadValue`` otherwise.
+    Returns {"bytes_per_s", "reference_bytes_per_s", "reference_bytes", "from_memory"}:
+    ``from_memory`` when the first rate is at most 15 % above the reference's. ``nbytes`` must be at
+    least ``MIN_READ_BYTES`` (below, a call's fixed cost sets its rate, which then looks as slow as
+    memory), and ``reference`` at least twice ``nbytes`` (a buffer the same size reads at the same
+    rate wherever it comes from): a ``BadValue`` otherwise.
     """
     nbytes = positive_int("nbytes", nbytes, minimum=MIN_READ_BYTES)
     repeats = positive_int("repeats", repeats)
@@ -214,7 +243,9 @@ def reads_from_memory(
     reference = positive_int("reference", reference, minimum=2 * nbytes)
     device = default_device() if device is None else checked_device(device)
     sizes = {"buffer": nbytes, "reference": reference}
-    kernels = {name: streaming_kernels(device, nbytes=size)[0]["matvec"] for name, size in sizes.items()}
+    kernels = {
+        name: streaming_kernels(device, nbytes=size)[0]["matvec"] for name, size in sizes.items()
+    }
     threads = torch.get_num_threads()
     try:
         if device.type == "cpu":
@@ -224,8 +255,12 @@ def reads_from_memory(
     finally:
         torch.set_num_threads(threads)
     rate = {name: moved / min(times[name]) for name, (_, moved) in kernels.items()}
-    return {"bytes_per_s": rate["buffer"], "reference_bytes_per_s": rate["reference"], "reference_bytes": reference,
-            "from_memory": rate["buffer"] <= 1.15 * rate["reference"]}
+    return {
+        "bytes_per_s": rate["buffer"],
+        "reference_bytes_per_s": rate["reference"],
+        "reference_bytes": reference,
+        "from_memory": rate["buffer"] <= 1.15 * rate["reference"],
+    }
 
 
 def measure_peaks(
@@ -235,7 +270,8 @@ def measure_peaks(
     matmul_size: int | None = None,
     buffer_bytes: int | None = None,
 ) -> dict:
-    """Both roofs, measured now: {"matmul_flops_per_s", "bandwidth_bytes_per_s", ...} (the JSON's "peaks")."""
+    """Both roofs, measured now: {"matmul_flops_per_s", "bandwidth_bytes_per_s", ...} (the JSON's
+    "peaks")."""
     mm = measure_matmul_peak(device, dtype, size=matmul_size)
     bw = measure_bandwidth(device, dtype, nbytes=buffer_bytes)
     return {

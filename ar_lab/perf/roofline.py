@@ -16,15 +16,14 @@ intensity I = F / Q, and on a machine with peak compute P (FLOP/s) and memory
 bandwidth W (bytes/s) it can reach at most min(P, I x W) FLOP/s. The *ridge point*
 I = P / W separates the memory-bound side (left) from the compute-bound side.
 
-This module is the analytic side, pencil-and-paper arithmetic from a ``GPTConfig``:
-``forward_cost`` (and its two phases, ``prefill_cost`` and ``decode_cost``) counts
-the FLOPs and bytes of a pass; ``ridge_point`` and ``attainable_flops`` draw the
-roofline. The counting itself is ``shape_cost`` on a ``ModelShape``, the sizes of any
-decoder-only transformer: ``from_gpt_config`` gives the course model's, and
-``ar_lab.perf.llm_costs`` uses the same count for production models (gated MLPs,
-untied heads, 8- and 4-bit weights). The ``approx_*`` functions are the seed arithmetic
-from a parameter count alone. Measuring the roofs and the passes on this machine is ``ar_lab.perf.measure``;
-drawing them is ``ar_lab.course.views.plots.plot_roofline``.
+This module is the analytic side, pencil-and-paper arithmetic from a ``GPTConfig``: ``forward_cost``
+(and its two phases, ``prefill_cost`` and ``decode_cost``) counts the FLOPs and bytes of a pass;
+``ridge_point`` and ``attainable_flops`` draw the roofline. The counting itself is ``shape_cost`` on
+a ``ModelShape``, the sizes of any decoder-only transformer: ``from_gpt_config`` gives the course
+model's, and ``ar_lab.perf.llm_costs`` uses the same count for production models (gated MLPs, untied
+heads, 8- and 4-bit weights). The ``approx_*`` functions are the seed arithmetic from a parameter
+count alone. Measuring the roofs and the passes on this machine is ``ar_lab.perf.measure``; drawing
+them is ``ar_lab.course.views.plots.plot_roofline``.
 """
 
 from __future__ import annotations
@@ -44,7 +43,9 @@ from ar_lab.model.gpt import GPT, GPTConfig
 
 def _check_cfg(cfg) -> None:
     if not isinstance(cfg, GPTConfig):
-        raise BadType(f"cfg must be a GPTConfig (e.g. GPTConfig(n_layer=4)), got {cfg!r}", arg="cfg")
+        raise BadType(
+            f"cfg must be a GPTConfig (e.g. GPTConfig(n_layer=4)), got {cfg!r}", arg="cfg"
+        )
 
 
 @dataclass(frozen=True)
@@ -60,22 +61,36 @@ class ModelShape:
     d_ff: int  # MLP hidden width
     vocab: int
     max_context: int
-    gated_mlp: bool = True  # SwiGLU: gate and up (d -> d_ff each), down (d_ff -> d); else fc and proj (GELU)
+    # SwiGLU: gate and up (d -> d_ff each), down (d_ff -> d); else fc and proj (GELU)
+    gated_mlp: bool = True
     tied_embeddings: bool = False  # the output head reuses the input embedding
     learned_positions: bool = False  # a position table (GPT-2); RoPE models have none
     layer_norm: bool = False  # LayerNorm (weight and bias); else RMSNorm (weight only)
-    biases: str = "none"  # "none", "qkv" (query/key/value projections only) or "all" (every linear but the head)
+    # "none", "qkv" (query/key/value projections only) or "all" (every linear but the head)
+    biases: str = "none"
     source: str = ""
 
     def __post_init__(self) -> None:
-        for f in ("n_layer", "d_model", "n_head", "n_kv_heads", "head_dim", "d_ff", "vocab", "max_context"):
+        for f in (
+            "n_layer",
+            "d_model",
+            "n_head",
+            "n_kv_heads",
+            "head_dim",
+            "d_ff",
+            "vocab",
+            "max_context",
+        ):
             positive_int(f"ModelShape.{f}", getattr(self, f), arg=f)
         if self.n_head % self.n_kv_heads:
             raise BadValue(
-                f"n_head ({self.n_head}) must be a multiple of n_kv_heads ({self.n_kv_heads})", arg="n_kv_heads"
+                f"n_head ({self.n_head}) must be a multiple of n_kv_heads ({self.n_kv_heads})",
+                arg="n_kv_heads",
             )
         if self.biases not in ("none", "qkv", "all"):
-            raise BadValue(f"biases must be 'none', 'qkv' or 'all', got {self.biases!r}", arg="biases")
+            raise BadValue(
+                f"biases must be 'none', 'qkv' or 'all', got {self.biases!r}", arg="biases"
+            )
 
     @property
     def q_width(self) -> int:
@@ -149,7 +164,8 @@ def parameter_count(cfg: GPTConfig) -> int:
 
 
 def matmul_parameters(cfg: GPTConfig) -> int:
-    """Weights that multiply every token's activations: the four projections per layer and the output head.
+    """Weights that multiply every token's activations: the four projections per layer and the
+    output head.
 
     Each such weight costs one multiply and one add per token: 2 FLOPs. Biases,
     LayerNorms and the embedding lookups are left out (a few FLOPs per value, not per
@@ -197,12 +213,14 @@ class PhaseCost:
 
     @property
     def matmul_intensity(self) -> float:
-        """The weight matrix products alone: their FLOPs per byte of the weights and activations they move."""
+        """The weight matrix products alone: their FLOPs per byte of the weights and activations
+        they move."""
         return self.matmul_flops / (self.weight_bytes + self.activation_bytes)
 
     @property
     def attention_intensity(self) -> float:
-        """Attention over the cache alone: its FLOPs per byte of keys and values read and written."""
+        """Attention over the cache alone: its FLOPs per byte of keys and values read and
+        written."""
         return self.attention_flops / self.kv_bytes
 
     def time_at(self, peak_flops: float, bandwidth: float) -> float:
@@ -215,7 +233,12 @@ class PhaseCost:
         return "compute" if self.intensity >= ridge_point(peak_flops, bandwidth) else "memory"
 
     def to_dict(self) -> dict:
-        return {**asdict(self), "flops": self.flops, "bytes": self.bytes, "intensity": self.intensity}
+        return {
+            **asdict(self),
+            "flops": self.flops,
+            "bytes": self.bytes,
+            "intensity": self.intensity,
+        }
 
 
 def shape_cost(
@@ -227,7 +250,8 @@ def shape_cost(
     value_bytes: float,
     phase: str = "",
 ) -> PhaseCost:
-    """The cost of feeding ``tokens`` new tokens to each of ``batch`` sequences after ``past`` cached ones.
+    """The cost of feeding ``tokens`` new tokens to each of ``batch`` sequences after ``past``
+    cached ones.
 
     ``weight_bytes`` is the size of one stored weight, ``value_bytes`` that of one KV-cache
     or activation value (they differ for weight-only int8 / int4). Both ``forward_cost``
@@ -257,20 +281,28 @@ def shape_cost(
     finite_number("value_bytes", value_bytes, above=True)
     if past + tokens > shape.max_context:
         raise ContextFull(
-            f"{past + tokens:,} positions exceed {shape.name}'s context window of {shape.max_context:,}; "
-            "lower past or tokens",
+            f"{past + tokens:,} positions exceed {shape.name}'s context window of "
+            f"{shape.max_context:,}; lower past or tokens",
             arg=_overflowing(tokens, shape.max_context),
         )
     d, L = shape.d_model, shape.n_layer
     n = batch * tokens  # tokens through the model
-    keys = tokens * past + tokens * (tokens + 1) // 2  # per sequence: positions each new token attends to, summed
+    # per sequence: positions each new token attends to, summed
+    keys = tokens * past + tokens * (tokens + 1) // 2
     weights = shape.parameters
     if shape.learned_positions:  # only the rows of the new positions are read
         weights += (tokens - shape.max_context) * d
-    if not shape.tied_embeddings:  # the input table: only the rows of the tokens fed (the head reads its own)
+    # the input table: only the rows of the tokens fed (the head reads its own)
+    if not shape.tied_embeddings:
         weights += (min(n, shape.vocab) - shape.vocab) * d
-    per_layer = (d + shape.q_width + 2 * shape.kv_width) + (shape.q_width + d) + (d + shape.mlp_out) + (shape.d_ff + d)
-    per_token = L * per_layer + d + (d + shape.vocab)  # matmul ins and outs; embedding out; head in and logits out
+    per_layer = (
+        (d + shape.q_width + 2 * shape.kv_width)
+        + (shape.q_width + d)
+        + (d + shape.mlp_out)
+        + (shape.d_ff + d)
+    )
+    # matmul ins and outs; embedding out; head in and logits out
+    per_token = L * per_layer + d + (d + shape.vocab)
     return PhaseCost(
         phase=phase or ("decode" if tokens == 1 and past > 0 else "prefill"),
         batch=batch,
@@ -287,59 +319,76 @@ def shape_cost(
 def forward_cost(
     cfg: GPTConfig, batch: int, tokens: int, past: int, bytes_per_value: int = 4, phase: str = ""
 ) -> PhaseCost:
-    """The cost of feeding ``tokens`` new tokens per sequence after ``past`` cached ones, every weight
-    and value stored in ``bytes_per_value`` bytes: ``shape_cost`` of ``from_gpt_config(cfg)``."""
+    """The cost of feeding ``tokens`` new tokens per sequence after ``past`` cached ones, every
+    weight and value stored in ``bytes_per_value`` bytes: ``shape_cost`` of
+    ``from_gpt_config(cfg)``."""
     _check_cfg(cfg)
     positive_int("batch", batch)
     positive_int("tokens", tokens)
     positive_int("past", past, minimum=0)
     positive_int("bytes_per_value", bytes_per_value)
     _fit(cfg, past + tokens, "past or tokens", _overflowing(tokens, cfg.block_size))
-    return shape_cost(from_gpt_config(cfg), batch, tokens, past, bytes_per_value, bytes_per_value, phase)
+    return shape_cost(
+        from_gpt_config(cfg), batch, tokens, past, bytes_per_value, bytes_per_value, phase
+    )
 
 
-def prefill_cost(cfg: GPTConfig, prompt_len: int, batch: int = 1, bytes_per_value: int = 4) -> PhaseCost:
+def prefill_cost(
+    cfg: GPTConfig, prompt_len: int, batch: int = 1, bytes_per_value: int = 4
+) -> PhaseCost:
     """One forward pass over a ``prompt_len``-token prompt (per sequence), cache empty before."""
     positive_int("prompt_len", prompt_len)
     _fit(cfg, prompt_len, "prompt_len")
     return forward_cost(cfg, batch, prompt_len, 0, bytes_per_value, phase="prefill")
 
 
-def decode_cost(cfg: GPTConfig, context: int, batch: int = 1, bytes_per_value: int = 4) -> PhaseCost:
-    """One decode step: one new token per sequence, which attends to ``context`` positions (itself included)."""
+def decode_cost(
+    cfg: GPTConfig, context: int, batch: int = 1, bytes_per_value: int = 4
+) -> PhaseCost:
+    """One decode step: one new token per sequence, which attends to ``context`` positions (itself
+    included)."""
     positive_int("context", context)
     _fit(cfg, context, "context")
     return forward_cost(cfg, batch, 1, context - 1, bytes_per_value, phase="decode")
 
 
 def _overflowing(tokens: int, window: int) -> str:
-    """The argument to lower when past + tokens overflow ``window``: tokens if they alone do, else past."""
+    """The argument to lower when past + tokens overflow ``window``: tokens if they alone do, else
+    past."""
     return "tokens" if tokens > window else "past"
 
 
 def _fit(cfg: GPTConfig, positions: int, lower: str, arg: str | None = None) -> None:
-    """A ContextFull for ``arg`` (default ``lower``) when ``positions`` exceed ``cfg``'s context window."""
+    """A ContextFull for ``arg`` (default ``lower``) when ``positions`` exceed ``cfg``'s context
+    window."""
     _check_cfg(cfg)
     if positions > cfg.block_size:
         raise ContextFull(
-            f"{positions} positions exceed the context window of {cfg.block_size} (block_size); lower {lower}",
+            f"{positions} positions exceed the context window of {cfg.block_size} (block_size); "
+            f"lower {lower}",
             arg=arg or lower,
         )
 
 
 def ridge_point(peak_flops: float, bandwidth: float) -> float:
     """The arithmetic intensity (FLOP/byte) where the bandwidth slope meets the compute roof."""
-    return finite_number("peak_flops", peak_flops, above=True) / finite_number("bandwidth", bandwidth, above=True)
+    return finite_number("peak_flops", peak_flops, above=True) / finite_number(
+        "bandwidth", bandwidth, above=True
+    )
 
 
 def attainable_flops(intensity, peak_flops: float, bandwidth: float):
     """The roofline: min(peak, intensity x bandwidth); works on floats and tensors/arrays."""
     ridge_point(peak_flops, bandwidth)
     if isinstance(intensity, numbers.Real):
-        return min(peak_flops, finite_number("intensity (FLOP/byte)", intensity, arg="intensity") * bandwidth)
+        return min(
+            peak_flops,
+            finite_number("intensity (FLOP/byte)", intensity, arg="intensity") * bandwidth,
+        )
     if not hasattr(intensity, "clip"):
         raise BadType(
-            f"intensity must be a number, a tensor or an array of FLOP/byte, got {intensity!r}", arg="intensity"
+            f"intensity must be a number, a tensor or an array of FLOP/byte, got {intensity!r}",
+            arg="intensity",
         )
     return (intensity * bandwidth).clip(max=peak_flops)
 
@@ -350,7 +399,11 @@ def attainable_flops(intensity, peak_flops: float, bandwidth: float):
 
 def approx_prefill_flops(n_params: float, prompt_len: int) -> float:
     """2 x parameters x prompt tokens (attention and the rest left out)."""
-    return 2.0 * finite_number("n_params", n_params, above=True) * positive_int("prompt_len", prompt_len)
+    return (
+        2.0
+        * finite_number("n_params", n_params, above=True)
+        * positive_int("prompt_len", prompt_len)
+    )
 
 
 def approx_decode_bytes(n_params: float, bytes_per_param: float = 2.0) -> float:
@@ -361,12 +414,16 @@ def approx_decode_bytes(n_params: float, bytes_per_param: float = 2.0) -> float:
 
 def approx_ttft(n_params: float, prompt_len: int, peak_flops: float) -> float:
     """Time to first token if prefill ran at ``peak_flops``."""
-    return approx_prefill_flops(n_params, prompt_len) / finite_number("peak_flops", peak_flops, above=True)
+    return approx_prefill_flops(n_params, prompt_len) / finite_number(
+        "peak_flops", peak_flops, above=True
+    )
 
 
 def approx_tpot(n_params: float, bandwidth: float, bytes_per_param: float = 2.0) -> float:
     """Time per output token if a decode step streamed the weights at ``bandwidth``."""
-    return approx_decode_bytes(n_params, bytes_per_param) / finite_number("bandwidth", bandwidth, above=True)
+    return approx_decode_bytes(n_params, bytes_per_param) / finite_number(
+        "bandwidth", bandwidth, above=True
+    )
 
 
 def format_si(value: float, unit: str) -> str:
@@ -390,7 +447,9 @@ def bytes_per_token(model: GPT) -> int:
     this is ``ar_lab.perf.roofline.decode_cost(cfg, ...).weight_bytes``.
     """
     if not isinstance(model, GPT):
-        raise BadType(f"bytes_per_token takes a GPT as model, got {type(model).__name__}", arg="model")
+        raise BadType(
+            f"bytes_per_token takes a GPT as model, got {type(model).__name__}", arg="model"
+        )
     total = sum(p.nbytes for p in model.parameters()) + sum(b.nbytes for b in model.buffers())
     if model.wpe is None:  # rotary positions: no table to read a row of
         return total
@@ -400,23 +459,33 @@ def bytes_per_token(model: GPT) -> int:
 
 def _check_gpt(model, name: str) -> GPT:
     if not isinstance(model, GPT):
-        raise BadType(f"{name} must be a GPT (e.g. load_pretrained('course')), got {type(model).__name__}", arg=name)
+        raise BadType(
+            f"{name} must be a GPT (e.g. load_pretrained('course')), got {type(model).__name__}",
+            arg=name,
+        )
     return model
 
 
 def model_or_format(reference: GPT, other, name: str = "other") -> GPT:
-    """``other`` if it is a model; a weight format name (``"fp32"``, ``"bf16"``, ``"int8"``, ``"int4"``)
-    stands for ``reference`` stored that way, ``ar_lab.engine.quant.quantize_model(reference, weights=other)``
-    (built here, on the CPU for int8/int4). Anything else: a TypeError naming ``name``."""
+    """``other`` if it is a model; a weight format name (``"fp32"``, ``"bf16"``, ``"int8"``,
+    ``"int4"``) stands for ``reference`` stored that way,
+    ``ar_lab.engine.quant.quantize_model(reference, weights=other)`` (built here, on the CPU for
+    int8/int4). Anything else: a TypeError naming ``name``."""
     if isinstance(other, str):
         if other not in WEIGHT_FORMATS:
             raise BadValue(
-                f"{name} must be a model or a weight format, one of {WEIGHT_FORMATS}, got {other!r}", arg=name
+                f"{name} must be a model or a weight format, one of {WEIGHT_FORMATS}, got "
+                f"{other!r}",
+                arg=name,
             )
         return quantize_model(_check_gpt(reference, "reference"), weights=other)
-    if not isinstance(other, torch.nn.Module) or not isinstance(getattr(other, "config", None), GPTConfig):
+    if not isinstance(other, torch.nn.Module) or not isinstance(
+        getattr(other, "config", None), GPTConfig
+    ):
         raise BadType(
-            f"{name} must be a model (a GPT) or a weight format such as 'int8', got {type(other).__name__}", arg=name
+            f"{name} must be a model (a GPT) or a weight format such as 'int8', got "
+            f"{type(other).__name__}",
+            arg=name,
         )
     return other
 
@@ -431,9 +500,10 @@ def decode_step_bytes(model: GPT, context: int = 1) -> float:
 
 
 def predicted_speedup(reference: GPT, other: GPT | str, *, context: int = 1) -> float:
-    """The roofline's memory-bound prediction of ``other``'s decode speed over ``reference``'s: the ratio
-    of the bytes a step moves (``decode_step_bytes``), the same bandwidth assumed for both. ``other`` may
-    be a weight format name: ``predicted_speedup(m, "int8")`` is the int8 copy of ``m`` (``model_or_format``)."""
+    """The roofline's memory-bound prediction of ``other``'s decode speed over ``reference``'s: the
+    ratio of the bytes a step moves (``decode_step_bytes``), the same bandwidth assumed for both.
+    ``other`` may be a weight format name: ``predicted_speedup(m, "int8")`` is the int8 copy of
+    ``m`` (``model_or_format``)."""
     _check_gpt(reference, "reference")
     other = _check_gpt(model_or_format(reference, other), "other")
     return decode_step_bytes(reference, context) / decode_step_bytes(other, context)

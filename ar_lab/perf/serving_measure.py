@@ -1,9 +1,9 @@
 """Serving measured: a mixed workload, both scheduling policies, batched decode, prefix reuse.
 
 The measurements chapter 08 and ``python -m ar_lab.bench serving`` make with the pieces of
-``ar_lab.engine.serving`` and ``ar_lab.engine.prefix_cache``. Each returns data (reports, rows, dicts);
-printing is the caller's. Runs that are compared alternate, so a change of load on a
-shared machine hits both sides alike.
+``ar_lab.engine.serving`` and ``ar_lab.engine.prefix_cache``. Each returns data (reports, rows,
+dicts); printing is the caller's. Runs that are compared alternate, so a change of load on a shared
+machine hits both sides alike.
 """
 
 from __future__ import annotations
@@ -46,21 +46,34 @@ MAX_REQUESTS = 10_000  # mixed_workload's limit: more than any run on one CPU se
 MAX_CACHE_BYTES = 2**31  # decode_throughput's limit on the batched KV cache it allocates
 
 
-def mixed_workload(n_requests: int = 12, short: int = 8, long: int = 96, long_every: int = 4) -> list[Request]:
-    """Requests of mixed lengths: every ``long_every``-th wants ``long`` new tokens, the rest ``short``.
+def mixed_workload(
+    n_requests: int = 12, short: int = 8, long: int = 96, long_every: int = 4
+) -> list[Request]:
+    """Requests of mixed lengths: every ``long_every``-th wants ``long`` new tokens, the rest
+    ``short``.
 
     Prompts cycle through a fixed list of short Python-docs openings of different lengths.
     """
-    for name, v in [("n_requests", n_requests), ("short", short), ("long", long), ("long_every", long_every)]:
+    for name, v in [
+        ("n_requests", n_requests),
+        ("short", short),
+        ("long", long),
+        ("long_every", long_every),
+    ]:
         if not isinstance(v, int) or isinstance(v, bool) or v < 1:
             raise BadValue(f"{name} must be an int >= 1, got {v!r}", arg=name)
     if n_requests > MAX_REQUESTS:
         raise BadValue(
-            f"n_requests must be at most {MAX_REQUESTS:,} (a workload to serve here), got {n_requests:,}",
+            f"n_requests must be at most {MAX_REQUESTS:,} (a workload to serve here), got "
+            f"{n_requests:,}",
             arg="n_requests",
         )
     return [
-        Request(PROMPTS[i % len(PROMPTS)], long if i % long_every == long_every - 1 else short, name=f"r{i}")
+        Request(
+            PROMPTS[i % len(PROMPTS)],
+            long if i % long_every == long_every - 1 else short,
+            name=f"r{i}",
+        )
         for i in range(n_requests)
     ]
 
@@ -75,14 +88,16 @@ def compare_policies(
     policies: dict | None = None,
 ) -> dict[str, list[ServeReport]]:
     """``serve`` the same requests under each policy, alternating, ``repeats`` times each (so a load
-    change on the machine hits all alike). ``policies``: name -> policy (a name of ``POLICIES`` or an
-    admission function, e.g. the learner's); by default static and continuous batching."""
+    change on the machine hits all alike). ``policies``: name -> policy (a name of ``POLICIES`` or
+    an admission function, e.g. the learner's); by default static and continuous batching."""
     positive_int("repeats", repeats)
     policies = {p: p for p in POLICIES} if policies is None else dict(policies)
     reports: dict[str, list[ServeReport]] = {name: [] for name in policies}
     for _ in range(repeats):
         for name, policy in policies.items():
-            reports[name].append(serve(model, requests, max_batch=max_batch, policy=policy, eos_id=eos_id))
+            reports[name].append(
+                serve(model, requests, max_batch=max_batch, policy=policy, eos_id=eos_id)
+            )
     return reports
 
 
@@ -98,35 +113,46 @@ def _random_batches(model, batch_sizes: Sequence[int], context: int, steps: int)
         for _ in range(b):
             c.add(context)
         caches[b] = c
-        inputs[b] = torch.randint(0, model.config.vocab_size, (b, 1), generator=g, device=model.device)  # (b, 1)
+        # (b, 1)
+        inputs[b] = torch.randint(
+            0, model.config.vocab_size, (b, 1), generator=g, device=model.device
+        )
     return caches, inputs
 
 
 def decode_step_runs(
     model, batch_sizes: Sequence[int], *, context: int = 64, steps: int = 16
 ) -> dict[int, Callable[[], None]]:
-    """For each batch size, a function of no arguments that runs ``steps`` batched decode steps, every
-    row at ``context`` positions (its cache holds random keys/values: timing depends on shapes, not
-    contents). Each call starts from the same state, so every call is the same work: what
-    ``decode_throughput`` times, and what a timing claim (``course.claims.timed_claim``) re-times."""
+    """For each batch size, a function of no arguments that runs ``steps`` batched decode steps,
+    every row at ``context`` positions (its cache holds random keys/values: timing depends on
+    shapes, not contents). Each call starts from the same state, so every call is the same work:
+    what ``decode_throughput`` times, and what a timing claim (``course.claims.timed_claim``)
+    re-times."""
     checked_model(model)
     if isinstance(batch_sizes, str) or not isinstance(batch_sizes, Sequence):
         raise BadType(
-            f"batch_sizes must be a list of ints >= 1, e.g. [1, 2, 4], got {batch_sizes!r}", arg="batch_sizes"
+            f"batch_sizes must be a list of ints >= 1, e.g. [1, 2, 4], got {batch_sizes!r}",
+            arg="batch_sizes",
         )
-    if not batch_sizes or any(not isinstance(b, int) or isinstance(b, bool) or b < 1 for b in batch_sizes):
+    if not batch_sizes or any(
+        not isinstance(b, int) or isinstance(b, bool) or b < 1 for b in batch_sizes
+    ):
         raise BadValue(f"batch_sizes must be ints >= 1, got {list(batch_sizes)}", arg="batch_sizes")
     positive_int("context", context), positive_int("steps", steps)
     if context + steps > model.config.block_size:
         raise ContextFull(
-            f"context + steps must fit in the context window ({model.config.block_size})", arg="context"
+            f"context + steps must fit in the context window ({model.config.block_size})",
+            arg="context",
         )
     cfg, value = model.config, next(model.parameters()).element_size()
-    need = max(batch_sizes) * cfg.n_layer * 2 * cfg.kv_heads * cfg.head_dim * (context + steps) * value
+    need = (
+        max(batch_sizes) * cfg.n_layer * 2 * cfg.kv_heads * cfg.head_dim * (context + steps) * value
+    )
     if need > MAX_CACHE_BYTES:
         raise BadValue(
-            f"batch_sizes: a batch of {max(batch_sizes):,} needs {need / 2**30:.1f} GiB of KV cache, more than the "
-            f"{MAX_CACHE_BYTES / 2**30:.0f} GiB this measurement allows; ask for smaller batches",
+            f"batch_sizes: a batch of {max(batch_sizes):,} needs {need / 2**30:.1f} GiB of KV "
+            f"cache, more than the {MAX_CACHE_BYTES / 2**30:.0f} GiB this measurement allows; "
+            "ask for smaller batches",
             arg="batch_sizes",
         )
     caches, inputs = _random_batches(model, batch_sizes, context, steps)
@@ -137,7 +163,8 @@ def decode_step_runs(
             with inference(model):
                 caches[b].lengths[:b] = [context] * b  # every row back at `context` positions
                 for _ in range(steps):
-                    decoder.step(inputs[b][:, 0], caches[b], None)  # one token for every row, as serve steps
+                    # one token for every row, as serve steps
+                    decoder.step(inputs[b][:, 0], caches[b], None)
 
         return run
 
@@ -150,12 +177,13 @@ def decode_throughput(
     """Tokens/s of batched decode steps at each batch size, every row at ``context`` positions.
 
     Each repeat runs ``steps`` decode steps per batch size (``decode_step_runs``), the batch sizes
-    taking turns (``ar_lab.base.timing.interleaved``) so a load change on the machine hits them alike.
-    Medians are reported.
+    taking turns (``ar_lab.base.timing.interleaved``) so a load change on the machine hits them
+    alike. Medians are reported.
     """
     positive_int("repeats", repeats)
     runs = decode_step_runs(model, batch_sizes, context=context, steps=steps)
-    times = interleaved(runs, repeats, warmup=1, clock=time.perf_counter, device=model.device)  # 1 round warms up
+    # 1 round warms up
+    times = interleaved(runs, repeats, warmup=1, clock=time.perf_counter, device=model.device)
     out = []
     for b in batch_sizes:
         step = statistics.median(t / steps for t in times[b])
@@ -180,11 +208,14 @@ def prefix_ttft(
     checked_model(model)
     if isinstance(suffixes, str) or not isinstance(suffixes, Sequence):
         raise BadType(
-            f"suffixes must be a list of suffixes (texts or token ids), got {type(suffixes).__name__}", arg="suffixes"
+            "suffixes must be a list of suffixes (texts or token ids), got "
+            f"{type(suffixes).__name__}",
+            arg="suffixes",
         )
     if not suffixes:
         raise BadValue(
-            "suffixes: give at least one suffix (the part of each prompt after the shared prefix)", arg="suffixes"
+            "suffixes: give at least one suffix (the part of each prompt after the shared prefix)",
+            arg="suffixes",
         )
     positive_int("repeats", repeats)
     pc = PrefixCache(model, prefix)

@@ -48,29 +48,39 @@ def decode_bandwidth_fraction(
     ratio). ``best`` names the variant with the highest figure (``best_threads`` /
     ``cuda_graph`` say how to run it). The thread count and the model's mode are restored.
     """
-    decode_cost(model.config, context)  # checks the context against the window before anything is timed
+    # checks the context against the window before anything is timed
+    decode_cost(model.config, context)
     positive_int("pairs", pairs)
     device, dtype = model.device, next(model.parameters()).dtype
     say = progress or (lambda _msg: None)
     original = torch.get_num_threads()
     variants = _step_variants(device, threads, original)
     kernels, _ = streaming_kernels(device, dtype, nbytes=buffer_bytes)
-    rates = {n: moved / min(time_call(fn, repeats=5, warmup=1, device=device)) for n, (fn, moved) in kernels.items()}
+    rates = {
+        n: moved / min(time_call(fn, repeats=5, warmup=1, device=device))
+        for n, (fn, moved) in kernels.items()
+    }
     kernel = max(rates, key=rates.get)  # each kernel at its best call, as for the roof
     probe, probe_bytes = kernels[kernel]
-    samples, steps = {}, {}  # variant -> [(probe seconds, step seconds)]; variant -> (function, mode, note)
+    # variant -> [(probe seconds, step seconds)]; variant -> (function, mode, note)
+    samples, steps = {}, {}
     with inference(model):
         try:
             for name, (t, graph) in variants.items():
                 torch.set_num_threads(t)
-                fn, cost, mode, note = prepare_forward(model, 1, context - 1, 1, phase="decode", cuda_graph=graph)
+                fn, cost, mode, note = prepare_forward(
+                    model, 1, context - 1, 1, phase="decode", cuda_graph=graph
+                )
                 steps[name] = (fn, mode, note)
             # One variant after the other (switching thread counts between pairs would time
             # one variant's kernel against the other's still-spinning worker threads).
             for name, (t, _graph) in variants.items():
                 torch.set_num_threads(t)
                 samples[name] = _paired_times(probe, steps[name][0], pairs, device)
-                say(f"{name}: {_fraction(samples[name], cost.bytes, probe_bytes):.0%} of the streaming bandwidth")
+                say(
+                    f"{name}: {_fraction(samples[name], cost.bytes, probe_bytes):.0%} of the "
+                    "streaming bandwidth"
+                )
         finally:
             torch.set_num_threads(original)
     by_variant = {}
@@ -112,9 +122,12 @@ def decode_step_growth(model, short: int, long: int, *, pairs: int = 60) -> dict
     positive_int("short", short)
     positive_int("pairs", pairs)
     if long <= short:
-        raise BadValue(f"long must be a longer context than short, got short={short}, long={long}", arg="long")
+        raise BadValue(
+            f"long must be a longer context than short, got short={short}, long={long}", arg="long"
+        )
     try:
-        decode_cost(model.config, long)  # checks the context against the window before anything is timed
+        # checks the context against the window before anything is timed
+        decode_cost(model.config, long)
     except BadValue as error:
         raise type(error)(f"long: {error}", arg="long") from None
     with inference(model):
@@ -126,7 +139,9 @@ def decode_step_growth(model, short: int, long: int, *, pairs: int = 60) -> dict
     return {"short": short, "long": long, "short_seconds": a, "long_seconds": b, "ratio": b / a}
 
 
-def _step_variants(device: torch.device, threads: Sequence[int] | None, original: int) -> dict[str, tuple[int, bool]]:
+def _step_variants(
+    device: torch.device, threads: Sequence[int] | None, original: int
+) -> dict[str, tuple[int, bool]]:
     """{name: (thread count, CUDA graph)}: on CUDA eager and graph; on a CPU each thread count."""
     if device.type == "cuda":
         return {"eager": (original, False), "cuda graph": (original, True)}
@@ -148,13 +163,18 @@ def _fraction(samples: list[tuple[float, float]], step_bytes: float, probe_bytes
     return (step_bytes / step) / (probe_bytes / probe)
 
 
-def _pair_figures(samples: list[tuple[float, float]], step_bytes: float, probe_bytes: float) -> dict:
-    """One variant's figure, the spread of its per-pair ratios, and both rates at the median times."""
+def _pair_figures(
+    samples: list[tuple[float, float]], step_bytes: float, probe_bytes: float
+) -> dict:
+    """One variant's figure, the spread of its per-pair ratios, and both rates at the median
+    times."""
     fr = sorted(step_bytes / b / (probe_bytes / a) for a, b in samples)
     step_rate = step_bytes / statistics.median(b for _, b in samples)
     return {
         "fraction": _fraction(samples, step_bytes, probe_bytes),
-        "pair_quartiles": statistics.quantiles(fr, n=4, method="inclusive") if len(fr) > 1 else fr * 3,
+        "pair_quartiles": statistics.quantiles(fr, n=4, method="inclusive")
+        if len(fr) > 1
+        else fr * 3,
         "pair_range": [fr[0], fr[-1]],
         "of_roof": step_rate / (probe_bytes / min(a for a, _ in samples)),
         "decode_bytes_per_s": step_rate,

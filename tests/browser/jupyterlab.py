@@ -65,7 +65,8 @@ def free_port() -> int:
 
 
 def _descendants(pid: int) -> list[int]:
-    """Process ids below ``pid`` (kernels run in their own process groups, so killpg misses them)."""
+    """Process ids below ``pid`` (kernels run in their own process groups, so killpg misses
+    them)."""
     try:
         import psutil
     except ImportError:  # pragma: no cover - psutil comes with ipykernel
@@ -79,7 +80,9 @@ def _descendants(pid: int) -> list[int]:
 class LabServer:
     """JupyterLab serving ``root`` on 127.0.0.1 with a token; always stop() it."""
 
-    def __init__(self, root: Path, state: Path, env: dict[str, str] | None = None, start_timeout: float = 90):
+    def __init__(
+        self, root: Path, state: Path, env: dict[str, str] | None = None, start_timeout: float = 90
+    ):
         self.root, self.state = root, state
         self.port, self.token = free_port(), secrets.token_hex(16)
         self.base = f"http://127.0.0.1:{self.port}"
@@ -112,13 +115,19 @@ class LabServer:
             "--LabApp.news_url=None",
             "--LabApp.check_for_updates_class=jupyterlab.NeverCheckForUpdate",
             "--LabApp.extension_manager=readonly",
-            "--LabApp.expose_app_in_browser=True",  # window.jupyterapp: read kernel state and cell models
+            # window.jupyterapp: read kernel state and cell models
+            "--LabApp.expose_app_in_browser=True",
             "--allow-root",  # CI containers run as root
         ]
         self.log_path = state / "jupyterlab.log"
         self._log = open(self.log_path, "w")  # closed in stop()
         self.proc = subprocess.Popen(
-            cmd, cwd=root, env=self.env, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True
+            cmd,
+            cwd=root,
+            env=self.env,
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
         )
         try:
             self._wait_ready(start_timeout)
@@ -131,7 +140,9 @@ class LabServer:
         return f"{self.base}{path}{sep}token={self.token}"
 
     def api(self, method: str, path: str, timeout: float = 10):
-        req = urllib.request.Request(self.url(path), method=method, data=b"" if method == "POST" else None)
+        req = urllib.request.Request(
+            self.url(path), method=method, data=b"" if method == "POST" else None
+        )
         with urllib.request.urlopen(req, timeout=timeout) as r:
             body = r.read()
         return json.loads(body) if body else None
@@ -140,7 +151,9 @@ class LabServer:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"JupyterLab exited with code {self.proc.returncode}:\n{self.log_tail()}")
+                raise RuntimeError(
+                    f"JupyterLab exited with code {self.proc.returncode}:\n{self.log_tail()}"
+                )
             try:
                 self.api("GET", "/api/status", timeout=2)
                 return
@@ -176,7 +189,9 @@ class LabServer:
                 pass
             for pid in [self.proc.pid, *leftovers]:
                 try:
-                    os.killpg(os.getpgid(pid), signal.SIGKILL) if pid == self.proc.pid else os.kill(pid, signal.SIGKILL)
+                    os.killpg(os.getpgid(pid), signal.SIGKILL) if pid == self.proc.pid else os.kill(
+                        pid, signal.SIGKILL
+                    )
                 except (ProcessLookupError, PermissionError):
                     pass
             try:
@@ -206,7 +221,8 @@ _KERNEL_READY = (
     + """
   const p = panel(path);
   const k = p && p.sessionContext.session && p.sessionContext.session.kernel;
-  return !!(k && k.connectionStatus === 'connected' && k.status === 'idle' && p.content.widgets.length);
+  return !!(k && k.connectionStatus === 'connected' && k.status === 'idle'
+            && p.content.widgets.length);
 }"""
 )
 
@@ -230,11 +246,12 @@ _RUN_STATE = (
     const prompt = cell.node.querySelector('.jp-InputArea-prompt');
     if (prompt && prompt.textContent.includes('*')) return null;
     if (m.executionCount !== null) done += 1;
-    // An error stops Run All, unless the cell carries the raises-exception tag (a graded test cell):
-    // then the next cells still come, and the kernel may be idle for a moment in between.
+    // An error stops Run All, unless the cell carries the raises-exception tag (a graded test
+    // cell): then the next cells still come, and the kernel may be idle for a moment in between.
     const tags = (m.getMetadata ? m.getMetadata('tags') : m.metadata && m.metadata.tags) || [];
     const goesOn = Array.isArray(tags) && tags.includes('raises-exception');
-    for (let j = 0; j < m.outputs.length; j++) if (m.outputs.get(j).type === 'error' && !goesOn) errored = true;
+    for (let j = 0; j < m.outputs.length; j++)
+      if (m.outputs.get(j).type === 'error' && !goesOn) errored = true;
   }
   if (done < code && !errored) return null;
   return {state: 'done', done: done, code: code};
@@ -254,7 +271,8 @@ _REPORT = (
     for (let j = 0; j < m.outputs.length; j++) outs.push(m.outputs.get(j).toJSON());
     const rendered = cell.node.querySelectorAll('.jp-OutputArea-output .jupyter-widgets').length;
     cells.push({index: i, count: m.executionCount, source: m.sharedModel.getSource().slice(0, 120),
-                outputs: outs, widgetViews: rendered, text: cell.node.querySelector('.jp-OutputArea') ?
+                outputs: outs, widgetViews: rendered,
+                text: cell.node.querySelector('.jp-OutputArea') ?
                 cell.node.querySelector('.jp-OutputArea').innerText : ''});
   });
   return cells;
@@ -278,7 +296,12 @@ _PENDING = (
 
 _WIDGETS_SETTLED = """() => !document.body.innerText.includes('Loading widget')"""
 
-WIDGET_ERROR_TEXTS = ("Error displaying widget", "Error rendering", "Error creating widget", "model not found")
+WIDGET_ERROR_TEXTS = (
+    "Error displaying widget",
+    "Error rendering",
+    "Error creating widget",
+    "model not found",
+)
 
 
 @dataclass
@@ -298,14 +321,25 @@ class NotebookRun:
             for o in c["outputs"]:
                 if o["output_type"] == "error":
                     self.problems.append(f"{where} raised {o['ename']}: {o['evalue']}")
-                elif o["output_type"] == "stream" and o.get("name") == "stderr" and "Traceback" in o.get("text", ""):
-                    self.problems.append(f"{where} printed a traceback on stderr:\n{o['text'][-1500:]}")
+                elif (
+                    o["output_type"] == "stream"
+                    and o.get("name") == "stderr"
+                    and "Traceback" in o.get("text", "")
+                ):
+                    self.problems.append(
+                        f"{where} printed a traceback on stderr:\n{o['text'][-1500:]}"
+                    )
             shown = [text for text in WIDGET_ERROR_TEXTS if text in c["text"]]
             if shown:
                 self.problems.append(f"{where} shows {shown[0]!r}: {c['text'][:300]!r}")
-            views = sum("application/vnd.jupyter.widget-view+json" in o.get("data", {}) for o in c["outputs"])
+            views = sum(
+                "application/vnd.jupyter.widget-view+json" in o.get("data", {})
+                for o in c["outputs"]
+            )
             if views and not c["widgetViews"]:
-                self.problems.append(f"{where} has a widget output but no widget was drawn: {c['text'][:200]!r}")
+                self.problems.append(
+                    f"{where} has a widget output but no widget was drawn: {c['text'][:200]!r}"
+                )
         not_run = [c["index"] for c in self.cells if c["count"] is None]
         if not_run and not self.problems:
             self.problems.append(f"cells {not_run} were never executed")
@@ -315,7 +349,8 @@ class NotebookPage:
     """One notebook open in its own browser page (its own JupyterLab workspace)."""
 
     def __init__(self, lab: Lab, name: str):
-        """Start loading the page; ``ready()`` waits for it (so the next notebook can load during a run)."""
+        """Start loading the page; ``ready()`` waits for it (so the next notebook can load during a
+        run)."""
         self.lab, self.name = lab, name
         self.console_errors: list[str] = []
         self.run: NotebookRun | None = None
@@ -326,8 +361,11 @@ class NotebookPage:
         self.page.on("console", self._on_console)
         self.page.on("pageerror", lambda e: self.console_errors.append(f"uncaught: {e}"))
         self._t0 = time.perf_counter()
-        workspace = Path(name).stem.replace(".", "-")  # one workspace per page: pages do not share layout
-        self.page.goto(lab.server.url(f"/lab/workspaces/{workspace}/tree/{name}"), wait_until="commit")
+        # one workspace per page: pages do not share layout
+        workspace = Path(name).stem.replace(".", "-")
+        self.page.goto(
+            lab.server.url(f"/lab/workspaces/{workspace}/tree/{name}"), wait_until="commit"
+        )
 
     def ready(self, timeout_ms: int = 90_000) -> NotebookPage:
         """Wait until JupyterLab shows the notebook and its kernel is connected and idle."""
@@ -339,7 +377,9 @@ class NotebookPage:
     def _on_console(self, msg) -> None:
         if msg.type == "error":
             loc = msg.location or {}
-            self.console_errors.append(f"{msg.text} [{loc.get('url', '')}:{loc.get('lineNumber', '')}]")
+            self.console_errors.append(
+                f"{msg.text} [{loc.get('url', '')}:{loc.get('lineNumber', '')}]"
+            )
 
     def menu(self, menu: str, item: str) -> None:
         """Click ``menu`` in the menu bar, then ``item`` in it, as a learner does."""
@@ -354,27 +394,42 @@ class NotebookPage:
         self.menu("Run", "Run All Cells")
 
     def finish_run(self, timeout_s: float) -> NotebookRun:
-        """Wait (bounded) until nothing is queued and the kernel is idle; gather what the notebook shows."""
+        """Wait (bounded) until nothing is queued and the kernel is idle; gather what the notebook
+        shows."""
         left = max(1.0, timeout_s - (time.perf_counter() - self._run_t0))
         try:
-            state = self.page.wait_for_function(_RUN_STATE, arg=self.name, polling=250, timeout=left * 1000)
+            state = self.page.wait_for_function(
+                _RUN_STATE, arg=self.name, polling=250, timeout=left * 1000
+            )
         except Exception as e:
             if "Timeout" not in type(e).__name__:
                 raise
             busy = self.page.evaluate(_PENDING, self.name)
-            now = f"cell {busy[0]!r} and {len(busy) - 1} queued" if busy else "nothing (the kernel is busy)"
-            msg = f"{self.name}: Run All did not finish within {timeout_s:.0f} s; still running: {now}"
+            now = (
+                f"cell {busy[0]!r} and {len(busy) - 1} queued"
+                if busy
+                else "nothing (the kernel is busy)"
+            )
+            msg = (
+                f"{self.name}: Run All did not finish within {timeout_s:.0f} s; still running: "
+                f"{now}"
+            )
             raise AssertionError(msg) from e
         seconds = time.perf_counter() - self._run_t0
         state = state.json_value()
         if state["state"] == "dead":
-            raise AssertionError(f"{self.name}: the kernel died ({state['status']}) after {seconds:.0f} s")
-        try:  # widget views appear asynchronously after the outputs; wait until none is still loading
+            raise AssertionError(
+                f"{self.name}: the kernel died ({state['status']}) after {seconds:.0f} s"
+            )
+        # widget views appear asynchronously after the outputs; wait until none is still loading
+        try:
             self.page.wait_for_function(_WIDGETS_SETTLED, polling=200, timeout=30_000)
         except Exception:
             pass  # reported below as a widget that was not drawn
         cells = self.page.evaluate(_REPORT, self.name)
-        self.run = NotebookRun(self.name, seconds, self.open_seconds, cells, list(self.console_errors))
+        self.run = NotebookRun(
+            self.name, seconds, self.open_seconds, cells, list(self.console_errors)
+        )
         return self.run
 
     def wait_idle(self, timeout_ms: int = 60_000) -> None:
@@ -398,7 +453,14 @@ class Lab:
     ``jobs``: how many notebooks run at once (each page has its own kernel).
     """
 
-    def __init__(self, root: Path, state: Path, chromium: str, env: dict[str, str] | None = None, jobs: int = 1):
+    def __init__(
+        self,
+        root: Path,
+        state: Path,
+        chromium: str,
+        env: dict[str, str] | None = None,
+        jobs: int = 1,
+    ):
         from playwright.sync_api import sync_playwright
 
         self.root, self.pages, self.jobs = root, {}, max(1, jobs)

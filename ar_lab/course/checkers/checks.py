@@ -26,13 +26,15 @@ from typing import Any
 import torch
 
 from ar_lab.course.checkers.answers import require_answer
-from ar_lab.course.checkers.verdicts import (  # the verdicts every checker raises (re-exported here)
+
+# the verdicts every checker raises (re-exported here)
+from ar_lab.course.checkers.verdicts import (
     CheckFailed,
     Delegated,
 )
 
-# Exercise name -> (its test passed, the learner's objects it ran): what ``yours_or_ours`` reads. One
-# kernel, one record per exercise; re-running a test cell replaces its entry.
+# Exercise name -> (its test passed, the learner's objects it ran): what ``yours_or_ours`` reads.
+# One kernel, one record per exercise; re-running a test cell replaces its entry.
 _VERDICTS: dict[str, tuple[bool, tuple]] = {}
 
 
@@ -70,38 +72,47 @@ def warnings_as_notes(exercise: str = "this exercise") -> Iterator[list]:
                 text = f"{w.category.__name__}: {first_line}"
                 if text not in seen:
                     seen.add(text)
-                    print(f"note: a warning while checking {exercise} (it does not affect the grade): {text}")
+                    print(
+                        f"note: a warning while checking {exercise} (it does not affect the "
+                        f"grade): {text}"
+                    )
 
 
 @contextlib.contextmanager
 def no_delegation(
     *learner: Callable, forbid: str | Iterable[str | Callable] = (), exercise: str = "this exercise"
 ) -> Iterator[list]:
-    """While the block runs, the ``forbid`` references raise ``Delegated`` when the learner's code calls them.
+    """While the block runs, the ``forbid`` references raise ``Delegated`` when the learner's code
+    calls them.
 
     ``learner``: the learner's functions or classes (their code, nested functions and methods
     included, counts as theirs); with none, every call raises. ``forbid``: functions, methods or
     classes (a class: its constructor and ``forward``), as objects or dotted names
-    (``"ar_lab.engine.sampling.filter_top_p"``, ``"ar_lab.model.cache.KVCache.update"``), or a PyTorch
-    operator as ``"aten::name"`` (every ``torch.ops.aten.name`` overload); or, as one string, a graded
-    exercise's id (``"ch07-accept"``): the list ``ar_lab.course.grading.forbidden`` keeps for that exercise.
+    (``"ar_lab.engine.sampling.filter_top_p"``, ``"ar_lab.model.cache.KVCache.update"``), or a
+    PyTorch operator as ``"aten::name"`` (every ``torch.ops.aten.name`` overload); or, as one
+    string, a graded exercise's id (``"ch07-accept"``): the list ``ar_lab.course.grading.forbidden``
+    keeps for that exercise.
 
-    The references run a stand-in for the block's length (``guard.Gate``): a Python function as its own
-    code, so every route to it is caught (an import, a default argument, a saved method, a thread); a
-    builtin by name, wherever it is bound. A call is the learner's when the nearest notebook code above it
-    is not the test cell's own: the test computes its reference values inside the block. A learner whose
-    code caught the error is caught too. Warnings raised in the block go to stdout
-    (``warnings_as_notes``), so they do not fail a graded cell. A builtin captured before the block, or a
-    copy of the reference's code, escapes it: this is a learner's feedback; the grade's guarantee is the
-    grading step's (``ar_lab.course.grading.sandbox``). An answer that is None, or ar_lab's own function (or a thin
-    wrapper of it), fails at once with ``answers.NoAnswer``: a hook given None would run the package's version.
+    The references run a stand-in for the block's length (``guard.Gate``): a Python function as its
+    own code, so every route to it is caught (an import, a default argument, a saved method, a
+    thread); a builtin by name, wherever it is bound. A call is the learner's when the nearest
+    notebook code above it is not the test cell's own: the test computes its reference values inside
+    the block. A learner whose code caught the error is caught too. Warnings raised in the block go
+    to stdout (``warnings_as_notes``), so they do not fail a graded cell. A builtin captured before
+    the block, or a copy of the reference's code, escapes it: this is a learner's feedback; the
+    grade's guarantee is the grading step's (``ar_lab.course.grading.sandbox``). An answer that is
+    None, or ar_lab's own function (or a thin wrapper of it), fails at once with
+    ``answers.NoAnswer``: a hook given None would run the package's version.
     """
     from ar_lab.course.grading.channel import Remote
     from ar_lab.course.grading.guard import Gate, forbidden
 
-    require_answer(exercise, *learner)  # None, or ar_lab's own function, is no answer yet: before anything runs
-    if learner and all(isinstance(f, Remote) for f in learner):  # the grading step's judge: the learner's code
-        _VERDICTS[exercise] = (False, learner)  # runs in its answer process, where the references do not exist
+    # None, or ar_lab's own function, is no answer yet: before anything runs
+    require_answer(exercise, *learner)
+    # the grading step's judge: the learner's code
+    if learner and all(isinstance(f, Remote) for f in learner):
+        # runs in its answer process, where the references do not exist
+        _VERDICTS[exercise] = (False, learner)
         with warnings_as_notes(exercise):
             yield []
         _VERDICTS[exercise] = (True, learner)
@@ -115,14 +126,15 @@ def no_delegation(
         for f in learner:
             if f is obj or getattr(f, "func", getattr(f, "__wrapped__", f)) is obj:
                 raise Delegated(
-                    f"{exercise}: your answer is `{name}` itself, a ready-made implementation of what the "
-                    "exercise asks you to write: write the computation yourself.",
+                    f"{exercise}: your answer is `{name}` itself, a ready-made implementation of "
+                    "what the exercise asks you to write: write the computation yourself.",
                     name,
                 )
             if isinstance(f, type) and isinstance(obj, type) and issubclass(f, obj):
                 raise Delegated(
-                    f"{exercise}: your class `{f.__name__}` is built on `{name}`, a ready-made implementation "
-                    "of what the exercise asks you to write: subclass torch.nn.Module and write it yourself.",
+                    f"{exercise}: your class `{f.__name__}` is built on `{name}`, a ready-made "
+                    "implementation of what the exercise asks you to write: subclass "
+                    "torch.nn.Module and write it yourself.",
                     name,
                 )
     gate = Gate(forbid, learner, exercise, Delegated)
@@ -133,40 +145,46 @@ def no_delegation(
     except Exception as e:  # e.g. the learner's thread died on Delegated and their code then failed
         if gate.calls and not isinstance(e, Delegated):
             raise Delegated(
-                f"{exercise}: your code called `{gate.calls[0]}`, a ready-made implementation of what the "
-                "exercise asks you to write, and then failed: write the computation yourself.",
+                f"{exercise}: your code called `{gate.calls[0]}`, a ready-made implementation of "
+                "what the exercise asks you to write, and then failed: write the computation "
+                "yourself.",
                 gate.calls[0],
             ) from e
         raise
     if gate.calls:
         raise Delegated(
-            f"{exercise}: your code called `{gate.calls[0]}`, a ready-made implementation of what the "
-            "exercise asks you to write (and caught the error): write the computation yourself.",
+            f"{exercise}: your code called `{gate.calls[0]}`, a ready-made implementation of "
+            "what the exercise asks you to write (and caught the error): write the computation "
+            "yourself.",
             gate.calls[0],
         )
     _VERDICTS[exercise] = (True, learner)
 
 
 def exercise_passed(exercise: str, *yours: Any) -> bool:
-    """True if ``exercise``'s graded test passed in this kernel, run on exactly the objects ``yours``
-    (a function redefined since its test ran is not the one that passed)."""
+    """True if ``exercise``'s graded test passed in this kernel, run on exactly the objects
+    ``yours`` (a function redefined since its test ran is not the one that passed)."""
     ok, tested = _VERDICTS.get(exercise, (False, ()))
-    return ok and len(tested) == len(yours) and all(a is b for a, b in zip(tested, yours, strict=True))
+    return (
+        ok and len(tested) == len(yours) and all(a is b for a, b in zip(tested, yours, strict=True))
+    )
 
 
 def yours_or_ours(
     exercise: str, yours: Any, ours: Any, *, name: str | None = None, tested: tuple | None = None,
     whose: str = "ar_lab's",
 ) -> Any:
-    """``yours`` if ``exercise``'s graded test passed on it in this kernel, else ``ours``; prints which.
+    """``yours`` if ``exercise``'s graded test passed on it in this kernel, else ``ours``; prints
+    which.
 
-    What a cell after an exercise calls, so the learner's piece runs the chapter's experiment once it
-    passes, and a learner who is stuck still reaches the end of the chapter with the package's piece.
-    ``yours`` may be a tuple of the objects the test ran (e.g. a quantizer and its dequantizer):
-    ``ours`` is then the matching tuple. ``tested``: the objects the test ran, when what the cell uses
-    is made from them (a model loaded in the answer cell); ``yours`` is then a function without
-    arguments that returns it, called only once the test has passed (before, it may not exist).
-    ``whose``: how the printed line names ``ours`` (e.g. "PyTorch's" where the stand-in is torch's own).
+    What a cell after an exercise calls, so the learner's piece runs the chapter's experiment once
+    it passes, and a learner who is stuck still reaches the end of the chapter with the package's
+    piece. ``yours`` may be a tuple of the objects the test ran (e.g. a quantizer and its
+    dequantizer): ``ours`` is then the matching tuple. ``tested``: the objects the test ran, when
+    what the cell uses is made from them (a model loaded in the answer cell); ``yours`` is then a
+    function without arguments that returns it, called only once the test has passed (before, it may
+    not exist). ``whose``: how the printed line names ``ours`` (e.g. "PyTorch's" where the stand-in
+    is torch's own).
     """
     checked = tested if tested is not None else yours if isinstance(yours, tuple) else (yours,)
     name = name or exercise
@@ -174,8 +192,14 @@ def yours_or_ours(
         print(f"▶ this runs on your {name} (its test passed)")
         return yours() if tested is not None else yours
     ran = exercise in _VERDICTS
-    why = "does not pass its test yet" if ran and _VERDICTS[exercise][0] is False else (
-        "changed since its test passed: run its test cell again" if ran else "has not been tested: run its test cell"
+    why = (
+        "does not pass its test yet"
+        if ran and _VERDICTS[exercise][0] is False
+        else (
+            "changed since its test passed: run its test cell again"
+            if ran
+            else "has not been tested: run its test cell"
+        )
     )
     print(f"▷ your {name} {why}: this runs on {whose}")
     return ours
@@ -195,14 +219,25 @@ def check_shape(what: str, got: Any, shape: tuple[int, ...], hint: str = "") -> 
         _fail(what, f"expected shape {tuple(shape)}, got {tuple(got.shape)}", hint)
 
 
-def check_close(what: str, got: Any, expected: torch.Tensor, atol: float = 1e-5, rtol: float = 1e-4, hint: str = ""):
+def check_close(
+    what: str,
+    got: Any,
+    expected: torch.Tensor,
+    atol: float = 1e-5,
+    rtol: float = 1e-4,
+    hint: str = "",
+):
     expected = torch.as_tensor(expected)
     got_t = torch.as_tensor(got) if not isinstance(got, torch.Tensor) else got
     check_shape(what, got_t, tuple(expected.shape), hint)
     got_t, expected = got_t.detach().float().cpu(), expected.detach().float().cpu()
     if not torch.allclose(got_t, expected, atol=atol, rtol=rtol, equal_nan=False):
         diff = (got_t - expected).abs()
-        where = tuple(int(i) for i in torch.unravel_index(diff.argmax(), diff.shape)) if diff.ndim else ()
+        where = (
+            tuple(int(i) for i in torch.unravel_index(diff.argmax(), diff.shape))
+            if diff.ndim
+            else ()
+        )
         _fail(
             what,
             f"values differ; largest difference {diff.max().item():.3g} at index {where}: "
@@ -221,9 +256,9 @@ def check_equal(what: str, got: Any, expected: Any, hint: str = "") -> None:
 
 
 def check_dtype(what: str, got: Any, dtype: torch.dtype, why: str = "", hint: str = "") -> None:
-    """``got`` is a tensor of ``dtype``, where the exercise's spec names one: equal values of another
-    dtype (a float 0/1 mask for a bool one) pass ``check_equal`` but fail later (``~mask``, ``masked_fill``).
-    ``why``: what the other dtype breaks, said in the message."""
+    """``got`` is a tensor of ``dtype``, where the exercise's spec names one: equal values of
+    another dtype (a float 0/1 mask for a bool one) pass ``check_equal`` but fail later (``~mask``,
+    ``masked_fill``). ``why``: what the other dtype breaks, said in the message."""
     if not isinstance(got, torch.Tensor):
         _fail(what, f"expected a tensor of dtype {dtype}, got {type(got).__name__}", hint)
     if got.dtype != dtype:
@@ -231,21 +266,26 @@ def check_dtype(what: str, got: Any, dtype: torch.dtype, why: str = "", hint: st
 
 
 def check_log_prob(what: str, got: Any, expected: Any, atol: float = 1e-4, hint: str = "") -> None:
-    """A log-probability (a sum of many logs) equals ``expected``; a 0 or -inf where ``expected`` is finite
-    is named for what it is: probabilities multiplied, the product underflowed (0.1 ** 400 is 0 in float64)."""
+    """A log-probability (a sum of many logs) equals ``expected``; a 0 or -inf where ``expected`` is
+    finite is named for what it is: probabilities multiplied, the product underflowed (0.1 ** 400 is
+    0 in float64)."""
     value, want = float(torch.as_tensor(got).detach().double()), float(expected)
     if value in (0.0, float("-inf")) and math.isfinite(want) and want != 0.0:
         _fail(
             what,
-            f"expected {want:.6g}, got {value}: you multiply probabilities and the product underflows "
-            "(to 0, whose log is -inf): add log-probabilities instead",
+            f"expected {want:.6g}, got {value}: you multiply probabilities and the product "
+            "underflows (to 0, whose log is -inf): add log-probabilities instead",
             hint,
         )
     check_close(what, torch.as_tensor(value), expected, atol=atol, hint=hint)
 
 
 def check_cases(
-    name: str, fn: Callable, cases: Iterable[tuple[tuple, Any]], hint: str = "", forbidden: Iterable = ()
+    name: str,
+    fn: Callable,
+    cases: Iterable[tuple[tuple, Any]],
+    hint: str = "",
+    forbidden: Iterable = (),
 ) -> None:
     """Call ``fn(*args)`` for each (args, expected) case; report the first failing one.
 
@@ -254,14 +294,17 @@ def check_cases(
     """
     forbidden = tuple(forbidden)
     for args, expected in cases:
-        shown = ", ".join(repr(a) if not isinstance(a, torch.Tensor) else f"tensor{tuple(a.shape)}" for a in args)
+        shown = ", ".join(
+            repr(a) if not isinstance(a, torch.Tensor) else f"tensor{tuple(a.shape)}" for a in args
+        )
         try:
             got = own_work(f"{name}({shown})", fn, *args, forbidden=forbidden)
         except CheckFailed:
             raise
         except Exception as e:  # an expected value exists, so any exception is a wrong answer
             raise CheckFailed(
-                f"{name}({shown}): your code raised {type(e).__name__}: {e}" + (f"\nHint: {hint}" if hint else "")
+                f"{name}({shown}): your code raised {type(e).__name__}: {e}"
+                + (f"\nHint: {hint}" if hint else "")
             ) from e
         if isinstance(expected, torch.Tensor):
             check_close(f"{name}({shown})", got, expected, hint=hint)
@@ -276,9 +319,14 @@ def passed(message: str = "All checks passed.") -> None:
 # --- checkers that explain where two computations part ---------------------------------
 
 
-def first_mismatch(got: torch.Tensor, expected: torch.Tensor, dim: int = 0, atol: float = 1e-5, rtol: float = 1e-4):
-    """The first index along ``dim`` (a position, a training step) where ``got`` and ``expected`` differ, or None."""
-    bad = ~torch.isclose(got.detach().float().cpu(), expected.detach().float().cpu(), atol=atol, rtol=rtol)
+def first_mismatch(
+    got: torch.Tensor, expected: torch.Tensor, dim: int = 0, atol: float = 1e-5, rtol: float = 1e-4
+):
+    """The first index along ``dim`` (a position, a training step) where ``got`` and ``expected``
+    differ, or None."""
+    bad = ~torch.isclose(
+        got.detach().float().cpu(), expected.detach().float().cpu(), atol=atol, rtol=rtol
+    )
     per_index = bad.movedim(dim, 0).reshape(bad.shape[dim], -1).any(dim=1)
     hits = per_index.nonzero()
     return int(hits[0]) if len(hits) else None
@@ -301,8 +349,9 @@ def check_matches(
     hint: str = "",
 ) -> None:
     """``check_close`` that explains a difference: the known mistake it matches (``mistakes``: a
-    description -> the output that mistake gives, e.g. from ``ar_lab.course.checkers.model_checks``), a wrong overall
-    size, and the first index along ``dim`` that differs (``dim_name``: what that index is)."""
+    description -> the output that mistake gives, e.g. from
+    ``ar_lab.course.checkers.model_checks``), a wrong overall size, and the first index along
+    ``dim`` that differs (``dim_name``: what that index is)."""
     expected = torch.as_tensor(expected).detach().float().cpu()
     check_shape(what, got, tuple(expected.shape), hint)
     got = got.detach().float().cpu()
@@ -323,10 +372,18 @@ def check_matches(
         )
     if dim is not None and got.ndim:
         k = first_mismatch(got, expected, dim, atol, rtol)
-        agree = f" ({dim_name} 0 agrees)" if k == 1 else f" ({dim_name}s 0 to {k - 1} agree)" if k else ""
+        agree = (
+            f" ({dim_name} 0 agrees)"
+            if k == 1
+            else f" ({dim_name}s 0 to {k - 1} agree)"
+            if k
+            else ""
+        )
         found.append(f"the first {dim_name} that differs is {k}{agree}")
     diff = (got - expected).abs()
-    where = tuple(int(i) for i in torch.unravel_index(diff.argmax(), diff.shape)) if diff.ndim else ()
+    where = (
+        tuple(int(i) for i in torch.unravel_index(diff.argmax(), diff.shape)) if diff.ndim else ()
+    )
     found.append(
         f"largest difference {diff.max().item():.3g} at index {where}: "
         f"expected {expected[where].item():.6g}, got {got[where].item():.6g}"
@@ -337,32 +394,53 @@ def check_matches(
 def check_sequence(what: str, got: Sequence, expected: Sequence, hint: str = "") -> None:
     """Two token lists are equal; otherwise say where they first part and how many agree before."""
     got, expected = [int(t) for t in got], [int(t) for t in expected]
-    k = next((i for i, (a, b) in enumerate(zip(got, expected, strict=False)) if a != b), min(len(got), len(expected)))
+    k = next(
+        (i for i, (a, b) in enumerate(zip(got, expected, strict=False)) if a != b),
+        min(len(got), len(expected)),
+    )
     if got == expected:
         return
     if k == min(len(got), len(expected)):
         agree = f" (the first {k} agree)" if k else ""
         _fail(what, f"expected {len(expected)} tokens, got {len(got)}{agree}", hint)
-    agree = {0: "the very first token: none agree", 1: "token 0 agrees"}.get(k, f"tokens 0 to {k - 1} agree")
+    agree = {0: "the very first token: none agree", 1: "token 0 agrees"}.get(
+        k, f"tokens 0 to {k - 1} agree"
+    )
     _fail(what, f"token {k} differs: expected {expected[k]}, got {got[k]} ({agree})", hint)
 
 
-def check_same_names(what: str, module: torch.nn.Module, reference: torch.nn.Module, hint: str = "") -> None:
-    """``module`` has ``reference``'s state-dict names and shapes, so the reference's weights load into it."""
+def check_same_names(
+    what: str, module: torch.nn.Module, reference: torch.nn.Module, hint: str = ""
+) -> None:
+    """``module`` has ``reference``'s state-dict names and shapes, so the reference's weights load
+    into it."""
     mine = {k: tuple(v.shape) for k, v in module.state_dict().items()}
     ref = {k: tuple(v.shape) for k, v in reference.state_dict().items()}
     missing, extra = sorted(set(ref) - set(mine)), sorted(set(mine) - set(ref))
     problems = [f"missing {missing[:4]}"] if missing else []
     problems += [f"unexpected {extra[:4]}"] if extra else []
-    problems += [f"`{k}` has shape {mine[k]}, expected {ref[k]}" for k in ref if k in mine and mine[k] != ref[k]][:2]
+    problems += [
+        f"`{k}` has shape {mine[k]}, expected {ref[k]}"
+        for k in ref
+        if k in mine and mine[k] != ref[k]
+    ][:2]
     if problems:
-        _fail(what, "its parameters do not have the course model's names and shapes: " + "; ".join(problems), hint)
+        _fail(
+            what,
+            "its parameters do not have the course model's names and shapes: "
+            + "; ".join(problems),
+            hint,
+        )
 
 
-def _first_different_parameter(model: torch.nn.Module, other: torch.nn.Module, atol: float, rtol: float):
+def _first_different_parameter(
+    model: torch.nn.Module, other: torch.nn.Module, atol: float, rtol: float
+):
     theirs = other.state_dict()
     for name, value in model.state_dict().items():
-        same = name in theirs and torch.allclose(value.float().cpu(), theirs[name].float().cpu(), atol=atol, rtol=rtol)
+        same = name in theirs and torch.allclose(
+            value.float().cpu(), theirs[name].float().cpu(), atol=atol, rtol=rtol
+        )
         if not same:
             return name
     return None
@@ -378,8 +456,9 @@ def check_parameters(
     mistakes: dict[str, torch.nn.Module] | None = None,
     hint: str = "",
 ) -> None:
-    """Every parameter of ``model`` (after training, say) equals ``expected``'s; otherwise name the known
-    mistake it matches (``mistakes``: a description -> a model that mistake gives) or the first that differs."""
+    """Every parameter of ``model`` (after training, say) equals ``expected``'s; otherwise name the
+    known mistake it matches (``mistakes``: a description -> a model that mistake gives) or the
+    first that differs."""
     name = _first_different_parameter(model, expected, atol, rtol)
     if name is None:
         return
@@ -387,5 +466,9 @@ def check_parameters(
         if _first_different_parameter(model, other, atol, rtol) is None:
             _fail(what, f"your parameters are what {mistake} gives", hint, mistake)
     a, b = model.state_dict()[name].float().cpu(), expected.state_dict().get(name)
-    size = f"largest difference {(a - b.float().cpu()).abs().max().item():.3g}" if b is not None else "missing"
+    size = (
+        f"largest difference {(a - b.float().cpu()).abs().max().item():.3g}"
+        if b is not None
+        else "missing"
+    )
     _fail(what, f"parameter `{name}` is the first that differs ({size})", hint)

@@ -1,4 +1,5 @@
-"""Checkers for the GPT's pieces (chapters 02, 03 and 03b): where a learner's model parts from the course's.
+"""Checkers for the GPT's pieces (chapters 02, 03 and 03b): where a learner's model parts from the
+course's.
 
 A learner writes each piece of the GPT (embeddings, attention, MLP, block, the whole model) with
 the course model's parameter names, so the course's weights load into it and its outputs can be
@@ -34,8 +35,9 @@ from ar_lab.model.train import TrainConfig, lr_at, make_optimizer, train, train_
 
 
 class Piece(torch.nn.Module):
-    """A module of ``ar_lab.model.gpt`` called as ``piece(x)``, its extra arguments fixed (the block's
-    ``cache, layer, start``): a test puts the course's own part inside the learner's module."""
+    """A module of ``ar_lab.model.gpt`` called as ``piece(x)``, its extra arguments fixed (the
+    block's ``cache, layer, start``): a test puts the course's own part inside the learner's
+    module."""
 
     def __init__(self, module: torch.nn.Module, *args: Any) -> None:
         super().__init__()
@@ -49,7 +51,9 @@ class Piece(torch.nn.Module):
 
 
 @torch.no_grad()
-def embedding_mistakes(wte: torch.Tensor, wpe: torch.Tensor, idx: torch.Tensor) -> dict[str, torch.Tensor]:
+def embedding_mistakes(
+    wte: torch.Tensor, wpe: torch.Tensor, idx: torch.Tensor
+) -> dict[str, torch.Tensor]:
     """Token ids idx (B, T) embedded with tables wte (V, C) and wpe (block_size, C), wrongly."""
     T = idx.shape[1]
     tokens = wte[idx]  # (B, T, C)
@@ -75,15 +79,20 @@ def attention_mistakes(attn: CausalSelfAttention, x: torch.Tensor) -> dict[str, 
     def merged(y: torch.Tensor) -> torch.Tensor:  # (B, H, T, D) -> (B, T, (h d))
         return y.transpose(1, 2).reshape(B, T, C)
 
-    def interleaved(t: torch.Tensor) -> torch.Tensor:  # (B, T, (d h)) -> (B, H, T, D): the wrong split
+    # (B, T, (d h)) -> (B, H, T, D): the wrong split
+    def interleaved(t: torch.Tensor) -> torch.Tensor:
         return t.view(B, T, D, H).permute(0, 3, 1, 2)
 
     sdpa = F.scaled_dot_product_attention
     q, k, v = heads(q), heads(k), heads(v)
     wrong = sdpa(*(interleaved(t) for t in attn.qkv(x).split(C, dim=-1)), is_causal=True)
     return {
-        "attention without the causal mask (every position also reads the future)": attn.proj(merged(sdpa(q, k, v))),
-        "attention without the 1/√d scaling of the scores": attn.proj(merged(sdpa(q, k, v, is_causal=True, scale=1.0))),
+        "attention without the causal mask (every position also reads the future)": attn.proj(
+            merged(sdpa(q, k, v))
+        ),
+        "attention without the 1/√d scaling of the scores": attn.proj(
+            merged(sdpa(q, k, v, is_causal=True, scale=1.0))
+        ),
         "scores divided by √C (the model width) instead of √d (the head size)": attn.proj(
             merged(sdpa(q, k, v, is_causal=True, scale=1 / math.sqrt(C)))
         ),
@@ -99,7 +108,8 @@ def mlp_mistakes(mlp: MLP, x: torch.Tensor) -> dict[str, torch.Tensor]:
     """The course's MLP on x (..., C), wrongly."""
     h = mlp.fc(x)  # (..., 4C)
     return {
-        "the exact GELU (the course model uses the tanh approximation, approximate='tanh')": mlp.proj(F.gelu(h)),
+        "the exact GELU (the course model uses the tanh approximation, "
+        "approximate='tanh')": mlp.proj(F.gelu(h)),
         "ReLU instead of GELU": mlp.proj(F.relu(h)),
         "no activation between the two layers": mlp.proj(h),
     }
@@ -116,16 +126,15 @@ def block_mistakes(block: Block, x: torch.Tensor) -> dict[str, torch.Tensor]:
     h = x + a  # after the first residual connection
     post = block.ln1(x + attn(x))
     return {
-        "a block without its first residual connection (x = attn(ln1(x)) instead of x = x + attn(ln1(x)))": a
-        + block.mlp(block.ln2(a)),
-        "a block without its second residual connection (mlp(ln2(x)) returned without adding x)": block.mlp(
-            block.ln2(h)
-        ),
+        "a block without its first residual connection (x = attn(ln1(x)) instead of x = x + "
+        "attn(ln1(x)))": a + block.mlp(block.ln2(a)),
+        "a block without its second residual connection (mlp(ln2(x)) returned without "
+        "adding x)": block.mlp(block.ln2(h)),
         "a block without either residual connection": block.mlp(block.ln2(a)),
-        "a post-norm block (LayerNorm after each residual add, as in the original Transformer)": block.ln2(
-            post + block.mlp(post)
-        ),
-        "a block whose MLP branch reads the block's input x instead of x after attention": h + block.mlp(block.ln2(x)),
+        "a post-norm block (LayerNorm after each residual add, as in the original "
+        "Transformer)": block.ln2(post + block.mlp(post)),
+        "a block whose MLP branch reads the block's input x instead of x after attention": h
+        + block.mlp(block.ln2(x)),
         "one LayerNorm (ln1) in front of both branches": h + block.mlp(block.ln1(h)),
     }
 
@@ -151,8 +160,8 @@ def gpt_mistakes(gpt: GPT, idx: torch.Tensor) -> dict[str, torch.Tensor]:
 
 
 def param_count_mistakes(cfg: GPTConfig, right: int) -> dict[str, int]:
-    """The parameter count of ``GPT(cfg)`` (with ``n_kv_heads == n_head``; ``right`` is the true count),
-    counted wrongly."""
+    """The parameter count of ``GPT(cfg)`` (with ``n_kv_heads == n_head``; ``right`` is the true
+    count), counted wrongly."""
     C, L, V = cfg.n_embd, cfg.n_layer, cfg.vocab_size
     biases = L * (3 * C + C + 4 * C + C)  # qkv, attention proj, MLP fc, MLP proj
     norms = (2 * L + 1) * 2 * C  # two per block and the final one, a weight and a bias each
@@ -170,17 +179,21 @@ def param_count_mistakes(cfg: GPTConfig, right: int) -> dict[str, int]:
 
 @torch.no_grad()
 def cross_entropy_mistakes(logits: torch.Tensor, targets: torch.Tensor) -> dict[str, torch.Tensor]:
-    """The mean next-token cross-entropy of ``logits`` (..., V) against ``targets`` (...), computed wrongly."""
+    """The mean next-token cross-entropy of ``logits`` (..., V) against ``targets`` (...), computed
+    wrongly."""
     flat, y = logits.reshape(-1, logits.shape[-1]).double(), targets.reshape(-1)  # (N, V), (N,)
     rows = torch.arange(len(y))
     log_p = flat.log_softmax(dim=-1)[rows, y]  # log p(target) at each position, (N,)
-    across_positions = flat.log_softmax(dim=0)[rows, y]  # normalised over the N positions: the wrong dimension
+    # normalised over the N positions: the wrong dimension
+    across_positions = flat.log_softmax(dim=0)[rows, y]
     out = {
         "the sum over positions instead of the mean": -log_p.sum(),
         "the mean log-probability without the minus sign": log_p.mean(),
         "the probability of the target instead of its log": -flat.softmax(dim=-1)[rows, y].mean(),
         "the target's raw logit, without the log-softmax": -flat[rows, y].mean(),
-        "the log-softmax over the positions (dim 0) instead of the vocabulary": -across_positions.mean(),
+        "the log-softmax over the positions (dim 0) instead of the vocabulary": (
+            -across_positions.mean()
+        ),
     }
     if logits.ndim == 3:
         out["the loss of the first sequence only"] = -log_p.view(targets.shape)[0].mean()
@@ -192,8 +205,11 @@ class Trained(NamedTuple):
     losses: list[float]  # the training loss of every step
 
 
-def _trainer_steps(model: GPT, train_tokens: torch.Tensor, tc: TrainConfig, optimizer: torch.optim.Optimizer) -> list:
-    """``ar_lab.model.train.train``'s steps (its seeds, batches, schedule and ``train_step``) with ``optimizer``."""
+def _trainer_steps(
+    model: GPT, train_tokens: torch.Tensor, tc: TrainConfig, optimizer: torch.optim.Optimizer
+) -> list:
+    """``ar_lab.model.train.train``'s steps (its seeds, batches, schedule and ``train_step``) with
+    ``optimizer``."""
     torch.manual_seed(tc.seed)
     g = torch.Generator().manual_seed(tc.seed)
     model.train()
@@ -206,15 +222,16 @@ def _trainer_steps(model: GPT, train_tokens: torch.Tensor, tc: TrainConfig, opti
 
 
 def _never_reset(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
-    optimizer.zero_grad = lambda set_to_none=True: None  # the mistake: gradients add up across steps
+    # the mistake: gradients add up across steps
+    optimizer.zero_grad = lambda set_to_none=True: None
     return optimizer
 
 
 def train_step_mistakes(
     model: GPT, train_tokens: torch.Tensor, val_tokens: torch.Tensor, tc: TrainConfig
 ) -> dict[str, Trained]:
-    """Copies of ``model`` (left untouched) trained by ``ar_lab.model.train``'s trainer as a common mistake
-    would, with their loss curves."""
+    """Copies of ``model`` (left untouched) trained by ``ar_lab.model.train``'s trainer as a common
+    mistake would, with their loss curves."""
     changed = {
         "training without gradient clipping": replace(tc, grad_clip=None),
         "a constant learning rate (lr_at's warm-up and decay not applied)": replace(
@@ -233,22 +250,29 @@ def train_step_mistakes(
     out = {}
     for mistake, config in changed.items():
         trained = copy.deepcopy(model)
-        out[mistake] = Trained(trained, train(trained, train_tokens, val_tokens, config, progress=False).train_loss)
+        out[mistake] = Trained(
+            trained, train(trained, train_tokens, val_tokens, config, progress=False).train_loss
+        )
     for mistake, optimizer in optimizers.items():
         trained = copy.deepcopy(model)
-        out[mistake] = Trained(trained, _trainer_steps(trained, train_tokens, tc, optimizer(trained)))
+        out[mistake] = Trained(
+            trained, _trainer_steps(trained, train_tokens, tc, optimizer(trained))
+        )
     return out
 
 
 @torch.no_grad()
-def greedy_mistakes(model: torch.nn.Module, prompt: list[int], expected: list[int]) -> dict[str, list[int]]:
-    """What a greedy loop over ``model`` that should return ``expected`` (the new tokens after ``prompt``)
-    returns with a classic slip."""
-    first = int(model(torch.tensor([prompt]))[0, 0].argmax())  # position 0's logits never change as ids grow
+def greedy_mistakes(
+    model: torch.nn.Module, prompt: list[int], expected: list[int]
+) -> dict[str, list[int]]:
+    """What a greedy loop over ``model`` that should return ``expected`` (the new tokens after
+    ``prompt``) returns with a classic slip."""
+    # position 0's logits never change as ids grow
+    first = int(model(torch.tensor([prompt]))[0, 0].argmax())
     return {
         **generation_mistakes(prompt, expected, None),
-        "the argmax of the first position's logits at every step (instead of the last position's)": [first]
-        * len(expected),
+        "the argmax of the first position's logits at every step (instead of the last "
+        "position's)": [first] * len(expected),
     }
 
 
@@ -263,7 +287,10 @@ def record_calls(model: torch.nn.Module, run: Callable[[], Any]) -> dict[str, tu
     def hook(name: str) -> Callable:
         def record(module, args, output):
             if name not in calls:
-                calls[name] = (args[0] if args and isinstance(args[0], torch.Tensor) else None, output)
+                calls[name] = (
+                    args[0] if args and isinstance(args[0], torch.Tensor) else None,
+                    output,
+                )
 
         return record
 
@@ -284,10 +311,16 @@ def _same(a: Any, b: Any, atol: float, rtol: float) -> bool:
 
 
 def locate_difference(
-    mine: torch.nn.Module, reference: torch.nn.Module, inputs: tuple, *, atol: float = 1e-4, rtol: float = 1e-4
+    mine: torch.nn.Module,
+    reference: torch.nn.Module,
+    inputs: tuple,
+    *,
+    atol: float = 1e-4,
+    rtol: float = 1e-4,
 ) -> str:
     """Where two models with the same submodule names first compute different values on ``inputs``,
-    in the order the reference's submodules finish (``blocks.0.ln1``, ``blocks.0.attn.qkv``, ...)."""
+    in the order the reference's submodules finish (``blocks.0.ln1``, ``blocks.0.attn.qkv``,
+    ...)."""
     got = record_calls(mine, lambda: mine(*inputs))
     want = record_calls(reference, lambda: reference(*inputs))
     for name, (x_ref, y_ref) in want.items():
@@ -295,7 +328,10 @@ def locate_difference(
             continue
         x, y = got[name]
         if x is not None and x_ref is not None and not _same(x, x_ref, atol, rtol):
-            return f"The first difference is in what goes into `{name}`: your code before that call computes it."
+            return (
+                f"The first difference is in what goes into `{name}`: your code before that call "
+                "computes it."
+            )
         if not _same(y, y_ref, atol, rtol):
             return f"The first difference is the output of `{name}` (what goes into it agrees)."
     return ""
@@ -312,12 +348,16 @@ def check_model(
     mistakes: dict[str, torch.Tensor] | None = None,
     hint: str = "",
 ) -> None:
-    """The learner's model gives the reference's logits for ``idx`` (B, T); if not, also name the first
-    submodule (the two share the course model's names) where the two computations part."""
+    """The learner's model gives the reference's logits for ``idx`` (B, T); if not, also name the
+    first submodule (the two share the course model's names) where the two computations part."""
     with torch.no_grad():
         expected, got = reference(idx), mine(idx)
     try:
-        check_matches(what, got, expected, atol=atol, rtol=rtol, dim=1, mistakes=mistakes, hint=hint)
+        check_matches(
+            what, got, expected, atol=atol, rtol=rtol, dim=1, mistakes=mistakes, hint=hint
+        )
     except CheckFailed as failure:
         where = locate_difference(mine, reference, (idx,), atol=atol, rtol=rtol)
-        raise CheckFailed(f"{failure}\n{where}" if where else str(failure), failure.mistake) from None
+        raise CheckFailed(
+            f"{failure}\n{where}" if where else str(failure), failure.mistake
+        ) from None

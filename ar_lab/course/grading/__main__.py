@@ -1,4 +1,5 @@
-"""``python -m ar_lab.course.grading COURSE_FOLDER ASSIGNMENT``: the grading step (``judge.main``)."""
+"""``python -m ar_lab.course.grading COURSE_FOLDER ASSIGNMENT``: the grading step
+(``judge.main``)."""
 
 import sys
 

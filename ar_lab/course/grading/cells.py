@@ -36,29 +36,38 @@ def _python(source: str) -> ast.Module:
     try:
         return ast.parse(as_python(source))
     except SyntaxError as e:
-        raise BadValue(f"a code cell's source does not parse as Python (line {e.lineno}): {source[:80]!r}",
-                       arg="source") from None
+        raise BadValue(
+            f"a code cell's source does not parse as Python (line {e.lineno}): {source[:80]!r}",
+            arg="source",
+        ) from None
 
 
 class _Names(ast.NodeVisitor):
-    """The names a statement binds or changes at the top level, and every name it reads from outside.
+    """The names a statement binds or changes at the top level, and every name it reads from
+    outside.
 
-    A function, lambda, class body or comprehension is its own scope: its parameters and the names it
-    assigns are local, so reading them there is no dependency (``[p for p in ps]`` reads ``ps`` only).
+    A function, lambda, class body or comprehension is its own scope: its parameters and the names
+    it assigns are local, so reading them there is no dependency (``[p for p in ps]`` reads ``ps``
+    only).
     """
 
     def __init__(self, top: bool = True) -> None:
         self.top = top
         self.bound: set[str] = set()  # bound or changed at the top level (the cell's globals)
-        self.stored: set[str] = set()  # assigned anywhere in this scope (its locals, inside a function)
+        # assigned anywhere in this scope (its locals, inside a function)
+        self.stored: set[str] = set()
         self.read: set[str] = set()
 
-    def _scope(self, node: ast.AST, name: str | None, parameters: ast.arguments | None, body) -> None:
+    def _scope(
+        self, node: ast.AST, name: str | None, parameters: ast.arguments | None, body
+    ) -> None:
         if name is not None:
             self._bind(name)
         inner = _Names(top=False)
         if parameters is not None:
-            for default in parameters.defaults + [d for d in parameters.kw_defaults if d is not None]:
+            for default in parameters.defaults + [
+                d for d in parameters.kw_defaults if d is not None
+            ]:
                 self.visit(default)  # defaults are evaluated outside, when the function is defined
             every = parameters.posonlyargs + parameters.args + parameters.kwonlyargs
             every += [a for a in (parameters.vararg, parameters.kwarg) if a is not None]
@@ -88,7 +97,8 @@ class _Names(ast.NodeVisitor):
         self._scope(node, None, node.args, [node.body])
 
     def visit_ListComp(self, node):
-        self.visit(node.generators[0].iter)  # the first iterable is evaluated outside the comprehension
+        # the first iterable is evaluated outside the comprehension
+        self.visit(node.generators[0].iter)
         first = ast.comprehension(target=node.generators[0].target, iter=ast.Constant(None),
                                   ifs=node.generators[0].ifs, is_async=0)
         parts = [first, *node.generators[1:]]
@@ -134,9 +144,10 @@ def _visit(node: ast.AST) -> _Names:
 
 
 def _flow(statements: list[ast.stmt], bound: set[str], read: set[str]) -> None:
-    """Walk ``statements`` in the order they run, adding to ``bound`` what they bind and to ``read`` what
-    they read before binding it. A loop's target is bound before its body runs, ``with ... as x`` before
-    the block; a branch is walked as if it ran (a name a branch may bind counts as bound after it)."""
+    """Walk ``statements`` in the order they run, adding to ``bound`` what they bind and to ``read``
+    what they read before binding it. A loop's target is bound before its body runs, ``with ... as
+    x`` before the block; a branch is walked as if it ran (a name a branch may bind counts as bound
+    after it)."""
 
     def expr(*nodes) -> None:
         for node in nodes:
@@ -170,7 +181,8 @@ def _flow(statements: list[ast.stmt], bound: set[str], read: set[str]) -> None:
 
 def names(source: str) -> tuple[set[str], set[str]]:
     """(bound, read): the names a code cell binds or changes at its top level, and those it reads
-    from earlier cells (a name the cell binds before it reads it, in the order its code runs, is its own)."""
+    from earlier cells (a name the cell binds before it reads it, in the order its code runs, is its
+    own)."""
     bound: set[str] = set()
     read: set[str] = set()
     _flow(_python(source).body, bound, read)
@@ -191,15 +203,20 @@ def changes(source: str) -> set[str]:
     return out
 
 
-def cut(nb: nbformat.NotebookNode, keep: Callable[[nbformat.NotebookNode], bool]) -> nbformat.NotebookNode:
-    """A copy of ``nb`` with the cells ``keep`` selects, the code cells they depend on, and the first code
-    cell (the chapter's set-up: imports, seeds, threads), in their order; Markdown and the rest go.
+def cut(
+    nb: nbformat.NotebookNode, keep: Callable[[nbformat.NotebookNode], bool]
+) -> nbformat.NotebookNode:
+    """A copy of ``nb`` with the cells ``keep`` selects, the code cells they depend on, and the
+    first code cell (the chapter's set-up: imports, seeds, threads), in their order; Markdown and
+    the rest go.
 
-    A kept cell depends on every earlier code cell that binds or changes a name it reads (all of them,
-    not only the last: an earlier binding may be what a later change works on), transitively.
+    A kept cell depends on every earlier code cell that binds or changes a name it reads (all of
+    them, not only the last: an earlier binding may be what a later change works on), transitively.
     """
     if not isinstance(nb, nbformat.NotebookNode) or "cells" not in nb:
-        raise BadType(f"cut needs a notebook (nbformat.read(...)) as nb, got {type(nb).__name__}", arg="nb")
+        raise BadType(
+            f"cut needs a notebook (nbformat.read(...)) as nb, got {type(nb).__name__}", arg="nb"
+        )
     code = [i for i, c in enumerate(nb.cells) if c.cell_type == "code"]
     bound, read = {}, {}
     for i in code:

@@ -38,13 +38,16 @@ from ar_lab.course.grading.lending import Ledger
 
 _TAG = "__ar_lab_sandbox__"
 _OPS = {"call", "getattr", "setattr", "getitem", "len", "list", "next", "bool"}  # either side asks
-_JUDGE_OPS = {"run", "bind", "name", "close"}  # what only the judge may ask (the answer process serves them)
-_NAMES = {"__name__", "__qualname__"}  # the private attributes a handle reads: a function's or a class's name
+# what only the judge may ask (the answer process serves them)
+_JUDGE_OPS = {"run", "bind", "name", "close"}
+# the private attributes a handle reads: a function's or a class's name
+_NAMES = {"__name__", "__qualname__"}
 WITHHELD = "is withheld while this exercise is graded: the exercise asks you to write it yourself"
 
 
 class AnswerRaised(Exception):
-    """The learner's code raised an exception of a class the judge cannot rebuild (one it defined, say)."""
+    """The learner's code raised an exception of a class the judge cannot rebuild (one it defined,
+    say)."""
 
 
 class AnswerGone(RuntimeError):
@@ -52,9 +55,11 @@ class AnswerGone(RuntimeError):
 
 
 class Refused(PermissionError):
-    """A request from the answer process that the judge does not serve (a private name, a forbidden reference)."""
+    """A request from the answer process that the judge does not serve (a private name, a forbidden
+    reference)."""
 
-CURRENT: dict[str, Any] = {}  # "channel", "process", "folder": the answer process now running (sandbox.start)
+# "channel", "process", "folder": the answer process now running (sandbox.start)
+CURRENT: dict[str, Any] = {}
 
 
 def current() -> Channel:
@@ -63,19 +68,26 @@ def current() -> Channel:
     return CURRENT["channel"]
 
 
-# -- the channel ----------------------------------------------------------------------------------------
+# -- the channel
+# ----------------------------------------------------------------------------------------
 
 
 class Remote:
-    """A handle on an object of the other process: calls, public attributes, items, ``len``, iteration and
-    truth go there. ``name``: a name in the answer's namespace (the judge's handle on the learner's answer,
-    resolved in whichever answer process is running when it is used)."""
+    """A handle on an object of the other process: calls, public attributes, items, ``len``,
+    iteration and truth go there. ``name``: a name in the answer's namespace (the judge's handle on
+    the learner's answer, resolved in whichever answer process is running when it is used)."""
 
     __slots__ = ("_channel", "_id", "_kind", "_name", "_module")
 
     def __init__(self, channel: Channel | None, id: int | None, kind: str, name: str | None = None,
                  module: bool = False):
-        for slot, value in (("_channel", channel), ("_id", id), ("_kind", kind), ("_name", name), ("_module", module)):
+        for slot, value in (
+            ("_channel", channel),
+            ("_id", id),
+            ("_kind", kind),
+            ("_name", name),
+            ("_module", module),
+        ):
             object.__setattr__(self, slot, value)
 
     def _ask(self, op: str, *args: Any) -> Any:
@@ -84,12 +96,16 @@ class Remote:
 
     def __getattr__(self, name: str) -> Any:
         if name.startswith("_") and name not in _NAMES:
-            raise AttributeError(f"{self._kind} of the other process: its private attribute {name!r} is not shared")
+            raise AttributeError(
+                f"{self._kind} of the other process: its private attribute {name!r} is not shared"
+            )
         return self._ask("getattr", name)
 
     def __setattr__(self, name: str, value: Any) -> None:
         if name.startswith("_"):
-            raise AttributeError(f"{self._kind} of the other process: its private attribute {name!r} is not shared")
+            raise AttributeError(
+                f"{self._kind} of the other process: its private attribute {name!r} is not shared"
+            )
         self._ask("setattr", name, value)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
@@ -111,13 +127,18 @@ class Remote:
         return self._ask("bool")
 
     def __repr__(self) -> str:
-        return f"<{self._name or self._kind}, in the answer process>" if self._name else f"<{self._kind}, remote>"
+        return (
+            f"<{self._name or self._kind}, in the answer process>"
+            if self._name
+            else f"<{self._kind}, remote>"
+        )
 
 
 class RemoteModule(torch.nn.Module):
-    """A ``torch.nn.Module`` of the other process set as a layer of a module here (the test hands the
-    learner's model its own blocks, say): calling it runs the other's ``forward``; iteration, ``len``, items
-    and public attributes it does not hold itself go there too. It holds no parameters here."""
+    """A ``torch.nn.Module`` of the other process set as a layer of a module here (the test hands
+    the learner's model its own blocks, say): calling it runs the other's ``forward``; iteration,
+    ``len``, items and public attributes it does not hold itself go there too. It holds no
+    parameters here."""
 
     def __init__(self, remote: Remote):
         super().__init__()
@@ -148,7 +169,8 @@ class RemoteModule(torch.nn.Module):
 
 
 def _exception(module: str, qualname: str, message: str) -> BaseException:
-    """The learner's exception, rebuilt in the judge: a builtin or ar_lab class by name, else ``AnswerRaised``."""
+    """The learner's exception, rebuilt in the judge: a builtin or ar_lab class by name, else
+    ``AnswerRaised``."""
     import builtins
 
     kind = getattr(builtins, qualname, None) if module == "builtins" else None
@@ -162,20 +184,30 @@ def _exception(module: str, qualname: str, message: str) -> BaseException:
 
 
 def _tensor_bytes(obj: Any) -> tuple | None:
-    """How ``Channel._send`` pickles a tensor: its dtype's name, shape and bytes (a CPU copy, contiguous)."""
+    """How ``Channel._send`` pickles a tensor: its dtype's name, shape and bytes (a CPU copy,
+    contiguous)."""
     if not isinstance(obj, torch.Tensor):
         return None
     t = obj.detach().to("cpu").contiguous()
-    return str(t.dtype).removeprefix("torch."), tuple(t.shape), t.reshape(-1).view(torch.uint8).numpy().tobytes()
+    return (
+        str(t.dtype).removeprefix("torch."),
+        tuple(t.shape),
+        t.reshape(-1).view(torch.uint8).numpy().tobytes(),
+    )
 
 
 class _PlainUnpickler(pickle.Unpickler):
-    """Reads what ``Channel._send`` pickled: containers, strings and numbers, and tensors rebuilt from their
-    dtype, shape and bytes (``_tensor_bytes``). No class is ever looked up, so no code can run."""
+    """Reads what ``Channel._send`` pickled: containers, strings and numbers, and tensors rebuilt
+    from their dtype, shape and bytes (``_tensor_bytes``). No class is ever looked up, so no code
+    can run."""
 
     def persistent_load(self, pid: Any) -> torch.Tensor:
         dtype = getattr(torch, pid[0], None) if type(pid) is tuple and len(pid) == 3 else None
-        if not isinstance(dtype, torch.dtype) or type(pid[2]) is not bytes or type(pid[1]) is not tuple:
+        if (
+            not isinstance(dtype, torch.dtype)
+            or type(pid[2]) is not bytes
+            or type(pid[1]) is not tuple
+        ):
             raise pickle.UnpicklingError(f"not a tensor: {str(pid)[:80]}")
         shape = torch.Size(pid[1])
         if not pid[2]:
@@ -189,17 +221,21 @@ class _PlainUnpickler(pickle.Unpickler):
 
 
 class Channel:
-    """One side of the pipe pair between the judge and an answer process (see the module's docstring).
+    """One side of the pipe pair between the judge and an answer process (see the module's
+    docstring).
 
     ``request`` sends a request and serves the other side's requests (its callbacks) until the reply
-    comes; ``serve`` (the answer process) serves until told to close. ``refuse``: objects no request from
-    the other side may reach (the judge's forbidden references); ``refused`` lists what was refused."""
+    comes; ``serve`` (the answer process) serves until told to close. ``refuse``: objects no request
+    from the other side may reach (the judge's forbidden references); ``refused`` lists what was
+    refused."""
 
     def __init__(self, read_fd: int, write_fd: int, *, refuse: tuple = (), judge: bool = True):
         self.reader, self.writer = os.fdopen(read_fd, "rb"), os.fdopen(write_fd, "wb")
         self.objects: dict[int, Any] = {}  # id -> the objects handed to the other side (kept alive)
-        self.owned: dict[int, weakref.ref] = {}  # id -> a generator of this side's that the other side uses
-        self.copies: dict[int, torch.Generator] = {}  # the other side's id -> this side's copy of its generator
+        # id -> a generator of this side's that the other side uses
+        self.owned: dict[int, weakref.ref] = {}
+        # the other side's id -> this side's copy of its generator
+        self.copies: dict[int, torch.Generator] = {}
         self.known: dict = {}  # the random states both sides know (see _states)
         self.ledger = Ledger()  # tensors lent as copies, and copies held: their writes go back
         self.refuse = {id(obj): name for name, obj in refuse}
@@ -223,16 +259,23 @@ class Channel:
             return {_TAG: "generator", "gid": id(value), "state": value.get_state()}
         if type(value) in (list, tuple):
             return type(value)(self._out(v) for v in value)
-        if isinstance(value, dict) and all(type(k) in (str, int) for k in value):  # an OrderedDict too
+        # an OrderedDict too
+        if isinstance(value, dict) and all(type(k) in (str, int) for k in value):
             return {k: self._out(v) for k, v in value.items()}
         try:
             data = plain.encode(value)
         except plain.NotPlain:
-            if self.judge:  # the judge hands the answer process its test's objects, nothing of its own machinery
+            # the judge hands the answer process its test's objects, nothing of its own machinery
+            if self.judge:
                 plain.exposable(value)
             self.objects[id(value)] = value
             kind = type(value).__qualname__
-            return {_TAG: "mine", "id": id(value), "kind": kind, "module": isinstance(value, torch.nn.Module)}
+            return {
+                _TAG: "mine",
+                "id": id(value),
+                "kind": kind,
+                "module": isinstance(value, torch.nn.Module),
+            }
         if isinstance(value, torch.Tensor):  # lent: the copy's in-place changes come back (lending)
             return {_TAG: "value", "v": data, **self.ledger.lend(value)}
         return {_TAG: "value", "v": data}
@@ -252,7 +295,11 @@ class Channel:
         if tag == "mine":
             return Remote(self, data["id"], str(data["kind"]), module=data.get("module") is True)
         if tag == "name":
-            if self.judge or not isinstance(data["name"], str) or data["name"] not in self.namespace:
+            if (
+                self.judge
+                or not isinstance(data["name"], str)
+                or data["name"] not in self.namespace
+            ):
                 raise NameError(f"name {data['name']!r} is not defined (by your answer cells)")
             return self.namespace[data["name"]]
         if tag == "generator":
@@ -271,13 +318,18 @@ class Channel:
         return self.ledger.borrow(value, data.get("lent"), data.get("view"))
 
     def _states(self) -> dict:
-        """The random states that changed since both sides last knew them: torch's global one and each shared
-        generator's (``("sender", id)``: one of the sender's; ``("receiver", id)``: a copy of the receiver's)."""
+        """The random states that changed since both sides last knew them: torch's global one and
+        each shared generator's (``("sender", id)``: one of the sender's; ``("receiver", id)``: a
+        copy of the receiver's)."""
         live = {gid: g for gid, ref in self.owned.items() if (g := ref()) is not None}
         current = {"rng": torch.get_rng_state()}
         current |= {("sender", gid): g.get_state() for gid, g in live.items()}
         current |= {("receiver", gid): g.get_state() for gid, g in self.copies.items()}
-        changed = {k: v for k, v in current.items() if k not in self.known or not torch.equal(v, self.known[k])}
+        changed = {
+            k: v
+            for k, v in current.items()
+            if k not in self.known or not torch.equal(v, self.known[k])
+        }
         self.known.update(changed)
         return changed
 
@@ -302,8 +354,13 @@ class Channel:
         data = self.reader.read(struct.unpack("<Q", head)[0])
         grad, threads, states, returns, message = _PlainUnpickler(io.BytesIO(data)).load()
         torch.set_grad_enabled(bool(grad))
-        if type(threads) is int and threads != torch.get_num_threads() and 0 < threads <= (os.cpu_count() or 1):
-            torch.set_num_threads(threads)  # the two sides compute on as many threads, as in one process
+        if (
+            type(threads) is int
+            and threads != torch.get_num_threads()
+            and 0 < threads <= (os.cpu_count() or 1)
+        ):
+            # the two sides compute on as many threads, as in one process
+            torch.set_num_threads(threads)
         self.ledger.take_back(returns)  # what the other side wrote in place into its copies
         for key, state in states.items():
             if key == "rng":
@@ -352,15 +409,19 @@ class Channel:
             self.namespace.update(args[0])
             return None
         self._check(target, op)
-        if op in ("getattr", "setattr") and (not isinstance(args[0], str) or args[0].startswith("_")) and not (
-                op == "getattr" and args[0] in _NAMES):
+        if (
+            op in ("getattr", "setattr")
+            and (not isinstance(args[0], str) or args[0].startswith("_"))
+            and not (op == "getattr" and args[0] in _NAMES)
+        ):
             raise Refused(f"{type(target).__qualname__}: its private attributes are not shared")
         if op == "getattr":
             result = getattr(target, args[0])
         elif op == "setattr":
             value = args[1]
             if isinstance(target, torch.nn.Module) and isinstance(value, Remote) and value._module:
-                value = RemoteModule(value)  # a layer of the other side's, set in a module of this one
+                # a layer of the other side's, set in a module of this one
+                value = RemoteModule(value)
             result = setattr(target, args[0], value)
         elif op == "call":
             result = target(*args[0], **args[1])
@@ -378,11 +439,14 @@ class Channel:
         return result
 
     def _check(self, obj: Any, op: str) -> None:
-        """Refuse (and note) a forbidden reference reached from the other side: the object itself, a bound
-        method of it, or a call of an instance of a forbidden class (its ``forward``) or of its bound forward."""
+        """Refuse (and note) a forbidden reference reached from the other side: the object itself, a
+        bound method of it, or a call of an instance of a forbidden class (its ``forward``) or of
+        its bound forward."""
         owner = getattr(obj, "__self__", None)
         calls_instance = op == "call" and (
-            not inspect.isroutine(obj) or (getattr(obj, "__name__", "") == "forward" and owner is not None))
+            not inspect.isroutine(obj)
+            or (getattr(obj, "__name__", "") == "forward" and owner is not None)
+        )
         kinds = type(owner if inspect.ismethod(obj) else obj).__mro__ if calls_instance else ()
         for candidate in (obj, getattr(obj, "__func__", None), *kinds):
             if candidate is not None and id(candidate) in self.refuse:
@@ -406,5 +470,6 @@ class Channel:
         except (OSError, AnswerGone):
             pass
         for end in (self.reader, self.writer):
-            with contextlib.suppress(OSError):  # a writer still holding what a dead process did not read
+            # a writer still holding what a dead process did not read
+            with contextlib.suppress(OSError):
                 end.close()

@@ -1,4 +1,5 @@
-"""Exercises in nbgrader's format: the student versions learners open, and a course folder for nbgrader.
+"""Exercises in nbgrader's format: the student versions learners open, and a course folder for
+nbgrader.
 
 The notebooks in ``notebooks/`` are the *source* versions: solution regions between
 ``### BEGIN SOLUTION`` / ``### END SOLUTION`` in cells marked ``solution``, and
@@ -13,13 +14,15 @@ checksummed. It never writes into the source folder and never replaces a noteboo
 is already in the target folder (it may hold a learner's work).
 
 Instructors grade with nbgrader itself: ``course`` lays out an nbgrader course folder
-(``source/<chapter>/<chapter>.ipynb`` and an ``nbgrader_config.py``, whose ``SandboxedExecute`` runs each
-submission's kernel in the grading sandbox, ``ar_lab.course.grading.jail``); after ``nbgrader autograde``,
-``python -m ar_lab.course.grading`` judges each test again with the learner's answer in a process of its
-own (``ar_lab.course.grading.sandbox``). INSTRUCTORS.md walks through the commands run from there.
+(``source/<chapter>/<chapter>.ipynb`` and an ``nbgrader_config.py``, whose ``SandboxedExecute`` runs
+each submission's kernel in the grading sandbox, ``ar_lab.course.grading.jail``); after ``nbgrader
+autograde``, ``python -m ar_lab.course.grading`` judges each test again with the learner's answer in
+a process of its own (``ar_lab.course.grading.sandbox``). INSTRUCTORS.md walks through the commands
+run from there.
 
     python -m ar_lab.course.grading.exercises release [--chapter 04 ...] [--out course]
-    python -m ar_lab.course.grading.exercises course DIR [--chapter 06 ...] [--timeout 120] [--overwrite]
+    python -m ar_lab.course.grading.exercises course DIR [--chapter 06 ...] [--timeout 120]
+        [--overwrite]
 
 ``execute`` and ``grade`` run a notebook and score its graded cells as nbgrader's
 autograder does; the tests use them to prove that every student version fails.
@@ -45,8 +48,12 @@ NOTEBOOKS = ROOT / "notebooks"
 CODE_STUB = "# YOUR CODE HERE\nraise NotImplementedError()"
 MARKDOWN_STUB = "YOUR ANSWER HERE"
 COURSE_ID = "ar_lab"
-_SOLUTION = re.compile(r"^([ \t]*)### BEGIN SOLUTION[^\n]*\n.*?^[ \t]*### END SOLUTION[^\n]*(\n|$)", re.M | re.S)
-_HIDDEN = re.compile(r"^[ \t]*### BEGIN HIDDEN TESTS[^\n]*\n.*?^[ \t]*### END HIDDEN TESTS[^\n]*(\n|$)", re.M | re.S)
+_SOLUTION = re.compile(
+    r"^([ \t]*)### BEGIN SOLUTION[^\n]*\n.*?^[ \t]*### END SOLUTION[^\n]*(\n|$)", re.M | re.S
+)
+_HIDDEN = re.compile(
+    r"^[ \t]*### BEGIN HIDDEN TESTS[^\n]*\n.*?^[ \t]*### END HIDDEN TESTS[^\n]*(\n|$)", re.M | re.S
+)
 
 
 def nbgrader_meta(cell) -> dict:
@@ -78,9 +85,15 @@ def _is_locked(meta: dict) -> bool:
 
 
 def cell_checksum(cell) -> str:
-    """nbgrader's checksum of a cell (``nbgrader.utils.compute_checksum``): how it spots edited cells."""
+    """nbgrader's checksum of a cell (``nbgrader.utils.compute_checksum``): how it spots edited
+    cells."""
     meta = nbgrader_meta(cell)
-    parts = [cell.source, cell.cell_type, str(bool(meta.get("grade"))), str(bool(meta.get("solution")))]
+    parts = [
+        cell.source,
+        cell.cell_type,
+        str(bool(meta.get("grade"))),
+        str(bool(meta.get("solution"))),
+    ]
     parts += [str(_is_locked(meta)), meta["grade_id"]]
     if meta.get("grade"):
         parts.append(str(float(meta["points"])))
@@ -110,8 +123,11 @@ def student_version(nb: nbformat.NotebookNode) -> nbformat.NotebookNode:
     for cell in out.cells:
         meta = nbgrader_meta(cell)
         if "### BEGIN SOLUTION" in cell.source and not meta.get("solution"):
-            raise BadValue(f"a solution region is in a cell of nb not marked as a solution: {cell.source[:60]!r}",
-                           arg="nb")
+            raise BadValue(
+                "a solution region is in a cell of nb not marked as a solution: "
+                f"{cell.source[:60]!r}",
+                arg="nb",
+            )
         _lock(cell)
         if meta.get("solution"):
             cell.source = strip_solutions(cell.source, cell.cell_type)
@@ -132,29 +148,35 @@ def graded_cells(nb: nbformat.NotebookNode) -> list[tuple[int, dict]]:
 
 
 def exercises_only(nb: nbformat.NotebookNode) -> nbformat.NotebookNode:
-    """``nb`` cut to its answer and test cells and the cells they need (``cells.cut``): what the checks
-    that run every exercise with a wrong answer execute, instead of the chapter's experiments."""
+    """``nb`` cut to its answer and test cells and the cells they need (``cells.cut``): what the
+    checks that run every exercise with a wrong answer execute, instead of the chapter's
+    experiments."""
     from ar_lab.course.grading.cells import cut
 
-    return cut(nb, lambda c: bool(nbgrader_meta(c).get("solution") or nbgrader_meta(c).get("grade")))
+    return cut(
+        nb, lambda c: bool(nbgrader_meta(c).get("solution") or nbgrader_meta(c).get("grade"))
+    )
 
 
 def _folder(name: str, value) -> Path:
-    """``value`` as a folder path; an empty string (the current folder, by accident) or a non-path is refused."""
+    """``value`` as a folder path; an empty string (the current folder, by accident) or a non-path
+    is refused."""
     if not isinstance(value, (str, Path)) or not str(value).strip():
         raise BadValue(f"{name} must be a folder path (a str or Path), got {value!r}", arg=name)
     return Path(value)
 
 
 def _chapters(chapters) -> list[str] | None:
-    """``chapters`` as a list: None (every chapter), one chapter ("04" or 4) or a non-empty list of them."""
+    """``chapters`` as a list: None (every chapter), one chapter ("04" or 4) or a non-empty list of
+    them."""
     if chapters is None:
         return None
     if isinstance(chapters, (str, int)) and not isinstance(chapters, bool):
         return [chapters]  # one chapter, not the characters of "04"
     if not isinstance(chapters, (list, tuple)) or not chapters:
         raise BadValue(
-            f"chapters must be a chapter (e.g. '04'), a non-empty list of them or None (all), got {chapters!r}",
+            "chapters must be a chapter (e.g. '04'), a non-empty list of them or None (all), "
+            f"got {chapters!r}",
             arg="chapters",
         )
     return list(chapters)
@@ -170,8 +192,11 @@ def select_notebooks(src: Path, chapters: list[str] | str | None = None) -> list
     if chapters is not None:
         for chapter in chapters:
             if not str(chapter).isdigit() or int(chapter) > 99:
-                raise BadValue(f"a chapter is a number such as 04, got {chapter!r} in chapters", arg="chapters")
-        patterns = [f"{int(chapter):02d}[_a-z]*.ipynb" for chapter in chapters]  # a chapter and its parts (07b_...)
+                raise BadValue(
+                    f"a chapter is a number such as 04, got {chapter!r} in chapters", arg="chapters"
+                )
+        # a chapter and its parts (07b_...)
+        patterns = [f"{int(chapter):02d}[_a-z]*.ipynb" for chapter in chapters]
     found = []
     for pattern in patterns:
         matches = sorted(src.glob(pattern))
@@ -182,18 +207,23 @@ def select_notebooks(src: Path, chapters: list[str] | str | None = None) -> list
 
 
 def _refuse_source_folder(target: Path, *sources: Path, arg: str) -> None:
-    """Raise if ``target`` (the argument ``arg`` names) resolves (symlinks, ``..``) into a source folder."""
+    """Raise if ``target`` (the argument ``arg`` names) resolves (symlinks, ``..``) into a source
+    folder."""
     resolved = target.resolve()
     for src in sources:
         src = src.resolve()
         if resolved == src or src in resolved.parents:
-            raise BadValue(f"{target} ({arg}) is in the source folder {src}: choose another folder", arg=arg)
+            raise BadValue(
+                f"{target} ({arg}) is in the source folder {src}: choose another folder", arg=arg
+            )
 
 
 GLOSSARY = "glossary.md"  # the course's glossary, beside the chapters that link to it
 
 
-def release(src: Path = NOTEBOOKS, out: Path = ROOT / "course", *, chapters: list[str] | None = None) -> list[Path]:
+def release(
+    src: Path = NOTEBOOKS, out: Path = ROOT / "course", *, chapters: list[str] | None = None
+) -> list[Path]:
     """Write the student version of every notebook in ``src`` (or of ``chapters``) to ``out``.
 
     A notebook already in ``out`` is kept as it is: it may hold a learner's work. To get a
@@ -206,13 +236,15 @@ def release(src: Path = NOTEBOOKS, out: Path = ROOT / "course", *, chapters: lis
     written = []
     for path in notebooks:
         target = out / path.name
-        if target.exists() or target.is_symlink():  # a symlink too: it may point anywhere, the source included
+        # a symlink too: it may point anywhere, the source included
+        if target.exists() or target.is_symlink():
             continue
         out.mkdir(parents=True, exist_ok=True)
         nbformat.write(student_version(nbformat.read(path, as_version=4)), target)
         written.append(target)
     glossary = src / GLOSSARY
-    if notebooks and glossary.is_file() and not (out / GLOSSARY).exists():  # the chapters link to it
+    # the chapters link to it
+    if notebooks and glossary.is_file() and not (out / GLOSSARY).exists():
         out.mkdir(parents=True, exist_ok=True)
         shutil.copyfile(glossary, out / GLOSSARY)
         written.append(out / GLOSSARY)
@@ -220,7 +252,8 @@ def release(src: Path = NOTEBOOKS, out: Path = ROOT / "course", *, chapters: lis
 
 
 NBGRADER_CONFIG = '''\
-"""nbgrader configuration for the ar_lab course (written by `python -m ar_lab.course.grading.exercises course`).
+"""nbgrader configuration for the ar_lab course
+(written by `python -m ar_lab.course.grading.exercises course`).
 
 Run nbgrader's commands from this folder; INSTRUCTORS.md walks through them. `course`
 never replaces this file once it exists, so edit it freely.
@@ -229,16 +262,23 @@ never replaces this file once it exists, so edit it freely.
 from nbgrader.api import Gradebook
 from nbgrader.converters import Autograde
 from nbgrader.nbgraderformat import MetadataValidator
-from nbgrader.preprocessors import CheckCellMetadata, ClearOutput, Execute, OverwriteCells, OverwriteKernelspec
+from nbgrader.preprocessors import (
+    CheckCellMetadata,
+    ClearOutput,
+    Execute,
+    OverwriteCells,
+    OverwriteKernelspec,
+)
 from nbgrader.preprocessors.base import NbGraderPreprocessor
 
 from ar_lab.course.grading.jail import SandboxedKernelManager
 
 
 class SandboxedExecute(Execute):
-    """nbgrader's Execute, with each submission's kernel in ar_lab's sandbox (bubblewrap; INSTRUCTORS.md): it
-    writes nowhere but a scratch folder of its own and sees neither this course folder nor the repository's
-    notebooks. Without bubblewrap every submission is reported with the reason, unless AR_LAB_SANDBOX=off.
+    """nbgrader's Execute, with each submission's kernel in ar_lab's sandbox (bubblewrap;
+    INSTRUCTORS.md): it writes nowhere but a scratch folder of its own and sees neither this course
+    folder nor the repository's notebooks. Without bubblewrap every submission is reported with the
+    reason, unless AR_LAB_SANDBOX=off.
     """
 
     def __init__(self, *args, **kwargs):
@@ -261,7 +301,8 @@ class DropBadGraderMetadata(NbGraderPreprocessor):
     def preprocess(self, nb, resources):
         info = resources["nbgrader"]
         with Gradebook(info["db_url"]) as gb:
-            known = {cell.name for cell in gb.find_notebook(info["notebook"], info["assignment"]).source_cells}
+            notebook = gb.find_notebook(info["notebook"], info["assignment"])
+            known = {cell.name for cell in notebook.source_cells}
         validator, seen = MetadataValidator(), set()
         for cell in reversed(nb.cells):  # the last copy keeps its metadata, as with DeduplicateIds
             meta = cell.metadata.get("nbgrader")
@@ -270,11 +311,15 @@ class DropBadGraderMetadata(NbGraderPreprocessor):
             grade_id = meta.get("grade_id")
             try:
                 validator.validate_cell(cell)
-                problem = "duplicated" if grade_id in seen else "unknown" if grade_id not in known else ""
+                problem = (
+                    "duplicated" if grade_id in seen else "unknown" if grade_id not in known else ""
+                )
             except Exception as error:  # whatever nbgrader would reject
                 problem = f"invalid ({error})"
             if problem:
-                self.log.warning("%s nbgrader metadata removed from a cell (grade_id %s)", problem, grade_id)
+                self.log.warning(
+                    "%s nbgrader metadata removed from a cell (grade_id %s)", problem, grade_id
+                )
                 del cell.metadata["nbgrader"]
             seen.add(grade_id)
         return nb, resources
@@ -290,7 +335,8 @@ c.OverwriteCells.add_missing_cells = True
 c.Autograde.sanitize_preprocessors = [
     ClearOutput, DropBadGraderMetadata, OverwriteKernelspec, OverwriteCells, CheckCellMetadata,
 ]
-# Each submission runs in a sandbox (above): nbgrader's own steps, with SandboxedExecute for Execute.
+# Each submission runs in a sandbox (above): nbgrader's own steps, with SandboxedExecute for
+# Execute.
 c.Autograde.autograde_preprocessors = [
     SandboxedExecute if step is Execute else step
     for step in Autograde.class_traits()["autograde_preprocessors"].default()
@@ -311,7 +357,8 @@ def course(
     timeout: int = 120,
     overwrite: bool = False,
 ) -> list[Path]:
-    """Lay out an nbgrader course folder: ``source/<chapter>/<chapter>.ipynb`` and ``nbgrader_config.py``.
+    """Lay out an nbgrader course folder: ``source/<chapter>/<chapter>.ipynb`` and
+    ``nbgrader_config.py``.
 
     A source notebook already there that differs from ``src``'s is an error unless
     ``overwrite`` (nothing is written then); an existing ``nbgrader_config.py`` is kept.
@@ -319,7 +366,9 @@ def course(
     Returns the paths written.
     """
     if isinstance(timeout, bool) or not isinstance(timeout, int) or timeout < 1:
-        raise BadValue(f"timeout must be a whole number of seconds >= 1, got {timeout!r}", arg="timeout")
+        raise BadValue(
+            f"timeout must be a whole number of seconds >= 1, got {timeout!r}", arg="timeout"
+        )
     folder, src = _folder("folder", folder), _folder("src", src)
     notebooks = select_notebooks(src, chapters)
     _refuse_source_folder(folder, src, NOTEBOOKS, arg="folder")
@@ -329,7 +378,9 @@ def course(
     changed = [t for p, t in targets.items() if t.exists() and t.read_bytes() != p.read_bytes()]
     if changed and not overwrite:
         names = ", ".join(str(t) for t in changed)
-        raise FileExistsError(f"{names} already exist(s) and differ(s) from {src}: pass --overwrite to replace")
+        raise FileExistsError(
+            f"{names} already exist(s) and differ(s) from {src}: pass --overwrite to replace"
+        )
     written = []
     for path, target in targets.items():
         if target.exists() and target.read_bytes() == path.read_bytes():
@@ -355,23 +406,29 @@ class CellResult:
 def execute(
     nb: nbformat.NotebookNode, cwd: Path, *, timeout: int = 120, env: dict[str, str] | None = None
 ) -> nbformat.NotebookNode:
-    """Run every cell, continuing past errors as nbgrader's autograder does (``env``: the kernel's environment,
-    by default this process's)."""
+    """Run every cell, continuing past errors as nbgrader's autograder does (``env``: the kernel's
+    environment, by default this process's)."""
     from nbclient import NotebookClient
 
     nb = copy.deepcopy(nb)
-    client = NotebookClient(nb, timeout=timeout, allow_errors=True, resources={"metadata": {"path": str(cwd)}})
-    client.execute(**({} if env is None else {"env": env}))  # the kernel provisioner refuses env=None
+    client = NotebookClient(
+        nb, timeout=timeout, allow_errors=True, resources={"metadata": {"path": str(cwd)}}
+    )
+    # the kernel provisioner refuses env=None
+    client.execute(**({} if env is None else {"env": env}))
     return nb
 
 
 def grade(executed: nbformat.NotebookNode) -> list[CellResult]:
-    """Per graded cell: passed when it raised no error and wrote nothing to stderr (nbgrader's rule)."""
+    """Per graded cell: passed when it raised no error and wrote nothing to stderr (nbgrader's
+    rule)."""
     results = []
     for i, meta in graded_cells(executed):
         outputs = executed.cells[i].get("outputs", [])
         errors = [o for o in outputs if o.get("output_type") == "error"]
-        stderr = [o for o in outputs if o.get("output_type") == "stream" and o.get("name") == "stderr"]
+        stderr = [
+            o for o in outputs if o.get("output_type") == "stream" and o.get("name") == "stderr"
+        ]
         if errors:
             message = f"{errors[0]['ename']}: {errors[0]['evalue']}"
         else:
@@ -394,18 +451,34 @@ def _folder_arg(text: str) -> Path:
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog="python -m ar_lab.course.grading.exercises", description=__doc__.split("\n\n")[0])
-    sub = parser.add_subparsers(dest="cmd", metavar="{release,course}", required=True, parser_class=_Parser)
+    parser = _Parser(
+        prog="python -m ar_lab.course.grading.exercises", description=__doc__.split("\n\n")[0]
+    )
+    sub = parser.add_subparsers(
+        dest="cmd", metavar="{release,course}", required=True, parser_class=_Parser
+    )
     rel = sub.add_parser("release", help="write the student versions of notebooks/ to course/")
-    rel.add_argument("--src", type=_folder_arg, default=NOTEBOOKS, help="source notebooks (default: notebooks/)")
-    rel.add_argument("--out", type=_folder_arg, default=ROOT / "course", help="target folder (default: course/)")
-    rel.add_argument("--chapter", action="append", help="release only this chapter (e.g. 04); repeatable")
+    rel.add_argument(
+        "--src", type=_folder_arg, default=NOTEBOOKS, help="source notebooks (default: notebooks/)"
+    )
+    rel.add_argument(
+        "--out", type=_folder_arg, default=ROOT / "course", help="target folder (default: course/)"
+    )
+    rel.add_argument(
+        "--chapter", action="append", help="release only this chapter (e.g. 04); repeatable"
+    )
     crs = sub.add_parser("course", help="lay out an nbgrader course folder in DIR")
     crs.add_argument("dir", type=_folder_arg, metavar="DIR")
-    crs.add_argument("--src", type=_folder_arg, default=NOTEBOOKS, help="source notebooks (default: notebooks/)")
+    crs.add_argument(
+        "--src", type=_folder_arg, default=NOTEBOOKS, help="source notebooks (default: notebooks/)"
+    )
     crs.add_argument("--chapter", action="append", help="only this chapter (e.g. 06); repeatable")
-    crs.add_argument("--timeout", type=int, default=120, help="seconds a cell may run when grading (default 120)")
-    crs.add_argument("--overwrite", action="store_true", help="replace source notebooks already in DIR/source")
+    crs.add_argument(
+        "--timeout", type=int, default=120, help="seconds a cell may run when grading (default 120)"
+    )
+    crs.add_argument(
+        "--overwrite", action="store_true", help="replace source notebooks already in DIR/source"
+    )
     return parser
 
 
@@ -416,17 +489,29 @@ def main(argv: list[str] | None = None) -> int:
             written = release(args.src, args.out, chapters=args.chapter)
             notebooks = [p for p in written if p.suffix == ".ipynb"]
             kept = len(select_notebooks(args.src, args.chapter)) - len(notebooks)
-            note = f"; kept {kept} already there (a learner's work is never replaced)" if kept else ""
+            note = (
+                f"; kept {kept} already there (a learner's work is never replaced)" if kept else ""
+            )
             glossary = " and the glossary" if len(written) > len(notebooks) else ""
             print(f"wrote {len(notebooks)} student notebook(s){glossary} to {args.out}{note}")
         else:
-            options = dict(src=args.src, chapters=args.chapter, timeout=args.timeout, overwrite=args.overwrite)
+            options = dict(
+                src=args.src, chapters=args.chapter, timeout=args.timeout, overwrite=args.overwrite
+            )
             written = course(args.dir, **options)
-            print(f"wrote {len(written)} file(s) in {args.dir}; run nbgrader's commands from there (INSTRUCTORS.md)")
+            print(
+                f"wrote {len(written)} file(s) in {args.dir}; run nbgrader's commands from there "
+                "(INSTRUCTORS.md)"
+            )
             if args.dir / "nbgrader_config.py" not in written:
-                print(f"kept the existing {args.dir / 'nbgrader_config.py'} (its time limit is c.Execute.timeout)")
+                print(
+                    f"kept the existing {args.dir / 'nbgrader_config.py'} (its time limit is "
+                    "c.Execute.timeout)"
+                )
     except (ValueError, OSError) as error:
-        print(f"python -m ar_lab.course.grading.exercises {args.cmd}: error: {error}", file=sys.stderr)
+        print(
+            f"python -m ar_lab.course.grading.exercises {args.cmd}: error: {error}", file=sys.stderr
+        )
         return 2
     return 0
 

@@ -1,24 +1,25 @@
-"""The delegation guard of a learner's own notebook: while a graded test runs, the references its exercise
-forbids raise when the learner's code calls them.
+"""The delegation guard of a learner's own notebook: while a graded test runs, the references its
+exercise forbids raise when the learner's code calls them.
 
 ``checks.no_delegation`` opens a ``Gate``: for the block's length each forbidden reference runs a
-stand-in that raises ``Delegated`` when the call is the learner's and runs the reference when it is the
-test's. A Python function (an ar_lab function, method or constructor, and the private helpers only the
-forbidden references reach, ``private_helpers``) gets the stand-in as its own code, so every route to it
-is caught: an import, a default argument, a saved method, a copy of its module's dict, a thread. A
-builtin (PyTorch's C functions, ``torch.ops.aten`` operators) is swapped by name, wherever a module or
-the learner's namespace binds it.
+stand-in that raises ``Delegated`` when the call is the learner's and runs the reference when it is
+the test's. A Python function (an ar_lab function, method or constructor, and the private helpers
+only the forbidden references reach, ``private_helpers``) gets the stand-in as its own code, so
+every route to it is caught: an import, a default argument, a saved method, a copy of its module's
+dict, a thread. A builtin (PyTorch's C functions, ``torch.ops.aten`` operators) is swapped by name,
+wherever a module or the learner's namespace binds it.
 
 Whose call is it? Walking up from the call, library frames (the standard library, site-packages,
 ``ar_lab``) are skipped; the first other frame decides: the learner's functions (and any notebook
 code but the test cell's own) make it the learner's, the test cell's code makes it the test's (a
 test computes its reference values inside the block). With only library code above it, a call is the
-learner's on a thread started during the block, and not on one that was already running (the kernel's).
+learner's on a thread started during the block, and not on one that was already running (the
+kernel's).
 
-This is feedback for a learner at work, not the grade's guarantee: a builtin captured before the test,
-or the reference's code copied (``exec`` of its source, a reloaded module), escapes it. The grade comes
-from ``python -m ar_lab.course.grading``, where the learner's answer runs in a process whose ``ar_lab``
-lacks the references altogether (``ar_lab.course.grading.sandbox``)."""
+This is feedback for a learner at work, not the grade's guarantee: a builtin captured before the
+test, or the reference's code copied (``exec`` of its source, a reloaded module), escapes it. The
+grade comes from ``python -m ar_lab.course.grading``, where the learner's answer runs in a process
+whose ``ar_lab`` lacks the references altogether (``ar_lab.course.grading.sandbox``)."""
 
 from __future__ import annotations
 
@@ -36,22 +37,29 @@ from ar_lab.course.grading.library import is_library
 
 
 def forbidden(reference: str | Callable) -> tuple[str, Any, Any]:
-    """(name, object, owning class or None) of a reference to forbid: an object, a dotted name such as
-    ``"ar_lab.engine.sampling.filter_top_p"`` or ``"ar_lab.model.cache.KVCache.update"``, or
+    """(name, object, owning class or None) of a reference to forbid: an object, a dotted name such
+    as ``"ar_lab.engine.sampling.filter_top_p"`` or ``"ar_lab.model.cache.KVCache.update"``, or
     ``"aten::name"`` for a PyTorch operator (the ``torch.ops.aten.name`` packet)."""
     if not isinstance(reference, str):
-        name = f"{getattr(reference, '__module__', '?')}.{getattr(reference, '__qualname__', repr(reference))}"
+        name = (
+            f"{getattr(reference, '__module__', '?')}."
+            f"{getattr(reference, '__qualname__', repr(reference))}"
+        )
         return name, reference, None
     if reference.startswith("aten::"):
         import torch
 
         op = reference.removeprefix("aten::")
         if not op.isidentifier() or not hasattr(torch.ops.aten, op):
-            raise BadValue(f"no reference named {reference!r} to forbid: torch.ops.aten has no operator {op!r}",
-                           arg="reference")
+            raise BadValue(
+                f"no reference named {reference!r} to forbid: torch.ops.aten has no operator "
+                f"{op!r}",
+                arg="reference",
+            )
         return f"torch.ops.aten.{op}", getattr(torch.ops.aten, op), None
     parts = reference.split(".")
-    for cut in range(len(parts) - 1, 0, -1):  # the longest importable module prefix, then attributes
+    # the longest importable module prefix, then attributes
+    for cut in range(len(parts) - 1, 0, -1):
         try:
             obj = importlib.import_module(".".join(parts[:cut]))
         except ImportError:
@@ -61,37 +69,57 @@ def forbidden(reference: str | Callable) -> tuple[str, Any, Any]:
             for attr in parts[cut:]:
                 owner, obj = obj, getattr(obj, attr)
         except AttributeError as e:
-            raise BadValue(f"no reference named {reference!r} to forbid: {e}", arg="reference") from None
+            raise BadValue(
+                f"no reference named {reference!r} to forbid: {e}", arg="reference"
+            ) from None
         return reference, obj, owner if isinstance(owner, type) else None
-    raise BadValue(f"no reference named {reference!r} to forbid: no module to import", arg="reference")
+    raise BadValue(
+        f"no reference named {reference!r} to forbid: no module to import", arg="reference"
+    )
 
 
 def _private_names(code, module: dict, cls: type | None) -> list:
-    """The private functions (one leading underscore) that ``code`` names (nested code included): from its
-    module's namespace, or, in a method of ``cls``, from that class and its subclasses in the module."""
+    """The private functions (one leading underscore) that ``code`` names (nested code included):
+    from its module's namespace, or, in a method of ``cls``, from that class and its subclasses in
+    the module."""
     found, stack = [], [code]
     while stack:
         c = stack.pop()
-        stack += [k for k in c.co_consts if hasattr(k, "co_names")]  # nested functions, comprehensions
+        # nested functions, comprehensions
+        stack += [k for k in c.co_consts if hasattr(k, "co_names")]
         for name in c.co_names:
             if not name.startswith("_") or name.startswith("__"):
                 continue
             helper = module.get(name)
             if inspect.isfunction(helper):
                 candidates = [(helper, None)]
-            elif cls is not None:  # self._name: on the class, or an override in a subclass of it here
-                subs = [k for k in module.values() if isinstance(k, type) and issubclass(k, cls) and k is not cls]
+            # self._name: on the class, or an override in a subclass of it here
+            elif cls is not None:
+                subs = [
+                    k
+                    for k in module.values()
+                    if isinstance(k, type) and issubclass(k, cls) and k is not cls
+                ]
                 kinds = [cls, *subs]
-                candidates = [(next((vars(b)[name] for b in k.__mro__ if name in vars(b)), None), k) for k in kinds]
-                candidates = [(getattr(h, "__func__", h), k) for h, k in candidates]  # a static or class method
+                candidates = [
+                    (next((vars(b)[name] for b in k.__mro__ if name in vars(b)), None), k)
+                    for k in kinds
+                ]
+                # a static or class method
+                candidates = [(getattr(h, "__func__", h), k) for h, k in candidates]
             else:
                 candidates = []
-            found += [(h, k) for h, k in candidates if inspect.isfunction(h) and h.__module__ == module.get("__name__")]
+            found += [
+                (h, k)
+                for h, k in candidates
+                if inspect.isfunction(h) and h.__module__ == module.get("__name__")
+            ]
     return found
 
 
 def _reached(roots: list, module: dict) -> dict:
-    """code -> (function, class) of every private function reached from ``roots`` [(function, class)]."""
+    """code -> (function, class) of every private function reached from ``roots`` [(function,
+    class)]."""
     reached, todo = {}, list(roots)
     while todo:
         fn, cls = todo.pop()
@@ -113,16 +141,19 @@ def _public_roots(module: dict) -> list:
         elif isinstance(obj, type):
             for attr, member in vars(obj).items():
                 member = getattr(member, "__func__", getattr(member, "fget", member))
-                if inspect.isfunction(member) and (not attr.startswith("_") or attr.startswith("__")):
+                if inspect.isfunction(member) and (
+                    not attr.startswith("_") or attr.startswith("__")
+                ):
                     roots.append((member, obj))
     return roots
 
 
 def private_helpers(functions: list, seen: set) -> list:
-    """The private helpers of the forbidden ar_lab ``functions`` [(function, class)]: what they reach, directly
-    or through other helpers, and no public function or method of their module that is not forbidden does.
-    So a forbid list names public references only, and renaming an internal function changes no verdict;
-    a helper that an allowed function shares (an argument check, say) stays allowed. [(function, name, class)]"""
+    """The private helpers of the forbidden ar_lab ``functions`` [(function, class)]: what they
+    reach, directly or through other helpers, and no public function or method of their module that
+    is not forbidden does. So a forbid list names public references only, and renaming an internal
+    function changes no verdict; a helper that an allowed function shares (an argument check, say)
+    stays allowed. [(function, name, class)]"""
     found = []
     for module_name in {fn.__module__ for fn, _ in functions}:
         module = sys.modules[module_name].__dict__
@@ -137,7 +168,8 @@ def private_helpers(functions: list, seen: set) -> list:
 
 def _functions(name: str, obj: Any, owner: type | None) -> tuple[list, list]:
     """What a forbidden reference is made of: ([(Python function, name, its class or None)], and
-    [(class, attribute, name)]: a constructor or forward the class inherits, swapped on the class itself)."""
+    [(class, attribute, name)]: a constructor or forward the class inherits, swapped on the class
+    itself)."""
     if isinstance(obj, type):
         found, inherited = [], []
         for attr in ("__init__", "forward"):
@@ -150,41 +182,62 @@ def _functions(name: str, obj: Any, owner: type | None) -> tuple[list, list]:
                 inherited.append((obj, attr, f"{name}.{attr}"))
         return found, inherited
     raw = inspect.getattr_static(owner, name.rsplit(".", 1)[-1]) if owner is not None else obj
-    fn = getattr(raw, "fget", None) or getattr(raw, "__func__", raw)  # a property's getter, a static or class method
+    # a property's getter, a static or class method
+    fn = getattr(raw, "fget", None) or getattr(raw, "__func__", raw)
     return ([(fn, name, owner)] if inspect.isfunction(fn) else []), []
 
 
 def _bindings(obj: Any, attr: str, spaces: list[dict]) -> list[tuple[dict, str]]:
-    """Every module that binds ``obj`` as ``attr``, and each of ``spaces`` (the learner's) under any name:
-    [(namespace, name)]."""
+    """Every module that binds ``obj`` as ``attr``, and each of ``spaces`` (the learner's) under any
+    name: [(namespace, name)]."""
     modules = [getattr(m, "__dict__", None) for m in list(sys.modules.values())]
-    found = [(space, attr) for space in modules if isinstance(space, dict) and attr and space.get(attr) is obj]
-    return found + [(space, k) for space in spaces for k, v in list(space.items()) if v is obj and k != attr]
+    found = [
+        (space, attr)
+        for space in modules
+        if isinstance(space, dict) and attr and space.get(attr) is obj
+    ]
+    return found + [
+        (space, k) for space in spaces for k, v in list(space.items()) if v is obj and k != attr
+    ]
 
 
 def _trampoline(fn: types.FunctionType, key: str) -> types.CodeType | None:
-    """Code that, as ``fn.__code__``, calls the global ``key`` with ``fn``'s arguments (its free variables kept, so
-    the swap is allowed; None if they cannot be). Compiled as this file's, so it is library code."""
+    """Code that, as ``fn.__code__``, calls the global ``key`` with ``fn``'s arguments (its free
+    variables kept, so the swap is allowed; None if they cannot be). Compiled as this file's, so it
+    is library code."""
     free = fn.__code__.co_freevars
     lines = [f"def outer({', '.join(free)}):", "    def inner(*args, **kwargs):"]
     lines += [f"        ({', '.join(free)},)"] if free else []
     lines += [f"        return {key}(*args, **kwargs)", "    return inner"]
     outer = compile("\n".join(lines), __file__, "exec").co_consts[0]
     code = next(c for c in outer.co_consts if isinstance(c, types.CodeType))
-    return code.replace(co_name=fn.__name__, co_qualname=fn.__qualname__) if code.co_freevars == free else None
+    return (
+        code.replace(co_name=fn.__name__, co_qualname=fn.__qualname__)
+        if code.co_freevars == free
+        else None
+    )
 
 
 class Gate:
-    """The stand-ins of one ``no_delegation`` block: a context manager; ``calls`` lists what was caught."""
+    """The stand-ins of one ``no_delegation`` block: a context manager; ``calls`` lists what was
+    caught."""
 
-    def __init__(self, forbid: list[tuple[str, Any, Any]], learner: tuple, exercise: str, error: type):
+    def __init__(
+        self, forbid: list[tuple[str, Any, Any]], learner: tuple, exercise: str, error: type
+    ):
         import torch
 
-        spaces = [vars(m) for m in (sys.modules.get("__main__"),) if m is not None]  # the notebook's
-        spaces += [g for f in learner if isinstance(g := getattr(getattr(f, "func", f), "__globals__", None), dict)]
+        # the notebook's
+        spaces = [vars(m) for m in (sys.modules.get("__main__"),) if m is not None]
+        spaces += [
+            g
+            for f in learner
+            if isinstance(g := getattr(getattr(f, "func", f), "__globals__", None), dict)
+        ]
         self.spaces = spaces
         self.functions: dict[int, tuple] = {}  # id -> (Python function, name): its code is swapped
-        self.places: list[tuple[Any, str, str]] = []  # (class or namespace, attribute, name): swapped by name
+        # (class or namespace, attribute, name): swapped by name
+        self.places: list[tuple[Any, str, str]] = []
         ours = []  # (ar_lab function, its class): whose private helpers come with them
         for name, obj, owner in forbid:
             functions, inherited = _functions(name, obj, owner)
@@ -194,7 +247,10 @@ class Gate:
             if isinstance(obj, torch._ops.OpOverloadPacket):  # torch.ops.aten.name
                 self.places.append((vars(torch.ops.aten), name.rsplit(".", 1)[-1], name))
             elif not functions and not isinstance(obj, type) and owner is None:  # a builtin
-                self.places += [(m, attr, name) for m, attr in _bindings(obj, getattr(obj, "__name__", ""), spaces)]
+                self.places += [
+                    (m, attr, name)
+                    for m, attr in _bindings(obj, getattr(obj, "__name__", ""), spaces)
+                ]
         for fn, name, _ in private_helpers(ours, {fn.__code__ for fn, _ in ours}):
             self.functions.setdefault(id(fn), (fn, name))
         self.learner_codes = set().union(*(_codes(f) for f in learner)) if learner else None
@@ -213,18 +269,21 @@ class Gate:
             if not is_library(code.co_filename):
                 return code.co_filename != self.test_file
             frame = frame.f_back
-        return threading.get_ident() not in self.threads  # library code only, on a thread started in the block
+        # library code only, on a thread started in the block
+        return threading.get_ident() not in self.threads
 
     def _stand_in(self, original: Callable, name: str) -> Callable:
         gate = self
 
         @functools.wraps(original, updated=())
         def stand_in(*args, **kwargs):
-            if gate.active and gate._learners(sys._getframe(1)):  # (a swapped function's own frame is library code)
+            # (a swapped function's own frame is library code)
+            if gate.active and gate._learners(sys._getframe(1)):
                 gate.calls.append(name)
                 raise gate.error(
-                    f"{gate.exercise}: your code called `{name}`, a ready-made implementation of what the exercise "
-                    "asks you to write: replace that call with your own tensor operations.",
+                    f"{gate.exercise}: your code called `{name}`, a ready-made implementation of "
+                    "what the exercise asks you to write: replace that call with your own "
+                    "tensor operations.",
                     name,
                 )
             return original(*args, **kwargs)
@@ -238,7 +297,9 @@ class Gate:
             for owner, attr in _bindings(fn, fn.__name__, self.spaces):
                 self._swap_name(owner, attr, name)
             return
-        original = types.FunctionType(fn.__code__, fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
+        original = types.FunctionType(
+            fn.__code__, fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__
+        )
         original.__kwdefaults__, original.__qualname__ = fn.__kwdefaults__, fn.__qualname__
         fn.__globals__[key] = self._stand_in(original, name)
         fn.__code__, saved = code, fn.__code__
@@ -247,9 +308,13 @@ class Gate:
     def _swap_name(self, owner: Any, attr: str, name: str) -> None:
         raw = inspect.getattr_static(owner, attr) if isinstance(owner, type) else owner[attr]
         stand_in = self._stand_in(raw, name)
-        for overload in raw.overloads() if hasattr(raw, "overloads") else ():  # torch.ops.aten.name.default, ...
-            setattr(stand_in, overload, self._stand_in(getattr(raw, overload), f"{name}.{overload}"))
-        if isinstance(owner, type):  # a constructor or forward the class inherits: its own, for the block
+        # torch.ops.aten.name.default, ...
+        for overload in raw.overloads() if hasattr(raw, "overloads") else ():
+            setattr(
+                stand_in, overload, self._stand_in(getattr(raw, overload), f"{name}.{overload}")
+            )
+        # a constructor or forward the class inherits: its own, for the block
+        if isinstance(owner, type):
             setattr(owner, attr, stand_in)
             self.undo.append(lambda: delattr(owner, attr))
         else:
@@ -262,7 +327,8 @@ class Gate:
         while frame is not None and is_library(frame.f_code.co_filename):
             frame = frame.f_back
         self.test_file = frame.f_code.co_filename if frame is not None else None
-        self.threads = {t.ident for t in threading.enumerate()}  # the test's and the kernel's: not the learner's
+        # the test's and the kernel's: not the learner's
+        self.threads = {t.ident for t in threading.enumerate()}
         self.active = True
         try:
             for fn, name in self.functions.values():
@@ -281,7 +347,8 @@ class Gate:
 
 
 def _codes(obj: Any) -> set:
-    """Every code object of a learner's function, class or object (nested functions and methods included)."""
+    """Every code object of a learner's function, class or object (nested functions and methods
+    included)."""
     obj = getattr(obj, "func", obj)  # a functools.partial
     obj = getattr(obj, "__func__", obj)  # a bound method
     if not isinstance(obj, type) and not hasattr(obj, "__code__"):

@@ -1,19 +1,23 @@
-"""Learner code confined by bubblewrap: the kernel ``nbgrader autograde`` runs a submission in, and the grading
-step's judge kernel and answer processes, write nowhere but a scratch folder of their own and see no course.
+"""Learner code confined by bubblewrap: the kernel ``nbgrader autograde`` runs a submission in, and
+the grading step's judge kernel and answer processes, write nowhere but a scratch folder of their
+own and see no course.
 
-    bwrap --ro-bind / / ... --tmpfs COURSE --bind SCRATCH SCRATCH ... python -m ipykernel_launcher ...
+    bwrap --ro-bind / / ... --tmpfs COURSE --bind SCRATCH SCRATCH ...
+        python -m ipykernel_launcher ...
 
-``bwrap`` (bubblewrap, the sandbox Flatpak uses; Debian's ``bubblewrap`` package) gives the process a view of
-the file system that is read-only everywhere, with private folders hidden behind empty ones (``hidden``): the
-course folder (``source/`` with the solutions, every ``submitted/`` and ``autograded/`` copy, ``gradebook.db``,
-``nbgrader_config.py``), the repository's notebooks and history when ar_lab runs from a checkout, Jupyter's
-runtime folder and the folders of other kernels (``KERNELS``: their connection files and sockets). It gets its
-own network (none: a kernel on this machine cannot be reached), processes and IPC, and one writable folder.
+``bwrap`` (bubblewrap, the sandbox Flatpak uses; Debian's ``bubblewrap`` package) gives the process
+a view of the file system that is read-only everywhere, with private folders hidden behind empty
+ones (``hidden``): the course folder (``source/`` with the solutions, every ``submitted/`` and
+``autograded/`` copy, ``gradebook.db``, ``nbgrader_config.py``), the repository's notebooks and
+history when ar_lab runs from a checkout, Jupyter's runtime folder and the folders of other kernels
+(``KERNELS``: their connection files and sockets). It gets its own network (none: a kernel on this
+machine cannot be reached), processes and IPC, and one writable folder.
 
-``SandboxedKernelManager`` starts a Jupyter kernel that way (the course folder's ``nbgrader_config.py`` gives it to
-nbgrader's ``Execute``; ``exercises.execute(..., sandbox=...)`` to the judge); the kernel talks to its client over
-Unix sockets in its own folder. Without bubblewrap, or where it cannot run, both refuse (``SandboxMissing``)
-unless the instructor sets ``AR_LAB_SANDBOX=off``: then learner code runs with the instructor's permissions.
+``SandboxedKernelManager`` starts a Jupyter kernel that way (the course folder's
+``nbgrader_config.py`` gives it to nbgrader's ``Execute``; ``exercises.execute(..., sandbox=...)``
+to the judge); the kernel talks to its client over Unix sockets in its own folder. Without
+bubblewrap, or where it cannot run, both refuse (``SandboxMissing``) unless the instructor sets
+``AR_LAB_SANDBOX=off``: then learner code runs with the instructor's permissions.
 """
 
 from __future__ import annotations
@@ -31,11 +35,15 @@ from jupyter_client.manager import AsyncKernelManager
 from traitlets import Bool, List, Unicode
 
 OPT_OUT = "AR_LAB_SANDBOX"  # "off": the instructor's explicit choice to run learner code unconfined
-INSIDE = "AR_LAB_SANDBOXED"  # set in a confined process (a sandbox started there nests: no new PID namespace)
+# set in a confined process (a sandbox started there nests: no new PID namespace)
+INSIDE = "AR_LAB_SANDBOXED"
 PACKAGE = Path(__file__).resolve().parents[2]  # the real ar_lab/
 ROOT = PACKAGE.parent
-# This user's folder of confined kernels (one each: sockets, connection file, temporary files), private to the user.
-KERNELS = Path(tempfile.gettempdir()) / f"ar_lab_kernels-{os.getuid() if hasattr(os, 'getuid') else 0}"
+# This user's folder of confined kernels (one each: sockets, connection file, temporary files),
+# private to the user.
+KERNELS = (
+    Path(tempfile.gettempdir()) / f"ar_lab_kernels-{os.getuid() if hasattr(os, 'getuid') else 0}"
+)
 INSTALL = "apt-get install -y bubblewrap"
 
 
@@ -55,11 +63,20 @@ def _probe() -> str:
     if bwrap is None:
         return "bubblewrap (bwrap) is not installed"
     try:
-        run = subprocess.run([bwrap, *_base(nested=os.environ.get(INSIDE) == "1"), "true"], capture_output=True,
-                             text=True, timeout=30, stdin=subprocess.DEVNULL)
+        run = subprocess.run(
+            [bwrap, *_base(nested=os.environ.get(INSIDE) == "1"), "true"],
+            capture_output=True,
+            text=True,
+            timeout=30,
+            stdin=subprocess.DEVNULL,
+        )
     except (OSError, subprocess.TimeoutExpired) as error:
         return f"bwrap could not start: {error}"
-    return "" if run.returncode == 0 else f"bwrap cannot confine a process here: {run.stderr.strip()[:300]}"
+    return (
+        ""
+        if run.returncode == 0
+        else f"bwrap cannot confine a process here: {run.stderr.strip()[:300]}"
+    )
 
 
 def available() -> bool:
@@ -78,32 +95,56 @@ def confining() -> bool:
 
 
 def require() -> None:
-    """Raise ``SandboxMissing`` (with what to do) unless bwrap works here or the instructor opted out."""
+    """Raise ``SandboxMissing`` (with what to do) unless bwrap works here or the instructor opted
+    out."""
     why = _probe() if enabled() else ""
     if why:
         raise SandboxMissing(
-            f"{why}. ar_lab runs learner code for grading in a bubblewrap sandbox: install it ({INSTALL} on "
-            f"Debian/Ubuntu, as root). To grade without it, learner code then running with your permissions, set "
-            f"{OPT_OUT}=off.")
+            f"{why}. ar_lab runs learner code for grading in a bubblewrap sandbox: "
+            f"install it ({INSTALL} on "
+            "Debian/Ubuntu, as root). To grade without it, learner code then running "
+            "with your permissions, set "
+            f"{OPT_OUT}=off."
+        )
 
 
 def _base(*, nested: bool) -> list[str]:
-    """bwrap's options that every sandbox starts with: the whole file system read-only, private /dev, /proc,
-    shared memory and namespaces (a nested sandbox keeps its parent's PID namespace: a new one needs rights
-    the parent dropped)."""
-    unshare = ["--unshare-user-try", "--unshare-ipc", "--unshare-net", "--unshare-uts", "--unshare-cgroup-try"]
+    """bwrap's options that every sandbox starts with: the whole file system read-only, private
+    /dev, /proc, shared memory and namespaces (a nested sandbox keeps its parent's PID namespace: a
+    new one needs rights the parent dropped)."""
+    unshare = [
+        "--unshare-user-try",
+        "--unshare-ipc",
+        "--unshare-net",
+        "--unshare-uts",
+        "--unshare-cgroup-try",
+    ]
     if not nested:
         unshare.append("--unshare-pid")
-    return ["--ro-bind", "/", "/", "--dev", "/dev", "--proc", "/proc", "--tmpfs", "/dev/shm", *unshare,
-            "--die-with-parent", "--setenv", INSIDE, "1"]
+    return [
+        "--ro-bind",
+        "/",
+        "/",
+        "--dev",
+        "/dev",
+        "--proc",
+        "/proc",
+        "--tmpfs",
+        "/dev/shm",
+        *unshare,
+        "--die-with-parent",
+        "--setenv",
+        INSIDE,
+        "1",
+    ]
 
 
 def private_paths(*, package: bool) -> tuple[list[Path], list[Path]]:
-    """(folders to hide, folders inside them to show again read-only) in every sandbox: from a checkout of the
-    repository, all of it (the source notebooks hold the solutions; ``.git`` their history) but the Python
-    environment, the shipped data and, unless ``package`` is False, the package; without one, the package
-    itself when ``package`` is False (the answer process sees only the withheld copy). Jupyter's runtime
-    folder and ``KERNELS``, always."""
+    """(folders to hide, folders inside them to show again read-only) in every sandbox: from a
+    checkout of the repository, all of it (the source notebooks hold the solutions; ``.git`` their
+    history) but the Python environment, the shipped data and, unless ``package`` is False, the
+    package; without one, the package itself when ``package`` is False (the answer process sees only
+    the withheld copy). Jupyter's runtime folder and ``KERNELS``, always."""
     from jupyter_core.paths import jupyter_runtime_dir
 
     from ar_lab.model.data import data_dir
@@ -120,14 +161,16 @@ def private_paths(*, package: bool) -> tuple[list[Path], list[Path]]:
 def command(*, cwd: Path | None = None, writable: list[Path] = (), readable: list[Path] = (),
             hidden: list[Path] = (), package: bool = True) -> list[str]:
     """The bwrap command line (before the program's own) of a sandbox: ``hidden`` folders (and
-    ``private_paths``) behind empty ones, then ``readable`` shown read-only and ``writable`` read-write, the
-    program started in ``cwd``. ``package``: whether the real ar_lab is visible."""
+    ``private_paths``) behind empty ones, then ``readable`` shown read-only and ``writable``
+    read-write, the program started in ``cwd``. ``package``: whether the real ar_lab is visible."""
     require()
     if not enabled():
         return []
     hide, show = private_paths(package=package)
     args = [shutil.which("bwrap"), *_base(nested=os.environ.get(INSIDE) == "1")]
-    empty = [str(p) for p in dict.fromkeys(Path(p).resolve() for p in [*hide, *hidden]) if p.is_dir()]
+    empty = [
+        str(p) for p in dict.fromkeys(Path(p).resolve() for p in [*hide, *hidden]) if p.is_dir()
+    ]
     for path in empty:
         args += ["--tmpfs", path]
     for flag, paths in (("--ro-bind", [*show, *readable]), ("--bind", writable)):
@@ -143,39 +186,57 @@ def command(*, cwd: Path | None = None, writable: list[Path] = (), readable: lis
 
 
 def ignoring_interrupts(cmd: list[str]) -> list[str]:
-    """``cmd`` started with SIGINT ignored: an interrupt for the kernel's process group (a cell's time limit)
-    would end bwrap, and the kernel with it; the kernel sets its own handler while a cell runs."""
-    return ["/bin/sh", "-c", 'trap "" INT; exec "$@"', "sh", *cmd] if cmd and cmd[0] != "/bin/sh" else cmd
+    """``cmd`` started with SIGINT ignored: an interrupt for the kernel's process group (a cell's
+    time limit) would end bwrap, and the kernel with it; the kernel sets its own handler while a
+    cell runs."""
+    return (
+        ["/bin/sh", "-c", 'trap "" INT; exec "$@"', "sh", *cmd]
+        if cmd and cmd[0] != "/bin/sh"
+        else cmd
+    )
 
 
 def scratch_env(tmp: Path) -> dict[str, str]:
-    """The environment that sends a confined process's temporary and cache files to ``tmp`` (writable), with
-    matplotlib's font list copied there (rebuilding it takes seconds)."""
+    """The environment that sends a confined process's temporary and cache files to ``tmp``
+    (writable), with matplotlib's font list copied there (rebuilding it takes seconds)."""
     caches = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
     fonts = Path(os.environ.get("MPLCONFIGDIR") or caches / "matplotlib")
     (tmp / "matplotlib").mkdir(parents=True, exist_ok=True)
     for font_list in fonts.glob("fontlist-*.json"):
         shutil.copyfile(font_list, tmp / "matplotlib" / font_list.name)
-    return {"TMPDIR": str(tmp), "IPYTHONDIR": str(tmp / "ipython"), "MPLCONFIGDIR": str(tmp / "matplotlib"),
-            "XDG_CACHE_HOME": str(tmp / "cache")}
+    return {
+        "TMPDIR": str(tmp),
+        "IPYTHONDIR": str(tmp / "ipython"),
+        "MPLCONFIGDIR": str(tmp / "matplotlib"),
+        "XDG_CACHE_HOME": str(tmp / "cache"),
+    }
 
 
 class SandboxedKernelManager(AsyncKernelManager):
-    """A Jupyter kernel in a sandbox (``command``): the whole file system read-only, the course folder
-    (``course``, default the folder this process runs in: nbgrader's course folder) and ``private_paths``
-    hidden, the kernel's working folder shown read-only (read-write with ``writable_cwd``), a fresh folder
-    under ``KERNELS`` for its sockets, connection file and temporary files (``TMPDIR``)."""
+    """A Jupyter kernel in a sandbox (``command``): the whole file system read-only, the course
+    folder (``course``, default the folder this process runs in: nbgrader's course folder) and
+    ``private_paths`` hidden, the kernel's working folder shown read-only (read-write with
+    ``writable_cwd``), a fresh folder under ``KERNELS`` for its sockets, connection file and
+    temporary files (``TMPDIR``)."""
 
-    course = List(Unicode(), help="folders the kernel must not see (default: this process's folder)").tag(config=True)
-    writable_cwd = Bool(False, help="whether the kernel may write in its working folder").tag(config=True)
+    course = List(
+        Unicode(), help="folders the kernel must not see (default: this process's folder)"
+    ).tag(config=True)
+    writable_cwd = Bool(False, help="whether the kernel may write in its working folder").tag(
+        config=True
+    )
 
     def __init__(self, **kwargs):
         super().__init__(**kwargs)
         KERNELS.mkdir(mode=0o700, exist_ok=True)
-        if KERNELS.is_symlink() or KERNELS.stat().st_uid != os.getuid():  # made by someone else, to watch ours
-            raise SandboxMissing(f"{KERNELS} is not this user's own folder: remove it, then grade again")
+        # made by someone else, to watch ours
+        if KERNELS.is_symlink() or KERNELS.stat().st_uid != os.getuid():
+            raise SandboxMissing(
+                f"{KERNELS} is not this user's own folder: remove it, then grade again"
+            )
         self.scratch = Path(tempfile.mkdtemp(prefix="kernel-", dir=KERNELS))
-        # removed at shutdown, and in any case with the manager (a kernel that died, a launch refused)
+        # removed at shutdown, and in any case with the manager (a kernel that died, a launch
+        # refused)
         weakref.finalize(self, shutil.rmtree, self.scratch, ignore_errors=True)
         self.transport = "ipc"  # Unix sockets in its folder: the kernel has no network
         self.ip = str(self.scratch / "ipc")
@@ -184,17 +245,25 @@ class SandboxedKernelManager(AsyncKernelManager):
     async def _async_launch_kernel(self, kernel_cmd: list[str], **kw) -> None:
         cwd = Path(kw.get("cwd") or os.getcwd())
         course = [Path(p) for p in self.course] or [Path.cwd()]
-        course += [Path(p) for p in [self.config.get("CourseDirectory", {}).get("root")] if isinstance(p, str)]
+        course += [
+            Path(p)
+            for p in [self.config.get("CourseDirectory", {}).get("root")]
+            if isinstance(p, str)
+        ]
         tmp = self.scratch / "tmp"
         tmp.mkdir(exist_ok=True)
         prefix = command(cwd=cwd, hidden=course, readable=[] if self.writable_cwd else [cwd],
                          writable=[self.scratch, *([cwd] if self.writable_cwd else [])])
-        if prefix:  # its parent in the sandbox is bwrap's init, PID 1: ipykernel must not take that for an orphan
+        # its parent in the sandbox is bwrap's init, PID 1: ipykernel must not take that for an
+        # orphan
+        if prefix:
             prefix += ["--setenv", "JPY_PARENT_PID", "1"]
         env = dict(kw.get("env") or os.environ)
         env.update(scratch_env(tmp))
         kw["env"] = env
-        await super()._async_launch_kernel(ignoring_interrupts(prefix) + kernel_cmd if prefix else kernel_cmd, **kw)
+        await super()._async_launch_kernel(
+            ignoring_interrupts(prefix) + kernel_cmd if prefix else kernel_cmd, **kw
+        )
 
     async def _async_cleanup_resources(self, restart: bool = False) -> None:
         await super()._async_cleanup_resources(restart=restart)

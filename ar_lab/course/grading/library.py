@@ -1,6 +1,6 @@
-"""Whose code is a frame running? Library code (the standard library, installed packages, ar_lab) or a
-notebook's (a cell, or source a learner ran with ``exec``): what the kernel's delegation gate asks when it
-walks up from a call to the test or the learner that made it."""
+"""Whose code is a frame running? Library code (the standard library, installed packages, ar_lab) or
+a notebook's (a cell, or source a learner ran with ``exec``): what the kernel's delegation gate asks
+when it walks up from a call to the test or the learner that made it."""
 
 from __future__ import annotations
 
@@ -21,5 +21,6 @@ _LIBRARY = _library_roots()
 
 
 def is_library(filename: str) -> bool:
-    """Code from the standard library, an installed package or ar_lab (not a notebook cell, not ``exec``)."""
+    """Code from the standard library, an installed package or ar_lab (not a notebook cell, not
+    ``exec``)."""
     return filename.startswith(_LIBRARY) or filename.startswith("<frozen")

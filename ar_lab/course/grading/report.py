@@ -7,7 +7,8 @@ the package's private names or its grader, or monkeypatches an imported module c
 without doing the exercise. This module scans the solution cells of every submission
 statically (``ast``, nothing is run) and prints one line per thing a person should look at.
 
-    python -m ar_lab.course.grading.report COURSE_FOLDER      # scans submitted/<student>/<assignment>/*.ipynb
+    # scans submitted/<student>/<assignment>/*.ipynb
+    python -m ar_lab.course.grading.report COURSE_FOLDER
 
 ``scan_notebook`` gives the flags of one notebook; ``scan_course`` / ``format_report`` the report
 over a course folder. The course's own solutions give no flags (tests/test_report.py checks it).
@@ -29,37 +30,114 @@ ROOT_NAME = PACKAGE.name
 # The grader: a solution has no reason to import (or call) any of it.
 GRADER = tuple(
     f"{ROOT_NAME}.course.{m}"
-    for m in ("checkers.checks", "checkers.model_checks", "checkers.quant_checks", "checkers.kv_checks",
-              "checkers.paged_checks", "checkers.grammar_checks", "checkers.mistakes", "grading")
+    for m in (
+        "checkers.checks",
+        "checkers.model_checks",
+        "checkers.quant_checks",
+        "checkers.kv_checks",
+        "checkers.paged_checks",
+        "checkers.grammar_checks",
+        "checkers.mistakes",
+        "grading",
+    )
 )
 # Resolved dotted names (a name and everything under it) -> the kind of flag.
 DOTTED = {
-    "threads": ("threading", "_thread", "concurrent.futures", "multiprocessing", "torch.multiprocessing"),
+    "threads": (
+        "threading",
+        "_thread",
+        "concurrent.futures",
+        "multiprocessing",
+        "torch.multiprocessing",
+    ),
     "inspect": ("inspect", "sys._getframe", "traceback.extract_stack"),
-    "dynamic-code": ("exec", "eval", "compile", "builtins.exec", "builtins.eval", "builtins.compile"),
+    "dynamic-code": (
+        "exec",
+        "eval",
+        "compile",
+        "builtins.exec",
+        "builtins.eval",
+        "builtins.compile",
+    ),
     "importlib": ("importlib", "__import__", "builtins.__import__"),
-    "interpreter": ("sys.modules", "sys.settrace", "sys.setprofile", "sys.meta_path", "sys.path_hooks",
-                    "gc.get_objects", "gc.get_referrers", "gc.get_referents", "builtins", "__builtins__"),
+    "interpreter": (
+        "sys.modules",
+        "sys.settrace",
+        "sys.setprofile",
+        "sys.meta_path",
+        "sys.path_hooks",
+        "gc.get_objects",
+        "gc.get_referrers",
+        "gc.get_referents",
+        "builtins",
+        "__builtins__",
+    ),
     "ipython-hook": ("get_ipython", "IPython.get_ipython", "IPython.core", "sys.excepthook"),
-    "file-read": ("open", "io.open", "os.open", "os.listdir", "os.scandir", "os.walk", "glob", "shutil",
-                  "numpy.load", "numpy.loadtxt", "numpy.genfromtxt", "numpy.fromfile", "numpy.memmap",
-                  "torch.load", "json.load", "pickle.load", "joblib.load", "safetensors", "pandas.read_csv",
-                  "pandas.read_pickle", "pandas.read_json", "pandas.read_parquet", "linecache"),
+    "file-read": (
+        "open",
+        "io.open",
+        "os.open",
+        "os.listdir",
+        "os.scandir",
+        "os.walk",
+        "glob",
+        "shutil",
+        "numpy.load",
+        "numpy.loadtxt",
+        "numpy.genfromtxt",
+        "numpy.fromfile",
+        "numpy.memmap",
+        "torch.load",
+        "json.load",
+        "pickle.load",
+        "joblib.load",
+        "safetensors",
+        "pandas.read_csv",
+        "pandas.read_pickle",
+        "pandas.read_json",
+        "pandas.read_parquet",
+        "linecache",
+    ),
     "shell": ("subprocess", "os.system", "os.popen", "os.execv", "os.execvp", "pty"),
 }
-# Attribute names flagged on any object (a Path's read_text, an IPython shell's hooks, a function's code).
+# Attribute names flagged on any object (a Path's read_text, an IPython shell's hooks, a function's
+# code).
 ATTRIBUTES = {
-    "read_text": "file-read", "read_bytes": "file-read", "iterdir": "file-read", "rglob": "file-read",
-    "input_transformers_cleanup": "ipython-hook", "input_transformers_post": "ipython-hook",
-    "ast_transformers": "ipython-hook", "set_custom_exc": "ipython-hook", "register_magic_function": "ipython-hook",
-    "showtraceback": "ipython-hook", "run_cell": "ipython-hook", "user_ns": "ipython-hook",
-    "__code__": "function-internals", "__globals__": "function-internals", "__defaults__": "function-internals",
-    "__kwdefaults__": "function-internals", "__closure__": "function-internals", "f_back": "inspect",
-    "f_globals": "inspect", "f_locals": "inspect", "tb_frame": "inspect",
+    "read_text": "file-read",
+    "read_bytes": "file-read",
+    "iterdir": "file-read",
+    "rglob": "file-read",
+    "input_transformers_cleanup": "ipython-hook",
+    "input_transformers_post": "ipython-hook",
+    "ast_transformers": "ipython-hook",
+    "set_custom_exc": "ipython-hook",
+    "register_magic_function": "ipython-hook",
+    "showtraceback": "ipython-hook",
+    "run_cell": "ipython-hook",
+    "user_ns": "ipython-hook",
+    "__code__": "function-internals",
+    "__globals__": "function-internals",
+    "__defaults__": "function-internals",
+    "__kwdefaults__": "function-internals",
+    "__closure__": "function-internals",
+    "f_back": "inspect",
+    "f_globals": "inspect",
+    "f_locals": "inspect",
+    "tb_frame": "inspect",
 }
 FILE_CALL_ATTRIBUTES = {"read_text", "read_bytes", "iterdir", "rglob"}
 # Line magics that only time or display; any other magic or shell escape is flagged ("magic").
-SAFE_MAGICS = {"time", "timeit", "matplotlib", "capture", "precision", "pprint", "who", "whos", "prun"}
+SAFE_MAGICS = {
+    "time",
+    "timeit",
+    "matplotlib",
+    "capture",
+    "precision",
+    "pprint",
+    "who",
+    "whos",
+    "prun",
+}
 KINDS = (*DOTTED, "function-internals", "internal-import", "grader-import", "monkeypatch",
          "magic", "parse-error", "unreadable")
 _MAGIC = re.compile(r"^(\s*)(?:[A-Za-z_][\w, ]*=\s*)?([!%]{1,2})\s*(\w*)")
@@ -68,7 +146,8 @@ _HELP = re.compile(r"^\s*[\w.]+\?{1,2}\s*$")
 
 @dataclass(frozen=True)
 class Flag:
-    """One thing to look at: where (notebook, cell id or index, grade_id, line in the cell) and what."""
+    """One thing to look at: where (notebook, cell id or index, grade_id, line in the cell) and
+    what."""
 
     notebook: str
     cell: str
@@ -81,16 +160,21 @@ class Flag:
     def format(self) -> str:
         grade = f" ({self.grade_id})" if self.grade_id else ""
         detail = f"  [{self.detail}]" if self.detail else ""
-        return f"{self.notebook} cell {self.cell}{grade} line {self.line}: {self.kind}: {self.source}{detail}"
+        return (
+            f"{self.notebook} cell {self.cell}{grade} line {self.line}: {self.kind}: "
+            f"{self.source}{detail}"
+        )
 
 
 def solution_cells(nb) -> list[tuple[int, dict]]:
-    """(index, cell) of the code cells a learner answers in: nbgrader ``solution: true`` (it stays in a
-    submitted copy, where the markers are gone) or holding a ``### BEGIN SOLUTION`` region."""
+    """(index, cell) of the code cells a learner answers in: nbgrader ``solution: true`` (it stays
+    in a submitted copy, where the markers are gone) or holding a ``### BEGIN SOLUTION`` region."""
     found = []
     for i, cell in enumerate(nb.get("cells", [])):
         meta = cell.get("metadata", {}).get("nbgrader", {})
-        if cell.get("cell_type") == "code" and (meta.get("solution") or "### BEGIN SOLUTION" in cell.get("source", "")):
+        if cell.get("cell_type") == "code" and (
+            meta.get("solution") or "### BEGIN SOLUTION" in cell.get("source", "")
+        ):
             found.append((i, cell))
     return found
 
@@ -122,7 +206,9 @@ def aliases(trees: list[ast.AST]) -> dict[str, str]:
         for node in ast.walk(tree):
             if isinstance(node, ast.Import):
                 for a in node.names:
-                    names[a.asname or a.name.split(".")[0]] = a.name if a.asname else a.name.split(".")[0]
+                    names[a.asname or a.name.split(".")[0]] = (
+                        a.name if a.asname else a.name.split(".")[0]
+                    )
             elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
                 for a in node.names:
                     names[a.asname or a.name] = f"{node.module}.{a.name}"
@@ -149,7 +235,9 @@ def name_kinds(name: str) -> list[str]:
     kinds = [kind for kind, prefixes in DOTTED.items() if _under(name, prefixes)]
     if _under(name, GRADER):
         kinds.append("grader-import")
-    elif _under(name, (ROOT_NAME,)) and any(p.startswith("_") and not p.endswith("__") for p in name.split(".")):
+    elif _under(name, (ROOT_NAME,)) and any(
+        p.startswith("_") and not p.endswith("__") for p in name.split(".")
+    ):
         kinds.append("internal-import")
     return kinds
 
@@ -192,7 +280,11 @@ class _Scanner(ast.NodeVisitor):
         for a in node.names:
             full = f"{module}.{a.name}"
             kinds = set(name_kinds(full)) | set(name_kinds(module))
-            if _under(module, (ROOT_NAME,)) and a.name.startswith("_") and "grader-import" not in kinds:
+            if (
+                _under(module, (ROOT_NAME,))
+                and a.name.startswith("_")
+                and "grader-import" not in kinds
+            ):
                 kinds.add("internal-import")
             for kind in sorted(kinds):
                 self.add(node, kind, full)
@@ -225,7 +317,11 @@ class _Scanner(ast.NodeVisitor):
             self.add(node, kind, self._path_detail(node.value))
         elif kind:
             self.add(node, kind, node.attr)
-        elif node.attr == "register" and isinstance(node.value, ast.Attribute) and node.value.attr == "events":
+        elif (
+            node.attr == "register"
+            and isinstance(node.value, ast.Attribute)
+            and node.value.attr == "events"
+        ):
             self.add(node, "ipython-hook", "events.register")
         self._chain(node)
         self.generic_visit(node)
@@ -233,7 +329,11 @@ class _Scanner(ast.NodeVisitor):
     def _imported_root(self, node: ast.AST) -> str | None:
         while isinstance(node, (ast.Attribute, ast.Subscript)):
             node = node.value
-        return self.names.get(node.id) if isinstance(node, ast.Name) and node.id in self.names else None
+        return (
+            self.names.get(node.id)
+            if isinstance(node, ast.Name) and node.id in self.names
+            else None
+        )
 
     def _targets(self, node: ast.AST, targets) -> None:
         for target in targets:
@@ -260,9 +360,17 @@ class _Scanner(ast.NodeVisitor):
 
     def visit_Call(self, node: ast.Call) -> None:
         func = node.func
-        if isinstance(func, ast.Name) and func.id in ("setattr", "delattr", "getattr") and len(node.args) >= 2:
+        if (
+            isinstance(func, ast.Name)
+            and func.id in ("setattr", "delattr", "getattr")
+            and len(node.args) >= 2
+        ):
             attr = node.args[1]
-            attr_name = attr.value if isinstance(attr, ast.Constant) and isinstance(attr.value, str) else None
+            attr_name = (
+                attr.value
+                if isinstance(attr, ast.Constant) and isinstance(attr.value, str)
+                else None
+            )
             if attr_name in ATTRIBUTES:
                 self.add(node, ATTRIBUTES[attr_name], attr_name)
             root = self._imported_root(node.args[0])
@@ -279,7 +387,8 @@ def _parse(source: str) -> ast.AST | None:
 
 
 def scan_cell(source: str, names: dict[str, str]) -> list[tuple[int, str, str]]:
-    """(line, kind, detail) for one cell's source: its magics, its parse error or what its tree holds."""
+    """(line, kind, detail) for one cell's source: its magics, its parse error or what its tree
+    holds."""
     code, magics = python_source(source)
     found = [(line, "magic", name) for line, name in magics]
     try:
@@ -292,7 +401,8 @@ def scan_cell(source: str, names: dict[str, str]) -> list[tuple[int, str, str]]:
 
 def scan_notebook(notebook, name: str | None = None) -> list[Flag]:
     """The flags in one notebook's solution cells (``notebook``: a path or an nbformat dict), one
-    per (cell, line, kind), in cell and line order. ``name`` labels them (default: the file name)."""
+    per (cell, line, kind), in cell and line order. ``name`` labels them (default: the file
+    name)."""
     if not isinstance(notebook, dict):
         path = Path(notebook)
         name = name or path.name
@@ -315,7 +425,9 @@ def scan_notebook(notebook, name: str | None = None) -> list[Flag]:
                 continue
             seen.add((line, kind))
             text = lines[line - 1].strip() if 0 < line <= len(lines) else ""
-            flags.append(Flag(name, str(cell.get("id") or index), grade_id, line, kind, text, detail))
+            flags.append(
+                Flag(name, str(cell.get("id") or index), grade_id, line, kind, text, detail)
+            )
     return flags
 
 
@@ -329,7 +441,8 @@ def submissions(course: Path) -> list[tuple[str, str, Path]]:
 
 
 def scan_course(course: Path) -> dict[tuple[str, str], list[Flag]]:
-    """(student, assignment) -> the flags of that submission's notebooks (an empty list: nothing to see)."""
+    """(student, assignment) -> the flags of that submission's notebooks (an empty list: nothing to
+    see)."""
     report: dict[tuple[str, str], list[Flag]] = {}
     for student, assignment, path in submissions(course):
         report.setdefault((student, assignment), []).extend(scan_notebook(path))
@@ -340,7 +453,10 @@ def format_report(report: dict[tuple[str, str], list[Flag]]) -> str:
     """One header per student and assignment, one line per flag under it, then a count line."""
     out = []
     for (student, assignment), flags in sorted(report.items()):
-        out.append(f"{student} / {assignment}: " + (f"{len(flags)} flag{'s' * (len(flags) != 1)}" if flags else "ok"))
+        out.append(
+            f"{student} / {assignment}: "
+            + (f"{len(flags)} flag{'s' * (len(flags) != 1)}" if flags else "ok")
+        )
         out += [f"  {flag.format()}" for flag in flags]
     total = sum(len(f) for f in report.values())
     flagged = sum(bool(f) for f in report.values())
@@ -355,17 +471,23 @@ def format_report(report: dict[tuple[str, str], list[Flag]]) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m ar_lab.course.grading.report",
-        description="Flag what no test can judge in the solution cells of an nbgrader course folder's submissions.",
+        description="Flag what no test can judge in the solution cells of an nbgrader course "
+        "folder's submissions.",
     )
-    parser.add_argument("folder", type=Path, help="nbgrader course folder (holds submitted/<student>/<assignment>/)")
+    parser.add_argument(
+        "folder", type=Path, help="nbgrader course folder (holds submitted/<student>/<assignment>/)"
+    )
     args = parser.parse_args(argv)
     if not args.folder.is_dir():
         print(f"error: no folder {args.folder}", file=sys.stderr)
         return 2
     report = scan_course(args.folder)
     if not report:
-        print(f"error: no submissions in {args.folder} (expected submitted/<student>/<assignment>/*.ipynb)",
-              file=sys.stderr)
+        print(
+            f"error: no submissions in {args.folder} (expected "
+            "submitted/<student>/<assignment>/*.ipynb)",
+            file=sys.stderr,
+        )
         return 2
     print(format_report(report))
     return 0

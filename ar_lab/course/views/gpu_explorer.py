@@ -1,4 +1,5 @@
-"""Chapter 05's what-if explorer: a real model on a real GPU, from the datasheet and the FLOP/byte model.
+"""Chapter 05's what-if explorer: a real model on a real GPU, from the datasheet and the FLOP/byte
+model.
 
 A thin shell over ``ar_lab.course.views.gpu_view.gpu_scenario`` (a pure function the tests call
 directly): GPU, model, weight format, batch, prompt and context -> the roofline with the
@@ -34,8 +35,9 @@ def scenario_html(s: Scenario) -> str:
     p = s.placement
     if s.fits:
         banner = (
-            f"<b style='color:#16a085'>fits</b>: {s.memory / 1e9:,.1f} GB of {s.gpu.memory / 1e9:.0f} GB "
-            f"(weights {s.weights / 1e9:,.1f} GB + KV cache); up to {p.max_batch:,} sequences at this context"
+            f"<b style='color:#16a085'>fits</b>: {s.memory / 1e9:,.1f} GB of "
+            f"{s.gpu.memory / 1e9:.0f} GB (weights {s.weights / 1e9:,.1f} GB + KV cache); up to "
+            f"{p.max_batch:,} sequences at this context"
         )
     else:
         banner = f"<b style='color:#c0392b'>{html.escape(s.verdict)}</b>"
@@ -45,33 +47,42 @@ def scenario_html(s: Scenario) -> str:
         compute += f", more than fit ({p.max_batch:,})"
     hypothetical = "" if s.fits else " <i>(if it fitted)</i>"
     rows = [
-        ("TTFT (prefill of the batch's prompts)", f"{format_time(s.ttft)}{hypothetical}", s.bound(s.prefill)),
+        (
+            "TTFT (prefill of the batch's prompts)",
+            f"{format_time(s.ttft)}{hypothetical}",
+            s.bound(s.prefill),
+        ),
         ("TPOT (one decode step)", f"{format_time(s.tpot)}{hypothetical}", s.bound(s.decode)),
         ("tokens/s for the batch", f"{s.tokens_per_s:,.0f}{hypothetical}", ""),
     ]
     td = "<td style='padding:1px 10px;white-space:nowrap'>"
-    table = "".join(f"<tr>{td}{a}</td>{td}<b>{b}</b></td>{td}{c + '-bound' if c else ''}</td></tr>" for a, b, c in rows)
+    table = "".join(
+        f"<tr>{td}{a}</td>{td}<b>{b}</b></td>{td}{c + '-bound' if c else ''}</td></tr>"
+        for a, b, c in rows
+    )
     return (
-        f"<div>{banner}</div><table>{table}</table>"
-        f"<div>decode: weights stop dominating the bytes at batch {p.weights_stop_dominating_batch:,}; "
-        f"compute-bound {compute}; ridge {p.ridge:,.0f} FLOP/B. "
-        f"Datasheet roofs ({html.escape(s.gpu.source)}): a floor on time, not a measurement.</div>"
+        f"<div>{banner}</div><table>{table}</table><div>decode: weights stop dominating the "
+        f"bytes at batch {p.weights_stop_dominating_batch:,}; compute-bound {compute}; ridge "
+        f"{p.ridge:,.0f} FLOP/B. Datasheet roofs ({html.escape(s.gpu.source)}): a floor on time, "
+        "not a measurement.</div>"
     )
 
 
 def typed_whole(label: str, value) -> int:
-    """A number box's ``value`` (a float box holds 4.0 for a typed 4) as an int if it is a whole number
-    >= 1; else ``widgets.whole_number``'s ValueError naming the box by its label."""
+    """A number box's ``value`` (a float box holds 4.0 for a typed 4) as an int if it is a whole
+    number >= 1; else ``widgets.whole_number``'s ValueError naming the box by its label."""
     if isinstance(value, float) and value.is_integer():
         value = int(value)
     return whole_number(label, value, 1)
 
 
 class GPUExplorer:
-    """GPU, model, weight format, batch, prompt and context -> roofline, TTFT, TPOT, tokens/s, memory.
+    """GPU, model, weight format, batch, prompt and context -> roofline, TTFT, TPOT, tokens/s,
+    memory.
 
-    An unknown GPU, model or weight format is a ValueError at construction (a dropdown holds only its
-    options); a number out of range is shown as ``error``, at construction too, like any later edit."""
+    An unknown GPU, model or weight format is a ValueError at construction (a dropdown holds only
+    its options); a number out of range is shown as ``error``, at construction too, like any later
+    edit."""
 
     def __init__(
         self,
@@ -87,21 +98,31 @@ class GPUExplorer:
         from ar_lab.perf.gpus import GPUS, as_gpu
         from ar_lab.perf.llm_costs import MODELS, WEIGHT_BYTES, as_model, check_dtype
 
-        gpu, model = as_gpu(gpu).name, as_model(model, "model").name  # unknown names: a ValueError listing them
+        # unknown names: a ValueError listing them
+        gpu, model = as_gpu(gpu).name, as_model(model, "model").name
         weight_dtype = check_dtype(weight_dtype)
         if model not in MODELS:
-            raise BadValue(f"model must be a name from MODELS, one of {list(MODELS)}, got {model!r}", arg="model")
+            raise BadValue(
+                f"model must be a name from MODELS, one of {list(MODELS)}, got {model!r}",
+                arg="model",
+            )
         style = {"description_width": "110px"}
         box = dict(style=style, layout=W.Layout(width="300px"))
         self.gpu = W.Dropdown(options=list(GPUS), value=gpu, description="GPU", **box)
         self.model = W.Dropdown(options=list(MODELS), value=model, description="model", **box)
-        self.dtype = W.Dropdown(options=list(WEIGHT_BYTES), value=weight_dtype, description="weights", **box)
+        self.dtype = W.Dropdown(
+            options=list(WEIGHT_BYTES), value=weight_dtype, description="weights", **box
+        )
 
         def number(value, description):
-            """A box that keeps what was typed (checked in ``update``); the refused value is shown as typed."""
+            """A box that keeps what was typed (checked in ``update``); the refused value is shown
+            as typed."""
             shown = value if isinstance(value, (int, float)) and not isinstance(value, bool) else 0
-            control = W.FloatText(shown, step=1, description=description, tooltip="a whole number >= 1", **box)
-            self._typed[control] = value  # the value as given, for the check (a FloatText holds floats)
+            control = W.FloatText(
+                shown, step=1, description=description, tooltip="a whole number >= 1", **box
+            )
+            # the value as given, for the check (a FloatText holds floats)
+            self._typed[control] = value
             return control
 
         self._typed: dict = {}
@@ -115,7 +136,9 @@ class GPUExplorer:
         controls = [self.gpu, self.model, self.dtype, self.batch, self.prompt_len, self.context]
         for c in controls:
             c.observe(lambda change: self._edited(change), names="value")
-        self.widget = W.VBox([W.HBox([W.VBox(controls[:3]), W.VBox(controls[3:])]), self.status, self.image])
+        self.widget = W.VBox(
+            [W.HBox([W.VBox(controls[:3]), W.VBox(controls[3:])]), self.status, self.image]
+        )
         self.update()
 
     def _repr_mimebundle_(self, **kwargs):
@@ -133,8 +156,12 @@ class GPUExplorer:
 
         try:
             boxes = (self.batch, self.prompt_len, self.context)
-            batch, prompt_len, context = (typed_whole(c.description, self._typed.get(c, c.value)) for c in boxes)
-            s = gpu_scenario(self.gpu.value, self.model.value, self.dtype.value, batch, prompt_len, context)
+            batch, prompt_len, context = (
+                typed_whole(c.description, self._typed.get(c, c.value)) for c in boxes
+            )
+            s = gpu_scenario(
+                self.gpu.value, self.model.value, self.dtype.value, batch, prompt_len, context
+            )
         except ValueError as e:
             self.scenario = None
             self.status.value = refuse(self, e)

@@ -1,4 +1,5 @@
-"""The course's plotting style and the plot helpers the chapters share (chapter 05's roofline among them)."""
+"""The course's plotting style and the plot helpers the chapters share (chapter 05's roofline among
+them)."""
 
 from __future__ import annotations
 
@@ -56,7 +57,9 @@ def token_label(token: int) -> str:
     return f"0x{token:02x}"
 
 
-def plot_distribution(ax, probs: torch.Tensor, top: int = 20, kept: torch.Tensor | None = None, title: str = ""):
+def plot_distribution(
+    ax, probs: torch.Tensor, top: int = 20, kept: torch.Tensor | None = None, title: str = ""
+):
     """Bar chart of the ``top`` most likely tokens; tokens not ``kept`` drawn grey."""
     probs = probs.detach().float().cpu()
     order = probs.argsort(descending=True)[:top]
@@ -80,7 +83,8 @@ def plot_roofline(
     points: bool = True,
     annotate: bool = True,
 ):
-    """Draw ``result``'s measured roofs (compute roof, bandwidth slope, ridge) and its points on a log-log ``ax``.
+    """Draw ``result``'s measured roofs (compute roof, bandwidth slope, ridge) and its points on a
+    log-log ``ax``.
 
     ``result`` is what ``ar_lab.perf.measure.run_roofline`` returns (or ``load_result``
     reads). Prefill points are circles, decode points triangles; with ``annotate``
@@ -95,7 +99,9 @@ def plot_roofline(
     xs = [lo * (hi / lo) ** (i / 200) for i in range(201)]
     name = label or result["device"]["name"]
     roof_label = f"roofs of {name}: {format_si(peak, 'FLOP/s')}, {format_si(bw, 'B/s')}"
-    ax.plot(xs, [attainable_flops(x, peak, bw) for x in xs], color=roof_color, lw=1.8, label=roof_label)
+    ax.plot(
+        xs, [attainable_flops(x, peak, bw) for x in xs], color=roof_color, lw=1.8, label=roof_label
+    )
     ax.axvline(ridge, color=roof_color, ls=":", lw=1)
     if annotate:
         ax.annotate(
@@ -118,8 +124,11 @@ def plot_roofline(
     return ax
 
 
-def _roofline_points(ax, pts: list[dict], phase: str, marker: str, color: str, name: str, annotate: bool) -> None:
-    """One phase's measured points, each labelled T= (prompt length) or B= (batch; L= context if several)."""
+def _roofline_points(
+    ax, pts: list[dict], phase: str, marker: str, color: str, name: str, annotate: bool
+) -> None:
+    """One phase's measured points, each labelled T= (prompt length) or B= (batch; L= context if
+    several)."""
     ax.scatter(
         [p["intensity"] for p in pts],
         [p["flops_per_s"] for p in pts],

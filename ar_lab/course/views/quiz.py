@@ -50,9 +50,14 @@ def _question(d: dict) -> Question:
 
 def questions(chapter: str) -> list[Question]:
     """The quiz of a chapter ("00" … "09"), choices in their shown order."""
-    chapter = f"{int(chapter):02d}" if str(chapter).isascii() and str(chapter).isdigit() else str(chapter)
+    chapter = (
+        f"{int(chapter):02d}" if str(chapter).isascii() and str(chapter).isdigit() else str(chapter)
+    )
     if chapter not in QUIZZES:
-        raise BadValue(f"no quiz for chapter {chapter!r}; chapters with quizzes: {sorted(QUIZZES)}", arg="chapter")
+        raise BadValue(
+            f"no quiz for chapter {chapter!r}; chapters with quizzes: {sorted(QUIZZES)}",
+            arg="chapter",
+        )
     return [_question(d) for d in QUIZZES[chapter]]
 
 
@@ -61,7 +66,9 @@ def check_answer(question: Question, choice: int | None) -> tuple[bool, str]:
     if choice is None:
         return False, "Pick an answer first."
     if not isinstance(choice, int) or isinstance(choice, bool):
-        raise BadType(f"choice must be the index of a choice (an int) or None, got {choice!r}", arg="choice")
+        raise BadType(
+            f"choice must be the index of a choice (an int) or None, got {choice!r}", arg="choice"
+        )
     if not 0 <= choice < len(question.choices):
         raise BadValue(f"choice must be 0..{len(question.choices) - 1}, got {choice}", arg="choice")
     right = question.choices[question.answer]
@@ -77,10 +84,17 @@ class QuizWidget:
         import ipywidgets as w
 
         self.questions = questions(chapter)
-        self.choices, self.buttons, self.feedback, self.results = [], [], [], [None] * len(self.questions)
+        self.choices, self.buttons, self.feedback, self.results = (
+            [],
+            [],
+            [],
+            [None] * len(self.questions),
+        )
         blocks = []
         for i, q in enumerate(self.questions):
-            radio = w.RadioButtons(options=list(q.choices), value=None, layout=w.Layout(width="auto"))
+            radio = w.RadioButtons(
+                options=list(q.choices), value=None, layout=w.Layout(width="auto")
+            )
             button = w.Button(description="Check", button_style="primary")
             fb = w.HTML()
             button.on_click(lambda _b, i=i: self.check(i))
@@ -94,7 +108,9 @@ class QuizWidget:
 
     def check(self, i: int) -> bool:
         if not isinstance(i, int) or isinstance(i, bool) or not 0 <= i < len(self.questions):
-            raise BadValue(f"question i must be an index 0..{len(self.questions) - 1}, got {i!r}", arg="i")
+            raise BadValue(
+                f"question i must be an index 0..{len(self.questions) - 1}, got {i!r}", arg="i"
+            )
         radio = self.choices[i]
         choice = None if radio.value is None else list(radio.options).index(radio.value)
         correct, text = check_answer(self.questions[i], choice)
@@ -107,7 +123,9 @@ class QuizWidget:
 
     def _update_score(self) -> None:
         answered = [r for r in self.results if r is not None]
-        self.score.value = f"<i>Score: {sum(answered)} / {len(self.questions)} ({len(answered)} answered)</i>"
+        self.score.value = (
+            f"<i>Score: {sum(answered)} / {len(self.questions)} ({len(answered)} answered)</i>"
+        )
 
     def _repr_mimebundle_(self, **kwargs):
         return self.widget._repr_mimebundle_(**kwargs)

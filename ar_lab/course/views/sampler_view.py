@@ -11,7 +11,13 @@ from ar_lab.base.args import check_seed
 from ar_lab.base.errors import BadValue
 from ar_lab.engine.generate import check_sampling, sample_rows
 from ar_lab.engine.prompts import check_prompt, prompt_ids
-from ar_lab.engine.sampling import Sampler, SamplingParams, check_sampler, entropy_bits, probabilities
+from ar_lab.engine.sampling import (
+    Sampler,
+    SamplingParams,
+    check_sampler,
+    entropy_bits,
+    probabilities,
+)
 from ar_lab.model.inference import inference
 from ar_lab.model.tokenizer import decode
 
@@ -74,8 +80,14 @@ def sampler_view(
         raise BadValue("the prompt is empty: type at least one character", arg="prompt")
     if not isinstance(n_samples, int) or isinstance(n_samples, bool) or n_samples < 0:
         raise BadValue(f"n_samples must be an int >= 0, got {n_samples!r}", arg="n_samples")
-    if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool) or max_new_tokens < 0:
-        raise BadValue(f"max_new_tokens must be an int >= 0, got {max_new_tokens!r}", arg="max_new_tokens")
+    if (
+        not isinstance(max_new_tokens, int)
+        or isinstance(max_new_tokens, bool)
+        or max_new_tokens < 0
+    ):
+        raise BadValue(
+            f"max_new_tokens must be an int >= 0, got {max_new_tokens!r}", arg="max_new_tokens"
+        )
     check_sampling(params, "params")
     check_sampler(sampler)
     check_seed(seed)
@@ -91,18 +103,23 @@ def sampler_view(
     if n_samples and max_new_tokens:
         max_new = min(max_new_tokens, window - len(ids) + 1)
         g = torch.Generator(device=model.device).manual_seed(int(seed))
-        idx = torch.tensor([ids] * n_samples, dtype=torch.long, device=model.device)  # (n_samples, P)
+        # (n_samples, P)
+        idx = torch.tensor([ids] * n_samples, dtype=torch.long, device=model.device)
         rows = sample_rows(model, idx, max_new, params, g, use_cache=True, sampler=sampler).tolist()
         texts = [decode(r) for r in rows]
     return SamplerView(prompt, params, int(seed), before.cpu(), after.cpu(), texts)
 
 
 def named_samplers(samplers) -> dict:
-    """The explorer's choice of samplers: None (ar_lab's only) or a non-empty dict of name -> ``Sampler``."""
+    """The explorer's choice of samplers: None (ar_lab's only) or a non-empty dict of name ->
+    ``Sampler``."""
     if samplers is None:
         return {}
     if not isinstance(samplers, dict) or not samplers:
-        raise BadValue("samplers must be a dict naming at least one sampler, e.g. {'ar_lab': sample}", arg="samplers")
+        raise BadValue(
+            "samplers must be a dict naming at least one sampler, e.g. {'ar_lab': sample}",
+            arg="samplers",
+        )
     for fn in samplers.values():
         check_sampler(fn)
     return dict(samplers)

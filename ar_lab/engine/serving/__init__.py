@@ -3,8 +3,8 @@
 - ``ar_lab.engine.serving.requests``: requests, results and reports; TTFT / TPOT arithmetic.
 - ``ar_lab.engine.serving.server``: ``serve`` (batched decoding, static or continuous batching, a
   contiguous or paged KV cache, prefix caching), ``generate_batch`` and ``simulate``.
-- ``ar_lab.engine.serving.step``: one step of the server (``serve_step``) and the ``ServerState`` it works
-  on; ``serve(..., step=...)`` runs a step of one's own.
+- ``ar_lab.engine.serving.step``: one step of the server (``serve_step``) and the ``ServerState`` it
+  works on; ``serve(..., step=...)`` runs a step of one's own.
 
 Streaming lives in ``ar_lab.engine.generate.stream``; the workloads and measurements of chapter 08
 in ``ar_lab.perf.serving_measure``.

@@ -1,4 +1,5 @@
-"""What serving deals in: requests, their results, a run's report, and the latency arithmetic (chapter 08).
+"""What serving deals in: requests, their results, a run's report, and the latency arithmetic
+(chapter 08).
 
 A user feels two numbers: the wait for the first token (TTFT, a prefill) and the pace after it
 (TPOT, a decode step). ``StreamSummary`` reads them off a stream's timings; ``latency_budget`` and
@@ -33,11 +34,16 @@ class StreamSummary:
     @classmethod
     def from_stats(cls, stats: GenerationStats) -> StreamSummary:
         if not isinstance(stats, GenerationStats):
-            raise BadType(f"stats must be a GenerationStats (a stream's or generate(...)'s .stats), got {stats!r}",
-                          arg="stats")
+            raise BadType(
+                "stats must be a GenerationStats (a stream's or generate(...)'s .stats), got "
+                f"{stats!r}",
+                arg="stats",
+            )
         if stats.forward_calls == 0:
-            raise BadValue("the stream produced no token yet (stats.forward_calls is 0): nothing to summarise",
-                           arg="stats")
+            raise BadValue(
+                "the stream produced no token yet (stats.forward_calls is 0): nothing to summarise",
+                arg="stats",
+            )
         tpot = statistics.median(stats.decode_times) if stats.decode_times else float("nan")
         return cls(stats.prefill_time, tpot, stats.forward_calls, stats.total_time)
 
@@ -48,23 +54,30 @@ class StreamSummary:
 
     @property
     def decode_tokens_per_s(self) -> float:
-        """The pace after the first token: 1 / TPOT (NaN for a one-token stream: it has no later token)."""
-        return self.tpot if math.isnan(self.tpot) else 1.0 / _elapsed("TPOT (tpot)", self.tpot, "tpot")
+        """The pace after the first token: 1 / TPOT (NaN for a one-token stream: it has no later
+        token)."""
+        return (
+            self.tpot if math.isnan(self.tpot) else 1.0 / _elapsed("TPOT (tpot)", self.tpot, "tpot")
+        )
 
 
 def _elapsed(what: str, seconds: float, field: str) -> float:
-    """``seconds`` (the summary's ``field``) to divide by; a clock that did not advance makes a rate undefined."""
+    """``seconds`` (the summary's ``field``) to divide by; a clock that did not advance makes a rate
+    undefined."""
     if not seconds > 0:
-        raise BadValue(f"{what} is {seconds} s by its clock, so a rate is undefined: use a clock that advances",
-                       arg=field)
+        raise BadValue(
+            f"{what} is {seconds} s by its clock, so a rate is undefined: use a clock that "
+            "advances",
+            arg=field,
+        )
     return seconds
 
 
 def latency_budget(ttft: float, tpot: float, n_tokens: int) -> float:
     """Seconds until the last of ``n_tokens`` arrives: TTFT + (n - 1) x TPOT.
 
-    A request's time is not one unit: the first token costs a prefill of the whole
-    prompt, each later token one decode step. ``n_tokens`` is at most 2**53, the counts a float holds exactly.
+    A request's time is not one unit: the first token costs a prefill of the whole prompt, each
+    later token one decode step. ``n_tokens`` is at most 2**53, the counts a float holds exactly.
     """
     if not isinstance(n_tokens, int) or isinstance(n_tokens, bool) or not 1 <= n_tokens <= 2**53:
         raise BadValue(f"n_tokens must be an int from 1 to 2**53, got {n_tokens!r}", arg="n_tokens")
@@ -74,15 +87,18 @@ def latency_budget(ttft: float, tpot: float, n_tokens: int) -> float:
 
 
 def tokens_within(budget: float, ttft: float, tpot: float) -> int:
-    """The most tokens whose last one arrives within ``budget`` seconds (0 if not even the first)."""
+    """The most tokens whose last one arrives within ``budget`` seconds (0 if not even the
+    first)."""
     budget = finite_number("budget (seconds)", budget, arg="budget")
     ttft = finite_number("ttft (seconds)", ttft, arg="ttft")
     tpot = finite_number("tpot (seconds)", tpot, above=True, arg="tpot")
     if budget < ttft:
         return 0
     if not math.isfinite(later := (budget - ttft) / tpot):
-        raise BadValue(f"budget / tpot is too large to count ({budget!r} s / {tpot!r} s): give a larger tpot",
-                       arg="tpot")
+        raise BadValue(
+            f"budget / tpot is too large to count ({budget!r} s / {tpot!r} s): give a larger tpot",
+            arg="tpot",
+        )
     return 1 + math.floor(later + 1e-9)
 
 
@@ -102,7 +118,8 @@ class RequestResult:
     request: Request
     prompt: list[int]
     tokens: list[int] = field(default_factory=list)  # new tokens (EOS excluded)
-    token_times: list[float] = field(default_factory=list)  # seconds after the start when each token appeared
+    # seconds after the start when each token appeared
+    token_times: list[float] = field(default_factory=list)
     admitted: float = 0.0  # seconds after the start when its prefill began (time spent queued)
     admitted_step: int = 0  # decode steps the server had run when it was admitted
     prefill_time: float = 0.0  # seconds of its own prefill
@@ -116,7 +133,8 @@ class RequestResult:
 
     @property
     def ttft(self) -> float:
-        """Seconds from the start (all requests are queued at 0) to the first token: queueing included."""
+        """Seconds from the start (all requests are queued at 0) to the first token: queueing
+        included."""
         return self.token_times[0]
 
     @property
@@ -145,7 +163,8 @@ class ServeReport:
     step_rows: list[int]  # rows (requests) each decode step advanced
     prefill_times: list[float]
     kv: str = "contiguous"  # the KV cache's layout: "contiguous" (slots) or "paged" (blocks)
-    kv_reserved: list[int] = field(default_factory=list)  # positions of KV memory set aside at each decode step
+    # positions of KV memory set aside at each decode step
+    kv_reserved: list[int] = field(default_factory=list)
     kv_used: list[int] = field(default_factory=list)  # positions of it holding keys and values
 
     @property
@@ -155,7 +174,9 @@ class ServeReport:
     @property
     def throughput(self) -> float:
         """Output tokens per second over the whole run."""
-        return self.tokens / _elapsed("the run's total time (total_time)", self.total_time, "total_time")
+        return self.tokens / _elapsed(
+            "the run's total time (total_time)", self.total_time, "total_time"
+        )
 
     @property
     def decode_steps(self) -> int:

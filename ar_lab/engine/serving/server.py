@@ -16,9 +16,9 @@
   its full blocks.
 
 A new request is prefilled alone (batch 1) straight into its slot (or its blocks), then joins the
-running batch. ``serve`` is a loop of one step (``ar_lab.engine.serving.step``: admit, prefill, one batched
-decode step, retire), the package's ``serve_step`` or one's own (``serve(..., step=...)``). The workloads and
-measurements of chapter 08 are in ``ar_lab.perf.serving_measure``.
+running batch. ``serve`` is a loop of one step (``ar_lab.engine.serving.step``: admit, prefill, one
+batched decode step, retire), the package's ``serve_step`` or one's own (``serve(..., step=...)``).
+The workloads and measurements of chapter 08 are in ``ar_lab.perf.serving_measure``.
 """
 
 from __future__ import annotations
@@ -43,9 +43,12 @@ from ar_lab.model.inference import inference
 from ar_lab.model.tokenizer import EOS_ID
 
 
-def _checked_prompt(model, prompt, max_new_tokens: int, where: str, args: dict[str, str]) -> list[int]:
-    """``checked_prompt``; an error about the prompt or the budget is said of ``where`` (``requests[2]``) and
-    names the caller's argument (``args``: ``"prompt"`` and ``"max_new_tokens"`` to the caller's names)."""
+def _checked_prompt(
+    model, prompt, max_new_tokens: int, where: str, args: dict[str, str]
+) -> list[int]:
+    """``checked_prompt``; an error about the prompt or the budget is said of ``where``
+    (``requests[2]``) and names the caller's argument (``args``: ``"prompt"`` and
+    ``"max_new_tokens"`` to the caller's names)."""
     try:
         return checked_prompt(model, prompt, max_new_tokens)
     except (BadType, BadValue) as e:
@@ -56,8 +59,11 @@ def _checked_prompt(model, prompt, max_new_tokens: int, where: str, args: dict[s
 
 def _check_prefix(prefix, model) -> None:
     if prefix is not None and not isinstance(prefix, PrefixCache):
-        raise BadType(f"prefix must be a PrefixCache(model, prefix_text) or None, got {type(prefix).__name__}",
-                      arg="prefix")
+        raise BadType(
+            "prefix must be a PrefixCache(model, prefix_text) or None, got "
+            f"{type(prefix).__name__}",
+            arg="prefix",
+        )
     if prefix is not None:
         prefix.check_model(model, arg="prefix")  # filled by this model, with the weights it has now
 
@@ -68,10 +74,14 @@ def _check_requests(model, requests) -> list[list[int]]:
     prompts = []
     for i, r in enumerate(requests):
         if not isinstance(r, Request):
-            raise BadType(f"requests[{i}] must be a Request(prompt, max_new_tokens), got {type(r).__name__}",
-                          arg="requests")
+            raise BadType(
+                f"requests[{i}] must be a Request(prompt, max_new_tokens), got {type(r).__name__}",
+                arg="requests",
+            )
         at_fault = {"prompt": "requests", "max_new_tokens": "requests"}
-        prompts.append(_checked_prompt(model, r.prompt, r.max_new_tokens, f"requests[{i}]", at_fault))
+        prompts.append(
+            _checked_prompt(model, r.prompt, r.max_new_tokens, f"requests[{i}]", at_fault)
+        )
         if r.seed is not None:
             check_seed(r.seed, f"requests[{i}].seed", arg="requests")
     return prompts
@@ -93,21 +103,25 @@ def _blocks_needed(prompt: list[int], max_new_tokens: int, prefix, block_size: i
 
 
 def _check_kv(kv, block_size, num_blocks, allocator, prefix, prompts, requests) -> None:
-    """Refuse a paged set-up that cannot run: bad sizes, an allocator without the interface, or a request that
-    the whole pool cannot hold (it would wait forever)."""
+    """Refuse a paged set-up that cannot run: bad sizes, an allocator without the interface, or a
+    request that the whole pool cannot hold (it would wait forever)."""
     if kv not in KV_LAYOUTS:
         raise BadValue(f"kv must be one of {KV_LAYOUTS}, got {kv!r}", arg="kv")
     options = [("block_size", block_size), ("num_blocks", num_blocks), ("allocator", allocator)]
     given = [n for n, v in options if v is not None]
     if kv == "contiguous":
         if given:
-            raise BadValue(f"{given[0]} is an option of the paged cache: pass kv='paged' with it", arg=given[0])
+            raise BadValue(
+                f"{given[0]} is an option of the paged cache: pass kv='paged' with it", arg=given[0]
+            )
         return
     if allocator is not None:
         check_allocator(allocator)
         if block_size is not None or num_blocks is not None:
-            raise BadValue("give either an allocator or block_size / num_blocks: the allocator has its own",
-                           arg="block_size" if block_size is not None else "num_blocks")
+            raise BadValue(
+                "give either an allocator or block_size / num_blocks: the allocator has its own",
+                arg="block_size" if block_size is not None else "num_blocks",
+            )
         block_size, num_blocks = allocator.block_size, allocator.num_blocks
     block_size = positive_int("block_size", 16 if block_size is None else block_size)
     if num_blocks is None:
@@ -118,28 +132,36 @@ def _check_kv(kv, block_size, num_blocks, allocator, prefix, prompts, requests) 
         need = _blocks_needed(p, r.max_new_tokens, prefix, block_size)
         if held + need > num_blocks:
             raise ContextFull(
-                f"requests[{i}] needs {need} blocks of {block_size} positions{' beside the prefix' * bool(held)}, "
-                f"but the pool has {num_blocks - held}: give more num_blocks (or a larger block_size)", arg="num_blocks"
+                f"requests[{i}] needs {need} blocks of {block_size} positions"
+                f"{' beside the prefix' * bool(held)}, but the pool has {num_blocks - held}: "
+                "give more num_blocks (or a larger block_size)",
+                arg="num_blocks",
             )
 
 
 # --- the KV memory a server runs on ------------------------------------------------------------
-# One protocol, two implementations: the server asks for room, opens a request's slot (its prefill writes there),
-# makes it a row or gives it back, frees a finished row, and reads what is reserved and used; it never asks which.
+# One protocol, two implementations: the server asks for room, opens a request's slot (its prefill
+# writes there), makes it a row or gives it back, frees a finished row, and reads what is reserved
+# and used; it never asks which.
 
 
 class _ContiguousMemory:
-    """Every slot reserves room for the longest request (a ``BatchKVCache``); a prefix is copied into each slot."""
+    """Every slot reserves room for the longest request (a ``BatchKVCache``); a prefix is copied
+    into each slot."""
 
     def __init__(self, model, slots: int, max_len: int, prefix: PrefixCache | None) -> None:
-        self.cache, self.prefix = BatchKVCache.for_model(model, max_batch=slots, max_len=max_len), prefix
+        self.cache, self.prefix = (
+            BatchKVCache.for_model(model, max_batch=slots, max_len=max_len),
+            prefix,
+        )
 
     def room(self, j: int) -> bool:
         """Whether request j can be admitted now (a slot is free: the server knows that)."""
         return True
 
     def open(self, j: int, ids: list[int]) -> tuple[KVCache, int]:
-        """A batch-1 view of the next free slot for request j, and how many of its positions the prefix filled."""
+        """A batch-1 view of the next free slot for request j, and how many of its positions the
+        prefix filled."""
         slot = self.cache.slot(self.cache.rows)  # the prefill writes in place
         slot.length = 0
         return slot, (self.prefix.copy_into(slot, ids) if self.prefix is not None else 0)
@@ -165,14 +187,26 @@ class _ContiguousMemory:
 
 
 class _PagedMemory:
-    """Keys and values in blocks of one pool (a ``PagedKVCache``), taken as requests grow; a request is admitted
-    when all of it fits the pool beside what the running ones may still take, so no running request ever waits
-    for a block. Requests share a prefix's full blocks."""
+    """Keys and values in blocks of one pool (a ``PagedKVCache``), taken as requests grow; a request
+    is admitted when all of it fits the pool beside what the running ones may still take, so no
+    running request ever waits for a block. Requests share a prefix's full blocks."""
 
-    def __init__(self, model, slots: int, max_len: int, prefix: PrefixCache | None, prompts, requests, options) -> None:
+    def __init__(
+        self,
+        model,
+        slots: int,
+        max_len: int,
+        prefix: PrefixCache | None,
+        prompts,
+        requests,
+        options,
+    ) -> None:
         self.cache, self.prefix = PagedKVCache.for_model(model, slots, max_len, **options), prefix
         bs = self.cache.block_size
-        self.needs = [_blocks_needed(p, r.max_new_tokens, prefix, bs) for p, r in zip(prompts, requests, strict=True)]
+        self.needs = [
+            _blocks_needed(p, r.max_new_tokens, prefix, bs)
+            for p, r in zip(prompts, requests, strict=True)
+        ]
         self.committed = 0  # blocks the running requests (and the prefix) may hold at their longest
         self.shared: dict[int, int] = {}  # request -> prefix positions it shares (by whole blocks)
         if prefix is not None:
@@ -186,7 +220,8 @@ class _PagedMemory:
         reused = self.prefix.reusable(ids) if self.prefix is not None else 0
         self.committed += self.needs[j]
         self.shared[j] = reused // self.cache.block_size * self.cache.block_size
-        return self.cache.slot(self.cache.rows, shared=reused), reused  # (its partly filled block copied)
+        # (its partly filled block copied)
+        return self.cache.slot(self.cache.rows, shared=reused), reused
 
     def join(self, j: int, slot: KVCache) -> int:
         return self.cache.add(slot.length)
@@ -203,7 +238,8 @@ class _PagedMemory:
 
     def usage(self, rows: list[int]) -> tuple[int, int]:
         cache, bs = self.cache, self.cache.block_size
-        prefix = len(self.prefix) if self.prefix is not None else 0  # held once, shared by reference
+        # held once, shared by reference
+        prefix = len(self.prefix) if self.prefix is not None else 0
         used = prefix + sum(cache.lengths[: len(rows)]) - sum(self.shared[j] for j in rows)
         return (cache.num_blocks - cache.allocator.num_free) * bs, used
 
@@ -230,44 +266,54 @@ def serve(
 ) -> ServeReport:
     """Run ``requests`` (all queued at time 0, served in order) through ``max_batch`` slots.
 
-    ``policy="static"``: a batch of up to ``max_batch`` requests is admitted only when the
-    previous batch has completely finished (finished rows stop being computed, but their
-    slots stay empty until the whole batch is done). ``"continuous"``: before every decode
-    step, free slots are refilled from the queue. Or a function of one's own
-    (``ar_lab.engine.scheduling.AdmissionPolicy``), asked before every step. Each admitted request is prefilled alone
-    (reusing ``prefix``'s keys/values where its prompt starts with them), which gives its
-    first token; then every decode step gives one more token to every row.
+    ``policy="static"``: a batch of up to ``max_batch`` requests is admitted only when the previous
+    batch has completely finished (finished rows stop being computed, but their slots stay empty
+    until the whole batch is done). ``"continuous"``: before every decode step, free slots are
+    refilled from the queue. Or a function of one's own
+    (``ar_lab.engine.scheduling.AdmissionPolicy``), asked before every step. Each admitted request
+    is prefilled alone (reusing ``prefix``'s keys/values where its prompt starts with them), which
+    gives its first token; then every decode step gives one more token to every row.
 
     ``kv="contiguous"``: every slot reserves room for the longest request (a ``BatchKVCache``).
     ``kv="paged"``: keys and values live in blocks of ``block_size`` positions (16 by default) taken
     as each request grows (a ``PagedKVCache``); ``num_blocks`` fixes the pool (by default, the
     contiguous cache's memory), and a request then waits, whatever the policy says, until the pool
     can hold all of it beside the running ones; with ``prefix``, requests share its full blocks.
-    ``allocator``: an object with ``ar_lab.engine.paged.BlockAllocator``'s interface, empty, that the
-    paged cache runs on (its ``block_size`` and ``num_blocks`` size the pool). The tokens are the
-    contiguous cache's. ``sampler``: a function that picks each request's token instead of ``sample``
-    (``ar_lab.engine.sampling.Sampler``), called with that request's generator.
+    ``allocator``: an object with ``ar_lab.engine.paged.BlockAllocator``'s interface, empty, that
+    the paged cache runs on (its ``block_size`` and ``num_blocks`` size the pool). The tokens are
+    the contiguous cache's. ``sampler``: a function that picks each request's token instead of
+    ``sample`` (``ar_lab.engine.sampling.Sampler``), called with that request's generator.
 
-    ``step``: the server's step, a function of a ``ServerState`` (``ar_lab.engine.serving.step``), called while
-    requests wait or run; by default ``serve_step``. Chapter 08's learner writes their own. After each step the
-    loop checks what it left and raises ``StepError`` for a finished row left in the batch, a row without its
-    token, or a step that changed nothing.
+    ``step``: the server's step, a function of a ``ServerState`` (``ar_lab.engine.serving.step``),
+    called while requests wait or run; by default ``serve_step``. Chapter 08's learner writes their
+    own. After each step the loop checks what it left and raises ``StepError`` for a finished row
+    left in the batch, a row without its token, or a step that changed nothing.
     """
     loop_model(model)
-    admit = policy_function(policy)  # a name of POLICIES or a function; anything else is refused here
+    # a name of POLICIES or a function; anything else is refused here
+    admit = policy_function(policy)
     max_batch = positive_int("max_batch", max_batch)
     picker = LogitsPipeline(sampling, sampler)  # checks both
     _check_prefix(prefix, model)
     eos_id = check_eos(model, eos_id)  # (an id the model cannot emit would never stop a request)
     if not callable(clock):
-        raise BadType(f"clock must be a function returning seconds (e.g. time.perf_counter), got {clock!r}",
-                      arg="clock")
+        raise BadType(
+            f"clock must be a function returning seconds (e.g. time.perf_counter), got {clock!r}",
+            arg="clock",
+        )
     step = serve_step if step is None else step
     if not callable(step):
-        raise BadType(f"step must be a function of the server's state (e.g. serve_step), got {step!r}", arg="step")
+        raise BadType(
+            f"step must be a function of the server's state (e.g. serve_step), got {step!r}",
+            arg="step",
+        )
     prompts = _check_requests(model, requests)
     _check_kv(kv, block_size, num_blocks, allocator, prefix, prompts, requests)
-    paged = {"block_size": block_size, "num_blocks": num_blocks, "allocator": allocator} if kv == "paged" else None
+    paged = (
+        {"block_size": block_size, "num_blocks": num_blocks, "allocator": allocator}
+        if kv == "paged"
+        else None
+    )
     slots = min(max_batch, len(requests))
     max_len = max(len(p) + r.max_new_tokens - 1 for p, r in zip(prompts, requests, strict=True))
     if paged is None:
@@ -275,7 +321,9 @@ def serve(
     else:
         memory = _PagedMemory(model, slots, max_len, prefix, prompts, requests, paged)
     results = [RequestResult(r, p) for r, p in zip(requests, prompts, strict=True)]
-    server = ServerState(model, results, memory, slots, policy=admit, picker=picker, eos_id=eos_id, clock=clock)
+    server = ServerState(
+        model, results, memory, slots, policy=admit, picker=picker, eos_id=eos_id, clock=clock
+    )
     try:
         with inference(model):
             server.t0 = clock()
@@ -307,22 +355,39 @@ def generate_batch(
     """
     loop_model(model)
     if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Sequence) or not prompts:
-        raise BadValue("prompts must be a non-empty list of prompts (texts or lists of token ids)", arg="prompts")
-    if (bad_counts := not isinstance(max_new_tokens, (int, Sequence))) or not isinstance(seeds, (Sequence, type(None))):
-        raise BadValue("give max_new_tokens as an int (or one per prompt) and seeds as None or one int per prompt",
-                       arg="max_new_tokens" if bad_counts else "seeds")
-    counts = [max_new_tokens] * len(prompts) if isinstance(max_new_tokens, int) else list(max_new_tokens)
+        raise BadValue(
+            "prompts must be a non-empty list of prompts (texts or lists of token ids)",
+            arg="prompts",
+        )
+    if (bad_counts := not isinstance(max_new_tokens, (int, Sequence))) or not isinstance(
+        seeds, (Sequence, type(None))
+    ):
+        raise BadValue(
+            "give max_new_tokens as an int (or one per prompt) and seeds as None or one int per "
+            "prompt",
+            arg="max_new_tokens" if bad_counts else "seeds",
+        )
+    counts = (
+        [max_new_tokens] * len(prompts) if isinstance(max_new_tokens, int) else list(max_new_tokens)
+    )
     seeds = [None] * len(prompts) if seeds is None else list(seeds)
     if len(counts) != len(prompts) or len(seeds) != len(prompts):
-        raise BadValue(f"give one max_new_tokens and one seed per prompt ({len(prompts)} prompts): got "
-                       f"{len(counts)} max_new_tokens and {len(seeds)} seeds",
-                       arg="max_new_tokens" if len(counts) != len(prompts) else "seeds")
-    for i, (p, n, s) in enumerate(zip(prompts, counts, seeds, strict=True)):  # said of this call's arguments
-        _checked_prompt(model, p, n, f"prompts[{i}]", {"prompt": "prompts", "max_new_tokens": "max_new_tokens"})
+        raise BadValue(
+            f"give one max_new_tokens and one seed per prompt ({len(prompts)} prompts): got "
+            f"{len(counts)} max_new_tokens and {len(seeds)} seeds",
+            arg="max_new_tokens" if len(counts) != len(prompts) else "seeds",
+        )
+    # said of this call's arguments
+    for i, (p, n, s) in enumerate(zip(prompts, counts, seeds, strict=True)):
+        _checked_prompt(
+            model, p, n, f"prompts[{i}]", {"prompt": "prompts", "max_new_tokens": "max_new_tokens"}
+        )
         if s is not None:
             check_seed(s, f"seeds[{i}]")
     requests = [Request(p, n, seed=s) for p, n, s in zip(prompts, counts, seeds, strict=True)]
-    report = serve(model, requests, max_batch=len(requests), policy="static", sampling=sampling, eos_id=eos_id)
+    report = serve(
+        model, requests, max_batch=len(requests), policy="static", sampling=sampling, eos_id=eos_id
+    )
     out = []
     for r in report.results:
         times = r.token_times
@@ -352,14 +417,21 @@ def simulate(steps_needed: Sequence[int], max_batch: int, policy: str = "continu
     """
     _check_schedule(max_batch, policy)
     if not isinstance(steps_needed, Sequence) or isinstance(steps_needed, str):
-        raise BadValue(f"steps_needed must be a list of ints >= 0 (one per request), got {steps_needed!r}",
-                       arg="steps_needed")
+        raise BadValue(
+            f"steps_needed must be a list of ints >= 0 (one per request), got {steps_needed!r}",
+            arg="steps_needed",
+        )
     if any(not isinstance(s, int) or isinstance(s, bool) or s < 0 for s in steps_needed):
-        raise BadValue(f"steps_needed must hold ints >= 0, got {list(steps_needed)}", arg="steps_needed")
+        raise BadValue(
+            f"steps_needed must hold ints >= 0, got {list(steps_needed)}", arg="steps_needed"
+        )
     finish, running, step = [], [], 0  # running: the steps at which the requests in slots finish
     for s in steps_needed:  # each request, in order, admitted at the first step with a free slot
-        if len(running) == max_batch:  # no free slot: static waits for the whole batch, continuous for one
-            step, running = (max(running), []) if policy == "static" else (heapq.heappop(running), running)
+        # no free slot: static waits for the whole batch, continuous for one
+        if len(running) == max_batch:
+            step, running = (
+                (max(running), []) if policy == "static" else (heapq.heappop(running), running)
+            )
         finish.append(step + s)
         if s:  # 0 steps: its prefill alone finishes it, and it never takes a slot
             heapq.heappush(running, step + s)

@@ -2,18 +2,20 @@
 
 ``serve`` is a loop: while requests wait or run, it calls ``step(server)`` once. A step
 
-1. admits requests: the admission policy says how many join now, and each is prefilled alone into the
-   next free row (its prefill gives its first token; a request that token finishes takes no row);
-2. runs one batched decode step: every row's newest token, each at its own position, attending through
-   a per-row mask (``ar_lab.model.cache.row_mask``), then picks one token per row;
+1. admits requests: the admission policy says how many join now, and each is prefilled alone into
+   the next free row (its prefill gives its first token; a request that token finishes takes no
+   row);
+2. runs one batched decode step: every row's newest token, each at its own position, attending
+   through a per-row mask (``ar_lab.model.cache.row_mask``), then picks one token per row;
 3. retires the requests that finished: their rows are freed for the next admissions.
 
-``ServerState`` is what a step receives: the queue (``waiting``), the requests in the rows (``rows``), the
-KV memory (``cache``), the model, the policy, and a helper for each piece of mechanics that is not the
-step's logic (``prefill``, ``decode``, ``pick``, ``record``, ``retire``). ``serve_step`` is the package's
-step, written against that interface only; a step of one's own (the learner's, in chapter 08) is passed as
-``serve(..., step=...)``. After every step the loop checks what the step left (``run_step``): a row whose
-request is finished, a row without its token, or a step that changed nothing raise ``StepError``.
+``ServerState`` is what a step receives: the queue (``waiting``), the requests in the rows
+(``rows``), the KV memory (``cache``), the model, the policy, and a helper for each piece of
+mechanics that is not the step's logic (``prefill``, ``decode``, ``pick``, ``record``, ``retire``).
+``serve_step`` is the package's step, written against that interface only; a step of one's own (the
+learner's, in chapter 08) is passed as ``serve(..., step=...)``. After every step the loop checks
+what the step left (``run_step``): a row whose request is finished, a row without its token, or a
+step that changed nothing raise ``StepError``.
 """
 
 from __future__ import annotations
@@ -45,29 +47,47 @@ def _int(name: str, value) -> int:
 
 
 def _row_list(name: str, value, rows: int) -> list[int]:
-    """``value`` as distinct row indices in 0..rows-1; else a BadType or BadValue naming ``name``."""
+    """``value`` as distinct row indices in 0..rows-1; else a BadType or BadValue naming
+    ``name``."""
     if isinstance(value, (str, bytes)) or not hasattr(value, "__iter__"):
         raise BadType(f"{name} must be a list of row indices (ints), got {value!r}", arg=name)
     try:
         out = [operator.index(i) for i in value]
     except TypeError:
-        raise BadType(f"{name} must be a list of row indices (ints), got {value!r}", arg=name) from None
+        raise BadType(
+            f"{name} must be a list of row indices (ints), got {value!r}", arg=name
+        ) from None
     if len(set(out)) != len(out) or any(not 0 <= i < rows for i in out):
-        raise BadValue(f"{name} must hold distinct rows in 0..{rows - 1} ({rows} rows in use), got {out}", arg=name)
+        raise BadValue(
+            f"{name} must hold distinct rows in 0..{rows - 1} ({rows} rows in use), got {out}",
+            arg=name,
+        )
     return out
 
 
 class ServerState:
     """The state of one ``serve`` run, as a step sees it, with the mechanics as helpers.
 
-    ``waiting``: a deque of request indices not admitted yet, in arrival order. ``rows``: ``rows[i]`` is the
-    request decoding in row i (rows are packed at the front). ``lengths``: positions cached in each row.
-    ``max_batch``: the rows there are. ``policy(waiting, running, max_batch)``: how many requests join now
-    (the policy ``serve`` was given, its answer checked). ``requests``, ``results``: per request. ``model``,
-    ``cache`` (a ``BatchKVCache`` or ``PagedKVCache``): what the helpers run.
+    ``waiting``: a deque of request indices not admitted yet, in arrival order. ``rows``:
+    ``rows[i]`` is the request decoding in row i (rows are packed at the front). ``lengths``:
+    positions cached in each row. ``max_batch``: the rows there are. ``policy(waiting, running,
+    max_batch)``: how many requests join now (the policy ``serve`` was given, its answer checked).
+    ``requests``, ``results``: per request. ``model``, ``cache`` (a ``BatchKVCache`` or
+    ``PagedKVCache``): what the helpers run.
     """
 
-    def __init__(self, model, results: list[RequestResult], memory, slots: int, *, policy, picker, eos_id, clock):
+    def __init__(
+        self,
+        model,
+        results: list[RequestResult],
+        memory,
+        slots: int,
+        *,
+        policy,
+        picker,
+        eos_id,
+        clock,
+    ):
         self.model, self.results, self._memory, self.max_batch = model, results, memory, slots
         self.requests = [r.request for r in results]
         self.cache = memory.cache
@@ -79,10 +99,13 @@ class ServerState:
         device = model.device
         self._penalised = picker.params.repetition_penalty != 1.0
         self._generators = [
-            None if r.seed is None or picker.argmax_only else torch.Generator(device=device).manual_seed(r.seed)
+            None
+            if r.seed is None or picker.argmax_only
+            else torch.Generator(device=device).manual_seed(r.seed)
             for r in self.requests
         ]
-        self._last = torch.zeros(slots, dtype=torch.long, device=device)  # each row's newest token: the next input
+        # each row's newest token: the next input
+        self._last = torch.zeros(slots, dtype=torch.long, device=device)
         self.steps = 0  # decode steps run
         self.step_times: list[float] = []
         self.step_rows: list[int] = []
@@ -101,21 +124,31 @@ class ServerState:
         return self.cache.lengths[: len(self.rows)]
 
     def has_room(self) -> bool:
-        """Whether the KV memory can take the next waiting request now (always, with contiguous slots)."""
+        """Whether the KV memory can take the next waiting request now (always, with contiguous
+        slots)."""
         return bool(self.waiting) and self._memory.room(self.waiting[0])
 
     def prefill(self, j: int) -> int:
-        """Prefill request ``j`` alone, straight into the next free row, and record its first token (returned).
-        It joins ``rows`` unless that token finished it."""
+        """Prefill request ``j`` alone, straight into the next free row, and record its first token
+        (returned). It joins ``rows`` unless that token finished it."""
         j = _int("j", j)
         if not 0 <= j < len(self.results) or self.results[j].token_times:
-            raise BadValue(f"j must be a request not admitted yet (an index from waiting), got {j!r}", arg="j")
-        if len(self.rows) == self.max_batch:  # (the server is full: no argument of prefill's is at fault)
-            raise BadValue(f"all {self.max_batch} rows are in use: retire finished requests (server.retire) before "
-                           "admitting more", arg="server")
+            raise BadValue(
+                f"j must be a request not admitted yet (an index from waiting), got {j!r}", arg="j"
+            )
+        # (the server is full: no argument of prefill's is at fault)
+        if len(self.rows) == self.max_batch:
+            raise BadValue(
+                f"all {self.max_batch} rows are in use: retire finished requests (server.retire) "
+                "before admitting more",
+                arg="server",
+            )
         if not self._memory.room(j):
-            raise BadValue(f"the KV memory cannot hold request {j} now: admit only while server.has_room() is True",
-                           arg="server")
+            raise BadValue(
+                f"the KV memory cannot hold request {j} now: admit only while server.has_room() "
+                "is True",
+                arg="server",
+            )
         res = self.results[j]
         ids = res.prompt
         slot, res.reused = self._memory.open(j, ids)
@@ -135,44 +168,75 @@ class ServerState:
         return token
 
     def decode(self, mask: torch.Tensor) -> torch.Tensor:
-        """One batched forward step: every row's newest token, at its own position ``lengths[i]``, attending to
-        the keys ``mask`` allows (bool (rows, 1, 1, max(lengths) + 1), as ``row_mask(lengths, 1)``: the mask is
-        used as given). Returns the logits (rows, vocab); then ``pick`` and ``record`` a token for every row."""
+        """One batched forward step: every row's newest token, at its own position ``lengths[i]``,
+        attending to the keys ``mask`` allows (bool (rows, 1, 1, max(lengths) + 1), as
+        ``row_mask(lengths, 1)``: the mask is used as given). Returns the logits (rows, vocab); then
+        ``pick`` and ``record`` a token for every row."""
         n = len(self.rows)
         if n == 0:
-            raise BadValue("no row is running: prefill a request (server.prefill) before a decode step", arg="server")
+            raise BadValue(
+                "no row is running: prefill a request (server.prefill) before a decode step",
+                arg="server",
+            )
         if self._pending:
-            raise BadValue(f"rows {sorted(self._pending)} have no token from the last decode step: record them first "
-                           "(server.record)", arg="server")
+            raise BadValue(
+                f"rows {sorted(self._pending)} have no token from the last decode step: record "
+                "them first (server.record)",
+                arg="server",
+            )
         if not isinstance(mask, torch.Tensor) or mask.dtype != torch.bool:
-            raise BadType(f"mask must be a bool tensor (rows, 1, 1, keys): True where a row may attend, got "
-                          f"{mask.dtype if isinstance(mask, torch.Tensor) else type(mask).__name__}", arg="mask")
+            raise BadType(
+                "mask must be a bool tensor (rows, 1, 1, keys): True where a row may attend, "
+                f"got {mask.dtype if isinstance(mask, torch.Tensor) else type(mask).__name__}",
+                arg="mask",
+            )
         want = (n, 1, 1, max(self.lengths) + 1)
         if tuple(mask.shape) != want:
-            raise BadValue(f"mask must have shape (rows, 1, 1, max(lengths) + 1) = {want}, got {tuple(mask.shape)}",
-                           arg="mask")
+            raise BadValue(
+                f"mask must have shape (rows, 1, 1, max(lengths) + 1) = {want}, got "
+                f"{tuple(mask.shape)}",
+                arg="mask",
+            )
         reserved, used = self._memory.usage(self.rows)
         self.kv_reserved.append(reserved)
         self.kv_used.append(used)
         self._step_start = self._clock()
         self.steps += 1
-        logits = self._decoder.step(self._last[:n], self.cache, None, mask=mask.to(self._last.device))  # (rows, vocab)
+        # (rows, vocab)
+        logits = self._decoder.step(
+            self._last[:n], self.cache, None, mask=mask.to(self._last.device)
+        )
         self._pending = set(range(n))
         return logits
 
     def pick(self, logits: torch.Tensor) -> list[int]:
-        """One token per row from the decode step's logits (rows, vocab), by the run's sampling settings (each
-        request's own generator), in one call of the logits pipeline for the batch."""
-        if not isinstance(logits, torch.Tensor) or logits.ndim != 2 or logits.shape[0] != len(self.rows):
-            raise BadValue(f"logits must be the decode step's (rows, vocab) = ({len(self.rows)}, vocab), got "
-                           f"{tuple(logits.shape) if isinstance(logits, torch.Tensor) else type(logits).__name__}",
-                           arg="logits")
-        histories = [self.results[j].prompt + self.results[j].tokens for j in self.rows] if self._penalised else None
+        """One token per row from the decode step's logits (rows, vocab), by the run's sampling
+        settings (each request's own generator), in one call of the logits pipeline for the
+        batch."""
+        if (
+            not isinstance(logits, torch.Tensor)
+            or logits.ndim != 2
+            or logits.shape[0] != len(self.rows)
+        ):
+            got = (
+                tuple(logits.shape) if isinstance(logits, torch.Tensor) else type(logits).__name__
+            )
+            raise BadValue(
+                f"logits must be the decode step's (rows, vocab) = ({len(self.rows)}, vocab), "
+                f"got {got}",
+                arg="logits",
+            )
+        histories = (
+            [self.results[j].prompt + self.results[j].tokens for j in self.rows]
+            if self._penalised
+            else None
+        )
         return self._picker.rows(logits, [self._generators[j] for j in self.rows], histories)
 
     def record(self, i: int, token: int) -> bool:
-        """Give row ``i``'s request its new ``token`` from this step (it is the row's next input); True when that
-        finished the request (the end-of-sequence token, or its ``max_new_tokens``): then ``retire`` its row."""
+        """Give row ``i``'s request its new ``token`` from this step (it is the row's next input);
+        True when that finished the request (the end-of-sequence token, or its ``max_new_tokens``):
+        then ``retire`` its row."""
         i, token = _int("i", i), _int("token", token)
         if i not in self._pending:
             raise BadValue(f"i must be a row waiting for its token from this decode step "
@@ -187,14 +251,19 @@ class ServerState:
         return self._record(self.rows[i], token, self._now - self.t0)
 
     def retire(self, done: list[int]) -> None:
-        """Free the rows ``done`` (row indices), whose requests finished; the rows left stay packed at the front
-        (a freed row takes the last row's request), so row indices change: take them from this step only."""
+        """Free the rows ``done`` (row indices), whose requests finished; the rows left stay packed
+        at the front (a freed row takes the last row's request), so row indices change: take them
+        from this step only."""
         done = _row_list("done", done, len(self.rows))
         early = [i for i in done if self.rows[i] not in self.finished]
         if early:
-            raise BadValue(f"done: row {early[0]}'s request (requests[{self.rows[early[0]]}]) is not finished: "
-                           "retire only the rows whose record(...) returned True", arg="done")
-        for i in sorted(done, reverse=True):  # highest first: the row moved into i is never a retired one
+            raise BadValue(
+                f"done: row {early[0]}'s request (requests[{self.rows[early[0]]}]) is not "
+                "finished: retire only the rows whose record(...) returned True",
+                arg="done",
+            )
+        # highest first: the row moved into i is never a retired one
+        for i in sorted(done, reverse=True):
             moved = self._memory.remove(i, self.rows[i])
             if moved is not None:
                 self._last[i] = self._last[moved]
@@ -225,13 +294,17 @@ class ServerState:
 
 
 def serve_step(server: ServerState, *, mask: Callable = row_mask) -> None:
-    """The package's server step (``serve``'s default): admit what the policy says, prefill each new request
-    into a free row, one batched decode step over the rows through the per-row mask, retire what finished.
+    """The package's server step (``serve``'s default): admit what the policy says, prefill each new
+    request into a free row, one batched decode step over the rows through the per-row mask, retire
+    what finished.
 
-    ``mask``: the function ``(lengths, T) -> bool (rows, 1, T, max(lengths) + T)`` the decode step attends
-    through (``row_mask``; a test passes a wrong one to see what it changes)."""
-    if server.waiting:  # a request its prefill alone finishes takes no row: the next one is admitted in its place
-        goal = len(server.rows) + server.policy(len(server.waiting), len(server.rows), server.max_batch)
+    ``mask``: the function ``(lengths, T) -> bool (rows, 1, T, max(lengths) + T)`` the decode step
+    attends through (``row_mask``; a test passes a wrong one to see what it changes)."""
+    # a request its prefill alone finishes takes no row: the next one is admitted in its place
+    if server.waiting:
+        goal = len(server.rows) + server.policy(
+            len(server.waiting), len(server.rows), server.max_batch
+        )
         while server.waiting and len(server.rows) < goal and server.has_room():
             server.prefill(server.waiting.popleft())
     if server.rows:
@@ -240,8 +313,8 @@ def serve_step(server: ServerState, *, mask: Callable = row_mask) -> None:
 
 
 def run_step(server: ServerState, step: Callable[[ServerState], object]) -> None:
-    """``step(server)``, then check what it left: every row of its decode step has its token, no finished request
-    holds a row, and something moved (else the loop would go round for ever)."""
+    """``step(server)``, then check what it left: every row of its decode step has its token, no
+    finished request holds a row, and something moved (else the loop would go round for ever)."""
     before = server._tokens_given
     step(server)
     if server._pending:
@@ -250,14 +323,23 @@ def run_step(server: ServerState, step: Callable[[ServerState], object]) -> None
     left = [i for i, j in enumerate(server.rows) if j in server.finished]
     if left:
         j = server.rows[left[0]]
-        raise StepError(f"a finished row left in the batch by the step: row {left[0]} holds requests[{j}], finished "
-                        f"({server.results[j].stop_reason}), which would decode on: server.retire([...]) the rows "
-                        "whose record(...) returned True", arg="step")
+        raise StepError(
+            f"a finished row left in the batch by the step: row {left[0]} holds requests[{j}], "
+            f"finished ({server.results[j].stop_reason}), which would decode on: "
+            "server.retire([...]) the rows whose record(...) returned True",
+            arg="step",
+        )
     if server._tokens_given == before:
-        raise StepError(f"the step gave no request a token ({len(server.waiting)} waiting, {len(server.rows)} "
-                        "running): each step must admit a request or run a decode step, or the server never ends",
-                        arg="step")
+        raise StepError(
+            f"the step gave no request a token ({len(server.waiting)} waiting, {len(server.rows)}"
+            " running): each step must admit a request or run a decode step, or the server "
+            "never ends",
+            arg="step",
+        )
     if server._admitted + len(server.waiting) != len(server.results):
-        raise StepError(f"after the step, {server._admitted} requests were prefilled and {len(server.waiting)} wait, "
-                        f"of {len(server.results)}: pass every request taken from server.waiting to server.prefill, "
-                        "once", arg="step")
+        raise StepError(
+            f"after the step, {server._admitted} requests were prefilled and "
+            f"{len(server.waiting)} wait, of {len(server.results)}: pass every request taken "
+            "from server.waiting to server.prefill, once",
+            arg="step",
+        )
