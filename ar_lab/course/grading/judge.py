@@ -134,6 +134,10 @@ def judge_notebook(
                 )
             )
             switched = False
+    # the last answer process and the fork server end before the kernel does (it would wait)
+    cells.append(nbformat.v4.new_code_cell(
+        "from ar_lab.course.grading.sandbox import shutdown\nshutdown()"
+    ))
     out = copy.deepcopy(source)
     out.cells = cells
     return out, tests, answers

@@ -363,6 +363,14 @@ def _stop_server() -> None:
         _SERVER.clear()
 
 
+def shutdown() -> None:
+    """End the answer process and the fork server: the judge's last cell. Left running, they hold
+    the kernel's exit (ipykernel signals its children and waits for them) for about one and a half
+    seconds a run (measured: a judge run's last cell to its kernel's exit, 2.6 s against 1.1 s)."""
+    stop()
+    _stop_server()
+
+
 def _spawn(folder: Path, env: dict[str, str], forbid: list[str], fds: tuple[int, int, int]):
     """Start the answer process, confined (``confined``): forked by the fork server on Linux, else a
     new Python. ``fds``: the pipe ends it reads and writes, and its log."""
