@@ -97,7 +97,8 @@ def test_reads_from_memory_votes_over_spells(monkeypatch):
         spells[:] = list(ratios) + [99.0]
         read = peaks.reads_from_memory(2**20, reference=2**28, device="cpu")
         assert read["from_memory"] is verdict and len(spells) == 1 + len(ratios) - used
-        assert read["bytes_per_s"] / read["reference_bytes_per_s"] == pytest.approx(ratios[used - 1], rel=0.03)
+        ratio = read["bytes_per_s"] / read["reference_bytes_per_s"]
+        assert ratio == pytest.approx(ratios[used - 1], rel=0.03)
     with raises(BadValue, "reference"):
         peaks.reads_from_memory(2**20, reference=2**19)
 
