@@ -59,6 +59,7 @@ checkpoints: $(COURSE_STAMP)
 bench: $(DEV_STAMP)
 	$(BIN)/python -m ar_lab.bench decode --json data/bench/decode.json
 	$(BIN)/python -m ar_lab.bench roofline --json data/bench/roofline.json
+	$(BIN)/python -m ar_lab.bench batched --json data/bench/batched.json
 	$(BIN)/python -m ar_lab.bench sampler --json data/bench/sampler.json
 	$(BIN)/python -m ar_lab.bench constrained --json data/bench/constrained.json
 	$(BIN)/python -m ar_lab.bench speculative --json data/bench/speculative.json

@@ -5,7 +5,7 @@ arithmetic."""
 
 import pytest
 import torch
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ar_lab.base.errors import BadType, BadValue, ContextFull
@@ -466,3 +466,71 @@ def test_modules_the_lean_step_does_not_reproduce_go_through_forward(tiny_model,
     want = generate(model, "hello", 15, eos_id=None, use_cache=False).tokens
     assert generate(model, "hello", 15, eos_id=None).tokens == want
     assert speculative_generate(model, model, "hello", 15, 3, eos_id=None).tokens == want
+
+
+# --- a batched step: every row of a BatchKVCache at a position of its own ------------------------
+
+BATCHED = {
+    "gpt2": GPTConfig(block_size=48, n_layer=2, n_head=4, n_embd=32),
+    "modern": GPTConfig.modern(block_size=48, n_layer=2, n_head=4, n_kv_heads=2, n_embd=32),
+    "window": GPTConfig.modern(
+        block_size=48, n_layer=2, n_head=4, n_kv_heads=1, n_embd=32, window=6, bias=True
+    ),
+}
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    name=st.sampled_from(sorted(BATCHED)),
+    seed=st.integers(0, 10_000),
+    lengths=st.lists(st.integers(1, 20), min_size=1, max_size=5),
+    steps=st.integers(1, 4),
+)
+def test_a_batched_step_through_the_copies_equals_forward(name, seed, lengths, steps):
+    """LeanDecoder.step on a BatchKVCache (rows at lengths of their own) runs the block once for all
+    rows through the weights' few-row copies: the logits and the cache's keys and values are
+    forward's, step after step."""
+    from ar_lab.engine.decoder import ForwardDecoder, LeanDecoder
+
+    torch.manual_seed(seed)
+    model = GPT(BATCHED[name]).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.1 * torch.randn_like(p))
+    caches = [BatchKVCache.for_model(model, max_batch=len(lengths)) for _ in range(2)]
+    for cache in caches:  # the same prompts in the same slots
+        for i, n in enumerate(lengths):
+            ids = torch.randint(0, 257, (1, n), generator=torch.Generator().manual_seed(seed + i))
+            with torch.inference_mode():
+                model(ids, cache.slot(cache.rows))  # prefilled, then put in use
+            cache.add(n)
+    lean_d, forward_d = LeanDecoder(model), ForwardDecoder(model)
+    with torch.inference_mode():
+        for _ in range(steps):
+            tokens = torch.randint(0, 257, (len(lengths),))
+            got = lean_d.step(tokens, caches[0], None)
+            want = forward_d.step(tokens, caches[1], None)
+            torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    assert caches[0].lengths == caches[1].lengths
+    for layer in range(model.config.n_layer):
+        torch.testing.assert_close(caches[0].k[layer], caches[1].k[layer], atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(caches[0].v[layer], caches[1].v[layer], atol=1e-5, rtol=1e-5)
+
+
+def test_a_batched_step_refuses_what_does_not_fit_its_rows(tiny_model):
+    from ar_lab.engine.decoder import LeanDecoder
+
+    cache = BatchKVCache.for_model(tiny_model, max_batch=3)
+    for n in (2, 3):
+        with torch.inference_mode():
+            tiny_model(torch.ones(1, n, dtype=torch.long), cache.slot(cache.rows))
+        cache.add(n)
+    d = LeanDecoder(tiny_model)
+    with torch.inference_mode():
+        with raises(BadValue, "tokens"):  # three ids for two rows
+            d.step(torch.tensor([1, 2, 3]), cache, None)
+        with raises(BadValue, "tokens"):
+            d.step(torch.tensor([1, 999]), cache, None)
+        with raises(BadType, "tokens"):
+            d.step(torch.tensor([1.0, 2.0]), cache, None)
+    assert cache.lengths[:2] == [2, 3]  # nothing written, nothing advanced

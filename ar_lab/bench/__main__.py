@@ -18,6 +18,7 @@ from ar_lab.base.timing import machine
 from ar_lab.bench import (
     against,
     attention,
+    batched,
     constrained,
     decode,
     lookup,
@@ -39,6 +40,11 @@ BENCHMARKS = {
         "KV cache vs recomputation, and ar_lab vs transformers generate (chapter 04)",
     ),
     "roofline": (roofline, "prefill vs decode on a measured roofline (chapter 05)"),
+    "batched": (
+        batched,
+        "one decode step for B rows vs one for a single sequence, through ar_lab's decoder "
+        "(weights packed for a few rows) and through GPT.forward (chapter 05)",
+    ),
     "sampler": (sampler, "batch-1 sampler step vs cached decode step (chapter 06)"),
     "constrained": (
         constrained,

@@ -29,6 +29,9 @@ COMPARES = {
     "`generate` (same weights, identical tokens asserted)",
     "roofline": "measured matmul peak and streaming bandwidth; prefill and decode of a "
     "random-init model read from main memory",
+    "batched": "one decode step for B rows vs one batch-1 step of chapter 05's 100 M-parameter "
+    "model (weights from main memory), through ar_lab's decoder (weights packed for a few rows) "
+    "and through `GPT.forward()` (equal logits asserted)",
     "sampler": "one sampler step vs one cached (lean) decode step, batch 1",
     "constrained": "JSON records sampled at T = 1 from the course model, free vs under a grammar "
     "(a JSON object with fixed keys): valid share, time per step on equal steps, mean "
@@ -98,6 +101,18 @@ def _roofline(res: dict) -> str:
         f"best of {' and '.join(key['by_variant'])}); {k['prefill_tokens']}-token prefill "
         f"reaches {k['prefill_compute_fraction']:.0%} of the measured matmul peak; ridge ≈ "
         f"{res['ridge_point']:.0f} FLOP/byte"
+    )
+
+
+def _batched(res: dict) -> str:
+    rows, goal = res["batches"], res["goal"]
+    four = rows[str(goal["batch"])]
+    return (
+        f"a batch-{goal['batch']} step takes **{four['ar_lab']['x_batch_1']:.2f}×** a batch-1 step "
+        f"through ar_lab's decoder (goal ≤ {goal['at_most_x_batch_1']}×, {_met(goal['met'])}), "
+        f"{four['forward']['x_batch_1']:.2f}× through `GPT.forward()`; batches "
+        f"{', '.join(rows)}: {_span([r['ar_lab']['x_batch_1'] for r in rows.values()], '.2f')}× "
+        f"against {_span([r['forward']['x_batch_1'] for r in rows.values()], '.2f')}×"
     )
 
 
@@ -249,6 +264,7 @@ def _selfspec(res: dict) -> str:
 ROWS: dict[str, Callable[[dict], str]] = {
     "decode": _decode,
     "roofline": _roofline,
+    "batched": _batched,
     "sampler": _sampler,
     "constrained": _constrained,
     "speculative": _speculative,

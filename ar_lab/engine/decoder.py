@@ -159,8 +159,9 @@ class ForwardDecoder:
 
 
 class LeanDecoder(ForwardDecoder):
-    """A stock ``GPT`` with a batch-1 cache: the prompt through ``forward`` (one call), then the
-    lean engine's step and extend.
+    """A stock ``GPT``: the prompt through ``forward`` (one call), then the lean engine's step and
+    extend for a batch-1 cache, and its ``step_rows`` for the rows of a ``BatchKVCache`` (unless a
+    mask of one's own is given: then ``forward``).
 
     One decoder serves one generation: ``extend`` multiplies by copies of the weights made at its
     first use, in the layout a few rows read fastest (``lean.extend_copies``: packed for oneDNN, or
@@ -177,7 +178,11 @@ class LeanDecoder(ForwardDecoder):
         self, token, cache, pos: int | None, *, mask: torch.Tensor | None = None
     ) -> torch.Tensor:
         if not isinstance(token, int):
-            return super().step(token, cache, pos, mask=mask)  # a batch of rows: through forward
+            if mask is not None or not isinstance(cache, BatchKVCache):  # one's own mask: forward
+                return super().step(token, cache, pos, mask=mask)
+            # a batch of rows at positions of their own: one read of the weights' copies for all
+            self.fits(cache)
+            return self.engine.step_rows(token, cache, self._extend_copies())
         self.fits(cache)
         _rewind(cache, pos)
         return self.engine.step(token, cache)  # records the token itself
@@ -189,9 +194,13 @@ class LeanDecoder(ForwardDecoder):
         _rewind(cache, pos)
         if len(tokens) == 1:
             return self.engine.step(tokens[0], cache)[None]  # (1, vocab)
+        return self.engine.extend(tokens, cache, self._extend_copies())  # (T, vocab)
+
+    def _extend_copies(self) -> ExtendCopies:
+        """The weights' copies for products of a few rows, made at first use (one generation)."""
         if self._copies is None:
             self._copies = extend_copies(self.model)
-        return self.engine.extend(tokens, cache, self._copies)  # (T, vocab)
+        return self._copies
 
 
 def decoder_for(model, *, lean: bool = True) -> Decoder:

@@ -53,7 +53,7 @@ from ar_lab.base.timing import synchronize
 from ar_lab.engine.packed import ExtendMatrix, extend_mm, product_copy
 from ar_lab.engine.quant import QuantizedLinear, bf16_addmv
 from ar_lab.model.block import BlockWeights, block
-from ar_lab.model.cache import KVCache
+from ar_lab.model.cache import BatchKVCache, KVCache
 from ar_lab.model.gpt import GPT, MLP, Block, CausalSelfAttention
 
 # A weight matrix as the step reads it: nn.Linear's parameter, or a whole QuantizedLinear (chapter
@@ -115,8 +115,8 @@ class Rows:
         self.copy, self.bias = copy, bias
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        T = x.shape[1]
-        return extend_mm(self.bias, x.view(T, -1), self.copy).view(1, T, -1)
+        B, T = x.shape[:2]  # (1, T) for extend's rows of one sequence, (B, 1) for a batched step
+        return extend_mm(self.bias, x.view(B * T, -1), self.copy).view(B, T, -1)
 
 
 class BlockCopies(NamedTuple):
@@ -286,26 +286,68 @@ class LeanGPT:
         x = x.view(1, T, -1)
         layers_t, out_t = copies if copies is not None else self._views()
         for i, (w, wt, b) in enumerate(zip(self.layers, layers_t, self.blocks, strict=True)):
-            rows = BlockWeights(
-                w.norm1,
-                Rows(wt.qkv, b.attn.qkv.bias),
-                Rows(wt.attn_proj, b.attn.proj.bias),
-                w.norm2,
-                Rows(wt.fc, b.mlp.fc.bias),
-                Rows(wt.mlp_proj, b.mlp.proj.bias),
-            )
-            x = block(x, rows, self.spec, cache, i, pos)
+            x = block(x, _rows(w, wt, b), self.spec, cache, i, pos)
         cache.length = L
         cache.record(
             pos, tokens.tolist() if isinstance(tokens, torch.Tensor) else [int(t) for t in tokens]
         )
         return Rows(out_t, None)(self.ln_f(x)).view(T, -1)  # (T, vocab)
 
+    def step_rows(
+        self, tokens: torch.Tensor, cache: BatchKVCache, copies: ExtendCopies
+    ) -> torch.Tensor:
+        """Logits (B, vocab) after one token for each of the B rows of a ``BatchKVCache``, each at
+        its own position; every row advances by one.
+
+        The B rows share each product through ``copies`` (``extend_copies``: on a CPU, a few rows
+        read the packed layout in about one matrix-vector product's time, where ``nn.Linear``'s
+        layout takes about twice as long for four), so a batched step reads the weights once;
+        attention is the store's, each row over its own keys. The block is ``block``, as for
+        ``step`` and ``extend``.
+        """
+        if not isinstance(cache, BatchKVCache):
+            raise BadType(f"cache must be a BatchKVCache, got {type(cache).__name__}", arg="cache")
+        idx = _token_ids(tokens, self.device)
+        if idx.ndim != 1 or idx.numel() != cache.rows:
+            raise BadValue(
+                f"tokens must hold one id for each of the cache's {cache.rows} rows, got shape "
+                f"{tuple(idx.shape)}",
+                arg="tokens",
+            )
+        if int(idx.min()) < 0 or int(idx.max()) >= self.config.vocab_size:
+            raise BadValue(
+                f"tokens hold ids outside the vocabulary [0, {self.config.vocab_size - 1}]",
+                arg="tokens",
+            )
+        if torch.is_grad_enabled():
+            _no_grad_needed()
+        positions, _ = cache.begin(1)  # (B, 1): each row's next position (the store masks by them)
+        x = self.wte[idx] if self.wpe is None else self.wte[idx] + self.wpe[positions[:, 0]]
+        x = x.view(idx.numel(), 1, -1)
+        layers_t, out_t = copies
+        for i, (w, wt, b) in enumerate(zip(self.layers, layers_t, self.blocks, strict=True)):
+            x = block(x, _rows(w, wt, b), self.spec, cache, i, positions)
+        cache.advance(1)
+        return Rows(out_t, None)(self.ln_f(x))[:, -1]  # (B, vocab)
+
     def _views(self) -> ExtendCopies:
         """The parameters' (in, out) views: always current, no copy (slower than copies on CPU for a
         few rows)."""
         layers = [BlockCopies(*(_t(_matrix(m)) for m in _linears(b))) for b in self.blocks]
         return ExtendCopies(layers, self.wte.t())
+
+
+def _rows(w: BlockWeights, wt: BlockCopies, b: Block) -> BlockWeights:
+    """One block's weights for a product of several rows: its norms, and its four matrices through
+    their copies ``wt`` (with the layers' biases)."""
+    return BlockWeights(
+        w.norm1,
+        Rows(wt.qkv, b.attn.qkv.bias),
+        Rows(wt.attn_proj, b.attn.proj.bias),
+        w.norm2,
+        Rows(wt.fc, b.mlp.fc.bias),
+        Rows(wt.mlp_proj, b.mlp.proj.bias),
+    )
 
 
 def _norm(m: nn.Module) -> LayerNorm | RMSNorm:
