@@ -266,17 +266,7 @@ class LeanGPT:
         """
         if len(tokens) == 1 and not isinstance(tokens, torch.Tensor):  # one token: the decode step
             return self.step(tokens[0], cache)[None]
-        idx = _token_ids(tokens, self.device)
-        if idx.ndim != 1 or idx.numel() == 0:
-            raise BadValue(
-                f"tokens must be a non-empty 1-D sequence of ids, got shape {tuple(idx.shape)}",
-                arg="tokens",
-            )
-        if int(idx.min()) < 0 or int(idx.max()) >= self.config.vocab_size:
-            raise BadValue(
-                f"tokens hold ids outside the vocabulary [0, {self.config.vocab_size - 1}]",
-                arg="tokens",
-            )
+        idx = self._ids(tokens, None, "a non-empty 1-D sequence of ids")
         T = idx.numel()
         pos = self._check(cache, T)
         if torch.is_grad_enabled():
@@ -307,18 +297,7 @@ class LeanGPT:
         """
         if not isinstance(cache, BatchKVCache):
             raise BadType(f"cache must be a BatchKVCache, got {type(cache).__name__}", arg="cache")
-        idx = _token_ids(tokens, self.device)
-        if idx.ndim != 1 or idx.numel() != cache.rows:
-            raise BadValue(
-                f"tokens must hold one id for each of the cache's {cache.rows} rows, got shape "
-                f"{tuple(idx.shape)}",
-                arg="tokens",
-            )
-        if int(idx.min()) < 0 or int(idx.max()) >= self.config.vocab_size:
-            raise BadValue(
-                f"tokens hold ids outside the vocabulary [0, {self.config.vocab_size - 1}]",
-                arg="tokens",
-            )
+        idx = self._ids(tokens, cache.rows, f"one id for each of the cache's {cache.rows} rows")
         if torch.is_grad_enabled():
             _no_grad_needed()
         positions, _ = cache.begin(1)  # (B, 1): each row's next position (the store masks by them)
@@ -329,6 +308,20 @@ class LeanGPT:
             x = block(x, _rows(w, wt, b), self.spec, cache, i, positions)
         cache.advance(1)
         return Rows(out_t, None)(self.ln_f(x))[:, -1]  # (B, vocab)
+
+    def _ids(self, tokens, n: int | None, what: str) -> torch.Tensor:
+        """``tokens`` as a 1-D long tensor of ``n`` ids (None: any number but 0) in the
+        vocabulary; else a BadType or BadValue naming ``tokens`` (``what``: the shape asked
+        for)."""
+        idx = _token_ids(tokens, self.device)
+        if idx.ndim != 1 or idx.numel() == 0 or (n is not None and idx.numel() != n):
+            raise BadValue(f"tokens must hold {what}, got shape {tuple(idx.shape)}", arg="tokens")
+        if int(idx.min()) < 0 or int(idx.max()) >= self.config.vocab_size:
+            raise BadValue(
+                f"tokens hold ids outside the vocabulary [0, {self.config.vocab_size - 1}]",
+                arg="tokens",
+            )
+        return idx
 
     def _views(self) -> ExtendCopies:
         """The parameters' (in, out) views: always current, no copy (slower than copies on CPU for a
