@@ -217,14 +217,13 @@ def test_gpu_explorer_follows_its_controls():
         ex.scenario.bound(ex.scenario.decode) == "compute"
         and "compute-bound from batch 511" in ex.status.value
     )
-    image = ex.image.value
-    ex.context.value = 9000  # past Llama-3-8B's window: a message, the last plot kept
+    ex.context.value = 9000  # past Llama-3-8B's window: a message, and no plot of the old settings
     assert (
         ex.scenario is None and "context window of 8,192" in ex.error and "8,192" in ex.status.value
     )
-    assert ex.image.value == image
+    assert ex.image.value == b""
     ex.context.value = 4096
-    assert ex.error == "" and ex.scenario.context == 4096
+    assert ex.error == "" and ex.scenario.context == 4096 and ex.image.value[:4] == b"\x89PNG"
     plt.close("all")
 
 

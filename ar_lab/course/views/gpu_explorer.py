@@ -7,7 +7,7 @@ prefill and decode points, predicted TTFT, TPOT, tokens/s and memory, or "does n
 ``scenario`` holds the last result and ``error`` the message for impossible input, so
 tests can set ``.value`` on the controls and read what it shows. The number boxes keep what
 was typed (a bounded box would clamp 0 to 1 and a fractional batch to a whole one, silently):
-a value that is not a whole number in range is refused with a message, the last plot kept.
+a value that is not a whole number in range is refused with a message, and the plot cleared.
 """
 
 from __future__ import annotations
@@ -165,6 +165,7 @@ class GPUExplorer:
         except ValueError as e:
             self.scenario = None
             self.status.value = refuse(self, e)
+            self.image.value = b""  # no plot of settings the boxes no longer show
             return
         self.scenario, self.error, self.refused = s, "", None
         self.status.value = scenario_html(s)
