@@ -45,8 +45,8 @@ lint: $(DEV_STAMP)
 # Two processes (pytest-xdist; tests/conftest.py's scope: a notebook's cells, or a test file's tests, in one of
 # them), then the tests that need the machine to themselves (tests/conftest.py: QUIET) alone.
 test: sandbox-tool lint
-	$(BIN)/python -m pytest tests notebooks --nbval-lax --nbval-current-env -m "not quiet" -n 2 --dist loadscope $(PYTEST_ARGS)
-	$(BIN)/python -m pytest tests notebooks --nbval-lax --nbval-current-env -m quiet $(PYTEST_ARGS)
+	$(BIN)/python -m pytest tests notebooks --nbval-lax --nbval-current-env -m "not quiet" -n 2 --dist loadscope --durations=15 $(PYTEST_ARGS)
+	$(BIN)/python -m pytest tests notebooks --nbval-lax --nbval-current-env -m quiet --durations=5 $(PYTEST_ARGS)
 
 test-fast: lint
 	$(BIN)/python -m pytest tests -m "not slow" $(PYTEST_ARGS)

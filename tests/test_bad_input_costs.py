@@ -255,15 +255,16 @@ def shows_refusal(ex, arg: str) -> None:
     ],
 )
 def test_a_bad_number_in_the_gpu_explorer_is_kept_and_refused(explorer, control, value, arg):
-    image = explorer.image.value
+    assert explorer.image.value[:4] == b"\x89PNG"
     getattr(explorer, control).value = value
     assert getattr(explorer, control).value == value, "the value was changed (clamped), not refused"
     shows_refusal(explorer, arg)
-    assert explorer.image.value == image  # the last plot stays
+    assert explorer.image.value == b""  # no plot of settings the boxes no longer show
     getattr(explorer, control).value = {"batch": 1, "prompt_len": 2000, "context": 2500}[control]
     assert (
         explorer.error == "" and explorer.scenario.batch == 1 and explorer.scenario.context == 2500
     )
+    assert explorer.image.value[:4] == b"\x89PNG"  # the plot of what the boxes show
 
 
 def test_a_large_batch_is_a_prediction_not_a_clamp(explorer):

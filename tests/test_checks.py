@@ -95,6 +95,31 @@ def test_check_cases_forbids_too_and_reports_a_stub():
     check_cases("filter_top_k", mine, cases, forbidden=[filter_top_k])
 
 
+def test_an_untouched_stub_fails_its_test_with_one_verdict_not_a_traceback():
+    """The stub nbgrader leaves raises NotImplementedError inside the test's block: the verdict is
+    one line and a hint (IPython shows ``_render_traceback_``), still an error for nbgrader."""
+
+    def my_filter(logits, k):
+        raise NotImplementedError()
+
+    with pytest.raises(CheckFailed, match="my_filter: not implemented yet") as info:
+        with no_delegation(my_filter, exercise="my_filter"):
+            my_filter(torch.zeros(3), 1)
+    shown = info.value._render_traceback_()
+    assert shown == [
+        "\N{HEAVY BALLOT X} CheckFailed: my_filter: not implemented yet",
+        "Hint: replace `raise NotImplementedError()` with your code",
+    ]
+
+    def calls_the_reference(logits, k):  # reached the reference first: that is the verdict
+        filter_top_k(logits, k)
+        raise NotImplementedError()
+
+    with pytest.raises(Delegated):
+        with no_delegation(calls_the_reference, exercise="x", forbid=[filter_top_k]):
+            calls_the_reference(torch.zeros(3), 1)
+
+
 def test_an_unknown_reference_is_a_clear_error():
     with raises(BadValue, 'reference'):
         with no_delegation(forbid=["ar_lab.engine.sampling.nope"]):

@@ -258,7 +258,8 @@ def run_all(nb: nbformat.NotebookNode, cwd: Path, *, timeout: int = 300) -> nbfo
 
     nb = copy.deepcopy(nb)
     NotebookClient(
-        nb, timeout=timeout, allow_errors=False, resources={"metadata": {"path": str(cwd)}}
+        nb, timeout=timeout, allow_errors=False, resources={"metadata": {"path": str(cwd)}},
+        shutdown_kernel="immediate",  # the outputs are in: no need to wait for the kernel's exit
     ).execute()
     return nb
 

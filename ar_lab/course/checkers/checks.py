@@ -45,11 +45,16 @@ def _fail(what: str, detail: str, hint: str = "", mistake: str | None = None) ->
     raise CheckFailed(msg, mistake)
 
 
+def _unanswered(what: str) -> None:
+    """The verdict on an exercise whose stub still raises NotImplementedError."""
+    _fail(what, "not implemented yet", "replace `raise NotImplementedError()` with your code")
+
+
 def _not_implemented(what: str, fn: Callable, *args, **kwargs):
     try:
         return fn(*args, **kwargs)
     except NotImplementedError:
-        _fail(what, "not implemented yet", "replace `raise NotImplementedError()` with your code")
+        _unanswered(what)
 
 
 @contextlib.contextmanager
@@ -143,6 +148,8 @@ def no_delegation(
         with gate, warnings_as_notes(exercise):
             yield gate.calls
     except Exception as e:  # e.g. the learner's thread died on Delegated and their code then failed
+        if isinstance(e, NotImplementedError) and not gate.calls:
+            _unanswered(exercise)  # the stub, untouched: one verdict, not a traceback
         if gate.calls and not isinstance(e, Delegated):
             raise Delegated(
                 f"{exercise}: your code called `{gate.calls[0]}`, a ready-made implementation of "

@@ -411,8 +411,11 @@ def execute(
     from nbclient import NotebookClient
 
     nb = copy.deepcopy(nb)
+    # "immediate": the kernel is stopped without waiting for its own exit (a second a run: its
+    # results are in already; a process it started ends when the kernel's end of the pipe closes)
     client = NotebookClient(
-        nb, timeout=timeout, allow_errors=True, resources={"metadata": {"path": str(cwd)}}
+        nb, timeout=timeout, allow_errors=True, resources={"metadata": {"path": str(cwd)}},
+        shutdown_kernel="immediate",
     )
     # the kernel provisioner refuses env=None
     client.execute(**({} if env is None else {"env": env}))
