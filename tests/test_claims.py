@@ -259,3 +259,21 @@ def test_timed_claim_refuses_bad_arguments(kwargs, kind, arg):
     args.update(kwargs)
     with raises(kind, arg):
         timed_claim(**args)
+
+
+def test_a_collapsed_cell_shows_what_it_checks_not_a_test_marker():
+    """JupyterLab shows a collapsed cell's first line: the learner reads "# Checks: ..." there, and
+    nbval finds its marker on any line."""
+    import json
+    from pathlib import Path
+
+    shown = {}
+    for path in sorted((Path(__file__).parents[1] / "notebooks").glob("*.ipynb")):
+        for i, cell in enumerate(json.loads(path.read_text())["cells"]):
+            if cell["cell_type"] == "code" and cell["metadata"].get("jupyter", {}).get(
+                "source_hidden"
+            ):
+                shown[f"{path.name} cell {i}"] = "".join(cell["source"]).split("\n")[0]
+    assert shown, "no collapsed cell found"
+    markers = {where: line for where, line in shown.items() if line.startswith("# NBVAL_")}
+    assert not markers, markers
