@@ -29,6 +29,7 @@ def test_decode_benchmark_structure_and_identical_tokens(small_model):
     runs = res["runs"]
     assert set(runs) == {
         "ar_lab cached",
+        "ar_lab cached, compiled",
         "ar_lab cached, forward()",
         "ar_lab uncached",
         "transformers generate",
@@ -44,6 +45,7 @@ def test_decode_benchmark_structure_and_identical_tokens(small_model):
     assert runs["ar_lab uncached"]["positions"] == N * P + N * (N - 1) // 2
     assert (
         runs["ar_lab cached"]["forward_calls"]
+        == runs["ar_lab cached, compiled"]["forward_calls"]
         == runs["ar_lab cached, forward()"]["forward_calls"]
         == N
     )
@@ -64,11 +66,17 @@ def test_decode_benchmark_structure_and_identical_tokens(small_model):
     assert r["lean_vs_forward"] == pytest.approx(
         runs["ar_lab cached, forward()"]["median_s"] / runs["ar_lab cached"]["median_s"]
     )
+    compiled = runs["ar_lab cached, compiled"]["median_s"]
+    assert r["compiled_vs_lean"] == pytest.approx(runs["ar_lab cached"]["median_s"] / compiled)
+    assert r["compiled_vs_transformers"] == pytest.approx(
+        runs["transformers generate"]["median_s"] / compiled
+    )
     assert r["positions_uncached_vs_cached"] == pytest.approx(
         (N * P + N * (N - 1) // 2) / (P + N - 1)
     )
     floor = runs["weights only (floor)"]["median_s"]
     assert r["floor_ms_per_token"] == pytest.approx(1000 * floor / N)
+    assert r["compiled_over_floor"] == pytest.approx(compiled / floor)
     assert r["overhead_ms_per_token"]["ar_lab cached"] == pytest.approx(
         1000 * (runs["ar_lab cached"]["median_s"] - floor) / N
     )
@@ -79,7 +87,9 @@ def test_decode_benchmark_structure_and_identical_tokens(small_model):
         )
     assert json.loads(json.dumps(res)) == res  # JSON-serialisable as written by --json
     table = format_decode_results(res)
-    assert "transformers generate" in table and "ar_lab uncached" in table and "target 3x" in table
+    assert "transformers generate" in table and "ar_lab uncached" in table
+    assert "compiled step's time per token" in table and "ar_lab's compiled step vs" in table
+    assert "target 3x" in table
 
 
 @needs_hf
@@ -97,15 +107,19 @@ def test_decode_benchmark_detects_different_tokens(small_model, monkeypatch):
 
     monkeypatch.setattr(reference, "to_hf_gpt2", perturbed)
     with pytest.raises(AssertionError, match="different tokens"):
-        decode_benchmark(small_model, tokens=20, repeats=1, uncached_repeats=0, prompt="ab")
+        decode_benchmark(
+            small_model, tokens=20, repeats=1, uncached_repeats=0, prompt="ab", compiled=False
+        )
 
 
 def test_decode_benchmark_without_peer_and_bad_input(small_model):
     threads = torch.get_num_threads()
     res = decode_benchmark(
-        small_model, tokens=5, repeats=1, uncached_repeats=0, peer=False, threads=1
+        small_model, tokens=5, repeats=1, uncached_repeats=0, peer=False, threads=1, compiled=False
     )
     assert set(res["runs"]) == {"ar_lab cached", "ar_lab cached, forward()", "weights only (floor)"}
+    assert res["ratios"]["compiled_vs_lean"] is None and "compiled_over_floor" not in res["ratios"]
+    assert "ar_lab's lean step vs" not in format_decode_results(res)  # (no peer: no comparison)
     assert (
         res["ratios"]["ar_lab_vs_transformers"] is None
         and "overhead_transformers_vs_ar_lab" not in res["ratios"]
@@ -132,6 +146,7 @@ def test_decode_command_line(tmp_path, capsys):
         "1",
         "--json",
         str(out),
+        "--no-compile",  # (compiled in test_decode_benchmark_structure_and_identical_tokens)
     ]
     if not have_transformers():
         args.append("--no-peer")

@@ -1,9 +1,10 @@
 """Chapter 04's benchmark: KV cache vs recomputation, and ar_lab vs transformers ``generate``.
 
 Batch-1 greedy decode, every run of a repeat side by side: ar_lab cached (the lean step),
-the same steps through ``GPT.forward()``, uncached, Hugging Face ``transformers``
-``generate`` on the same weights (its own KV cache), and the weights-only floor every
-batch-1 decoder of the model pays. All runs must produce exactly the same tokens.
+the lean step compiled (``torch.compile``, ``ar_lab.engine.compiled``), the same steps through
+``GPT.forward()``, uncached, Hugging Face ``transformers`` ``generate`` on the same weights (its
+own KV cache), and the weights-only floor every batch-1 decoder of the model pays. All runs must
+produce exactly the same tokens.
 """
 
 from __future__ import annotations
@@ -19,14 +20,16 @@ from ar_lab.base.timing import machine, median
 from ar_lab.bench.common import checked_threads, course_model_or_random
 from ar_lab.bench.table import format_table
 
-CACHED, FORWARD, UNCACHED, PEER, FLOOR = (
+CACHED, COMPILED, FORWARD, UNCACHED, PEER, FLOOR = (
     "ar_lab cached",
+    "ar_lab cached, compiled",
     "ar_lab cached, forward()",
     "ar_lab uncached",
     "transformers generate",
     "weights only (floor)",
 )
 TARGET_VS_TRANSFORMERS = 3.0  # ar_lab's tokens/s over transformers', the course's goal
+TARGET_OVER_FLOOR = 1.5  # the compiled step's time per token over the weights-only floor's, at most
 
 
 def add_options(p: argparse.ArgumentParser) -> None:
@@ -54,6 +57,9 @@ def add_options(p: argparse.ArgumentParser) -> None:
         "across cores",
     )
     p.add_argument("--no-peer", action="store_true", help="skip the transformers reference peer")
+    p.add_argument(
+        "--no-compile", action="store_true", help="skip the compiled step (torch.compile)"
+    )
 
 
 def _transformers_peer(model, prompt_ids: list[int]) -> Callable[[int], list[int]]:
@@ -87,16 +93,21 @@ def _transformers_peer(model, prompt_ids: list[int]) -> Callable[[int], list[int
 
 
 def _runners(
-    model, prompt_ids: list[int], n: int, peer: bool
+    model, prompt_ids: list[int], n: int, peer: bool, compiled: bool
 ) -> dict[str, Callable[[int], object]]:
     """name -> ``fn(n)``, in the order each repeat runs them (the uncached one last)."""
     from ar_lab.engine.generate import generate
     from ar_lab.engine.lean import weights_only_pass
 
-    def ours(use_cache: bool, lean: bool = True) -> Callable[[int], object]:
-        return lambda k: generate(model, prompt_ids, k, use_cache=use_cache, eos_id=None, lean=lean)
+    def ours(use_cache: bool, lean: bool = True, compile: bool = False) -> Callable[[int], object]:
+        return lambda k: generate(
+            model, prompt_ids, k, use_cache=use_cache, eos_id=None, lean=lean, compile=compile
+        )
 
-    runners = {CACHED: ours(True), FORWARD: ours(True, lean=False)}
+    runners = {CACHED: ours(True)}
+    if compiled:  # compiled in the warm-up (seconds), once per model and process
+        runners[COMPILED] = ours(True, compile=True)
+    runners[FORWARD] = ours(True, lean=False)
     if peer:
         runners[PEER] = _transformers_peer(model, prompt_ids)
     # The floor under any batch-1 decoder of this model; both peers pay it, what they add on top
@@ -113,7 +124,7 @@ def _timed_repeats(
     the machine hits all of them alike); every run must produce the same tokens."""
     runs = {
         name: {"seconds": [], "cpu_seconds": []}
-        for name in [CACHED, FORWARD, UNCACHED, PEER, FLOOR]
+        for name in [CACHED, COMPILED, FORWARD, UNCACHED, PEER, FLOOR]
     }
     say("warm-up")
     for name, fn in runners.items():
@@ -171,6 +182,9 @@ def _ratios(runs: dict, n: int) -> dict:
         "ar_lab_vs_transformers": speedup(CACHED, PEER),
         "ar_lab_vs_transformers_cpu": speedup(CACHED, PEER, "median_cpu_s"),
         "lean_vs_forward": speedup(CACHED, FORWARD),
+        "compiled_vs_lean": speedup(COMPILED, CACHED),
+        "compiled_vs_transformers": speedup(COMPILED, PEER),
+        "compiled_vs_transformers_cpu": speedup(COMPILED, PEER, "median_cpu_s"),
     }
     if UNCACHED in runs:
         ratios["positions_uncached_vs_cached"] = (
@@ -180,6 +194,8 @@ def _ratios(runs: dict, n: int) -> dict:
     floor = runs.get(FLOOR)
     if floor is not None:
         ratios["floor_ms_per_token"] = 1000 * floor["median_s"] / n
+        if COMPILED in runs:
+            ratios["compiled_over_floor"] = runs[COMPILED]["median_s"] / floor["median_s"]
         over = {k: 1000 * (runs[k]["median_s"] - floor["median_s"]) / n for k in runs if k != FLOOR}
         ratios["overhead_ms_per_token"] = over
         if PEER in over and over[CACHED] > 0:
@@ -196,6 +212,7 @@ def decode_benchmark(
     *,
     threads: int | None = 1,
     peer: bool = True,
+    compiled: bool = True,
     progress: Callable[[str], None] | None = None,
 ) -> dict:
     """Batch-1 greedy decode of ``tokens`` new tokens: ar_lab cached, ar_lab uncached and
@@ -221,7 +238,7 @@ def decode_benchmark(
     if model is None:
         model, source = course_model_or_random()
     prompt_ids = checked_prompt(model, prompt, tokens)
-    runners = _runners(model, prompt_ids, tokens, peer)
+    runners = _runners(model, prompt_ids, tokens, peer, compiled)
     old_threads = torch.get_num_threads()
     if threads is not None:
         torch.set_num_threads(threads)
@@ -247,6 +264,7 @@ def decode_benchmark(
         "runs": runs,
         "ratios": _ratios(runs, tokens),
         "target_ar_lab_vs_transformers": TARGET_VS_TRANSFORMERS,
+        "target_compiled_over_floor": TARGET_OVER_FLOOR,
     }
 
 
@@ -284,13 +302,11 @@ def format_decode_results(res: dict) -> str:
             f"while processing {r['positions_uncached_vs_cached']:.0f}x fewer positions"
         )
     if r["ar_lab_vs_transformers"] is not None:
-        target = res["target_ar_lab_vs_transformers"]
-        verdict = "met" if r["ar_lab_vs_transformers"] >= target else "NOT met"
         lines.append(
-            f"ar_lab vs transformers generate: {r['ar_lab_vs_transformers']:.2f}x the tokens/s "
-            f"(CPU time {r['ar_lab_vs_transformers_cpu']:.2f}x); identical tokens; target "
-            f"{target:.0f}x {verdict}"
+            f"ar_lab (lean step) vs transformers generate: {r['ar_lab_vs_transformers']:.2f}x the "
+            f"tokens/s (CPU time {r['ar_lab_vs_transformers_cpu']:.2f}x); identical tokens"
         )
+    lines += _compiled_lines(res)
     if r.get("lean_vs_forward") is not None:
         lines.append(
             f"lean decode step (ar_lab.engine.lean) vs the same steps through GPT.forward(): "
@@ -304,6 +320,36 @@ def format_decode_results(res: dict) -> str:
             f"{r['overhead_transformers_vs_ar_lab']:.1f}x)"
         )
     return "\n".join(lines)
+
+
+def _verdict(met: bool) -> str:
+    return "met" if met else "NOT met"
+
+
+def _compiled_lines(res: dict) -> list[str]:
+    """The goals: ar_lab's best step (compiled where it ran, else the lean one) against
+    transformers, and the compiled step against the weights-only floor."""
+    r, lines = res["ratios"], []
+    best = "compiled" if r.get("compiled_vs_lean") is not None else "lean"
+    vs_peer = r["compiled_vs_transformers"] if best == "compiled" else r["ar_lab_vs_transformers"]
+    if best == "compiled":
+        lines.append(
+            f"compiled step (torch.compile, ar_lab.engine.compiled): {r['compiled_vs_lean']:.2f}x "
+            "the lean step's tokens/s; identical tokens"
+        )
+    if vs_peer is not None:
+        target = res["target_ar_lab_vs_transformers"]
+        lines.append(
+            f"ar_lab's {best} step vs transformers generate: {vs_peer:.2f}x the tokens/s; target "
+            f"{target:.0f}x {_verdict(vs_peer >= target)}"
+        )
+    if "compiled_over_floor" in r:
+        goal = res["target_compiled_over_floor"]
+        lines.append(
+            f"compiled step's time per token: {r['compiled_over_floor']:.2f}x the weights-only "
+            f"floor's; goal <= {goal}x {_verdict(r['compiled_over_floor'] <= goal)}"
+        )
+    return lines
 
 
 def run(args: argparse.Namespace) -> dict:
@@ -337,6 +383,7 @@ def run(args: argparse.Namespace) -> dict:
             prompt=args.prompt,
             threads=t,
             peer=peer,
+            compiled=not args.no_compile,
             progress=lambda m: print("  " + m, flush=True),
         )
         res["model"]["source"] = source

@@ -172,6 +172,8 @@ class LeanDecoder(ForwardDecoder):
     def __init__(self, model) -> None:
         super().__init__(model)
         self.engine = LeanGPT(model)
+        # what runs a batch-1 step: the engine's eager step (a CompiledDecoder's compiled one)
+        self.stepper = self.engine
         self._copies: ExtendCopies | None = None
 
     def step(
@@ -185,7 +187,7 @@ class LeanDecoder(ForwardDecoder):
             return self.engine.step_rows(token, cache, self._extend_copies())
         self.fits(cache)
         _rewind(cache, pos)
-        return self.engine.step(token, cache)  # records the token itself
+        return self.stepper.step(token, cache)  # records the token itself
 
     def extend(self, tokens: list[int], cache, pos: int) -> torch.Tensor:
         if pos == 0:  # a prompt: one prefill through forward
@@ -193,7 +195,7 @@ class LeanDecoder(ForwardDecoder):
         self.fits(cache)
         _rewind(cache, pos)
         if len(tokens) == 1:
-            return self.engine.step(tokens[0], cache)[None]  # (1, vocab)
+            return self.stepper.step(tokens[0], cache)[None]  # (1, vocab)
         return self.engine.extend(tokens, cache, self._extend_copies())  # (T, vocab)
 
     def _extend_copies(self) -> ExtendCopies:

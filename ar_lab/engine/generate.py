@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ar_lab.base.errors import BadType, BadValue, ContextFull
+from ar_lab.engine.compiled import CompiledDecoder
 from ar_lab.engine.constrained import check_constraint, check_constraint_eos, masked_logits
 from ar_lab.engine.decoder import Decoder, ForwardDecoder, pick_decoder
 from ar_lab.engine.pipeline import LogitsPipeline
@@ -140,6 +141,18 @@ class _Plan:
     constraint: object = None
 
 
+def _check_compile(compile, lean: bool, use_cache: bool) -> None:
+    """``compile=True`` compiles the lean engine's cached step: it needs both."""
+    if not isinstance(compile, bool):
+        raise BadType(f"compile must be True or False, got {compile!r}", arg="compile")
+    if compile and not (lean and use_cache):
+        raise BadValue(
+            "compile=True compiles the lean engine's cached decode step: leave lean=True and "
+            "use_cache=True (or compile=False)",
+            arg="compile",
+        )
+
+
 def _plan(
     model,
     prompt,
@@ -153,6 +166,7 @@ def _plan(
     lean,
     sampler=None,
     constraint=None,
+    compile=False,
 ) -> _Plan:
     """Check every option of ``token_steps`` against ``model`` and pick the decoder: the public
     boundary."""
@@ -164,11 +178,12 @@ def _plan(
         raise BadType(f"use_cache must be True or False, got {use_cache!r}", arg="use_cache")
     if not isinstance(lean, bool):
         raise BadType(f"lean must be True or False, got {lean!r}", arg="lean")
+    _check_compile(compile, lean, use_cache)
     if cache is not None:
         _check_cache(cache, use_cache, ids, max_new_tokens)
     check_constraint(constraint, model.config.vocab_size)
     check_inference_ready(model)
-    decoder = pick_decoder(model, lean=lean and use_cache)
+    decoder = CompiledDecoder(model) if compile else pick_decoder(model, lean=lean and use_cache)
     if cache is not None:
         # the cache against the model, here at the call; the decoder remembers it
         decoder.fits(cache)
@@ -289,6 +304,7 @@ def token_steps(
     lean: bool = True,
     sampler: Sampler | None = None,
     constraint=None,
+    compile: bool = False,
 ) -> Iterator[int]:
     """Yield new token ids one at a time (no stop rule other than the count).
 
@@ -311,6 +327,7 @@ def token_steps(
         lean=lean,
         sampler=sampler,
         constraint=constraint,
+        compile=compile,
     )
     return _steps(_plan(model, prompt, max_new_tokens, **options))
 
@@ -330,6 +347,7 @@ def stream(
     lean: bool = True,
     sampler: Sampler | None = None,
     constraint=None,
+    compile: bool = False,
 ) -> Iterator[StreamEvent]:
     """Yield a ``StreamEvent`` per new token; text never splits a UTF-8 character.
 
@@ -352,6 +370,7 @@ def stream(
         lean=lean,
         sampler=sampler,
         constraint=constraint,
+        compile=compile,
     )
     return _stream(model, prompt, max_new_tokens, eos_id, stop_strings, options)[1]
 
@@ -382,14 +401,18 @@ def generate(
     lean: bool = True,
     sampler: Sampler | None = None,
     constraint=None,
+    compile: bool = False,
 ) -> Generation:
     """Generate up to ``max_new_tokens`` tokens after ``prompt`` (text or token ids).
 
     ``cache``: a cache from an earlier call (see ``token_steps``): the positions where its token ids
     agree with the prompt's start are reused, only the rest is prefilled. ``lean=False``: every
     decode step through ``model.forward`` instead of ``ar_lab.engine.lean`` (same tokens; for
-    comparison). ``sampler``: a function that picks each token instead of
-    ``ar_lab.engine.sampling.sample`` (see ``Sampler``; chapter 06). ``constraint``: a grammar
+    comparison). ``compile=True``: the lean step compiled by ``torch.compile``
+    (``ar_lab.engine.compiled``: the same tokens, seconds to compile once per model, fewer
+    milliseconds per token; ``CompileUnavailable`` where it cannot be built). ``sampler``: a
+    function that picks each token instead of ``ar_lab.engine.sampling.sample`` (see ``Sampler``;
+    chapter 06). ``constraint``: a grammar
     (``ar_lab.engine.constrained``) whose refused tokens get logit -inf each step, before the
     sampler chain; the text ends at the EOS it allows once complete (stop reason "eos": a whole
     sentence of the grammar) or at the cap (stop reason "max_new_tokens": a valid but possibly
@@ -404,6 +427,7 @@ def generate(
         lean=lean,
         sampler=sampler,
         constraint=constraint,
+        compile=compile,
     )
     plan, events = _stream(model, prompt, max_new_tokens, eos_id, stop_strings, options)
     tokens, pieces = [], []

@@ -229,9 +229,10 @@ class LeanGPT:
             )
         return cache.length
 
-    def step(self, token: int, cache: KVCache) -> torch.Tensor:
+    def step(self, token: int, cache: KVCache, run: Callable | None = None) -> torch.Tensor:
         """Logits (vocab,) after feeding one token at position ``cache.length``; the cache advances
-        by one."""
+        by one. ``run(token, cache, pos)``: what computes them after the checks (default
+        ``eager``; ``ar_lab.engine.compiled`` passes its compiled graph)."""
         if type(token) is not int:
             token = _token_id(token)
         if not 0 <= token < self.config.vocab_size:
@@ -242,14 +243,23 @@ class LeanGPT:
         pos = self._check(cache, 1)
         if torch.is_grad_enabled():
             _no_grad_needed()
-        x = self.wte.select(0, token)  # (C,): the residual stream of one token, as a vector
-        if self.wpe is not None:
-            x = x + self.wpe.select(0, pos)
-        spec = self.spec
-        for i, w in enumerate(self.layers):
-            x = block(x, w, spec, cache, i, pos)
+        logits = (run or self.eager)(token, cache, pos)
         cache.length = pos + 1
         cache.record(pos, [token])
+        return logits
+
+    def eager(self, token: int, store, pos: int) -> torch.Tensor:
+        """The step's arithmetic, unchecked: logits (vocab,) of ``token`` at ``pos``, its keys and
+        values written to ``store``."""
+        return self.one(self.wte.select(0, token), store, pos)
+
+    def one(self, x: torch.Tensor, store, pos) -> torch.Tensor:
+        """Every block and the head on one token's embedding x (C,) at ``pos`` (what a compiled step
+        traces: nothing here depends on pos's value)."""
+        if self.wpe is not None:
+            x = x + self.wpe.select(0, pos)
+        for i, w in enumerate(self.layers):
+            x = block(x, w, self.spec, store, i, pos)
         return self.head(self.ln_f(x))  # tied output projection: (vocab,)
 
     def extend(

@@ -133,8 +133,10 @@ def attention(
         return torch.bmm(weights, vv).view(B, H, 1, D)
     if keys.k_scale is not None:
         k, v = dense(keys, q.dtype)
+    # a branch, not the comparison itself: under torch.compile the sizes are symbolic
+    grouped = True if Hk != H else False  # noqa: SIM210
     return F.scaled_dot_product_attention(
-        q, k, v, attn_mask=mask, is_causal=causal, dropout_p=dropout, enable_gqa=Hk != H
+        q, k, v, attn_mask=mask, is_causal=causal, dropout_p=dropout, enable_gqa=grouped
     )
 
 

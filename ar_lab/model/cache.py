@@ -50,7 +50,30 @@ def _buffers(n_layer, batch, n_kv_heads, max_len, head_dim, dtype, device, batch
     return k, v
 
 
-class KVCache(Store):
+class Buffers(Store):
+    """Per-layer key and value buffers (B, H_kv, T_max, D) written and read at explicit positions,
+    with no bookkeeping: what a compiled decode step traces (``ar_lab.engine.compiled``: nothing in
+    it depends on a position's value, so one graph serves every length). ``KVCache`` adds the
+    checks, the filled length and the token ids."""
+
+    def __init__(self, k: list[torch.Tensor], v: list[torch.Tensor]) -> None:
+        self.k, self.v = k, v
+
+    def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, pos: Pos) -> None:
+        self._store(layer, pos, pos + k.shape[2], k, v)
+
+    def _store(self, layer: int, start: int, end: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        self.k[layer].narrow(2, start, end - start).copy_(k)
+        self.v[layer].narrow(2, start, end - start).copy_(v)
+
+    def keys(self, layer: int, pos: Pos, T: int) -> Keys:
+        """Positions 0 .. pos + T - 1 (what a query written at pos .. pos + T - 1 may see), in
+        order."""
+        end = pos + T
+        return Keys(self.k[layer].narrow(2, 0, end), self.v[layer].narrow(2, 0, end))
+
+
+class KVCache(Buffers):
     # what the buffers hold; None: the compute dtype (Int8KVCache: int8)
     storage_dtype: torch.dtype | None = None
 
@@ -65,9 +88,9 @@ class KVCache(Store):
         device: torch.device | str = "cpu",
     ) -> None:
         dtype = check_dtype(dtype)
-        self.k, self.v = _buffers(
+        super().__init__(*_buffers(
             n_layer, batch_size, n_kv_heads, max_len, head_dim, self.storage_dtype or dtype, device
-        )
+        ))
         self.max_len = max_len
         self.batch_size = batch_size
         self.length = 0  # positions filled so far
@@ -145,16 +168,6 @@ class KVCache(Store):
             )
         del self._ids[pos:]
         self._store(layer, pos, end, k, v)
-
-    def _store(self, layer: int, start: int, end: int, k: torch.Tensor, v: torch.Tensor) -> None:
-        self.k[layer].narrow(2, start, end - start).copy_(k)
-        self.v[layer].narrow(2, start, end - start).copy_(v)
-
-    def keys(self, layer: int, pos: Pos, T: int) -> Keys:
-        """Positions 0 .. pos + T - 1 (what a query written at pos .. pos + T - 1 may see), in
-        order."""
-        end = pos + T
-        return Keys(self.k[layer].narrow(2, 0, end), self.v[layer].narrow(2, 0, end))
 
     def update(self, layer: int, start: int, k: torch.Tensor, v: torch.Tensor):
         """``write`` at ``start``, then every key and value so far, (B, H_kv, start + T, D) each, in
