@@ -7,7 +7,7 @@ measures both in the form a roofline result stores them. Each roof is the fastes
 repeat: the best this machine demonstrably did for this program; the medians are
 reported beside them. ``stream_probe`` and ``matmul_probe`` are chapter 05's exercise (one
 ``c = a + b`` stream, one matmul, each returning its count and its fastest time). On a CPU
-the numbers are fp32, on CUDA bf16 (``default_dtype``).
+the numbers are fp32, on CUDA bf16 (fp16 before compute capability 8.0: ``default_dtype``).
 """
 
 from __future__ import annotations
@@ -41,8 +41,15 @@ def checked_peaks(peaks, where: str = "peaks", *, arg: str = "peaks") -> dict:
 
 
 def default_dtype(device: torch.device | str) -> torch.dtype:
-    """fp32 on CPU (what its matmul kernels are fastest at); bf16 on a GPU (its tensor cores)."""
-    return torch.bfloat16 if checked_device(device, present=False).type == "cuda" else torch.float32
+    """fp32 on CPU (what its matmul kernels are fastest at); bf16 on a GPU (its tensor cores), fp16
+    on a present GPU of compute capability below 8.0 (a T4, a V100: tensor cores for fp16, none for
+    bf16, which runs there far below the datasheet's 16-bit roof)."""
+    d = checked_device(device, present=False)
+    if d.type != "cuda":
+        return torch.float32
+    if torch.cuda.is_available() and torch.cuda.get_device_capability(d) < (8, 0):
+        return torch.float16
+    return torch.bfloat16
 
 
 def cache_bytes() -> int | None:
