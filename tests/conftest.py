@@ -6,6 +6,7 @@ import pytest
 import torch
 from hypothesis import settings
 
+from ar_lab.course.checkers.claims import MODE_ENV as CLAIMS_MODE
 from ar_lab.course.grading import jail
 from ar_lab.model.gpt import GPT, GPTConfig
 
@@ -22,6 +23,12 @@ if not jail.available() and jail.enabled():
         file=sys.stderr,
     )
     os.environ[jail.OPT_OUT] = "off"
+
+
+# Every notebook the tests run holds its claims strictly (a false one fails the cell); a learner's
+# kernel does not stop on a timing claim (ar_lab.course.checkers.claims). The student Run All tests
+# run as a learner does (tests/test_exercises.py).
+os.environ.setdefault(CLAIMS_MODE, "strict")
 
 
 # Appendix A1 times a neighbour it starts itself: beside another test process its quiet baseline is

@@ -2,6 +2,7 @@
 
 import time
 
+import nbformat
 import pytest
 import torch
 
@@ -104,6 +105,58 @@ def test_a_planted_false_claim_fails_the_notebook_tests_with_its_name(tmp_path):
     assert outcomes[:-1] == [[]] * (len(outcomes) - 1), run.stdout[-2000:]  # the honest copy passes
     assert run.returncode != 0 and outcomes[-1] == ["failure"], run.stdout[-2000:]
     assert "ClaimFailed" in run.stdout and name in run.stdout, run.stdout[-2000:]
+
+
+# --- two audiences: the tests' strict kernels and a learner's ------------------------------------
+
+
+def test_a_learners_kernel_shows_a_false_timing_claim_as_a_caveat_and_goes_on(monkeypatch):
+    """Not strict (a learner's kernel): a noisy claim that does not hold shows a caveat naming it
+    and what was measured, and returns; a claim about logic still raises; so does anything in the
+    tests' strict mode."""
+    from ar_lab.course.checkers import claims
+
+    shown = []
+    monkeypatch.setattr(claims, "say", shown.append)
+    monkeypatch.delenv(claims.MODE_ENV, raising=False)
+    assert not claims.strict()
+    claim("the cache is faster", False, "1.2 ms vs 1.1 ms", noisy=True)  # no raise
+    assert len(shown) == 1 and "Not on this machine, this time" in shown[0]
+    assert "the cache is faster" in shown[0] and "1.2 ms vs 1.1 ms" in shown[0]
+    with pytest.raises(ClaimFailed, match="'the cache changes no token'"):
+        claim("the cache changes no token", False)  # logic: stops the notebook
+    sides = {"small": lambda: spin(0.001), "large": lambda: spin(0.004)}
+    timed = timed_claim("large is faster", sides, lambda t: t["large"] < t["small"], rounds=3,
+                        budget_s=0, device="cpu")
+    assert timed.median("large") > timed.median("small")  # the measurement comes back
+    assert len(shown) == 2 and "'large is faster'" not in shown[1] and "large is faster" in shown[1]
+    monkeypatch.setenv(claims.MODE_ENV, "strict")
+    with pytest.raises(ClaimFailed, match="'the cache is faster'"):
+        claim("the cache is faster", False, noisy=True)
+    with raises(BadType, "noisy"):
+        claim("the cache is faster", True, noisy="yes")
+
+
+def test_the_tests_run_notebooks_strictly_and_the_student_run_all_as_a_learner(tmp_path):
+    """conftest.py makes every kernel the tests start strict; the student Run All's kernel is a
+    learner's: a false timing claim there shows its caveat and the next cell runs."""
+    import os
+
+    from ar_lab.course.checkers.claims import MODE_ENV
+    from tests.test_exercises import run_all
+
+    assert os.environ[MODE_ENV] == "strict"
+    nb = nbformat.v4.new_notebook(cells=[
+        nbformat.v4.new_code_cell(
+            "from ar_lab.course.checkers.claims import claim\n"
+            "claim('the cache is faster', False, '2 ms vs 1 ms', noisy=True)"
+        ),
+        nbformat.v4.new_code_cell("print('the lesson goes on')"),
+    ])
+    done = run_all(nb, tmp_path, timeout=120)
+    shown = str(done.cells[0].outputs)
+    assert "Not on this machine, this time" in shown and "2 ms vs 1 ms" in shown
+    assert done.cells[1].outputs[0]["text"] == "the lesson goes on\n"
 
 
 # --- timing claims: measured in turns, re-measured while undecided --------------------------------

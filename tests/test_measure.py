@@ -364,11 +364,14 @@ def test_a_captured_pass_keeps_the_buffers_it_replays_on(monkeypatch):
     assert torch.isnan(filler).all(), "a replay wrote into memory it does not own"
 
 
-@pytest.mark.parametrize(("capability", "dtype"), [((7, 5), torch.float16), ((8, 0), torch.bfloat16),
-                                                   ((9, 0), torch.bfloat16)])
+@pytest.mark.parametrize(
+    ("capability", "dtype"),
+    [((7, 5), torch.float16), ((8, 0), torch.bfloat16), ((9, 0), torch.bfloat16)],
+)
 def test_a_gpu_without_bf16_tensor_cores_measures_in_fp16(monkeypatch, capability, dtype):
-    """A T4 (7.5) or a V100 (7.0) has fp16 tensor cores and none for bf16: its roofs are measured in
-    fp16; Ampere (8.0) and later in bf16. (A fake GPU: the capability is what torch would report.)"""
+    """A T4 (7.5) or a V100 (7.0) has fp16 tensor cores and none for bf16: its roofs are measured
+    in fp16; Ampere (8.0) and later in bf16. (A fake GPU: the capability is what torch would
+    report.)"""
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
