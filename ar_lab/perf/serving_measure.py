@@ -16,7 +16,7 @@ import torch
 
 from ar_lab.base.args import positive_int
 from ar_lab.base.errors import BadType, BadValue, ContextFull
-from ar_lab.base.timing import interleaved, synchronize
+from ar_lab.base.timing import interleaved, steady_clock, synchronize
 from ar_lab.engine.decoder import ForwardDecoder
 from ar_lab.engine.generate import generate
 from ar_lab.engine.prefix_cache import PrefixCache
@@ -178,12 +178,14 @@ def decode_throughput(
 
     Each repeat runs ``steps`` decode steps per batch size (``decode_step_runs``), the batch sizes
     taking turns (``ar_lab.base.timing.interleaved``) so a load change on the machine hits them
-    alike. Medians are reported.
+    alike, on the steady clock (``steady_clock``: one thread's CPU time, which another process
+    cannot inflate by taking the CPU away). Medians are reported.
     """
     positive_int("repeats", repeats)
     runs = decode_step_runs(model, batch_sizes, context=context, steps=steps)
     # 1 round warms up
-    times = interleaved(runs, repeats, warmup=1, clock=time.perf_counter, device=model.device)
+    clock = steady_clock(model.device)
+    times = interleaved(runs, repeats, warmup=1, clock=clock, device=model.device)
     out = []
     for b in batch_sizes:
         step = statistics.median(t / steps for t in times[b])
