@@ -23,13 +23,13 @@ def small_model():
 
 @needs_hf
 def test_decode_benchmark_structure_and_identical_tokens(small_model):
-    res = decode_benchmark(
-        small_model, tokens=12, repeats=2, uncached_repeats=1, prompt="ab", threads=1
+    res = decode_benchmark(  # (the compiled column: tests/test_compiled.py, a model compiled there)
+        small_model, tokens=12, repeats=2, uncached_repeats=1, prompt="ab", threads=1,
+        compiled=False,
     )
     runs = res["runs"]
     assert set(runs) == {
         "ar_lab cached",
-        "ar_lab cached, compiled",
         "ar_lab cached, forward()",
         "ar_lab uncached",
         "transformers generate",
@@ -45,7 +45,6 @@ def test_decode_benchmark_structure_and_identical_tokens(small_model):
     assert runs["ar_lab uncached"]["positions"] == N * P + N * (N - 1) // 2
     assert (
         runs["ar_lab cached"]["forward_calls"]
-        == runs["ar_lab cached, compiled"]["forward_calls"]
         == runs["ar_lab cached, forward()"]["forward_calls"]
         == N
     )
@@ -66,17 +65,13 @@ def test_decode_benchmark_structure_and_identical_tokens(small_model):
     assert r["lean_vs_forward"] == pytest.approx(
         runs["ar_lab cached, forward()"]["median_s"] / runs["ar_lab cached"]["median_s"]
     )
-    compiled = runs["ar_lab cached, compiled"]["median_s"]
-    assert r["compiled_vs_lean"] == pytest.approx(runs["ar_lab cached"]["median_s"] / compiled)
-    assert r["compiled_vs_transformers"] == pytest.approx(
-        runs["transformers generate"]["median_s"] / compiled
-    )
+    assert r["compiled_vs_lean"] is None and r["compiled_vs_transformers"] is None
     assert r["positions_uncached_vs_cached"] == pytest.approx(
         (N * P + N * (N - 1) // 2) / (P + N - 1)
     )
     floor = runs["weights only (floor)"]["median_s"]
     assert r["floor_ms_per_token"] == pytest.approx(1000 * floor / N)
-    assert r["compiled_over_floor"] == pytest.approx(compiled / floor)
+    assert "compiled_over_floor" not in r
     assert r["overhead_ms_per_token"]["ar_lab cached"] == pytest.approx(
         1000 * (runs["ar_lab cached"]["median_s"] - floor) / N
     )
@@ -88,8 +83,7 @@ def test_decode_benchmark_structure_and_identical_tokens(small_model):
     assert json.loads(json.dumps(res)) == res  # JSON-serialisable as written by --json
     table = format_decode_results(res)
     assert "transformers generate" in table and "ar_lab uncached" in table
-    assert "compiled step's time per token" in table and "ar_lab's compiled step vs" in table
-    assert "target 3x" in table
+    assert "ar_lab's lean step vs" in table and "target 3x" in table  # (no compiled run: the lean)
 
 
 @needs_hf

@@ -11,6 +11,7 @@ import torch
 
 from ar_lab import generate
 from ar_lab.base.errors import BadType, BadValue
+from ar_lab.bench.decode import decode_benchmark, format_decode_results
 from ar_lab.engine.compiled import CompiledDecoder, CompileUnavailable, compiled_step
 from ar_lab.engine.kv_quant import Int8KVCache
 from ar_lab.engine.lean import LeanGPT, NotLean
@@ -19,9 +20,9 @@ from ar_lab.model.cache import KVCache
 from ar_lab.model.gpt import GPT, GPTConfig
 from tests.raising import raises
 
-TINY = dict(vocab_size=257, block_size=24, n_layer=2, n_head=4, n_embd=32)
+TINY = dict(vocab_size=257, block_size=24, n_layer=1, n_head=4, n_embd=32)
 # RoPE at a symbolic position, RMSNorm, SwiGLU, grouped heads and a window with sinks (GPT-2's block
-# compiles in tests/test_bench_decode.py, with the same tokens asserted)
+# compiles in appendix A1, its logits checked against the eager step's)
 MODERN = GPTConfig(
     **TINY, n_kv_heads=2, norm="rmsnorm", positions="rope", mlp="swiglu", window=8, sinks=2
 )
@@ -60,16 +61,18 @@ def test_generate_with_compile_gives_the_lean_tokens(model, prompt):
 
 def test_an_edit_of_the_weights_is_what_the_next_compiled_step_computes_with(model):
     """The graph takes the parameters as inputs: an in-place edit and a swap of ``.data`` are seen
-    (a graph that froze them would keep the old tokens)."""
-    edited = GPT(model.config).eval()
-    edited.load_state_dict(model.state_dict())
-    before = generate(edited, [5, 6], 16, eos_id=None, compile=True).tokens
-    with torch.no_grad():
-        edited.blocks[0].mlp.fc.weight.mul_(-4.0)
-        edited.blocks[1].attn.qkv.weight.data = torch.randn_like(edited.blocks[1].attn.qkv.weight)
-    after = generate(edited, [5, 6], 16, eos_id=None, compile=True).tokens
-    assert after == generate(edited, [5, 6], 16, eos_id=None).tokens
-    assert after != before  # (the edit changes the tokens: the test can see a stale graph)
+    (a graph that froze them would keep the old tokens). The model is restored afterwards."""
+    saved = {k: v.clone() for k, v in model.state_dict().items()}
+    before = generate(model, [5, 6], 16, eos_id=None, compile=True).tokens
+    try:
+        with torch.no_grad():
+            model.blocks[0].mlp.fc.weight.mul_(-4.0)
+            model.blocks[0].attn.qkv.weight.data = torch.randn_like(model.blocks[0].attn.qkv.weight)
+        after = generate(model, [5, 6], 16, eos_id=None, compile=True).tokens
+        assert after == generate(model, [5, 6], 16, eos_id=None).tokens
+        assert after != before  # (the edit changes the tokens: the test can see a stale graph)
+    finally:
+        model.load_state_dict(saved)
 
 
 def test_other_stores_step_eagerly_with_their_own_arithmetic(model):
@@ -94,6 +97,21 @@ def test_bad_input_is_refused_before_any_compiling(model):
         CompiledDecoder(quantize_model(model, weights="int8"))
     with raises(NotLean, "model"):
         CompiledDecoder(torch.nn.Linear(2, 2))
+
+
+def test_the_decode_benchmark_times_the_compiled_step_beside_the_others(model):
+    """bench decode's compiled column: the same tokens as every other run (asserted inside), and its
+    ratios from the runs' medians."""
+    res = decode_benchmark(model, tokens=8, repeats=2, uncached_repeats=0, prompt="ab", threads=1,
+                           peer=False)
+    runs, r = res["runs"], res["ratios"]
+    compiled = runs["ar_lab cached, compiled"]
+    assert compiled["forward_calls"] == 8 and len(compiled["seconds"]) == 2
+    assert r["compiled_vs_lean"] == pytest.approx(runs["ar_lab cached"]["median_s"]
+                                                  / compiled["median_s"])
+    assert r["compiled_over_floor"] == pytest.approx(compiled["median_s"]
+                                                     / runs["weights only (floor)"]["median_s"])
+    assert "compiled step's time per token" in format_decode_results(res)
 
 
 def test_a_missing_compiler_is_one_clear_error_and_a_fallback_only_when_asked():

@@ -87,6 +87,12 @@ WRONG = {  # the slip, written out -> a fragment of the mistake's name in the ve
         ),
         f"the total of all {roofline_checks.RATE_REPEATS} calls",
     ),
+    # all three arrays allocated and counted, a slice of them timed: a cache-resident buffer
+    "a buffer the caches hold": (
+        wrong("fastest(lambda: torch.add(a, b, out=c), repeats)",
+              "fastest(lambda: torch.add(a[:4096], b[:4096], out=c[:4096]), repeats)"),
+        "a buffer the CPU's caches hold",
+    ),
     "a rate, not a pair": (
         wrong("return 3 * a.nbytes, fastest(", "return 3 * a.nbytes / fastest("),
         "one number (a rate?) instead of the pair",
@@ -122,7 +128,8 @@ def test_a_rate_far_off_is_named_only_where_a_slip_explains_it():
         for m, (lo, hi) in mistakes.items()
         if lo <= ratio <= hi
     ]
-    assert len(named) == 2 and "milliseconds" in named[0] and "total" in named[1]
+    assert len(named) == 3 and "milliseconds" in named[0] and "total" in named[1]
+    assert "caches hold" in named[2]  # 10x: faster than memory on the same arrays
     assert any("synchronize" in m for m in roofline_checks.rate_mistakes(torch.device("cuda")))
 
 
