@@ -141,7 +141,7 @@ def compiled_step(model, *, fallback: bool = False) -> CompiledStep:
         raise BadType(f"fallback must be True or False, got {fallback!r}", arg="fallback")
     key = id(model)
     found = _steps.get(key)
-    if found is not None and found.engine.model is model and found.compiled:
+    if found is not None and found.engine.model is model:  # (only compiled steps are kept)
         _steps.move_to_end(key)
         return found
     made = CompiledStep(model, fallback=fallback)

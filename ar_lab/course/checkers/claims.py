@@ -6,13 +6,14 @@ is the figure), and ``claim`` asserts a comparative statement right after its me
 with bounds wide enough for a noisy 2-core machine. When a claim stops being true, the cell
 raises ``ClaimFailed`` naming it, and the notebook tests (nbval) fail on that cell.
 
+``timed_claim`` is ``claim`` for timings: it times the sides itself, in turns, and times them
+again while a busy machine leaves the verdict open, so another process delays a verdict
+instead of deciding it.
+
 A claim has two audiences. The tests run the notebooks with ``AR_LAB_CLAIMS=strict``: every
 false claim fails. A learner's kernel is not strict: a claim about logic still stops the
 notebook, but one whose verdict rests on timings (``noisy=True``, and every ``timed_claim``)
 shows a caveat instead, so a busy machine does not end a lesson.
-``timed_claim`` is ``claim`` for timings: it times the sides itself, in turns, and times them
-again while a busy machine leaves the verdict open, so another process delays a verdict
-instead of deciding it.
 """
 
 from __future__ import annotations

@@ -170,9 +170,12 @@ def probe_result(what: str, got) -> tuple[int, float]:
     return int(count), float(seconds)
 
 
-def rate_mistakes(device: torch.device) -> dict[str, tuple[float, float]]:
+def rate_mistakes(
+    device: torch.device, kind: str = "bandwidth"
+) -> dict[str, tuple[float, float]]:
     """What a probe's rate over ar_lab's rate is, roughly, with a slip of the timing: {slip: (low,
-    high)}."""
+    high)}. ``kind``: "bandwidth" or "FLOP/s" (only a stream probe reads a buffer the caches
+    hold)."""
     out = {
         "seconds read as milliseconds (the time x 1,000)": (1e-3 / 2.5, 1e-3 * 2.5),
         # a busy moment adds to a total, never to the fastest call: the total lands at or below 1 /
@@ -186,7 +189,7 @@ def rate_mistakes(device: torch.device) -> dict[str, tuple[float, float]]:
         out[
             "the clock read before the GPU finished (call synchronize(device) before reading it)"
         ] = (RATE_FACTOR, math.inf)
-    else:
+    elif kind == "bandwidth":
         out[
             "a buffer the CPU's caches hold (fewer values than the n counted, or a slice of "
             "them): a roof read from cache, not memory; time all three arrays of n values"
@@ -201,8 +204,7 @@ def check_probe_rates(
     ``RATE_ROUNDS`` rounds on the same sizes; each side's fastest rate. Fails unless each ratio is
     within ``RATE_FACTOR`` (a CPU's bandwidth at most ``FAST_FACTOR`` above ar_lab's: the same
     arrays read no faster, a cache-resident buffer does), naming the slip a ratio outside points
-    to. Returns
-    {"bandwidth": ratio, "FLOP/s": ratio}.
+    to. Returns {"bandwidth": ratio, "FLOP/s": ratio}.
 
     On a CPU both sides run on one thread, whatever the kernel chose (in the grading step the
     learner's probes run in their answer process, ar_lab's in the judge: each on one thread), and
@@ -243,7 +245,8 @@ def check_probe_rates(
         if 1 / RATE_FACTOR <= ratio <= top:
             continue
         what = f"{calls[name][0]}: your {name} is {ratio:.3g}x ar_lab's, timed in turns with it"
-        slip = next((s for s, (lo, hi) in rate_mistakes(device).items() if lo <= ratio <= hi), None)
+        slips = rate_mistakes(device, name).items()
+        slip = next((s for s, (lo, hi) in slips if lo <= ratio <= hi), None)
         detail = (
             f", which is what {slip} gives" if slip
             else f" (it should be within {1 / RATE_FACTOR:.2g}x to {top:g}x)"
