@@ -8,6 +8,7 @@ import torch
 
 from ar_lab.bench.__main__ import main
 from ar_lab.bench.quant import FORMATS, format_quant_results, quant_benchmark
+from ar_lab.bench.quant.benchmark import CALIBRATED
 from ar_lab.model.gpt import GPT, GPTConfig
 
 
@@ -25,9 +26,9 @@ def test_every_format_is_measured_and_predicted(result):
         "course model",
         "random-init large model",
     ]
-    for model in result["models"]:
+    for model, formats in zip(result["models"], [FORMATS + CALIBRATED, FORMATS], strict=True):
         rows = model["rows"]
-        assert list(rows) == list(FORMATS)
+        assert list(rows) == list(formats)
         b = {w: rows[w]["bytes_per_token"] for w in FORMATS}
         assert b["int4"] < b["int8"] < b["bf16"] < b["fp32"]
         p = {w: rows[w]["predicted_speedup"] for w in FORMATS}
@@ -44,6 +45,14 @@ def test_every_format_is_measured_and_predicted(result):
         0 <= course[w]["greedy_top1"] <= 1 and course[w]["bits_per_byte"] > 0 for w in FORMATS
     )
     assert "bits_per_byte" not in result["models"][1]["rows"]["fp32"]
+    for w in CALIBRATED:  # the same format as int4: the same bytes, the roofline's same prediction
+        assert course[w]["bytes_per_token"] == course["int4"]["bytes_per_token"]
+        assert course[w]["predicted_speedup"] == course["int4"]["predicted_speedup"]
+        share = course[w]["recovered_of_int4_loss"]
+        loss = course["int4"]["bits_per_byte"] - course["fp32"]["bits_per_byte"]
+        assert share == pytest.approx(
+            (course["int4"]["bits_per_byte"] - course[w]["bits_per_byte"]) / loss
+        )
 
 
 def test_int8_kv_cache_figures(result):
@@ -68,6 +77,8 @@ def test_the_report_names_every_column(result):
         "bits/byte",
         "accept T=1",
         "int4",
+        "int4 gptq",
+        "recovered by calibration",
     ):
         assert text in report
 

@@ -218,6 +218,16 @@ def _paged(res: dict) -> str:
     )
 
 
+def _calibrated(rows: dict) -> str:
+    """int4 by AWQ and GPTQ, where the results hold them (measured since 2026-12-07)."""
+    found = [(w, rows[w]) for w in ("int4 awq", "int4 gptq") if w in rows]
+    return "".join(
+        f", {r['bits_per_byte']:.3f} ({w}: {r['recovered_of_int4_loss']:.0%} of int4's loss "
+        "recovered)"
+        for w, r in found
+    )
+
+
 def _quant(res: dict) -> str:
     large = res["models"][-1]
     course = next(m for m in res["models"] if "bits_per_byte" in m["rows"]["fp32"])
@@ -239,7 +249,7 @@ def _quant(res: dict) -> str:
         f"{large['parameters'] / 1e6:.0f} M-parameter model, tokens/s over fp32: {speeds}: "
         f"measured/predicted {_span(ratios, '.2f')}. Course model: bits/byte{on} "
         f"{q['fp32']['bits_per_byte']:.3f} (fp32), {q['int8']['bits_per_byte']:.3f} (int8), "
-        f"{q['int4']['bits_per_byte']:.3f} (int4); top-1 agreement with fp32 "
+        f"{q['int4']['bits_per_byte']:.3f} (int4){_calibrated(q)}; top-1 agreement with fp32 "
         f"{q['int8']['greedy_top1']:.3f} (int8), {q['int4']['greedy_top1']:.3f} (int4); as "
         f"fp32's draft, greedy acceptance {q['int8']['acceptance_greedy']:.2f} (int8), "
         f"{q['int4']['acceptance_greedy']:.2f} (int4). int8 KV cache: "

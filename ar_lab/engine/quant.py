@@ -93,7 +93,7 @@ class QuantizedTensor:
                 arg="group_size",
             )
         if bits == 4:
-            _check_group_size(group, n_in)
+            check_group_size(group, n_in)
             low, high = int(q.min()), int(q.max())
             if low < -8 or high > 7:
                 raise BadValue(
@@ -155,7 +155,7 @@ def dequantize(qt: QuantizedTensor) -> torch.Tensor:
 
 
 # arg: the caller's argument it came from
-def _check_weight(weight, arg: str = "weight") -> torch.Tensor:
+def check_weight(weight, arg: str = "weight") -> torch.Tensor:
     name = {"weight": "weight", "linear": "linear.weight"}.get(arg, f"a weight of {arg}")
     if not isinstance(weight, torch.Tensor):
         raise BadType(f"{name} must be a torch.Tensor, got {type(weight).__name__}", arg=arg)
@@ -171,7 +171,7 @@ def _check_weight(weight, arg: str = "weight") -> torch.Tensor:
     return w
 
 
-def _scales(absmax: torch.Tensor, levels: int) -> torch.Tensor:
+def absmax_scales(absmax: torch.Tensor, levels: int) -> torch.Tensor:
     """absmax / levels, with 1 where that is 0 (an all-zero row or group, or one too small to
     divide). A NaN or inf absmax stays: the vector then dequantizes to NaN, never to a finite
     stand-in."""
@@ -183,17 +183,17 @@ def absmax_quantize(x: torch.Tensor, levels: int) -> tuple[torch.Tensor, torch.T
     """Symmetric quantization along the last dimension: scale = max|x| / levels (1 where that is 0),
     q = round(x / scale) in [-levels, levels] as int8. Returns q (same shape) and scale (one fewer
     dim). The one rule behind int8 weights (levels 127), int4 groups (7) and the int8 KV cache."""
-    scale = _scales(x.abs().amax(dim=-1), levels)
+    scale = absmax_scales(x.abs().amax(dim=-1), levels)
     return torch.round(x / scale[..., None]).clamp_(-levels, levels).to(torch.int8), scale
 
 
 def quantize_int8(weight: torch.Tensor) -> QuantizedTensor:
     """Symmetric int8, one scale per output row: scale = max|row| / 127, q = round(w / scale)."""
-    q, scale = absmax_quantize(_check_weight(weight), 127)  # (out, in), (out,)
+    q, scale = absmax_quantize(check_weight(weight), 127)  # (out, in), (out,)
     return QuantizedTensor(q, scale, 8, None)
 
 
-def _check_group_size(group_size, n_in: int) -> int:
+def check_group_size(group_size, n_in: int) -> int:
     if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 1:
         raise BadValue(f"group_size must be a positive int, got {group_size!r}", arg="group_size")
     if n_in % group_size:
@@ -207,16 +207,16 @@ def _check_group_size(group_size, n_in: int) -> int:
 def quantize_int4(weight: torch.Tensor, group_size: int = 32) -> QuantizedTensor:
     """Symmetric int4, one scale per row and group of ``group_size`` input columns: scale =
     max|group| / 7."""
-    w = _check_weight(weight)
+    w = check_weight(weight)
     out, n_in = w.shape
-    _check_group_size(group_size, n_in)
+    check_group_size(group_size, n_in)
     # (out, groups, size), (out, groups)
     q, scale = absmax_quantize(w.view(out, n_in // group_size, group_size), 7)
     return QuantizedTensor(q.view(out, n_in), scale, 4, group_size)
 
 
 def _quantize(weight: torch.Tensor, bits, group_size, arg: str = "weight") -> QuantizedTensor:
-    weight = _check_weight(weight, arg)  # ``arg``: the caller's argument the weight came from
+    weight = check_weight(weight, arg)  # ``arg``: the caller's argument the weight came from
     if bits == 8 and not isinstance(bits, bool):
         if group_size is not None:
             raise BadValue(
@@ -252,7 +252,7 @@ def quantization_error(
 ) -> QuantizationError:
     """The error of quantizing ``weight`` to ``bits`` (8: per row; 4: per group, ``group_size`` 32
     by default)."""
-    w = _check_weight(weight)
+    w = check_weight(weight)
     return error_between(w, _quantize(w, bits, group_size).dequantize())
 
 
@@ -495,7 +495,7 @@ def _own_quantized(quantizer, weight: torch.Tensor, bits: int, size: int | None)
     group_size)`` (int4) on a float32 copy of it, its ``(q, scale)`` checked as ``QuantizedTensor``
     checks them."""
     # a copy: a quantizer that writes into its input leaves the model alone
-    w = _check_weight(weight, "model").clone()
+    w = check_weight(weight, "model").clone()
     answer = quantizer(w) if bits == 8 else quantizer(w, size)
     if not (isinstance(answer, tuple) and len(answer) == 2):
         raise BadValue(

@@ -4,6 +4,7 @@ table (``format_quant_results``) and ``run``."""
 from __future__ import annotations
 
 import argparse
+import math
 from collections.abc import Callable
 
 import torch
@@ -17,10 +18,13 @@ from ar_lab.bench.table import format_table
 from ar_lab.model.evaluation import protocol_for
 
 FORMATS = ("fp32", "bf16", "int8", "int4")
+# int4 by the calibrated methods (ar_lab.engine.calibrated), the course model only: the same
+# format and kernels as round-to-nearest int4, other integers
+CALIBRATED = ("int4 awq", "int4 gptq")
 
 
 # bits/byte on the protocol's first window
-QUICK = {"tokens": 6, "repeats": 1, "quality_tokens": 6, "bpb_windows": 1}
+QUICK = {"tokens": 6, "repeats": 1, "quality_tokens": 6, "bpb_windows": 1, "calibration": 2}
 
 
 def add_options(p: argparse.ArgumentParser) -> None:
@@ -84,6 +88,14 @@ def measure_model(
 
     say(f"{label}: quantizing")
     models = {w: quantize_model(model, weights=w) for w in FORMATS}
+    if quality is not None:
+        from ar_lab.engine.calibrated import calibrated_model
+
+        for w in CALIBRATED:
+            say(f"{label}: calibrating {w}")
+            models[w] = calibrated_model(
+                model, w.split()[1], windows=quality["calibration"], length=256
+            )
     seconds = decode_times(models, prompt, tokens, repeats, lambda m: say(f"{label}: {m}"))
     context = len(prompt.encode()) + tokens // 2  # the mean position of a decode step
     rows = {}
@@ -109,6 +121,13 @@ def measure_model(
                 acceptance_greedy=accept.greedy,
                 acceptance_t1=accept.sampled_exact,
             )
+    if quality is not None:
+        from ar_lab.engine.calibrated import recovered
+
+        full, rtn = rows["fp32"]["bits_per_byte"], rows["int4"]["bits_per_byte"]
+        for w in CALIBRATED:
+            share = recovered(rtn, rows[w]["bits_per_byte"], full)
+            rows[w]["recovered_of_int4_loss"] = None if math.isnan(share) else share  # JSON
     cfg = model.config
     return {
         "label": label,
@@ -171,7 +190,9 @@ def quant_benchmark(
     source = "given"
     if course is None:
         course, source = course_model_or_random()
-    quality = dict(QUICK) if quick else {"quality_tokens": 32, "bpb_windows": None}
+    quality = (
+        dict(QUICK) if quick else {"quality_tokens": 32, "bpb_windows": None, "calibration": 16}
+    )
     say("kernels")
     shapes = ((64, 64),) if quick else ((1024, 256), (4096, 1024))
     result = {
@@ -275,12 +296,18 @@ def _model_lines(model: dict) -> list[str]:
                 f"{r['acceptance_t1']:.3f}",
             ]
         rows.append(row)
-    return [
+    lines = [
         f"{model['label']}: {model['parameters'] / 1e6:.1f} M parameters, mean context "
         f"{model['context']}",
         format_table(headers, rows),
-        "",
     ]
+    shares = {w: model["rows"].get(w, {}).get("recovered_of_int4_loss") for w in CALIBRATED}
+    if any(v is not None for v in shares.values()):
+        lines.append(
+            "int4's bits/byte lost to fp32, recovered by calibration (same format and kernels): "
+            + ", ".join(f"{w} {v:.0%}" for w, v in shares.items() if v is not None)
+        )
+    return [*lines, ""]
 
 
 def format_quant_results(res: dict) -> str:
