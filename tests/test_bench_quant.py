@@ -55,6 +55,16 @@ def test_every_format_is_measured_and_predicted(result):
         )
 
 
+def test_float_formats_are_scored_beside_the_integers(result):
+    from ar_lab.engine.float_formats import FORMATS as FLOAT_FORMATS
+
+    formats = result["formats"]
+    assert list(formats) == list(FLOAT_FORMATS)
+    assert formats["int4"]["bits_per_weight"] == formats["nvfp4"]["bits_per_weight"] == 4.5
+    assert all(r["bits_per_byte"] > 0 and r["relative_rms"] > 0 for r in formats.values())
+    assert "relative RMS error" in format_quant_results(result)
+
+
 def test_int8_kv_cache_figures(result):
     kv = result["kv_cache"]
     assert kv["nbytes"] == kv["formula_bytes"] and kv["nbytes"]["int8"] < kv["nbytes"]["fp32"] / 3

@@ -228,6 +228,18 @@ def _calibrated(rows: dict) -> str:
     )
 
 
+def _formats(res: dict) -> str:
+    """The floating-point formats' bits/byte, where the results hold them."""
+    f = res.get("formats")
+    if not f:
+        return ""
+    listed = ", ".join(
+        f"{name} {r['bits_per_byte']:.3f} ({r['bits_per_weight']:.2f} bits/weight)"
+        for name, r in f.items()
+    )
+    return f" Rounded to each format (quality only): {listed}."
+
+
 def _quant(res: dict) -> str:
     large = res["models"][-1]
     course = next(m for m in res["models"] if "bits_per_byte" in m["rows"]["fp32"])
@@ -252,7 +264,7 @@ def _quant(res: dict) -> str:
         f"{q['int4']['bits_per_byte']:.3f} (int4){_calibrated(q)}; top-1 agreement with fp32 "
         f"{q['int8']['greedy_top1']:.3f} (int8), {q['int4']['greedy_top1']:.3f} (int4); as "
         f"fp32's draft, greedy acceptance {q['int8']['acceptance_greedy']:.2f} (int8), "
-        f"{q['int4']['acceptance_greedy']:.2f} (int4). int8 KV cache: "
+        f"{q['int4']['acceptance_greedy']:.2f} (int4).{_formats(res)} int8 KV cache: "
         f"{kv['nbytes']['int8'] / kv['nbytes']['fp32']:.0%} of the fp32 cache's bytes"
     )
 

@@ -172,6 +172,19 @@ def kv_cache_figures(
     return out
 
 
+def format_figures(model, quality: dict, say) -> dict:
+    """Weights rounded to each format of ``ar_lab.engine.float_formats`` (FP8, NVFP4, MXFP4 beside
+    int8 and int4): bits per weight, relative RMS error, bits per byte of the course model."""
+    from ar_lab.engine.float_formats import formats_compared, rounded_model
+    from ar_lab.perf.quality import bits_per_byte
+
+    found = formats_compared(model)
+    for fmt, row in found.items():
+        say(f"formats: {fmt}")
+        row["bits_per_byte"] = bits_per_byte(rounded_model(model, fmt), _protocol(model, quality))
+    return found
+
+
 def quant_benchmark(
     course=None,
     large=None,
@@ -227,6 +240,7 @@ def quant_benchmark(
         quality_tokens=quality["quality_tokens"],
         say=say,
     )
+    result["formats"] = format_figures(course, quality, say)
     if large is not None:
         result["models"].append(
             measure_model(
@@ -337,6 +351,19 @@ def format_quant_results(res: dict) -> str:
         lines += _streamed_kernel_lines(streamed)
     for model in res["models"]:
         lines += _model_lines(model)
+    formats = res.get("formats")  # measured since 2026-12-07
+    if formats:
+        rows = [
+            [f, *(f"{r[k]:.{d}f}" for k, d in (("bits_per_weight", 2), ("relative_rms", 4),
+                                              ("bits_per_byte", 4)))]
+            for f, r in formats.items()
+        ]
+        lines += [
+            "the course model's block weights rounded to each format (fake quantization, fp32 "
+            "arithmetic: quality only)",
+            format_table(["format", "bits/weight", "relative RMS error", "bits/byte"], rows),
+            "",
+        ]
     kv = res["kv_cache"]
     nb, tps = kv["nbytes"], kv["tokens_per_s"]
     lines += [
