@@ -220,24 +220,17 @@ def _paged(res: dict) -> str:
 
 def _calibrated(rows: dict) -> str:
     """int4 by AWQ and GPTQ, where the results hold them (measured since 2026-12-07)."""
-    found = [(w, rows[w]) for w in ("int4 awq", "int4 gptq") if w in rows]
     return "".join(
-        f", {r['bits_per_byte']:.3f} ({w}: {r['recovered_of_int4_loss']:.0%} of int4's loss "
-        "recovered)"
-        for w, r in found
+        f", {rows[w]['bits_per_byte']:.3f} ({w}: {rows[w]['recovered_of_int4_loss']:.0%} of "
+        "int4's loss recovered)" for w in ("int4 awq", "int4 gptq") if w in rows
     )
 
 
 def _formats(res: dict) -> str:
     """The floating-point formats' bits/byte, where the results hold them."""
-    f = res.get("formats")
-    if not f:
-        return ""
-    listed = ", ".join(
-        f"{name} {r['bits_per_byte']:.3f} ({r['bits_per_weight']:.2f} bits/weight)"
-        for name, r in f.items()
-    )
-    return f" Rounded to each format (quality only): {listed}."
+    listed = ", ".join(f"{name} {r['bits_per_byte']:.3f} ({r['bits_per_weight']:.2f} bits/weight)"
+                       for name, r in res.get("formats", {}).items())
+    return f" Rounded to each format (quality only): {listed}." if listed else ""
 
 
 def _quant(res: dict) -> str:
