@@ -17,12 +17,14 @@ from ar_lab.engine.calibrated import (
     awq_scales,
     awq_search,
     calibrated_model,
+    calibration_inputs,
     calibration_stats,
     clip_search,
     gptq_quantize,
     layer_names,
     output_error,
     recovered,
+    stats_of,
 )
 from ar_lab.engine.calibrated import _fold as fold
 from ar_lab.engine.quant import QuantizedLinear, quantize_int4
@@ -156,6 +158,34 @@ def test_calibrated_models_quantize_every_block_layer(kind):
     want = gptq_quantize(dict(model.named_modules())[last].weight, stats[last].hessian, 32)
     assert torch.equal(dict(q.named_modules())[last].quantized().q, want.q)
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+
+
+def test_functions_of_ones_own_take_the_package_s_place():
+    model = model_of("gpt2")
+    text = torch.randint(0, 257, (2000,))
+    seen = []
+
+    def my_gptq(w, x, group_size, damp):
+        seen.append(x.shape)
+        qt = gptq_quantize(w, stats_of(x).hessian, group_size, damp=damp)
+        return qt.q, qt.scale
+
+    ours = calibrated_model(model, "gptq", tokens=text, windows=4, length=64)
+    theirs = calibrated_model(model, "gptq", tokens=text, windows=4, length=64, gptq=my_gptq)
+    assert seen[0] == (4 * 64, 64)  # each layer's input rows
+    for name in layer_names(model):
+        a, b = (dict(m.named_modules())[name].quantized() for m in (ours, theirs))
+        assert torch.equal(a.q, b.q)
+    ones = calibrated_model(model, "awq", tokens=text, windows=4, length=64,
+                            awq=lambda w, x, g, grid: torch.ones(w.shape[1]))
+    clipped = clip_search(model.blocks[0].attn.qkv.weight, stats_of(
+        calibration_inputs(model, text, windows=4, length=64)["blocks.0.attn.qkv"]).hessian, 32)
+    assert torch.equal(ones.blocks[0].attn.qkv.quantized().q, clipped.q)  # s = 1: the clip alone
+    with raises(BadValue, "awq"):
+        calibrated_model(model, "awq", tokens=text, windows=2, length=32,
+                         awq=lambda w, x, g, grid: torch.ones(3))
+    with raises(BadValue, "gptq"):
+        calibrated_model(model, "awq", gptq=my_gptq)
 
 
 def test_gptq_recovers_most_of_round_to_nearest_loss_on_the_course_model():

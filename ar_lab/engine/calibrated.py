@@ -114,23 +114,15 @@ def calibration_windows(
     return get_batch(tokens, windows, length, g)[0]
 
 
-def calibration_stats(
-    model: GPT, tokens: torch.Tensor | None = None, *, windows: int = 16, length: int = 256
-) -> dict[str, LayerStats]:
-    """Run ``model`` on calibration windows (``calibration_windows``) and measure every quantized
-    layer's input: {name: LayerStats}, names as ``layer_names`` gives them."""
+def _record_inputs(model: GPT, tokens, windows: int, length: int, record) -> None:
+    """Run ``model`` once on calibration windows, calling ``record(name, rows)`` with each quantized
+    layer's input rows (rows, in), in float32 as the model computes."""
     _check_model(model)
     x = calibration_windows(tokens, windows=windows, length=min(length, model.config.block_size))
     modules = dict(model.named_modules())
-    sums: dict[str, list] = {}
 
     def hook(name):
-        def record(_module, inputs, _output):
-            rows = inputs[0].detach().reshape(-1, inputs[0].shape[-1]).double()
-            h, a, n = sums.get(name, (0.0, 0.0, 0))
-            sums[name] = (h + rows.T @ rows, a + rows.abs().sum(0), n + rows.shape[0])
-
-        return record
+        return lambda _m, inputs, _out: record(name, inputs[0].detach().flatten(0, -2).float())
 
     handles = [modules[name].register_forward_hook(hook(name)) for name in layer_names(model)]
     try:
@@ -139,7 +131,9 @@ def calibration_stats(
     finally:
         for h in handles:
             h.remove()
-    stats = {name: LayerStats(h / n, a / n, n) for name, (h, a, n) in sums.items()}
+
+
+def _finite(stats: dict[str, LayerStats]) -> dict[str, LayerStats]:
     for name, s in stats.items():
         if not (bool(torch.isfinite(s.hessian).all()) and bool(torch.isfinite(s.mean_abs).all())):
             raise BadValue(
@@ -148,6 +142,39 @@ def calibration_stats(
                 arg="model",
             )
     return stats
+
+
+def stats_of(rows: torch.Tensor) -> LayerStats:
+    """H = mean x x^T and mean |x| per channel of input rows (rows, in), in float64."""
+    x = rows.double()
+    return LayerStats(x.T @ x / x.shape[0], x.abs().mean(0), x.shape[0])
+
+
+def calibration_inputs(
+    model: GPT, tokens: torch.Tensor | None = None, *, windows: int = 16, length: int = 256
+) -> dict[str, torch.Tensor]:
+    """Every quantized layer's input rows on calibration windows (``calibration_windows``):
+    {name: (windows x length, in) float32}, names as ``layer_names`` gives them."""
+    found: dict[str, torch.Tensor] = {}
+    _record_inputs(model, tokens, windows, length, lambda name, rows: found.update({name: rows}))
+    _finite({name: stats_of(rows) for name, rows in found.items()})
+    return found
+
+
+def calibration_stats(
+    model: GPT, tokens: torch.Tensor | None = None, *, windows: int = 16, length: int = 256
+) -> dict[str, LayerStats]:
+    """Run ``model`` on calibration windows (``calibration_windows``) and measure every quantized
+    layer's input: {name: LayerStats}, accumulated without keeping the rows."""
+    sums: dict[str, tuple] = {}
+
+    def record(name, rows):
+        x = rows.double()
+        h, a, n = sums.get(name, (0.0, 0.0, 0))
+        sums[name] = (h + x.T @ x, a + x.abs().sum(0), n + x.shape[0])
+
+    _record_inputs(model, tokens, windows, length, record)
+    return _finite({name: LayerStats(h / n, a / n, n) for name, (h, a, n) in sums.items()})
 
 
 def _check_model(model) -> None:
@@ -397,11 +424,15 @@ def awq_scales(
 
 def calibrated_model(
     model: GPT, method: str, *, tokens: torch.Tensor | None = None, group_size: int = 32,
-    windows: int = 16, length: int = 256, damp: float = 0.01, grid: int = 20,
+    windows: int = 16, length: int = 256, damp: float = 0.01, grid: int = 20, gptq=None, awq=None,
 ) -> GPT:
     """A NEW int4 model of ``model`` (left untouched) by ``method``: "rtn" (round to nearest,
     ``quantize_model``'s), "awq" or "gptq", calibrated on ``tokens`` (default: the course corpus's
-    training split; ``windows`` of ``length`` tokens). Same format, same kernels, same speed."""
+    training split; ``windows`` of ``length`` tokens). Same format, same kernels, same speed.
+
+    Functions of one's own (chapter 09b's learner passes theirs) in place of the package's, given
+    each layer's weight and calibration input rows x (rows, in): ``gptq(w, x, group_size, damp) ->
+    (q, scale)``; ``awq(w, x, group_size, grid) -> s``, the input-channel scales (in,)."""
     _check_model(model)
     if method not in METHODS:
         raise BadValue(f"method must be one of {METHODS}, got {method!r}", arg="method")
@@ -411,28 +442,53 @@ def calibrated_model(
             f"{group_size!r}",
             arg="group_size",
         )
+    own = {"gptq": gptq, "awq": awq}
+    for name, fn in own.items():
+        if fn is not None and (method != name or not callable(fn)):
+            raise BadValue(f"{name} must be a function, given with method={name!r}", arg=name)
     if method == "rtn":
         return quantize_model(model, weights="int4", group_size=group_size)
-    stats = calibration_stats(model, tokens, windows=windows, length=length)
-    names = layer_names(model)
+    fn, names = own[method], layer_names(model)
+    if fn is None:
+        inputs, stats = None, calibration_stats(model, tokens, windows=windows, length=length)
+    else:
+        inputs = calibration_inputs(model, tokens, windows=windows, length=length)
+        stats = {name: stats_of(rows) for name, rows in inputs.items()}
+    weights = {n: m.weight for n, m in model.named_modules() if n in stats}
     if method == "awq":
-        chosen = {k: v.scale for k, v in awq_scales(model, stats, group_size, grid=grid).items()}
+        if fn is None:
+            chosen = {k: v.scale for k, v in awq_scales(model, stats, group_size,
+                                                        grid=grid).items()}
+        else:
+            chosen = {n: _own_scale(fn(weights[n].detach().clone(), inputs[n], group_size, grid),
+                                    weights[n].shape[1])
+                      for n in names if _foldable(model, n)}
         model = copy.deepcopy(model)
         _fold(model, chosen)  # columns times s, the op before divided by s
-        weights = dict(model.named_modules())
-        found = [clip_search(weights[n].weight, scaled_hessian(stats[n], chosen.get(n)),
-                             group_size, grid=grid) for n in names]
-    else:
-        weights = dict(model.named_modules())
-        found = [gptq_quantize(weights[n].weight, stats[n].hessian, group_size, damp=damp)
-                 for n in names]
-    answers = iter(found)
+        weights = {n: m.weight for n, m in model.named_modules() if n in stats}
+        found = [clip_search(weights[n], scaled_hessian(stats[n], chosen.get(n)), group_size,
+                             grid=grid) for n in names]
+        answers = iter([(qt.q, qt.scale) for qt in found])
+    elif fn is None:
+        answers = iter([(qt.q, qt.scale) for qt in (
+            gptq_quantize(weights[n], stats[n].hessian, group_size, damp=damp) for n in names)])
+    else:  # quantize_model checks each answer as it checks any quantizer's
+        answers = iter([fn(weights[n].detach().clone(), inputs[n], group_size, damp)
+                        for n in names])
+    # quantize_model visits the layers in layer_names' order
+    return quantize_model(model, weights="int4", group_size=group_size,
+                          quantizer=lambda _w, _size: next(answers))
 
-    def take(w, size):  # quantize_model visits the layers in layer_names' order
-        qt = next(answers)
-        return qt.q, qt.scale
 
-    return quantize_model(model, weights="int4", group_size=group_size, quantizer=take)
+def _own_scale(s, n_in: int) -> torch.Tensor:
+    """A learner's AWQ scales, checked: (in,) finite and positive."""
+    if not isinstance(s, torch.Tensor) or tuple(s.shape) != (n_in,):
+        what = tuple(s.shape) if isinstance(s, torch.Tensor) else type(s).__name__
+        raise BadValue(f"awq must return the layer's {n_in} input-channel scales, got {what}",
+                       arg="awq")
+    if not bool(torch.isfinite(s).all()) or not bool((s > 0).all()):
+        raise BadValue("awq's scales must be finite and positive", arg="awq")
+    return s.detach().float()
 
 
 def recovered(rtn: float, method: float, full: float) -> float:
