@@ -80,20 +80,22 @@ PRESETS: dict[str, tuple[GPTConfig, list[TrainConfig]]] = {
     ),
     # The modern model: the course model's size, Llama-shaped (RMSNorm, RoPE, SwiGLU, two KV heads).
     # Rotary positions learn order from the first steps; phase 2 trains the full window (distances
-    # past 511 appear only there).
+    # past 511 appear only there). Both phases stop early: this block memorises the 419,577
+    # training tokens faster than GPT-2's (a 700-step phase 1 and a 250-step phase 2 left the
+    # validation loss rising from step 500 and step 50, at 1.276 nats in the end).
     "modern": (
         GPTConfig.modern(block_size=1024),
         [
             TrainConfig(
-                steps=700, batch_size=16, block_size=512, lr=3e-3, warmup_steps=30, eval_every=100
+                steps=450, batch_size=16, block_size=512, lr=3e-3, warmup_steps=30, eval_every=75
             ),
             TrainConfig(
-                steps=250,
+                steps=100,
                 batch_size=8,
                 block_size=1024,
-                lr=1e-3,
+                lr=5e-4,
                 warmup_steps=10,
-                eval_every=50,
+                eval_every=25,
                 seed=1343,
             ),
         ],
