@@ -283,6 +283,20 @@ FORBIDDEN: dict[str, tuple[str, ...]] = {
         "ar_lab.course.views.quant_view.quantize_groups",
         "ar_lab.course.views.quant_view.dequantize_groups",
     ),
+    # 09b_gptq_awq_and_small_floats.ipynb
+    "ch09-gptq": (
+        "ar_lab.engine.calibrated.gptq_quantize",
+        "ar_lab.engine.calibrated.calibrated_model",
+        "ar_lab.course.checkers.calibration_checks.gptq_mistakes",
+    ),
+    "ch09-awq": (
+        "ar_lab.engine.calibrated.awq_search",
+        "ar_lab.engine.calibrated.awq_scales",
+        "ar_lab.engine.calibrated.awq_candidate",
+        "ar_lab.engine.calibrated.awq_dequantized",
+        "ar_lab.engine.calibrated.calibrated_model",
+        "ar_lab.course.checkers.calibration_checks.awq_mistakes",
+    ),
     # 10_attention_as_engines_compute_it.ipynb
     "ch10-online-softmax": TILED + SOFTMAX,
     "ch10-split-decode": ATTENTION + TILED,

@@ -230,6 +230,12 @@ def hours(chapters: list[dict], n: int = CLASS, speedup: float = 1.0) -> float:
     )
 
 
+def _measured_on(data: dict, day: str) -> str:
+    """The notebooks whose rows were measured on ``day`` (``--update`` stamps its rows)."""
+    return ", ".join(f"`{r['notebook']}`" for r in data["chapters"]
+                     if r.get("date", "")[:10] == day)
+
+
 def table(data: dict) -> str:
     """The Markdown table INSTRUCTORS.md shows, from the JSON's data."""
     rows = data["chapters"]
@@ -260,6 +266,8 @@ def table(data: dict) -> str:
     ]
     lines.append("| " + " | ".join(["every chapter", "", "", *total]) + " |")
     m, par = data["machine"], data.get("parallel")
+    later = sorted({r["date"][:10] for r in data["chapters"] if r.get("date", data["date"])[:10]
+                    != data["date"][:10]})
     lines += [
         "",
         f"Measured {data['date'][:10]} on {m['cpus']} cores ({m['cpu']}), torch {m['torch']} "
@@ -273,7 +281,9 @@ def table(data: dict) -> str:
             if not timed
             else ""
         )
-        + ".",
+        + "."
+        + "".join(f" Rows measured later, on the same machine: {_measured_on(data, d)} on {d}."
+                  for d in later),
     ]
     if par:
         lines.append(
@@ -397,8 +407,9 @@ def main(argv: list[str] | None = None) -> int:
         )
         if args.update:  # the new rows (and parallel timing) into the JSON's
             old = json.loads(args.json.read_text())
+            today = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
             rows = {c["notebook"]: c for c in old["chapters"]} | {
-                c["notebook"]: c for c in data["chapters"]
+                c["notebook"]: {**c, "date": today} for c in data["chapters"]
             }
             data = old | ({"parallel": data["parallel"]} if "parallel" in data else {})
             data["chapters"] = sorted(rows.values(), key=lambda c: c["notebook"])

@@ -752,6 +752,55 @@ QUIZZES: dict[str, list[dict]] = {
             "overheads, not the ratio.",
         },
     ],
+    "09b": [
+        {
+            "q": "Two int4 copies of a layer have the same weight error ||W' - W||. Which one "
+            "should an engine prefer?",
+            "choices": [
+                "Either: the same weight error means the same damage to the model",
+                "The one with the smaller trace((W' - W) H (W' - W)^T), H = mean x x^T of its "
+                "inputs",
+                "The one whose errors fall on the smallest weights",
+            ],
+            "answer": 1,
+            "why": "The next layer sees y = W x, not W. An error along a direction the inputs "
+            "rarely take costs little; one that meets a loud channel costs a lot. H weighs them.",
+        },
+        {
+            "q": "GPTQ has rounded column i. What does it do with that column's rounding error?",
+            "choices": [
+                "Moves the columns not yet rounded to cancel it on the calibration inputs",
+                "Adds it to the column's bias",
+                "Spreads it evenly over the other weights of the same group",
+            ],
+            "answer": 0,
+            "why": "The later columns are re-fit by least squares with the rounded ones fixed: "
+            "e = (w_i - w^_i) / U_ii and W[:, i+1:] -= e U[i, i+1:], U the upper Cholesky "
+            "factor of the damped inverse H.",
+        },
+        {
+            "q": "AWQ multiplies input column c of W by s_c. What keeps the layer's function "
+            "the same, and what does it cost at inference?",
+            "choices": [
+                "Nothing needs to: the rounding absorbs the scale",
+                "A division of x by s, run before every product as an extra operation",
+                "x divided by s, folded into the operation that makes x (a norm's weight, the "
+                "value rows), so nothing extra runs",
+            ],
+            "answer": 2,
+            "why": "The division moves into the weights of the op before, exactly; where none "
+            "exists (after GELU) AWQ's code adds a scaling operation or leaves s = 1.",
+        },
+        {
+            "q": "At 8 bits a floating-point format (E4M3) stores these weights more precisely "
+            "than int8 with a scale per row.",
+            "choices": TF,
+            "answer": 1,
+            "why": "int8 has 255 even levels across the row; E4M3's 3 mantissa bits give about "
+            "6 % steps at every size. Chapter 09b measures int8's relative error below "
+            "E4M3's; FP8's case is tensor cores and activations' range.",
+        },
+    ],
     "10": [
         {
             "q": "Reading a row in chunks, the running maximum grows from m to m'. What happens "
