@@ -335,19 +335,19 @@ def my_quantize_int4(w, group_size):
     return qt.q, qt.scale
 """,
     "ch09-gptq": """
-from ar_lab.engine.calibrated import gptq_quantize, stats_of
+from ar_lab.engine.calibrated import gptq_quantize
 
 
-def my_gptq(w, x, group_size, damp):
-    qt = gptq_quantize(w, stats_of(x).hessian, group_size, damp=damp)
+def my_gptq(w, stats, group_size, damp):
+    qt = gptq_quantize(w, stats.hessian, group_size, damp=damp)
     return qt.q, qt.scale
 """,
     "ch09-awq": """
-from ar_lab.engine.calibrated import awq_search, stats_of
+from ar_lab.engine.calibrated import awq_search
 
 
-def my_awq_scales(w, x, group_size, grid):
-    return awq_search(w, stats_of(x), group_size, grid=grid).scale
+def my_awq_scales(w, stats, group_size, grid):
+    return awq_search(w, stats, group_size, grid=grid).scale
 """,
     "ch10-online-softmax": """
 def my_online_softmax(x, chunk):

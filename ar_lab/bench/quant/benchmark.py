@@ -24,7 +24,15 @@ CALIBRATED = ("int4 awq", "int4 gptq")
 
 
 # bits/byte on the protocol's first window
-QUICK = {"tokens": 6, "repeats": 1, "quality_tokens": 6, "bpb_windows": 1, "calibration": 2}
+# the whole protocol; calibration_stats' default 32,768 tokens
+FULL = {"quality_tokens": 32, "bpb_windows": None, "calibration": {"windows": 64, "length": 512}}
+QUICK = {
+    "tokens": 6,
+    "repeats": 1,
+    "quality_tokens": 6,
+    "bpb_windows": 1,
+    "calibration": {"windows": 2, "length": 64},
+}
 
 
 def add_options(p: argparse.ArgumentParser) -> None:
@@ -93,9 +101,7 @@ def measure_model(
 
         for w in CALIBRATED:
             say(f"{label}: calibrating {w}")
-            models[w] = calibrated_model(
-                model, w.split()[1], windows=quality["calibration"], length=256
-            )
+            models[w] = calibrated_model(model, w.split()[1], **quality["calibration"])
     seconds = decode_times(models, prompt, tokens, repeats, lambda m: say(f"{label}: {m}"))
     context = len(prompt.encode()) + tokens // 2  # the mean position of a decode step
     rows = {}
@@ -203,9 +209,7 @@ def quant_benchmark(
     source = "given"
     if course is None:
         course, source = course_model_or_random()
-    quality = (
-        dict(QUICK) if quick else {"quality_tokens": 32, "bpb_windows": None, "calibration": 16}
-    )
+    quality = dict(QUICK if quick else FULL)
     say("kernels")
     shapes = ((64, 64),) if quick else ((1024, 256), (4096, 1024))
     result = {

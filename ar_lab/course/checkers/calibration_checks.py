@@ -103,10 +103,11 @@ def _same_rounding(a: torch.Tensor, b: torch.Tensor, scale: torch.Tensor, group:
 
 
 def check_gptq(fn: Callable, seed: int = 0, hint: str = "") -> None:
-    """``fn(w, x, group_size, damp) -> (q, scale)`` is GPTQ, on a layer with loud input channels."""
+    """``fn(w, stats, group_size, damp) -> (q, scale)`` is GPTQ, on a layer with loud input
+    channels (``stats``: the ``LayerStats`` of its inputs)."""
     what = "my_gptq"
     w, x = layer_case(seed)
-    got = _run(what, fn, w.clone(), x.clone(), GROUP, DAMP, hint=hint)
+    got = _run(what, fn, w.clone(), stats_of(x), GROUP, DAMP, hint=hint)
     if not isinstance(got, tuple | list) or len(got) != 2:
         raise _verdict(what, f"expected a pair (q, scale), got {type(got).__name__}", hint)
     q, scale = got
@@ -172,11 +173,11 @@ def awq_mistakes(w: torch.Tensor, x: torch.Tensor, group: int = GROUP, grid: int
 
 
 def check_awq(fn: Callable, seed: int = 0, hint: str = "") -> None:
-    """``fn(w, x, group_size, grid) -> s`` finds AWQ's input-channel scales of least output
+    """``fn(w, stats, group_size, grid) -> s`` finds AWQ's input-channel scales of least output
     error."""
     what = "my_awq_scales"
     w, x = layer_case(seed)
-    s = _run(what, fn, w.clone(), x.clone(), GROUP, GRID, hint=hint)
+    s = _run(what, fn, w.clone(), stats_of(x), GROUP, GRID, hint=hint)
     check_shape(what, s, (w.shape[1],), hint)
     if not bool(torch.isfinite(s).all()) or not bool((s > 0).all()):
         raise _verdict(what, "the scales must be finite and positive", hint)
