@@ -17,16 +17,20 @@ def result():
     torch.manual_seed(0)
     course = GPT(GPTConfig(block_size=128, n_layer=2, n_head=2, n_embd=64)).eval()
     large = GPT(GPTConfig(block_size=64, n_layer=1, n_head=2, n_embd=128)).eval()
-    return quant_benchmark(course, large, tokens=4, repeats=2, quick=True)
+    modern = GPT(GPTConfig.modern(block_size=128, n_layer=1, n_head=4, n_kv_heads=2, n_embd=64))
+    return quant_benchmark(course, large, tokens=4, repeats=2, quick=True,
+                           extra=((modern.eval(), "modern model (random init)"),))
 
 
 def test_every_format_is_measured_and_predicted(result):
     assert json.loads(json.dumps(result)) == result
     assert [m["label"].split(" (")[0] for m in result["models"]] == [
         "course model",
+        "modern model",
         "random-init large model",
     ]
-    for model, formats in zip(result["models"], [FORMATS + CALIBRATED, FORMATS], strict=True):
+    every = [FORMATS + CALIBRATED, FORMATS + CALIBRATED, FORMATS]
+    for model, formats in zip(result["models"], every, strict=True):
         rows = model["rows"]
         assert list(rows) == list(formats)
         b = {w: rows[w]["bytes_per_token"] for w in FORMATS}
@@ -44,7 +48,7 @@ def test_every_format_is_measured_and_predicted(result):
     assert all(
         0 <= course[w]["greedy_top1"] <= 1 and course[w]["bits_per_byte"] > 0 for w in FORMATS
     )
-    assert "bits_per_byte" not in result["models"][1]["rows"]["fp32"]
+    assert "bits_per_byte" not in result["models"][2]["rows"]["fp32"]
     for w in CALIBRATED:  # the same format as int4: the same bytes, the roofline's same prediction
         assert course[w]["bytes_per_token"] == course["int4"]["bytes_per_token"]
         assert course[w]["predicted_speedup"] == course["int4"]["predicted_speedup"]

@@ -220,17 +220,20 @@ def _paged(res: dict) -> str:
 
 def _calibrated(rows: dict) -> str:
     """int4 by AWQ and GPTQ, where the results hold them (measured since 2026-12-07)."""
-    return "".join(
-        f", {rows[w]['bits_per_byte']:.3f} ({w}: {rows[w]['recovered_of_int4_loss']:.0%} of "
-        "int4's loss recovered)" for w in ("int4 awq", "int4 gptq") if w in rows
-    )
+    return "".join(f", {rows[w]['bits_per_byte']:.3f} ({w}: {rows[w]['recovered_of_int4_loss']:.0%}"
+                   " of int4's loss recovered)" for w in ("int4 awq", "int4 gptq") if w in rows)
 
 
-def _formats(res: dict) -> str:
-    """The floating-point formats' bits/byte, where the results hold them."""
+def _extras(res: dict) -> str:
+    """The modern model's int4 and the floating-point formats' bits/byte, where the results hold
+    them (measured since 2026-12-07)."""
+    m = next((m["rows"] for m in res["models"] if m["label"].startswith("modern")), None)
+    bpb = {} if m is None else {k: f"{m[k]['bits_per_byte']:.3f}" for k in ("fp32", "int4")}
+    modern = (f" Modern model: bits/byte {bpb['fp32']} (fp32), {bpb['int4']} (int4)"
+              f"{_calibrated(m)}." if bpb else "")
     listed = ", ".join(f"{name} {r['bits_per_byte']:.3f} ({r['bits_per_weight']:.2f} bits/weight)"
                        for name, r in res.get("formats", {}).items())
-    return f" Rounded to each format (quality only): {listed}." if listed else ""
+    return modern + (f" Rounded to each format (quality only): {listed}." if listed else "")
 
 
 def _quant(res: dict) -> str:
@@ -257,7 +260,7 @@ def _quant(res: dict) -> str:
         f"{q['int4']['bits_per_byte']:.3f} (int4){_calibrated(q)}; top-1 agreement with fp32 "
         f"{q['int8']['greedy_top1']:.3f} (int8), {q['int4']['greedy_top1']:.3f} (int4); as "
         f"fp32's draft, greedy acceptance {q['int8']['acceptance_greedy']:.2f} (int8), "
-        f"{q['int4']['acceptance_greedy']:.2f} (int4).{_formats(res)} int8 KV cache: "
+        f"{q['int4']['acceptance_greedy']:.2f} (int4).{_extras(res)} int8 KV cache: "
         f"{kv['nbytes']['int8'] / kv['nbytes']['fp32']:.0%} of the fp32 cache's bytes"
     )
 

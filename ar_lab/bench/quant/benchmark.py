@@ -200,9 +200,11 @@ def quant_benchmark(
     prompt: str = "Python ",
     quick: bool = False,
     progress: Callable[[str], None] | None = None,
+    extra: tuple = (),
 ) -> dict:
     """The measurements (returns data, prints nothing): kernels, then each model's formats side by
-    side."""
+    side. ``extra``: (model, label) pairs of further trained models, measured as the course model is
+    (quality and calibrated int4 included), after it."""
     positive_int("tokens", tokens, 2)
     positive_int("repeats", repeats)
     say = progress or (lambda _m: None)
@@ -245,6 +247,9 @@ def quant_benchmark(
         say=say,
     )
     result["formats"] = format_figures(course, quality, say)
+    for model, label in extra:
+        result["models"].append(measure_model(model, label, tokens=tokens, repeats=repeats,
+                                              prompt=prompt, quality=quality, say=say))
     if large is not None:
         result["models"].append(
             measure_model(
@@ -386,6 +391,16 @@ def format_quant_results(res: dict) -> str:
     return "\n".join(lines)
 
 
+def _modern(quick: bool) -> tuple:
+    """The modern checkpoint, measured beside the course model when it is there (not with
+    --quick)."""
+    from ar_lab.model.train.presets import checkpoint_path, load_pretrained
+
+    if quick or not checkpoint_path("modern").exists():
+        return ()
+    return ((load_pretrained("modern", "cpu"), "modern model (data/modern.safetensors)"),)
+
+
 def run(args: argparse.Namespace) -> dict:
     """The command: options checked first, then the measurements, then the report."""
     from ar_lab.model.gpt import GPTConfig
@@ -417,6 +432,7 @@ def run(args: argparse.Namespace) -> dict:
             repeats=repeats,
             quick=args.quick,
             progress=lambda m: print("  " + m, flush=True),
+            extra=_modern(args.quick),
         )
     print()
     print(format_quant_results(res))
