@@ -36,8 +36,9 @@ second product keeps scale 1 (GELU(x / s) is not GELU(x) / s; AWQ's code divides
 output there instead, an extra operation). Then AWQ's second search (``clip_search``): each row's
 group takes the clipping ratio of its absmax, in [0.5, 1], of least error on its own inputs, since
 a slightly smaller scale rounds the many small weights finer at the cost of clipping the few large
-ones. With alpha 0 and ratio 1 everywhere AWQ is round-to-nearest, so its layer error is never
-above it.
+ones. Alpha 0 and ratio 1 (round to nearest) are candidates of both searches, so neither chooses
+worse than round to nearest on what it measures: the layer's output error for alpha, each group's
+error on its own inputs for the ratio (which leaves out the groups' cross terms).
 """
 
 from __future__ import annotations

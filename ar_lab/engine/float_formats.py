@@ -34,7 +34,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ar_lab.base.errors import BadValue
+from ar_lab.base.errors import BadType, BadValue
 from ar_lab.engine.quant import check_weight, quantize_int4, quantize_int8
 from ar_lab.model.gpt import GPT
 
@@ -112,6 +112,7 @@ def nvfp4(weight: torch.Tensor, block: int = 16) -> Rounded:
 
 def rounded(weight: torch.Tensor, fmt: str) -> Rounded:
     """``weight`` in format ``fmt`` (one of ``FORMATS``)."""
+    weight = check_weight(weight)
     if fmt == "int8":
         return Rounded(quantize_int8(weight).dequantize(), 8 + 16 / weight.shape[1])
     if fmt == "int4":
@@ -129,7 +130,7 @@ def rounded_model(model: GPT, fmt: str) -> GPT:
     from ar_lab.engine.calibrated import layer_names
 
     if not isinstance(model, GPT):
-        raise BadValue(f"model must be a GPT, got {type(model).__name__}", arg="model")
+        raise BadType(f"model must be a GPT, got {type(model).__name__}", arg="model")
     new = copy.deepcopy(model).float()
     layers = dict(new.named_modules())
     with torch.no_grad():

@@ -796,9 +796,9 @@ QUIZZES: dict[str, list[dict]] = {
             "than int8 with a scale per row.",
             "choices": TF,
             "answer": 1,
-            "why": "int8 has 255 even levels across the row; E4M3's 3 mantissa bits give about "
-            "6 % steps at every size. Chapter 09b measures int8's relative error below "
-            "E4M3's; FP8's case is tensor cores and activations' range.",
+            "why": "int8 has 255 even levels across the row; E4M3's 3 mantissa bits space its "
+            "values 6 to 12.5 % apart at every size. Chapter 09b measures int8's relative "
+            "error below E4M3's; FP8's case is tensor cores and activations' range.",
         },
     ],
     "10": [
