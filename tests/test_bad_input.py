@@ -1607,6 +1607,8 @@ COMMANDS = [
     Command(BENCH, ["serving", "--prefix-tokens", "0"], "prefix_tokens"),
     Command(BENCH, ["serving", "--repeats", "0"], "repeats"),
     Command(BENCH, ["serving", "--threads", "0"], "--threads"),
+    Command(BENCH, ["serving", "--chunks", "64,x"], "--chunks"),
+    Command(BENCH, ["serving", "--chunks", "0"], "chunks"),
     Command(BENCH, ["speculative", "--gammas", "0"], "gammas"),
     Command(BENCH, ["speculative", "--tokens", "0"], "tokens"),
     Command(BENCH, ["speculative", "--prompts", "0"], "prompts"),

@@ -133,9 +133,13 @@ def test_serving_benchmark_returns_data_and_prints_nothing(model_128, capsys):
         batch_sizes=(1, 2),
         context=16,
         prefix_tokens=32,
+        chunks=(16,),
     )
     assert capsys.readouterr().out == ""
     assert set(res["policies"]) == {"static", "continuous"} and res["workload"]["requests"] == 4
+    chunked = res["chunked"]
+    assert [r["chunk"] for r in chunked["rows"]] == [None, 16] and chunked["document"] == 96
+    assert chunked["identical_outputs"] == chunked["requests"] == 16
     one, two = res["batch_sweep"]
     assert (one["batch"], two["batch"]) == (1, 2) and one["x_batch_1"] == 1.0
     # read once per step
@@ -144,6 +148,7 @@ def test_serving_benchmark_returns_data_and_prints_nothing(model_128, capsys):
     assert json.loads(json.dumps(res)) == res
     report = format_serving_results(res)
     assert "continuous / static" in report and "prefix cache: 32-token static prefix" in report
+    assert "chunked prefill: 16 requests, every 4th a 96-position document" in report
 
 
 def test_selfspec_benchmark_widens_drafts_and_times_the_verify_pass(capsys):

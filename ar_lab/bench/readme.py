@@ -21,6 +21,7 @@ from pathlib import Path
 
 from ar_lab.base.errors import BadValue
 from ar_lab.bench.decode import CACHED, COMPILED, PEER
+from ar_lab.bench.serving import serving_summary
 
 # name -> what the benchmark compares (the table's second column)
 COMPARES = {
@@ -48,7 +49,7 @@ COMPARES = {
     "plain, on prompts that repeat their context and on fresh text; ar_lab's lookup vs "
     "`transformers`' `prompt_lookup_num_tokens` (same weights, identical tokens asserted)",
     "serving": "continuous vs static batching on a mixed workload; tokens/s vs batch size; "
-    "prefix cache",
+    "prefix cache; chunked prefill's inter-token gaps",
     "paged": "KV memory in contiguous max-length slots vs paged blocks on a mixed workload "
     "(identical tokens asserted): memory reserved vs used, requests at once in a fixed budget, "
     "the cost per step of the bookkeeping and gather; Llama-3-8B on an 80 GB GPU",
@@ -192,17 +193,6 @@ def _lookup(res: dict) -> str:
     return "; ".join(parts)
 
 
-def _serving(res: dict) -> str:
-    s, c = res["policies"]["static"], res["policies"]["continuous"]
-    last, p = res["batch_sweep"][-1], res["prefix"]
-    return (
-        f"continuous {c['tokens_per_s'] / s['tokens_per_s']:.2f}× the tokens/s of static and "
-        f"{s['mean_latency_s'] / c['mean_latency_s']:.1f}× lower mean latency; batch "
-        f"{last['batch']} gives {last['x_batch_1']:.1f}× the tokens/s of batch 1; a reused "
-        f"{p['prefix_tokens']}-token prefix cuts time to first token {p['speedup']:.1f}×"
-    )
-
-
 def _paged(res: dict) -> str:
     runs, s = res["runs"], res["scale_up"]
     c, p = runs["contiguous"], runs["paged"]
@@ -291,7 +281,7 @@ ROWS: dict[str, Callable[[dict], str]] = {
     "speculative": _speculative,
     "selfspec": _selfspec,
     "lookup": _lookup,
-    "serving": _serving,
+    "serving": serving_summary,
     "paged": _paged,
     "quant": _quant,
 }

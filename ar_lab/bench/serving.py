@@ -1,4 +1,5 @@
-"""Chapter 08's benchmark: static vs continuous batching, tokens/s vs batch size, prefix-cache TTFT.
+"""Chapter 08's benchmark: static vs continuous batching, tokens/s vs batch size, prefix-cache TTFT,
+chunked prefill's inter-token gaps.
 
 Real runs of the model, each comparison side by side in one process.
 """
@@ -65,6 +66,11 @@ def add_options(p: argparse.ArgumentParser) -> None:
         default=800,
         help="shared static prefix for the TTFT test (800)",
     )
+    p.add_argument(
+        "--chunks",
+        default="64,256",
+        help="chunk sizes of chunked prefill, beside whole prompts (default 64,256)",
+    )
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1)")
 
 
@@ -103,6 +109,24 @@ def _batch_sweep(model, batch_sizes, context: int, repeats: int) -> list[dict]:
     return sweep
 
 
+def _chunked(model, max_batch: int, chunks, repeats: int) -> dict:
+    """Inter-token gaps, TTFT and tokens/s of whole-prompt prefill and of each chunk size, on long
+    documents arriving among chats, side by side; how many requests got the unchunked tokens."""
+    from ar_lab.perf.serving_measure import compare_chunks, long_prompt_workload
+
+    window = model.config.block_size  # (the course model's: 1,024)
+    work = long_prompt_workload(prompt=min(768, window * 3 // 4), new=min(48, window // 8))
+    reports = compare_chunks(model, work, max_batch, [None, *chunks], repeats=repeats)
+    keys = ("p99_gap_s", "max_gap_s", "mean_ttft_s", "tokens_per_s", "seconds")
+    rows = [{"chunk": c, **{k: median([r.summary()[k] for r in runs]) for k in keys}}
+            for c, runs in reports.items()]
+    whole = reports[None][0].results
+    same = min(sum(a.tokens == b.tokens for a, b in zip(whole, runs[0].results, strict=True))
+               for runs in reports.values())
+    return {"requests": len(work), "document": len(work[-1].prompt), "rows": rows,
+            "identical_outputs": same}
+
+
 def serving_benchmark(
     model=None,
     *,
@@ -115,6 +139,7 @@ def serving_benchmark(
     batch_sizes: tuple[int, ...] = (1, 2, 4, 8, 16, 32),
     context: int = 128,
     prefix_tokens: int = 800,
+    chunks: tuple[int, ...] = (64, 256),
 ) -> dict:
     """Static vs continuous batching on a mixed workload, tokens/s against batch size, and TTFT
     with and without a prefix cache; real runs of the model, each comparison side by side.
@@ -134,7 +159,8 @@ def serving_benchmark(
         ("context", context),
         ("prefix_tokens", prefix_tokens),
     ]
-    for name, value in sizes + [("batch_sizes", b) for b in batch_sizes or [0]]:
+    for name, value in (sizes + [("batch_sizes", b) for b in batch_sizes or [0]]
+                        + [("chunks", c) for c in chunks or [0]]):
         positive_int(name, value)
     window = model.config.block_size
     if context + 16 > window:  # the sweep decodes 16 steps after `context` positions
@@ -154,6 +180,7 @@ def serving_benchmark(
     sweep = _batch_sweep(model, batch_sizes, context, repeats)
     prefix = builtin_corpus()[:prefix_tokens]
     prefix_res = prefix_ttft(model, prefix, SUFFIXES, max_new_tokens=8, repeats=max(3, repeats))
+    chunked = _chunked(model, max_batch, chunks, max(3, repeats))
     return {
         "benchmark": "serving",
         "model": source,
@@ -165,6 +192,7 @@ def serving_benchmark(
         "context": context,
         "batch_sweep": sweep,
         "prefix": prefix_res,
+        "chunked": chunked,
         "machine": machine(model.device),
     }
 
@@ -188,6 +216,9 @@ def format_serving_results(res: dict) -> str:
         ]
         for r in sweep
     ]
+    k = res["chunked"]
+    chunk_rows = [[r["chunk"] or "whole prompts", r["p99_gap_s"] * 1e3, r["max_gap_s"] * 1e3,
+                   r["mean_ttft_s"] * 1e3, r["tokens_per_s"]] for r in k["rows"]]
     return "\n".join(
         [
             f"serving: model {res['model']} ({res['parameters'] / 1e6:.2f} M parameters); "
@@ -211,6 +242,11 @@ def format_serving_results(res: dict) -> str:
             f"{p['identical_outputs']}/{p['runs']}; building the prefix cache once: "
             f"{p['build_s'] * 1e3:.1f} ms",
             "",
+            f"chunked prefill: {k['requests']} requests, every 4th a {k['document']}-position "
+            f"document among chats; identical outputs {k['identical_outputs']}/{k['requests']}",
+            format_table(["chunk", "p99 gap ms", "max gap ms", "mean TTFT ms", "tokens/s"],
+                         chunk_rows),
+            "",
             "key figures: continuous / static batching: "
             f"{c['tokens_per_s'] / s['tokens_per_s']:.2f}x tokens/s, "
             f"{s['mean_latency_s'] / c['mean_latency_s']:.2f}x lower mean latency; batch "
@@ -220,15 +256,41 @@ def format_serving_results(res: dict) -> str:
     )
 
 
-def run(args: argparse.Namespace) -> dict:
+def serving_summary(res: dict) -> str:
+    """The README's sentence for this benchmark (``python -m ar_lab.bench.readme``)."""
+    s, c = res["policies"]["static"], res["policies"]["continuous"]
+    last, p = res["batch_sweep"][-1], res["prefix"]
+    return (
+        f"continuous {c['tokens_per_s'] / s['tokens_per_s']:.2f}× the tokens/s of static and "
+        f"{s['mean_latency_s'] / c['mean_latency_s']:.1f}× lower mean latency; batch "
+        f"{last['batch']} gives {last['x_batch_1']:.1f}× the tokens/s of batch 1; a reused "
+        f"{p['prefix_tokens']}-token prefix cuts time to first token {p['speedup']:.1f}×"
+        + _chunked(res.get("chunked"))
+    )
+
+
+def _chunked(k: dict | None) -> str:
+    if k is None:  # (a run from before chunked prefill)
+        return ""
+    whole, rows = k["rows"][0], k["rows"][1:]
+    return f"; chunked prefill by {rows[0]['chunk']} positions: p99 inter-token gap " + (
+        f"{rows[0]['p99_gap_s'] * 1e3:.0f} ms against {whole['p99_gap_s'] * 1e3:.0f} ms for "
+        f"whole prompts, at {rows[0]['tokens_per_s'] / whole['tokens_per_s']:.2f}× the tokens/s")
+
+
+def _ints(text: str, name: str) -> tuple[int, ...]:
     try:
-        sizes = tuple(int(b) for b in args.batch_sizes.split(","))
+        return tuple(int(b) for b in text.split(","))
     except ValueError:
         raise BadValue(
-            "--batch-sizes must be ints separated by commas, e.g. 1,2,4, got "
-            f"{args.batch_sizes!r} (batch_sizes)",
-            arg="batch_sizes",
+            f"--{name.replace('_', '-')} must be ints separated by commas, e.g. 1,2,4, got "
+            f"{text!r} ({name})",
+            arg=name,
         ) from None
+
+
+def run(args: argparse.Namespace) -> dict:
+    sizes, chunks = _ints(args.batch_sizes, "batch_sizes"), _ints(args.chunks, "chunks")
     with torch_threads(args.threads):
         res = serving_benchmark(
             requests=args.requests,
@@ -240,6 +302,7 @@ def run(args: argparse.Namespace) -> dict:
             batch_sizes=sizes,
             context=args.context,
             prefix_tokens=args.prefix_tokens,
+            chunks=chunks,
         )
     print(format_serving_results(res))
     return res

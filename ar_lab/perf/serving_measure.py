@@ -101,6 +101,43 @@ def compare_policies(
     return reports
 
 
+def long_prompt_workload(
+    n_requests: int = 16, prompt: int = 768, new: int = 48, long_every: int = 4
+) -> list[Request]:
+    """Requests that chat (a short prompt, ``new`` tokens) while every ``long_every``-th brings a
+    long document (``prompt`` positions of the built-in corpus, 8 new tokens): the load under which
+    a whole-prompt prefill stalls every running stream."""
+    from ar_lab.model.data import builtin_corpus
+
+    for name, v in [("n_requests", n_requests), ("prompt", prompt), ("new", new),
+                    ("long_every", long_every)]:
+        positive_int(name, v)
+    corpus = builtin_corpus()
+    if prompt > len(corpus):
+        raise BadValue(f"prompt must be at most {len(corpus):,} positions (the built-in corpus), "
+                       f"got {prompt:,}", arg="prompt")
+    return [
+        Request(corpus[97 * i : 97 * i + prompt], 8, name=f"document{i}")
+        if i % long_every == long_every - 1
+        else Request(PROMPTS[i % len(PROMPTS)], new, name=f"chat{i}")
+        for i in range(n_requests)
+    ]
+
+
+def compare_chunks(
+    model, requests: Sequence[Request], max_batch: int, chunks: Sequence[int | None], *,
+    repeats: int = 1,
+) -> dict[int | None, list[ServeReport]]:
+    """``serve`` the same requests (continuous batching, greedy, no EOS) with each chunk size (None:
+    every prompt prefilled whole), alternating, ``repeats`` times each."""
+    positive_int("repeats", repeats)
+    reports: dict[int | None, list[ServeReport]] = {c: [] for c in chunks}
+    for _ in range(repeats):
+        for c in chunks:
+            reports[c].append(serve(model, requests, max_batch=max_batch, eos_id=None, chunk=c))
+    return reports
+
+
 def _random_batches(model, batch_sizes: Sequence[int], context: int, steps: int):
     """For each batch size: a ``BatchKVCache`` with every row at ``context`` random positions, and
     one random input token per row (timing depends on shapes, not contents)."""

@@ -202,6 +202,21 @@ class ServeReport:
     def mean_ttft(self) -> float:
         return statistics.fmean(r.ttft for r in self.results)
 
+    def gaps(self) -> list[float]:
+        """Every request's seconds between consecutive tokens (its inter-token gaps, the first
+        token's wait excluded): what a long prefill run between two decode steps stretches."""
+        return [b - a for r in self.results
+                for a, b in zip(r.token_times, r.token_times[1:], strict=False)]
+
+    @property
+    def p99_gap(self) -> float:
+        gaps = self.gaps()
+        return _percentile(gaps, 0.99) if gaps else float("nan")
+
+    @property
+    def max_gap(self) -> float:
+        return max(self.gaps(), default=float("nan"))
+
     def summary(self) -> dict:
         return {
             "policy": self.policy,
@@ -215,4 +230,6 @@ class ServeReport:
             "mean_latency_s": self.mean_latency,
             "p90_latency_s": self.p90_latency,
             "mean_ttft_s": self.mean_ttft,
+            "p99_gap_s": self.p99_gap,
+            "max_gap_s": self.max_gap,
         }

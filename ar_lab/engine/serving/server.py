@@ -26,6 +26,7 @@ from __future__ import annotations
 import heapq
 import time
 from collections.abc import Callable, Sequence
+from functools import partial
 
 from ar_lab.base.args import check_seed, positive_int
 from ar_lab.base.errors import BadType, BadValue, ContextFull
@@ -37,7 +38,7 @@ from ar_lab.engine.prompts import check_eos, checked_prompt, loop_model
 from ar_lab.engine.sampling import GREEDY, Sampler, SamplingParams
 from ar_lab.engine.scheduling import POLICIES, policy_function, policy_name
 from ar_lab.engine.serving.requests import Request, RequestResult, ServeReport
-from ar_lab.engine.serving.step import ServerState, run_step, serve_step
+from ar_lab.engine.serving.step import ServerState, chunked_step, run_step, serve_step
 from ar_lab.model.cache import BatchKVCache, KVCache
 from ar_lab.model.inference import inference
 from ar_lab.model.tokenizer import EOS_ID
@@ -162,13 +163,19 @@ class _ContiguousMemory:
     def open(self, j: int, ids: list[int]) -> tuple[KVCache, int]:
         """A batch-1 view of the next free slot for request j, and how many of its positions the
         prefix filled."""
-        slot = self.cache.slot(self.cache.rows)  # the prefill writes in place
+        self.at = self.cache.rows  # the next free slot: the prefill writes in place
+        slot = self.cache.slot(self.at)
         slot.length = 0
         return slot, (self.prefix.copy_into(slot, ids) if self.prefix is not None else 0)
 
     def join(self, j: int, slot: KVCache) -> int:
-        """Make request j's prefilled slot a row of the batch; its row index."""
-        return self.cache.add(slot.length)
+        """Make request j's prefilled slot a row of the batch; its row index. Rows that finished
+        while its prompt was prefilled in chunks left the next free slot below it: it moves down."""
+        cache, n = self.cache, slot.length
+        if self.at != cache.rows:
+            for buf in cache.k + cache.v:
+                buf[cache.rows, :, :n] = buf[self.at, :, :n]
+        return cache.add(n)
 
     def cancel(self, j: int) -> None:
         """Request j was finished by its prefill alone: its slot was never a row."""
@@ -247,6 +254,29 @@ class _PagedMemory:
         self.cache.close()  # every block back in the pool
 
 
+def _server_step(step, chunk, policy) -> Callable[[ServerState], object]:
+    """The step ``serve`` runs: one's own, the package's, or the package's with chunked prefill."""
+    if chunk is not None:
+        chunk = positive_int("chunk", chunk)
+        if step is not None:
+            raise BadValue("chunk sets the package's step (chunked_step): a step of one's own "
+                           "prefills as it chooses (server.prefill_chunk); pass one of them",
+                           arg="chunk")
+        if policy == "static":
+            raise BadValue("chunk: chunked prefill admits requests as rows free up, which a "
+                           "static batch does not; use policy='continuous' (or one's own)",
+                           arg="chunk")
+        return partial(chunked_step, chunk=chunk)
+    if step is None:
+        return serve_step
+    if not callable(step):
+        raise BadType(
+            f"step must be a function of the server's state (e.g. serve_step), got {step!r}",
+            arg="step",
+        )
+    return step
+
+
 def serve(
     model,
     requests: Sequence[Request],
@@ -263,6 +293,7 @@ def serve(
     allocator=None,
     sampler: Sampler | None = None,
     step: Callable[[ServerState], object] | None = None,
+    chunk: int | None = None,
 ) -> ServeReport:
     """Run ``requests`` (all queued at time 0, served in order) through ``max_batch`` slots.
 
@@ -284,6 +315,10 @@ def serve(
     the contiguous cache's. ``sampler``: a function that picks each request's token instead of
     ``sample`` (``ar_lab.engine.sampling.Sampler``), called with that request's generator.
 
+    ``chunk``: chunked prefill, at most this many prompt positions per step, after the running rows'
+    decode step (``chunked_step``): a long prompt no longer stalls every running request for its
+    whole prefill. The tokens are those of unchunked serving; a continuous policy only.
+
     ``step``: the server's step, a function of a ``ServerState`` (``ar_lab.engine.serving.step``),
     called while requests wait or run; by default ``serve_step``. Chapter 08's learner writes their
     own. After each step the loop checks what it left and raises ``StepError`` for a finished row
@@ -301,12 +336,7 @@ def serve(
             f"clock must be a function returning seconds (e.g. time.perf_counter), got {clock!r}",
             arg="clock",
         )
-    step = serve_step if step is None else step
-    if not callable(step):
-        raise BadType(
-            f"step must be a function of the server's state (e.g. serve_step), got {step!r}",
-            arg="step",
-        )
+    step = _server_step(step, chunk, policy)
     prompts = _check_requests(model, requests)
     _check_kv(kv, block_size, num_blocks, allocator, prefix, prompts, requests)
     paged = (
@@ -327,7 +357,7 @@ def serve(
     try:
         with inference(model):
             server.t0 = clock()
-            while server.waiting or server.rows:
+            while server.waiting or server.rows or server.prefilling is not None:
                 run_step(server, step)
             total = clock() - server.t0
     finally:

@@ -117,6 +117,9 @@ class ServerState:
         self.finished: set[int] = set()
         self._pending: set[int] = set()  # rows of the running decode step still without their token
         self._step_start = self._now = 0.0
+        # [request, its slot, prompt positions cached] while a prompt is prefilled in chunks
+        self._partial: list | None = None
+        self._positions_prefilled = 0  # prompt positions run so far (a chunk is progress too)
 
     @property
     def lengths(self) -> list[int]:
@@ -128,13 +131,67 @@ class ServerState:
         slots)."""
         return bool(self.waiting) and self._memory.room(self.waiting[0])
 
+    @property
+    def prefilling(self) -> int | None:
+        """The request whose prompt is being prefilled in chunks (``prefill_chunk``), else None."""
+        return None if self._partial is None else self._partial[0]
+
+    def prompt_left(self, j: int) -> int:
+        """Prompt positions of request ``j`` not prefilled yet (its whole prompt, less what a prefix
+        gives, before it starts)."""
+        j = _int("j", j)
+        if not 0 <= j < len(self.results):
+            raise BadValue(f"j must be a request index in 0..{len(self.results) - 1}, got {j}",
+                           arg="j")
+        if self._partial is not None and self._partial[0] == j:
+            return len(self.results[j].prompt) - self._partial[2]
+        return 0 if self.results[j].token_times else len(self.results[j].prompt)
+
     def prefill(self, j: int) -> int:
         """Prefill request ``j`` alone, straight into the next free row, and record its first token
         (returned). It joins ``rows`` unless that token finished it."""
+        slot, start = self._open(j)
+        return self._finish(j, slot, self._run(j, slot, start, len(self.results[j].prompt)))
+
+    def prefill_chunk(self, j: int, n: int) -> int | None:
+        """Run the next ``n`` positions of request ``j``'s prompt (fewer where it ends) into its
+        slot, at their own positions: chunked prefill. ``j`` starts (taken from ``waiting``) when no
+        prompt is being prefilled, else it must be that one (``prefilling``). Returns the first
+        token once the prompt is done (then as ``prefill``), None before."""
+        n = _int("n", n)
+        if n < 1:
+            raise BadValue(f"n must be at least 1 prompt position, got {n}", arg="n")
+        if self._partial is None:
+            slot, start = self._open(j)
+            self._partial = [j, slot, start]
+        elif _int("j", j) != self._partial[0]:
+            raise BadValue(
+                f"j: request {self._partial[0]} is being prefilled (server.prefilling): finish its "
+                f"prompt before starting request {j}",
+                arg="j",
+            )
+        j, slot, start = self._partial
+        end = min(start + n, len(self.results[j].prompt))
+        logits = self._run(j, slot, start, end)
+        if end < len(self.results[j].prompt):
+            self._partial[2] = end
+            return None
+        self._partial = None
+        return self._finish(j, slot, logits)
+
+    def _open(self, j: int):
+        """Check that request ``j`` may start now, open its slot; (slot, positions a prefix
+        filled)."""
         j = _int("j", j)
-        if not 0 <= j < len(self.results) or self.results[j].token_times:
+        if not 0 <= j < len(self.results) or self.results[j].token_times or j == self.prefilling:
             raise BadValue(
                 f"j must be a request not admitted yet (an index from waiting), got {j!r}", arg="j"
+            )
+        if self._partial is not None:  # (its slot is the next free row)
+            raise BadValue(
+                f"j: request {self._partial[0]}'s prompt is being prefilled in chunks: finish it "
+                f"(server.prefill_chunk) before admitting request {j}",
+                arg="j",
             )
         # (the server is full: no argument of prefill's is at fault)
         if len(self.rows) == self.max_batch:
@@ -150,17 +207,28 @@ class ServerState:
                 arg="server",
             )
         res = self.results[j]
-        ids = res.prompt
-        slot, res.reused = self._memory.open(j, ids)
+        slot, res.reused = self._memory.open(j, res.prompt)
         self._admitted += 1
-        start = self._clock()
-        res.admitted, res.admitted_step = start - self.t0, self.steps
-        new = torch.tensor([ids[res.reused :]], device=self.model.device)
-        token = self._pick(self._decoder.prefill(new, slot, res.reused)[0, -1], j)
-        now = self._clock()
-        res.prefill_time = now - start
+        res.admitted, res.admitted_step = self._clock() - self.t0, self.steps
+        return slot, res.reused
+
+    def _run(self, j: int, slot, start: int, end: int) -> torch.Tensor:
+        """Prompt positions ``start`` .. ``end`` - 1 of request ``j`` through the model into
+        ``slot``; the last position's logits."""
+        res, t = self.results[j], self._clock()
+        new = torch.tensor([res.prompt[start:end]], device=self.model.device)
+        logits = self._decoder.prefill(new, slot, start)[0, -1]
+        res.prefill_time += self._clock() - t
+        self._positions_prefilled += end - start
+        return logits
+
+    def _finish(self, j: int, slot, logits: torch.Tensor) -> int:
+        """Request ``j``'s prompt is in: pick and record its first token; it joins ``rows`` unless
+        that token finished it."""
+        res = self.results[j]
+        token = self._pick(logits, j)
         self.prefill_times.append(res.prefill_time)
-        if not self._record(j, token, now - self.t0):
+        if not self._record(j, token, self._clock() - self.t0):
             self._last[self._memory.join(j, slot)] = token
             self.rows.append(j)
         else:  # done by its prefill alone: its slot was never a row
@@ -312,10 +380,35 @@ def serve_step(server: ServerState, *, mask: Callable = row_mask) -> None:
         server.retire([i for i, t in enumerate(tokens) if server.record(i, t)])
 
 
+def chunked_step(server: ServerState, chunk: int, *, mask: Callable = row_mask) -> None:
+    """The package's server step with chunked prefill (``serve(chunk=...)``): one batched decode
+    step for the running rows first, then at most ``chunk`` prompt positions, continuing the prompt
+    being prefilled and starting waiting requests (as the policy admits them) with what is left. A
+    long prompt then costs each running request at most ``chunk`` positions of delay per token,
+    where ``serve_step`` runs all of it between two of their tokens."""
+    if server.rows:
+        tokens = server.pick(server.decode(mask(server.lengths, 1)))
+        server.retire([i for i, t in enumerate(tokens) if server.record(i, t)])
+    running = len(server.rows) + (server.prefilling is not None)
+    goal = running + (
+        server.policy(len(server.waiting), running, server.max_batch) if server.waiting else 0
+    )
+    budget = chunk
+    while budget:
+        j = server.prefilling
+        if j is None:
+            if not (running < goal and server.has_room()):
+                return
+            j, running = server.waiting.popleft(), running + 1
+        before = server._positions_prefilled
+        server.prefill_chunk(j, min(budget, server.prompt_left(j)))
+        budget -= server._positions_prefilled - before  # (a prefix's positions cost nothing)
+
+
 def run_step(server: ServerState, step: Callable[[ServerState], object]) -> None:
     """``step(server)``, then check what it left: every row of its decode step has its token, no
     finished request holds a row, and something moved (else the loop would go round for ever)."""
-    before = server._tokens_given
+    before = server._tokens_given, server._positions_prefilled
     step(server)
     if server._pending:
         raise StepError(f"rows {sorted(server._pending)} got no token from the step's decode step: "
@@ -329,11 +422,11 @@ def run_step(server: ServerState, step: Callable[[ServerState], object]) -> None
             "server.retire([...]) the rows whose record(...) returned True",
             arg="step",
         )
-    if server._tokens_given == before:
+    if (server._tokens_given, server._positions_prefilled) == before:
         raise StepError(
-            f"the step gave no request a token ({len(server.waiting)} waiting, {len(server.rows)}"
-            " running): each step must admit a request or run a decode step, or the server "
-            "never ends",
+            f"the step gave no request a token and prefilled nothing ({len(server.waiting)} "
+            f"waiting, {len(server.rows)} running): each step must admit a request, prefill a "
+            "chunk or run a decode step, or the server never ends",
             arg="step",
         )
     if server._admitted + len(server.waiting) != len(server.results):
