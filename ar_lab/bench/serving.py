@@ -265,11 +265,11 @@ def serving_summary(res: dict) -> str:
         f"{s['mean_latency_s'] / c['mean_latency_s']:.1f}× lower mean latency; batch "
         f"{last['batch']} gives {last['x_batch_1']:.1f}× the tokens/s of batch 1; a reused "
         f"{p['prefix_tokens']}-token prefix cuts time to first token {p['speedup']:.1f}×"
-        + _chunked(res.get("chunked"))
+        + _chunked_summary(res.get("chunked"))
     )
 
 
-def _chunked(k: dict | None) -> str:
+def _chunked_summary(k: dict | None) -> str:
     if k is None:  # (a run from before chunked prefill)
         return ""
     whole, rows = k["rows"][0], k["rows"][1:]

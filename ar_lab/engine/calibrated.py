@@ -170,6 +170,13 @@ def calibration_stats(
 def _check_model(model) -> None:
     if not isinstance(model, GPT):
         raise BadType(f"model must be a GPT, got {type(model).__name__}", arg="model")
+    if model.config.n_experts:
+        raise BadValue(
+            "calibrated quantization (GPTQ, AWQ) here covers dense MLPs; this model is a mixture "
+            f"of {model.config.n_experts} experts: quantize it with quantize_model (round to "
+            "nearest)",
+            arg="model",
+        )
     if any(isinstance(m, QuantizedLinear) for m in model.modules()):
         raise BadValue(
             "this model is already quantized: calibrate the full-precision model", arg="model"

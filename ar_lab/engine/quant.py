@@ -57,6 +57,7 @@ from torch import nn
 
 from ar_lab.base.errors import BadType, BadValue
 from ar_lab.model.gpt import GPT
+from ar_lab.model.moe import MoE
 
 WEIGHT_FORMATS = ("fp32", "bf16", "int8", "int4")
 INT4_GROUP_SIZES = (32, 64, 128, 256)  # what _weight_int4pack_mm_for_cpu accepts
@@ -477,11 +478,14 @@ def bf16_addmv(
 
 
 def _block_linears(model: GPT) -> list[tuple[nn.Module, str]]:
-    """(parent module, attribute) of the four Linear layers of every block."""
-    pairs = [
-        ((b.attn, "qkv"), (b.attn, "proj"), (b.mlp, "fc"), (b.mlp, "proj")) for b in model.blocks
-    ]
-    return [pair for block in pairs for pair in block]
+    """(parent module, attribute) of the Linear layers of every block: attention's two, the MLP's
+    two or every expert's (a mixture's router stays in full precision: its logits pick the
+    experts, and it is a sliver of the weights)."""
+    out = []
+    for b in model.blocks:
+        mlps = b.mlp.experts if isinstance(b.mlp, MoE) else [b.mlp]
+        out += [(b.attn, "qkv"), (b.attn, "proj")] + [(m, n) for m in mlps for n in ("fc", "proj")]
+    return out
 
 
 def _copy(model: GPT, replace: dict[int, nn.Parameter]) -> GPT:

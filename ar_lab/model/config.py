@@ -19,6 +19,9 @@ is an option of the same config, as Llama, Qwen and Mistral are options of one f
   .. p. ``sinks``: with a window, the first ``sinks`` positions stay visible to every query as well
   (StreamingLLM's attention sinks, Xiao et al. 2023), so a rolling cache keeps them.
 - ``bias=False``: no biases in the linear layers (Llama's choice).
+- ``n_experts``: a mixture of experts in place of the MLP (Shazeer et al. 2017; Mixtral, DeepSeek,
+  Qwen3-MoE, gpt-oss): ``n_experts`` MLPs of ``mlp_hidden`` each, a router sending every token to
+  ``experts_per_token`` of them (``ar_lab.model.moe``). 0: a dense MLP.
 
 ``GPTConfig.modern(...)`` gives the Llama-shaped combination the course ships as ``modern``.
 """
@@ -86,6 +89,8 @@ class GPTConfig:
     window: int | None = None
     sinks: int = 0  # with a window: the first `sinks` positions stay visible too
     norm_eps: float = 1e-5
+    n_experts: int = 0  # 0: a dense MLP; else a mixture of this many expert MLPs
+    experts_per_token: int = 2  # with experts: how many the router picks for each token
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "block_size", "n_layer", "n_head", "n_embd"):
@@ -127,6 +132,17 @@ class GPTConfig:
             _positive("window", self.window)
         if not isinstance(self.sinks, int) or isinstance(self.sinks, bool) or self.sinks < 0:
             raise BadValue(f"GPTConfig.sinks must be an int >= 0, got {self.sinks!r}", arg="sinks")
+        for name in ("n_experts", "experts_per_token"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < (name == "experts_per_token"):
+                raise BadValue(f"GPTConfig.{name} must be an int >= {int(name != 'n_experts')}, "
+                               f"got {v!r}", arg=name)
+        if self.n_experts and self.experts_per_token > self.n_experts:
+            raise BadValue(
+                f"GPTConfig.experts_per_token ({self.experts_per_token}) must be at most n_experts "
+                f"({self.n_experts}): the router picks that many distinct experts per token",
+                arg="experts_per_token",
+            )
         if self.sinks and self.window is None:
             raise BadValue(
                 "GPTConfig.sinks keeps the first positions visible past a window: set window too",
@@ -172,6 +188,7 @@ class GPTConfig:
             and self.mlp == "gelu"
             and self.bias
             and self.window is None
+            and not self.n_experts
         )
 
     def to_dict(self) -> dict:

@@ -27,6 +27,7 @@ from ar_lab.model.attention import Pos, Store, Uncached, Updating
 from ar_lab.model.block import BlockSpec, BlockWeights, attend, mlp, residual
 from ar_lab.model.cache import KVCache
 from ar_lab.model.config import GPTConfig
+from ar_lab.model.moe import MoE
 
 __all__ = ["GPT", "GPTConfig", "Block", "CausalSelfAttention", "MLP", "checked_model"]
 
@@ -86,7 +87,7 @@ class Block(nn.Module):
         self.ln1 = norm(cfg)
         self.attn = CausalSelfAttention(cfg)
         self.ln2 = norm(cfg)
-        self.mlp = MLP(cfg)
+        self.mlp = MoE(cfg, MLP) if cfg.n_experts else MLP(cfg)
         self.drop = nn.Dropout(cfg.dropout)
 
     def forward(

@@ -52,12 +52,12 @@ def to_hf_llama(model: GPT):
     is permuted."""
     cfg = model.config
     llama = (cfg.norm, cfg.positions, cfg.mlp) == ("rmsnorm", "rope", "swiglu")
-    if not llama or cfg.sinks or (cfg.window is not None and cfg.bias):
+    if not llama or cfg.sinks or cfg.n_experts or (cfg.window is not None and cfg.bias):
         raise BadValue(
             "only a Llama-shaped model converts to transformers' Llama or Mistral "
             "(norm='rmsnorm', positions='rope', mlp='swiglu'; a window without sinks and "
             f"without biases): got norm={cfg.norm!r}, positions={cfg.positions!r}, mlp="
-            f"{cfg.mlp!r}, sinks={cfg.sinks}",
+            f"{cfg.mlp!r}, sinks={cfg.sinks}, n_experts={cfg.n_experts}",
             arg="model",
         )
     tf = _transformers()

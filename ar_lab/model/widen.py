@@ -56,6 +56,9 @@ def widen(model: GPT, k: int) -> GPT:
             "GPT ties them",
             arg="model",
         )
+    if model.config.n_experts:
+        raise BadType("widen takes a GPT with dense MLPs as model, got a mixture of experts "
+                      f"({model.config.n_experts} experts per block)", arg="model")
     layers = [m for b in model.blocks for m in (b.attn.qkv, b.attn.proj, b.mlp.fc, b.mlp.proj)]
     # a quantized layer's weights are not a matrix
     if any(type(m) is not torch.nn.Linear for m in layers):
