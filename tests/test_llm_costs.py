@@ -132,6 +132,40 @@ def test_published_parameter_counts():
     assert lc.kv_memory(lc.MODELS["Llama-3-8B"], 1) == 131_072
 
 
+def test_a_mixture_stores_every_expert_and_decode_reads_the_ones_its_batch_touches():
+    mixtral = lc.MODELS["Mixtral-8x7B"]
+    # Mistral AI's figures: 46.7 B parameters, 12.9 B of them used per token
+    assert mixtral.parameters == pytest.approx(46.7e9, rel=2e-3)
+    assert mixtral.matmul_weights + mixtral.vocab * mixtral.d_model == pytest.approx(12.9e9,
+                                                                                     rel=2e-3)
+    expert = 3 * 4096 * 14336
+    assert mixtral.expert_weights == expert
+    all_experts = lc.decode_cost(mixtral, 1024, 10_000).weight_bytes
+    one = lc.decode_cost(mixtral, 1024, 1)
+    # one token: the router's two experts of each layer, the other six unread (and 9,999 fewer
+    # rows of the input embedding than 10,000 tokens read)
+    assert all_experts - one.weight_bytes == pytest.approx(2 * (32 * 6 * expert + 9999 * 4096),
+                                                           rel=1e-6)
+    assert one.matmul_flops == 2 * mixtral.matmul_weights
+    reads = [lc.decode_cost(mixtral, 1024, b).weight_bytes for b in (1, 2, 4, 8, 16, 32)]
+    assert reads == sorted(reads) and reads[-1] < all_experts
+    for b in (1, 3, 8):  # E (1 - (1 - k/E)^B) experts of each layer
+        assert mixtral.experts_read(b) == pytest.approx(8 * (1 - (1 - 2 / 8) ** b))
+    # a prompt of 512 tokens reads every expert, as a dense model of the stored size would
+    assert lc.prefill_cost(mixtral, 512).weight_bytes == pytest.approx(
+        2 * (mixtral.parameters - (mixtral.vocab - 512) * 4096), rel=1e-6)
+    assert lc.MODELS["Llama-3-8B"].experts_read(64) == 1.0  # a dense MLP: one, always
+    with raises(BadValue, "experts_per_token"):
+        rl.ModelShape("m", 1, 8, 2, 2, 4, 16, 10, 8, n_experts=4, experts_per_token=5)
+    with raises(BadValue, "n_experts"):
+        rl.ModelShape("m", 1, 8, 2, 2, 4, 16, 10, 8, n_experts=0, experts_per_token=2)
+    with raises(BadValue, "biases"):
+        rl.ModelShape("m", 1, 8, 2, 2, 4, 16, 10, 8, biases="all", n_experts=4,
+                      experts_per_token=2)
+    with raises(BadValue, "cfg"):
+        rl.from_gpt_config(GPTConfig(n_experts=4))
+
+
 # The course's GPT layout with GQA: one layer, d = 4, 2 query heads sharing 1 KV head of width 2,
 # GELU MLP 4 x 4 = 16 wide, tied head, vocabulary 10, a learned table of 8 positions.
 GQA_CFG = GPTConfig(vocab_size=10, block_size=8, n_layer=1, n_head=2, n_kv_heads=1, n_embd=4)

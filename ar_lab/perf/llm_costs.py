@@ -132,6 +132,23 @@ MODELS: dict[str, ModelShape] = {
             biases="qkv",
             source="Qwen/Qwen2.5-7B config.json",
         ),
+        # A mixture of experts: 8 SwiGLU experts of width 14336 per layer, 2 per token (a router
+        # of 8 outputs); GQA 32 / 8; vocabulary 32000, untied; 32,768 positions. 46.7 B
+        # parameters stored, 12.9 B multiply each token (Mistral AI's figures).
+        ModelShape(
+            "Mixtral-8x7B",
+            32,
+            4096,
+            32,
+            8,
+            128,
+            14336,
+            32000,
+            32768,
+            n_experts=8,
+            experts_per_token=2,
+            source="mistralai/Mixtral-8x7B-v0.1 config.json",
+        ),
         from_gpt_config(GPTConfig(), "ar_lab course model"),
     ]
 }

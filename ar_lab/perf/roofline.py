@@ -39,6 +39,7 @@ from ar_lab.base.errors import BadType, BadValue, ContextFull
 from ar_lab.engine.quant import WEIGHT_FORMATS, quantize_model
 from ar_lab.model.cache import kv_cache_bytes
 from ar_lab.model.gpt import GPT, GPTConfig
+from ar_lab.model.moe import expected_experts
 
 
 def _check_cfg(cfg) -> None:
@@ -69,6 +70,10 @@ class ModelShape:
     # "none", "qkv" (query/key/value projections only) or "all" (every linear but the head)
     biases: str = "none"
     source: str = ""
+    # a mixture of experts in place of the MLP: n_experts MLPs of d_ff, experts_per_token per token
+    # (0, 0: a dense MLP)
+    n_experts: int = 0
+    experts_per_token: int = 0
 
     def __post_init__(self) -> None:
         for f in (
@@ -87,6 +92,16 @@ class ModelShape:
                 f"n_head ({self.n_head}) must be a multiple of n_kv_heads ({self.n_kv_heads})",
                 arg="n_kv_heads",
             )
+        if (self.n_experts, self.experts_per_token) != (0, 0):
+            positive_int("ModelShape.n_experts", self.n_experts, arg="n_experts")
+            if not 1 <= positive_int("ModelShape.experts_per_token", self.experts_per_token,
+                                     arg="experts_per_token") <= self.n_experts:
+                raise BadValue(
+                    f"experts_per_token ({self.experts_per_token}) must be at most n_experts "
+                    f"({self.n_experts})", arg="experts_per_token")
+            if self.biases == "all":
+                raise BadValue("a mixture of experts is counted without MLP biases: biases "
+                               "'none' or 'qkv'", arg="biases")
         if self.biases not in ("none", "qkv", "all"):
             raise BadValue(
                 f"biases must be 'none', 'qkv' or 'all', got {self.biases!r}", arg="biases"
@@ -106,15 +121,33 @@ class ModelShape:
         return 2 * self.d_ff if self.gated_mlp else self.d_ff
 
     @property
-    def layer_matmul_weights(self) -> int:
+    def expert_weights(self) -> int:
+        """One MLP's matmul weights (one expert's, in a mixture)."""
+        return self.d_model * self.mlp_out + self.d_ff * self.d_model
+
+    def _layer_weights(self, mlps: int) -> int:
         d = self.d_model
         attention = d * (self.q_width + 2 * self.kv_width) + self.q_width * d
-        return attention + d * self.mlp_out + self.d_ff * d
+        return attention + d * self.n_experts + mlps * self.expert_weights  # (+ the router)
+
+    @property
+    def layer_matmul_weights(self) -> int:
+        """A layer's matmul weights as stored: every expert of a mixture."""
+        return self._layer_weights(self.n_experts or 1)
 
     @property
     def matmul_weights(self) -> int:
-        """Weights that multiply every token: all layers' projections and the output head."""
-        return self.n_layer * self.layer_matmul_weights + self.vocab * self.d_model
+        """Weights that multiply every token: all layers' projections (of a mixture, the router's
+        and the experts_per_token experts a token goes to) and the output head."""
+        active = self._layer_weights(self.experts_per_token or 1)
+        return self.n_layer * active + self.vocab * self.d_model
+
+    def experts_read(self, tokens: int) -> float:
+        """Experts of each layer ``tokens`` tokens go to, on average, if routing is uniform and
+        independent (``ar_lab.model.moe.expected_experts``); 1 for a dense MLP."""
+        if not self.n_experts:
+            return 1.0
+        return expected_experts(tokens, self.n_experts, self.experts_per_token)
 
     @property
     def parameters(self) -> int:
@@ -139,6 +172,9 @@ def from_gpt_config(cfg: GPTConfig, name: str = "GPT") -> ModelShape:
     """The course's ``GPTConfig`` as a ``ModelShape``: GPT-2's layout (a GELU MLP four times the
     width, a tied head, a learned position table, LayerNorms, biases on every linear)."""
     _check_cfg(cfg)
+    if cfg.n_experts:
+        raise BadValue("cfg: a mixture of experts is counted from a ModelShape with n_experts and "
+                       "experts_per_token (llm_costs.MODELS['Mixtral-8x7B'] is one)", arg="cfg")
     return ModelShape(
         name,
         cfg.n_layer,
@@ -264,6 +300,11 @@ def shape_cost(
     Only the causal (unmasked) part is counted; kernels that do not skip masked blocks
     do up to twice the attention work in prefill.
 
+    A mixture of experts: each token multiplies the router and its ``experts_per_token`` experts,
+    and the pass reads the experts some token goes to, E (1 - (1 - k/E)^n) of each layer's E for n
+    tokens if routing is uniform and independent (``ModelShape.experts_read``): about k at batch 1,
+    all of them for a large batch or a prompt.
+
     Bytes: every weight once per forward pass, but of the position table only the rows
     of the new positions and of an untied input embedding only the rows of the tokens
     fed (a tied table is read whole by the output head); the new keys/values written and
@@ -290,16 +331,20 @@ def shape_cost(
     # per sequence: positions each new token attends to, summed
     keys = tokens * past + tokens * (tokens + 1) // 2
     weights = shape.parameters
+    if shape.n_experts:  # the experts no token goes to are not read
+        unread = shape.n_experts - shape.experts_read(n)
+        weights -= round(L * unread * shape.expert_weights)
     if shape.learned_positions:  # only the rows of the new positions are read
         weights += (tokens - shape.max_context) * d
     # the input table: only the rows of the tokens fed (the head reads its own)
     if not shape.tied_embeddings:
         weights += (min(n, shape.vocab) - shape.vocab) * d
+    mlps = shape.experts_per_token or 1  # a token's input read, and an output written, by each
     per_layer = (
         (d + shape.q_width + 2 * shape.kv_width)
         + (shape.q_width + d)
-        + (d + shape.mlp_out)
-        + (shape.d_ff + d)
+        + mlps * ((d + shape.mlp_out) + (shape.d_ff + d))
+        + (d + shape.n_experts if shape.n_experts else 0)  # the router
     )
     # matmul ins and outs; embedding out; head in and logits out
     per_token = L * per_layer + d + (d + shape.vocab)
