@@ -320,6 +320,23 @@ from ar_lab.engine.serving import serve_step
 def my_server_step(server):
     serve_step(server)
 """,
+    "ch08-chunked-step": """
+from ar_lab.engine.serving import chunked_step
+
+
+def my_chunked_step(server, chunk):
+    chunked_step(server, chunk)
+""",
+    "ch08-route": """
+def my_route(logits, k):
+    from ar_lab.model.moe import route
+    return route(logits, k)
+""",
+    "ch08-dispatch": """
+def my_dispatch(h, experts, weights, expert_fns):
+    from ar_lab.model.moe import dispatch
+    return dispatch(h, experts, weights, expert_fns)
+""",
     "ch09-int8": """
 def my_quantize_int8(w):
     qt = quantize_int8(w)

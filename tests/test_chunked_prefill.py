@@ -77,10 +77,10 @@ def test_no_step_prefills_more_than_its_budget_and_decodes_come_first(tiny_model
     per_step = []
 
     def step(server):
-        rows_before, before = len(server.rows), server._positions_prefilled
+        rows_before, before = len(server.rows), server.positions_prefilled
         tokens_before = sum(len(r.tokens) for r in server.results)
         chunked_step(server, 16)
-        per_step.append(server._positions_prefilled - before)
+        per_step.append(server.positions_prefilled - before)
         if rows_before:  # every running row got its token in this step, whatever was prefilled
             assert sum(len(r.tokens) for r in server.results) >= tokens_before + rows_before
 

@@ -14,7 +14,7 @@ from ar_lab.engine.calibrated import calibrated_model
 from ar_lab.engine.quant import QuantizedLinear, quantize_model
 from ar_lab.engine.serving import Request, serve
 from ar_lab.model.gpt import GPT, GPTConfig
-from ar_lab.model.moe import expected_experts, route, routing
+from ar_lab.model.moe import dispatch, expected_experts, route, routing, with_pieces
 from ar_lab.model.widen import widen
 from tests.raising import raises
 
@@ -100,6 +100,29 @@ def test_a_served_batch_of_a_mixture_gives_each_request_its_own_tokens():
         for r, res in zip(requests, got.results, strict=True):
             assert res.tokens == ar_lab.generate(model, r.prompt, r.max_new_tokens,
                                                  eos_id=None).tokens
+
+
+def test_a_models_router_and_dispatch_can_be_ones_own():
+    """with_pieces puts other functions in every mixture layer: the model then runs through them
+    (here, ones that count their calls and give the package's results)."""
+    model, calls = moe_model(), []
+    want = ar_lab.generate(model, [4, 5, 6], 6, eos_id=None).tokens
+
+    def my_route(logits, k):
+        calls.append("route")
+        return route(logits, k)
+
+    def my_dispatch(*args):
+        calls.append("dispatch")
+        return dispatch(*args)
+
+    assert with_pieces(model, route=my_route, dispatch=my_dispatch) is model
+    assert ar_lab.generate(model, [4, 5, 6], 6, eos_id=None).tokens == want
+    assert calls.count("route") == calls.count("dispatch") > 0
+    with raises(BadValue, "route"):
+        with_pieces(model, route="topk")
+    with raises(BadValue, "model"):
+        with_pieces(GPT(GPTConfig(n_layer=1, block_size=16)), route=route)
 
 
 def test_routing_records_each_layers_choices_and_the_count_follows_the_formula():

@@ -15,11 +15,10 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from typing import Any
 
 import torch
 
-from ar_lab.course.checkers.checks import CheckFailed, check_shape
+from ar_lab.course.checkers.checks import check_shape, run_answer, verdict
 from ar_lab.engine.calibrated import (
     LayerStats,
     awq_candidate,
@@ -44,20 +43,7 @@ def layer_case(seed: int = 0, out: int = 64, n_in: int = 128, rows: int = 512):
     return w, x
 
 
-def _verdict(what: str, detail: str, hint: str = "", mistake: str | None = None) -> CheckFailed:
-    return CheckFailed(f"{what}: {detail}" + (f"\nHint: {hint}" if hint else ""), mistake)
-
-
-def _run(what: str, fn: Callable, *args, hint: str = "") -> Any:
-    try:
-        return fn(*args)
-    except (NotImplementedError, CheckFailed):
-        raise
-    except Exception as e:
-        raise _verdict(what, f"your code raised {type(e).__name__}: {e}", hint) from e
-
-
-# --- exercise 1: GPTQ -----------------------------------------------------------------------
+_verdict, _run = verdict, run_answer  # (the shared checker helpers, by their short names here)
 
 
 def _gptq_slip(w, h, group, damp, *, divide=True, sign=1.0, fixed_scales=False) -> torch.Tensor:

@@ -45,6 +45,23 @@ def _fail(what: str, detail: str, hint: str = "", mistake: str | None = None) ->
     raise CheckFailed(msg, mistake)
 
 
+def verdict(what: str, detail: str, hint: str = "", mistake: str | None = None) -> CheckFailed:
+    """The ``CheckFailed`` a checker raises: "what: detail", the hint on a line of its own, the
+    mistake named (for the grading report)."""
+    return CheckFailed(f"{what}: {detail}" + (f"\nHint: {hint}" if hint else ""), mistake)
+
+
+def run_answer(what: str, fn: Callable, *args, hint: str = "", **kwargs) -> Any:
+    """``fn(*args, **kwargs)`` (the learner's code): an exception other than NotImplementedError
+    (a stub) or a verdict becomes a short verdict naming it."""
+    try:
+        return fn(*args, **kwargs)
+    except (NotImplementedError, CheckFailed):
+        raise
+    except Exception as e:
+        raise verdict(what, f"your code raised {type(e).__name__}: {e}", hint) from e
+
+
 def _unanswered(what: str) -> None:
     """The verdict on an exercise whose stub still raises NotImplementedError."""
     _fail(what, "not implemented yet", "replace `raise NotImplementedError()` with your code")

@@ -267,6 +267,22 @@ FORBIDDEN: dict[str, tuple[str, ...]] = {
         "ar_lab.engine.paged.BlockAllocator",
         "ar_lab.engine.paged.blocks_for",
     ),
+    # 08c_chunked_prefill_and_experts.ipynb
+    "ch08-chunked-step": (
+        "ar_lab.engine.serving.chunked_step",
+        "ar_lab.engine.serving.serve_step",
+        "ar_lab.engine.serving.serve",
+        "ar_lab.engine.serving.generate_batch",
+    ),
+    "ch08-route": (
+        "ar_lab.model.moe.route",
+        "ar_lab.model.moe.MoE",
+        "ar_lab.course.checkers.moe_checks.route_mistakes",
+    ),
+    "ch08-dispatch": (
+        "ar_lab.model.moe.dispatch",
+        "ar_lab.model.moe.MoE",
+    ),
     # 09_quantization.ipynb
     "ch09-int4": (
         "ar_lab.engine.quant.quantize_int4",

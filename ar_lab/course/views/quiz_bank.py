@@ -752,6 +752,59 @@ QUIZZES: dict[str, list[dict]] = {
             "overheads, not the ratio.",
         },
     ],
+    "08c": [
+        {
+            "q": "A server prefills each new prompt whole between two decode steps. A 768-token "
+            "document arrives while eight chats stream. What do the chats see?",
+            "choices": [
+                "Nothing: the document's prefill runs in parallel with their decode steps",
+                "One gap between two of their tokens as long as the document's whole prefill",
+                "Every later token slower, for as long as the document is in the batch",
+            ],
+            "answer": 1,
+            "why": "The step that admits the document runs its prefill before the next decode "
+            "step: every running request waits for it once. Chunking spreads that wait over "
+            "many steps, each at most a chunk's work.",
+        },
+        {
+            "q": "Chunked prefill with a smaller chunk...",
+            "choices": [
+                "lowers the worst gap between running requests' tokens and delays the long "
+                "prompt's first token",
+                "lowers both the worst gap and the long prompt's time to first token",
+                "changes the tokens a request gets",
+            ],
+            "answer": 0,
+            "why": "Each step carries less prompt work, so running requests wait less, but the "
+            "prompt needs more steps, each also paying for a decode step. The tokens are the "
+            "same: the chunks compute the same keys, values and logits.",
+        },
+        {
+            "q": "A router picks 2 of 8 experts for a token. How are the two experts' outputs "
+            "weighted in Mixtral's layer?",
+            "choices": [
+                "By the softmax over all 8 logits, taken at the two chosen experts",
+                "By the softmax over the two chosen logits: the two weights sum to 1",
+                "Equally, one half each",
+            ],
+            "answer": 1,
+            "why": "Equivalently, the softmax over all 8 renormalised over the chosen two. Left "
+            "unnormalised, a token whose logits are spread gets a smaller output than one whose "
+            "router is sure.",
+        },
+        {
+            "q": "A mixture of 8 experts, 2 per token, decodes a batch of 16. Compared with "
+            "batch 1, its step reads...",
+            "choices": [
+                "the same weights: decode reads every weight once per step, whatever the batch",
+                "about 4 times the expert weights: nearly all 8 experts instead of 2",
+                "16 times the expert weights: 2 per token",
+            ],
+            "answer": 1,
+            "why": "Each chosen expert is read once for all the rows that chose it; 16 tokens "
+            "touch E (1 - (1 - k/E)^16) = 7.9 of 8 experts on average with uniform routing.",
+        },
+    ],
     "09b": [
         {
             "q": "Two int4 copies of a layer have the same weight error ||W' - W||. Which one "

@@ -132,6 +132,11 @@ class ServerState:
         return bool(self.waiting) and self._memory.room(self.waiting[0])
 
     @property
+    def positions_prefilled(self) -> int:
+        """Prompt positions run through the model so far, by every prefill and chunk."""
+        return self._positions_prefilled
+
+    @property
     def prefilling(self) -> int | None:
         """The request whose prompt is being prefilled in chunks (``prefill_chunk``), else None."""
         return None if self._partial is None else self._partial[0]
@@ -400,9 +405,9 @@ def chunked_step(server: ServerState, chunk: int, *, mask: Callable = row_mask) 
             if not (running < goal and server.has_room()):
                 return
             j, running = server.waiting.popleft(), running + 1
-        before = server._positions_prefilled
+        before = server.positions_prefilled
         server.prefill_chunk(j, min(budget, server.prompt_left(j)))
-        budget -= server._positions_prefilled - before  # (a prefix's positions cost nothing)
+        budget -= server.positions_prefilled - before  # (a prefix's positions cost nothing)
 
 
 def run_step(server: ServerState, step: Callable[[ServerState], object]) -> None:
