@@ -152,14 +152,11 @@ def test_quantizing_a_mixture_rounds_every_expert_and_keeps_the_router():
 
 
 def test_bad_mixtures_and_router_outputs_are_refused():
-    with raises(BadValue, "experts_per_token"):
-        GPTConfig(n_experts=4, experts_per_token=5)
-    with raises(BadValue, "experts_per_token"):
-        GPTConfig(n_experts=4, experts_per_token=0)
-    with raises(BadValue, "n_experts"):
-        GPTConfig(n_experts=-1)
-    with raises(BadValue, "n_experts"):
-        GPTConfig(n_experts=2.0)
+    for bad, arg in [({"n_experts": 4, "experts_per_token": 5}, "experts_per_token"),
+                     ({"n_experts": 4, "experts_per_token": 0}, "experts_per_token"),
+                     ({"n_experts": -1}, "n_experts"), ({"n_experts": 2.0}, "n_experts")]:
+        with raises(BadValue, arg):
+            GPTConfig(**bad)
     with raises(BadValue, "router"):
         route(torch.tensor([[0.0, float("nan"), 1.0]]), 2)
     with raises(BadValue, "k"):
