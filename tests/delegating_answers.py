@@ -381,6 +381,32 @@ def my_split_decode(q, k, v, splits):
     from ar_lab.model.tiled import split_decode
     return split_decode(q, k, v, splits=splits)
 """,
+    "ch11-norm-mlp": """
+def my_rms_norm(x, weight, eps=1e-5):
+    return F.rms_norm(x, (x.shape[-1],), weight, eps)
+
+
+def my_swiglu(x, fc_weight, proj_weight):
+    from ar_lab.model.block import mlp
+    return mlp(x, lambda t: t @ fc_weight.T, lambda t: t @ proj_weight.T, gated=True)
+""",
+    "ch11-rope": """
+def my_rope(x, pos, theta=10000.0):
+    from ar_lab.model.block import Rope
+    return Rope(x.shape[-1], theta, pos + x.shape[2])(x, pos)
+""",
+    "ch11-block": """
+def my_block(x, w, cache, layer, pos, cfg):
+    from ar_lab.course.checkers.modern_checks import reference_block
+    return reference_block(x, w, cache, layer, pos, cfg)
+""",
+    "ch11-rolling": """
+from ar_lab.course.checkers.modern_checks import RingCache
+
+
+class MyRollingCache(RingCache):
+    pass
+""",
 }
 
 # Exercises with no reference in the package to delegate to (their graded tests need no guard).

@@ -273,3 +273,13 @@ def test_the_shipped_modern_checkpoint_is_llama_and_decodes_alike_everywhere():
         serve(model, [Request(prompt, 24)], kv="paged", eos_id=None).results[0].tokens
         == lean_tokens
     )
+
+
+def test_rope_refuses_positions_past_its_table_rather_than_a_short_slice():
+    from ar_lab.model.block import Rope
+
+    rope = Rope(8, 10000.0, 4)
+    x = torch.randn(1, 1, 2, 8)
+    assert torch.allclose(rope(x, 2)[..., 0, :], Rope(8, 10000.0, 64)(x, 2)[..., 0, :])
+    with raises(ContextFull, "pos"):
+        rope(x, 3)  # positions 3 and 4 of a 4-position table

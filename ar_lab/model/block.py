@@ -22,6 +22,7 @@ from typing import NamedTuple
 
 import torch
 
+from ar_lab.base.errors import ContextFull
 from ar_lab.model.attention import FULL, Pos, Span, Store
 from ar_lab.model.config import GPTConfig
 
@@ -68,6 +69,12 @@ class Rope:
         if self.cos.device != x.device:
             self.on(x.device)
         if isinstance(pos, int):
+            if pos + T > len(self.cos):  # a slice past the table would be silently short
+                raise ContextFull(
+                    f"positions up to {pos + T - 1} are past this RoPE table's {len(self.cos)}: "
+                    "build it with a larger max_len",
+                    arg="pos",
+                )
             cos, sin = self.cos[pos : pos + T], self.sin[pos : pos + T]  # (T, D/2)
         else:
             cos, sin = self.cos[pos][:, None], self.sin[pos][:, None]  # (B, 1, T, D/2)

@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 
 from ar_lab.base.errors import BadType, BadValue, ContextFull
-from ar_lab.model.attention import Keys, Pos, Span, Store
+from ar_lab.model.attention import Keys, Pos, Span, Store, Uncached
 from ar_lab.model.store_checks import check_dtype, check_fits, check_shape, checked_index, config_of
 
 
@@ -188,3 +188,38 @@ class RollingKVCache(Store):
             f"{d}, window={self.span.window}, sinks={self.span.sinks}, length={self.length}, "
             f"nbytes={self.nbytes:,})"
         )
+
+
+class _Weighing(Uncached):
+    """A pass without a cache that also keeps, per layer, the attention each query gives to the
+    first ``first`` positions (the softmax's weights summed over those keys)."""
+
+    def __init__(self, n_layer: int, first: int) -> None:
+        super().__init__(n_layer)
+        self.first, self.length, self.batch_size = first, 0, 1
+        self.share: list[torch.Tensor] = []
+
+    def attend(self, layer, q, pos, span=None, mask=None, *, dropout=0.0):
+        keys = self.keys(layer, pos, q.shape[2])
+        G = q.shape[1] // keys.k.shape[1]
+        k, v = keys.k.repeat_interleave(G, 1), keys.v.repeat_interleave(G, 1)
+        T, S = q.shape[2], k.shape[2]
+        scores = (q @ k.transpose(-2, -1)) * q.shape[-1] ** -0.5  # (B, H, T, S)
+        future = torch.ones(T, S, dtype=torch.bool, device=q.device).triu(S - T + 1)
+        weights = torch.softmax(scores.masked_fill(future, float("-inf")), dim=-1)
+        self.share.append(weights[..., : self.first].sum(-1))  # (B, H, T)
+        return weights @ v
+
+
+def sink_share(model, idx: torch.Tensor, first: int = 4) -> torch.Tensor:
+    """How much attention the first ``first`` positions get: for a whole sequence idx (1, T), a
+    tensor (n_layer, T) of each query's weight on keys 0 .. first - 1, averaged over the heads.
+
+    StreamingLLM (Xiao et al., 2023) found large models give much of their attention to the first
+    tokens whatever they are (attention sinks), so a window that evicts them breaks the model; this
+    measures whether a model does."""
+    checked_index("first", first, 1, 1 << 40)
+    store = _Weighing(model.config.n_layer, first)
+    with torch.inference_mode():
+        model(idx, store)
+    return torch.stack([s[0].mean(0) for s in store.share])

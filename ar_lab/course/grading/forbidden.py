@@ -44,6 +44,13 @@ SOFTMAX = (
     "torch.logsumexp",
 )
 
+# PyTorch's RMSNorm: what chapter 11's norm (and the block that uses it) must not call.
+RMS_NORM = (
+    "torch.nn.functional.rms_norm",
+    "torch.nn.RMSNorm",
+    "aten::rms_norm",
+)
+
 FORBIDDEN: dict[str, tuple[str, ...]] = {
     # 00_start_here.ipynb
     "ch00-to-tokens": (
@@ -317,6 +324,39 @@ FORBIDDEN: dict[str, tuple[str, ...]] = {
     "ch10-online-softmax": TILED + SOFTMAX,
     "ch10-split-decode": ATTENTION + TILED,
     "ch10-tiled-attention": ATTENTION + TILED + SOFTMAX,
+    # 11_a_modern_block.ipynb
+    "ch11-norm-mlp": RMS_NORM + (
+        "ar_lab.model.block.mlp",
+        "ar_lab.model.gpt.MLP",
+        "ar_lab.course.checkers.modern_checks.rms_norm_mistakes",
+        "ar_lab.course.checkers.modern_checks.swiglu_mistakes",
+        "ar_lab.course.checkers.modern_checks.reference_block",
+    ),
+    "ch11-rope": (
+        "ar_lab.model.block.Rope",
+        "ar_lab.model.block.Rope.__call__",
+        "ar_lab.course.checkers.modern_checks.rope_mistakes",
+        "ar_lab.course.checkers.modern_checks.reference_block",
+    ),
+    "ch11-block": RMS_NORM + (
+        "ar_lab.model.block.block",
+        "ar_lab.model.block.attend",
+        "ar_lab.model.block.residual",
+        "ar_lab.model.block.mlp",
+        "ar_lab.model.block.Rope",
+        "ar_lab.model.block.Rope.__call__",
+        "ar_lab.model.gpt.Block",
+        "ar_lab.model.gpt.CausalSelfAttention",
+        "ar_lab.model.gpt.MLP",
+        "ar_lab.model.gpt.GPT",
+        "ar_lab.model.attention.attention",
+        "ar_lab.course.checkers.modern_checks.reference_block",
+    ),
+    "ch11-rolling": (
+        "ar_lab.model.rolling.RollingKVCache",
+        "ar_lab.model.attention.visible",
+        "ar_lab.course.checkers.modern_checks.RingCache",
+    ),
 }
 
 

@@ -902,4 +902,51 @@ QUIZZES: dict[str, list[dict]] = {
             "chapter 10's checks against PyTorch's attention show.",
         },
     ],
+    "11": [
+        {
+            "q": "RoPE rotates a query at position p and a key at position j. Their dot product "
+            "then depends on:",
+            "choices": [
+                "p and j separately, like a learned position table",
+                "only the distance p - j",
+                "only the larger of p and j",
+            ],
+            "answer": 1,
+            "why": "Each pair of dimensions turns by an angle proportional to the position; the "
+            "dot product of two rotated vectors depends on the difference of their angles, "
+            "(p - j) times the pair's frequency.",
+        },
+        {
+            "q": "A model has 32 query heads and 8 key/value heads. With GQA, which KV head does "
+            "query head 13 read?",
+            "choices": ["Head 13 // 4 = 3", "Head 13 % 8 = 5", "All 8, averaged"],
+            "answer": 0,
+            "why": "Groups of G = 32 / 8 = 4 consecutive query heads share a KV head: head h reads "
+            "h // G, which is what k.repeat_interleave(G, dim=1) lines up.",
+        },
+        {
+            "q": "Where must a decode step's new key be rotated?",
+            "choices": [
+                "At position 0, since it is the only new token",
+                "At its own position, before it goes into the cache",
+                "Not at all: the cache rotates every key when a query reads it",
+            ],
+            "answer": 1,
+            "why": "The cache stores keys already rotated at the positions they were written at; a "
+            "key rotated at 0 would look to every later query as if it were at the start.",
+        },
+        {
+            "q": "Chapter 11's modern model, run past its 1,024-position training window with a "
+            "full cache, loses more than with a 512-position sliding window. Why?",
+            "choices": [
+                "The full cache runs out of memory and drops keys",
+                "Its queries meet distances the model never trained on; the window keeps every "
+                "distance below 512",
+                "The window adds attention sinks automatically",
+            ],
+            "answer": 1,
+            "why": "Rotary scores depend on distance; distances above 1,023 never occurred in "
+            "training. The window trades the far context for distances the model knows.",
+        },
+    ],
 }
