@@ -40,3 +40,12 @@ def test_a_pass_calls_the_same_operations_for_any_number_of_positions():
         pass_ops(model, 0)
     with raises(BadType, 'fn'):
         count_ops(42)
+
+
+def test_library_kernels_names_the_operators_run_and_keeps_stderr_clean(capfd):
+    from ar_lab.perf.op_count import library_kernels
+
+    a = torch.randn(4, 4)
+    assert "aten::mm" in library_kernels(lambda: a @ a)
+    assert library_kernels(lambda: None) == []
+    assert capfd.readouterr().err == ""  # the profiler's start and stop lines are dropped

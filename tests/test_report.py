@@ -51,8 +51,8 @@ def test_the_courses_own_solutions_give_no_flags(path):
     assert scan_notebook(path) == []
 
 
-def test_there_are_eleven_chapters_and_an_appendix_without_exercises():
-    assert len(list(NOTEBOOKS.glob("[0-9][0-9]_*.ipynb"))) == 11
+def test_there_are_twelve_chapters_and_an_appendix_without_exercises():
+    assert len(list(NOTEBOOKS.glob("[0-9][0-9]_*.ipynb"))) == 12
     appendices = sorted(NOTEBOOKS.glob("A[0-9]_*.ipynb"))
     assert [p.stem for p in appendices] == ["A1_measuring_time"]
     assert not solution_cells(nbformat.read(appendices[0], as_version=4))

@@ -107,3 +107,24 @@ def decode_step_ops(model, *, lean: bool = True) -> OpCount:
     with torch.inference_mode():
         model(idx, cache)
     return count_ops(lambda: model(idx, cache))
+
+
+def library_kernels(fn: Callable[[], object]) -> list[str]:
+    """The library operators (``aten::`` names) ``fn()`` runs, as PyTorch's profiler records them:
+    for a compiled graph, what it still calls in the library (the code it generated itself shows as
+    none). The profiler's own start and stop lines on stderr are dropped."""
+    import os
+    import tempfile
+
+    from torch.profiler import ProfilerActivity, profile
+
+    saved = os.dup(2)
+    try:
+        with tempfile.TemporaryFile() as sink:
+            os.dup2(sink.fileno(), 2)
+            with profile(activities=[ProfilerActivity.CPU]) as prof:
+                fn()
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+    return sorted({e.name for e in prof.events() if e.name.startswith("aten::")})
