@@ -37,7 +37,7 @@ $(DEV_STAMP): requirements/dev.txt $(COURSE_STAMP)
 
 lab: $(COURSE_STAMP)
 	$(BIN)/python -m ar_lab.course.grading.exercises release --out course
-	$(BIN)/jupyter lab $(if $(filter 0,$(shell id -u)),--allow-root) course/00_start_here.ipynb
+	JUPYTER_CONFIG_PATH=$(CURDIR)/course/.jupyter $(BIN)/jupyter lab $(if $(filter 0,$(shell id -u)),--allow-root) course/00_start_here.ipynb
 
 lint: $(DEV_STAMP)
 	$(BIN)/ruff check ar_lab tests notebooks

@@ -11,6 +11,7 @@ myst.yml (site/myst.yml with the table of contents written from notebooks/). The
 from __future__ import annotations
 
 import argparse
+import copy
 import os
 import re
 import shutil
@@ -32,14 +33,24 @@ NODE_MAJORS = (18, 20, 22)  # what jupyter-book 2 runs on (22 and newer too)
 NEED_NODE = "make site needs Node.js 18, 20 or 22+ (node and npm): apt-get install nodejs npm, or https://nodejs.org"
 
 
+YOURS = re.compile(r"^▶ this runs on your .*\n?", re.M)  # a line the solution's run printed
+
+
 def site_notebook(nb: nbformat.NotebookNode) -> nbformat.NotebookNode:
-    """The student version of ``nb`` with the committed outputs of every cell that is not an answer cell."""
+    """The student version of ``nb`` with the committed outputs of every cell that is neither an answer
+    cell nor a graded test (whose saved output is the solution passing, under a stub), without the
+    lines that say a cell ran on the learner's piece (the stub's page has none)."""
     from ar_lab.course.grading.exercises import nbgrader_meta, student_version  # imports torch: not before check_node
 
     page = student_version(nb)
     for source, cell in zip(nb.cells, page.cells, strict=True):
-        if cell.cell_type == "code" and not nbgrader_meta(source).get("solution"):
-            cell.outputs = source.get("outputs", [])
+        meta = nbgrader_meta(source)
+        if cell.cell_type == "code" and not meta.get("solution") and not meta.get("grade"):
+            cell.outputs = copy.deepcopy(source.get("outputs", []))
+            for out in cell.outputs:
+                if out.get("output_type") == "stream":
+                    out["text"] = YOURS.sub("", "".join(out["text"]))
+            cell.outputs = [o for o in cell.outputs if o.get("output_type") != "stream" or o["text"]]
             cell.execution_count = source.get("execution_count")
     return page
 

@@ -200,6 +200,7 @@ def test_release_command_line(tmp_path, capsys):
 
     assert main(["release", "--chapter", "00", "--out", str(tmp_path / "c")]) == 0
     assert sorted(p.name for p in (tmp_path / "c").iterdir()) == [
+        ".jupyter",  # the learner's JupyterLab settings (tests/test_lab_settings.py)
         "00_start_here.ipynb",
         "glossary.md",
     ]

@@ -317,21 +317,30 @@ def test_make_site_says_what_to_install_without_node(tmp_path):
     )
 
 
-def test_the_site_notebook_keeps_outputs_but_not_answers():
-    """site_notebook: the student version's cells, the committed outputs of every non-answer
-    cell."""
+def test_the_site_notebook_keeps_outputs_but_not_answers_or_their_passing():
+    """site_notebook: the student version's cells, the committed outputs of every cell that is
+    neither an answer nor a graded test (a stub is never followed by its solution's ✔), without the
+    lines that say a cell ran on the learner's piece."""
     path = next(p for p in NOTEBOOKS if p.name.startswith("04_"))
     nb = nbformat.read(path, as_version=4)
     page = build.site_notebook(nb)
     assert len(page.cells) == len(nb.cells)
+    said = "".join(o.get("text", "") for c in nb.cells if c.cell_type == "code" for o in c.outputs)
+    assert "▶ this runs on your" in said  # what the page must drop is in the source's outputs
+    kept = 0
     for source, cell in zip(nb.cells, page.cells, strict=True):
         if cell.cell_type != "code":
             continue
-        if nbgrader_meta(source).get("solution"):
+        meta = nbgrader_meta(source)
+        if meta.get("solution"):
             assert cell.outputs == [] and "raise NotImplementedError()" in cell.source
+        elif meta.get("grade"):
+            assert cell.outputs == [] and "### BEGIN HIDDEN TESTS" not in cell.source
         else:
-            assert cell.outputs == source.outputs
-            assert "### BEGIN HIDDEN TESTS" not in cell.source
+            texts = [o.get("text", "") for o in cell.outputs]
+            assert not any("▶ this runs on your" in t for t in texts)
+            kept += cell.outputs == source.outputs
+    assert kept > 10  # the other cells keep their outputs as committed
 
 
 # --- in a browser ---------------------------------------------------------------------------------

@@ -42,6 +42,7 @@ from pathlib import Path
 import nbformat
 
 from ar_lab.base.errors import BadValue
+from ar_lab.course.grading import lab_settings
 
 ROOT = Path(__file__).resolve().parents[3]
 NOTEBOOKS = ROOT / "notebooks"
@@ -242,6 +243,8 @@ def release(
         out.mkdir(parents=True, exist_ok=True)
         nbformat.write(student_version(nbformat.read(path, as_version=4)), target)
         written.append(target)
+    if notebooks:  # the learner's JupyterLab settings: nbgrader's menus and pages off
+        lab_settings.write(out)
     glossary = src / GLOSSARY
     # the chapters link to it
     if notebooks and glossary.is_file() and not (out / GLOSSARY).exists():
