@@ -416,6 +416,10 @@ def visit(browser, url: str, viewport: dict) -> tuple[dict, list[str]]:
             "document.querySelector('main').scrollWidth - "
             "document.querySelector('main').clientWidth})"
         )
+        facts["plots"] = page.evaluate(  # each figure's image: [its width on the page, its own]
+            "() => [...document.querySelectorAll('figure.output img')].map(i => [i.width, "
+            "i.naturalWidth])"
+        )
         return facts, problems
     finally:
         context.close()
@@ -477,6 +481,10 @@ def test_pages_are_readable_at_a_phones_width(browser, served, pages):
         assert facts["overflow"]["main"] <= 0, (
             f"{name}: the text overflows by {facts['overflow']['main']} px"
         )
+        # a plot is not shrunk below 34rem (544 px): its labels stay readable; it scrolls inside
+        # its figure instead
+        small = [(w, n) for w, n in facts["plots"] if w < min(n, 544) - 1]
+        assert not small, f"{name}: plots shrunk to illegible widths (shown, own): {small[:3]}"
 
 
 def test_screenshots_of_the_landing_page_and_a_chapter(browser, served):
