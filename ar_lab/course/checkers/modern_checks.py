@@ -14,13 +14,14 @@ from what ``read`` returns and compared with the window-and-sinks rule.
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import replace
 
 import torch
 import torch.nn.functional as F
 
 from ar_lab.course.checkers.checks import run_answer, verdict
-from ar_lab.model.attention import Span, visible
-from ar_lab.model.block import BlockWeights, Rope, block, mlp
+from ar_lab.model.attention import Keys, Span, Store, attention, visible
+from ar_lab.model.block import BlockSpec, BlockWeights, Rope, block
 from ar_lab.model.cache import KVCache
 from ar_lab.model.config import GPTConfig
 from ar_lab.model.gpt import GPT
@@ -323,19 +324,40 @@ def _check_seen(call, k, v, seen, q_pos, ks, vs, written, window, sinks, hint) -
 # pass their tests.
 
 
+class ChapterStore(Store):
+    """The chapter's cache interface (``write(layer, k, v, pos)``, ``read(layer, q_pos) -> (k, v,
+    seen)``) as a KV store, so that the package's block runs through a learner's cache: the cache
+    decides what each query sees."""
+
+    def __init__(self, cache) -> None:
+        self.cache = cache
+
+    def write(self, layer: int, k, v, pos: int) -> None:
+        self.cache.write(layer, k, v, pos)
+
+    def attend(self, layer, q, pos, span=None, mask=None, *, dropout=0.0):
+        k, v, seen = self.cache.read(layer, torch.arange(pos, pos + q.shape[2]))
+        return attention(q, Keys(k, v), seen)
+
+
+_SPECS: dict[tuple[str, int], BlockSpec] = {}
+
+
 def reference_block(x, w, cache, layer: int, pos: int, cfg) -> torch.Tensor:
-    """The modern block with ``my_block``'s signature, on the package's arithmetic."""
-    B, T, C = x.shape
-    H, Hk, D = cfg.n_head, cfg.kv_heads, cfg.head_dim
-    rope = Rope(D, cfg.rope_theta, pos + T)
-    h = F.rms_norm(x, (C,), w["norm1"], cfg.norm_eps)
-    q, k, v = (h @ w["qkv"].T).view(B, T, -1, D).transpose(1, 2).split([H, Hk, Hk], dim=1)
-    cache.write(layer, rope(k, pos), v, pos)
-    k, v, seen = cache.read(layer, torch.arange(pos, pos + T))
-    y = F.scaled_dot_product_attention(rope(q, pos), k, v, attn_mask=seen, enable_gqa=H != Hk)
-    x = x + y.transpose(1, 2).reshape(B, T, C) @ w["proj"].T
-    h = F.rms_norm(x, (C,), w["norm2"], cfg.norm_eps)
-    return x + mlp(h, lambda t: t @ w["fc"].T, lambda t: t @ w["mlp_proj"].T, gated=True)
+    """The package's block (``ar_lab.model.block.block``) with ``my_block``'s signature: the weights
+    by name, the chapter's cache, and rotary tables long enough for positions past the context
+    window."""
+    n = 1 << max(cfg.block_size, pos + x.shape[1] - 1).bit_length()  # a table per power of two
+    spec = _SPECS.get((repr(cfg), n))
+    if spec is None:
+        spec = _SPECS[(repr(cfg), n)] = BlockSpec.from_config(replace(cfg, block_size=n))
+    C = cfg.n_embd
+    weights = BlockWeights(
+        lambda t: F.rms_norm(t, (C,), w["norm1"], cfg.norm_eps), lambda t: t @ w["qkv"].T,
+        lambda t: t @ w["proj"].T, lambda t: F.rms_norm(t, (C,), w["norm2"], cfg.norm_eps),
+        lambda t: t @ w["fc"].T, lambda t: t @ w["mlp_proj"].T,
+    )
+    return block(x, weights, spec, ChapterStore(cache), layer, pos)
 
 
 class RingCache:
