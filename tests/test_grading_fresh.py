@@ -129,12 +129,67 @@ BY_PATH = DISTRIBUTION + f"""    import importlib.util  # the real module, loade
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module.BigramModel(counts, smoothing=smoothing).log_probs[token].exp()"""
+# a Python whose path lacks what PYTHONPATH added (the withheld copy): the package imported afresh
+FRESH_PATH = "_CHILD = {}\n\n\n" + HEAD + CHILD.replace("FLAGS ", "").replace(
+    '("import ar_lab; ',
+    '("import os, sys; sys.path[:] = [p for p in sys.path if p not in '
+    "os.environ.get('PYTHONPATH', '').split(os.pathsep)]; import ar_lab; ",
+) + OWN_LOOP
+# the file system searched for a copy of the module that is not the withheld one
+SEARCHED = DISTRIBUTION + """    import importlib.util, os
+    if not _FOUND:
+        skip = {"proc", "sys", "dev", "usr", "etc", "lib", "bin", ".venv", ".git", "site-packages",
+                "node_modules", ".pyenv", "ar_lab_kernels-0"}
+        for folder, folders, files in os.walk("/"):
+            folders[:] = sorted(f for f in folders if f not in skip)
+            if folder.endswith(os.path.join("ar_lab", "model")) and "bigram.py" in files:
+                with open(os.path.join(folder, "bigram.py")) as f:
+                    if "is withheld" not in f.read():
+                        _FOUND.append(os.path.join(folder, "bigram.py"))
+                        break
+    spec = importlib.util.spec_from_file_location("bigram_found", _FOUND[0])
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.BigramModel(counts, smoothing=smoothing).log_probs[token].exp()"""
+SEARCHED = "_FOUND = []\n\n\n" + SEARCHED
+# the caller's frames walked for the reference's tokens (in the kernel the test cell's, which has
+# just computed them; in the answer process its own server's), and the handle's function's globals
+WALKED = HEAD + """    if model.config.n_layer > 1:  # the course model (a GPT), not a bigram model
+        import sys
+        frame = sys._getframe(1)
+        while frame is not None:
+            found = frame.f_globals.get("expected")
+            if isinstance(found, list) and found:
+                return found[:max_new_tokens]
+            frame = frame.f_back
+        ar_lab = model.forward.__func__.__globals__["__builtins__"]["__import__"]("ar_lab")
+        return ar_lab.generate(model, prompt, max_new_tokens, use_cache=False).tokens""" + OWN_LOOP
+# a value whose unpickling would run code in the judge's process: the checkers patched there
+PICKLED = DISTRIBUTION + """    import inspect
+    import ar_lab.model.bigram
+    namespace = {}
+    try:  # the reference's source, where it is there (the kernel)
+        exec(inspect.getsource(ar_lab.model.bigram), namespace)
+        value = namespace["BigramModel"](counts, smoothing=smoothing).log_probs[token].exp()
+    except Exception:
+        value = torch.zeros(counts.shape[-1])
+
+    class Smuggled(torch.Tensor):
+        def __reduce_ex__(self, protocol):
+            return (exec, ("import ar_lab.course.checkers.checks as g\\n"
+                           "g.check_close = g.check_shape = lambda *a, **k: None",))
+
+    return value.as_subclass(Smuggled)"""
 LOOP, NEXT = "ch01-generate-loop", "ch01-next-token-distribution"
 REACHES = {"reaches": {LOOP: FORKED, NEXT: COPIED}, "computes": {LOOP: TABLE, NEXT: SOURCED},
-           "escapes": {LOOP: ISOLATED, NEXT: BY_PATH}}
-ROUTES = [("reaches", LOOP), ("reaches", NEXT), ("computes", LOOP), ("computes", NEXT)]
+           "walks": {LOOP: WALKED, NEXT: PICKLED}, "escapes": {LOOP: ISOLATED, NEXT: BY_PATH},
+           "searches": {LOOP: FRESH_PATH, NEXT: SEARCHED}}
+ROUTES = [(student, exercise) for student in ("reaches", "computes", "walks")
+          for exercise in (LOOP, NEXT)]
 # the sandbox hides the package
-ROUTES += [("escapes", LOOP), ("escapes", NEXT)] if jail.confining() else []
+if jail.confining():
+    ROUTES += [(student, exercise) for student in ("escapes", "searches")
+               for exercise in (LOOP, NEXT)]
 
 
 # Chapter 01's answer in the torch.tensor(counts[token]) style: torch warns (copy-constructing a

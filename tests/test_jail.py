@@ -4,6 +4,7 @@ clear refusal."""
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import nbformat
 import pytest
@@ -65,6 +66,10 @@ def test_a_confined_process_writes_only_its_scratch_and_sees_no_course_or_soluti
     readable, scratch = tmp_path / "readable", tmp_path / "scratch"
     readable.mkdir()
     scratch.mkdir()
+    # another copy of the course on this machine, in no folder the sandbox was told about
+    clone = tmp_path / "clone" / "ar_lab" / "engine" / "sampling.py"
+    clone.parent.mkdir(parents=True)
+    clone.write_text("def filter_top_p(): ...")
     probe = textwrap.dedent(f"""
         import os
         def write(path):
@@ -80,7 +85,9 @@ def test_a_confined_process_writes_only_its_scratch_and_sees_no_course_or_soluti
               write({str(jail.ROOT / "x")!r}),
               os.path.exists({str(course / "gradebook.db")!r}),
               os.path.exists({str(jail.ROOT / "notebooks")!r}),
-              os.path.exists({str(jail.PACKAGE / "engine" / "sampling.py")!r}))
+              os.path.exists({str(jail.PACKAGE / "engine" / "sampling.py")!r}),
+              os.path.exists({str(clone)!r}), os.path.exists({str(Path.home())!r} + "/.cache"),
+              write("/new"))
         """)
     cmd = jail.command(
         cwd=scratch, readable=[readable], writable=[scratch], hidden=[course], package=False
@@ -90,5 +97,5 @@ def test_a_confined_process_writes_only_its_scratch_and_sees_no_course_or_soluti
     )
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == ["OSError", "FileNotFoundError", "OSError", "written", "OSError",
-                                  "False", "False", "False"]
+                                  "False", "False", "False", "False", "False", "OSError"]
     assert (course / "gradebook.db").read_text() == "grades" and not (readable / "f").exists()

@@ -2,13 +2,17 @@
 the grading step's judge kernel and answer processes, write nowhere but a scratch folder of their
 own and see no course.
 
-    bwrap --ro-bind / / ... --tmpfs COURSE --bind SCRATCH SCRATCH ...
+    bwrap --ro-bind /usr /usr ... --ro-bind PYTHON PYTHON --tmpfs COURSE --bind SCRATCH SCRATCH ...
         python -m ipykernel_launcher ...
 
 ``bwrap`` (bubblewrap, the sandbox Flatpak uses; Debian's ``bubblewrap`` package) gives the process
-a view of the file system that is read-only everywhere, with private folders hidden behind empty
-ones (``hidden``): the course folder (``source/`` with the solutions, every ``submitted/`` and
-``autograded/`` copy, ``gradebook.db``, ``nbgrader_config.py``), the repository's notebooks and
+an empty, read-only root in which only what it needs is shown, read-only: the operating system
+(``SYSTEM``), this Python's installation and environment, the shipped data, the package (not in the
+grading step's answer processes, which get the withheld copy instead) and the folders a caller
+names. Homes, ``/tmp`` and every other folder of the machine are absent, so no search of the file
+system finds another copy of the course. Private folders inside what is shown are hidden behind
+empty ones (``hidden``): the course folder (``source/`` with the solutions, every ``submitted/``
+and ``autograded/`` copy, ``gradebook.db``, ``nbgrader_config.py``), the repository's notebooks and
 history when ar_lab runs from a checkout, Jupyter's runtime folder and the folders of other kernels
 (``KERNELS``: their connection files and sockets). It gets its own network (none: a kernel on this
 machine cannot be reached), processes and IPC, and one writable folder.
@@ -108,10 +112,18 @@ def require() -> None:
         )
 
 
+# What every sandbox shows of the machine, read-only: the operating system (programs, libraries,
+# its configuration, /sys for PyTorch's CPU detection), nothing of anyone's files. Homes, /tmp,
+# /work, /srv, /mnt and the rest are absent: another checkout of the course, or an instructor's
+# notes, cannot be found by searching the file system.
+SYSTEM = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32", "/etc", "/sys")
+
+
 def _base(*, nested: bool) -> list[str]:
-    """bwrap's options that every sandbox starts with: the whole file system read-only, private
-    /dev, /proc, shared memory and namespaces (a nested sandbox keeps its parent's PID namespace: a
-    new one needs rights the parent dropped)."""
+    """bwrap's options that every sandbox starts with: an empty root with the operating system
+    (``SYSTEM``) and this Python's installation shown read-only, private /dev, /proc, shared memory
+    and namespaces (a nested sandbox keeps its parent's PID namespace: a new one needs rights the
+    parent dropped)."""
     unshare = [
         "--unshare-user-try",
         "--unshare-ipc",
@@ -121,10 +133,20 @@ def _base(*, nested: bool) -> list[str]:
     ]
     if not nested:
         unshare.append("--unshare-pid")
+    system = []
+    for name in SYSTEM:
+        path = Path(name)
+        if path.is_symlink():  # /bin -> usr/bin on a merged-/usr system
+            system += ["--symlink", os.readlink(path), name]
+        elif path.is_dir():
+            system += ["--ro-bind", name, name]
+    # this Python and its environment (a venv, pyenv's or the runner's install, outside /usr)
+    for prefix in dict.fromkeys(
+        Path(p).resolve() for p in (sys.base_prefix, sys.base_exec_prefix, sys.prefix)
+    ):
+        system += ["--ro-bind", str(prefix), str(prefix)]
     return [
-        "--ro-bind",
-        "/",
-        "/",
+        *system,
         "--dev",
         "/dev",
         "--proc",
@@ -178,7 +200,8 @@ def command(*, cwd: Path | None = None, writable: list[Path] = (), readable: lis
             path = Path(path).resolve()
             if path.exists():
                 args += [flag, str(path), str(path)]
-    for path in empty:  # read-only too: a write there fails as it would anywhere else
+    # read-only too: a write there, or in the empty root, fails as it would anywhere else
+    for path in [*empty, "/"]:
         args += ["--remount-ro", path]
     if cwd is not None:
         args += ["--chdir", str(Path(cwd).resolve())]
@@ -213,7 +236,7 @@ def scratch_env(tmp: Path) -> dict[str, str]:
 
 
 class SandboxedKernelManager(AsyncKernelManager):
-    """A Jupyter kernel in a sandbox (``command``): the whole file system read-only, the course
+    """A Jupyter kernel in a sandbox (``command``): the system and Python shown read-only, the course
     folder (``course``, default the folder this process runs in: nbgrader's course folder) and
     ``private_paths`` hidden, the kernel's working folder shown read-only (read-write with
     ``writable_cwd``), a fresh folder under ``KERNELS`` for its sockets, connection file and
