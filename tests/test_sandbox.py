@@ -160,6 +160,9 @@ LEARNER = [
         def poke(obj, name):
             return getattr(obj, name)
 
+        def kind(obj):
+            return f"{type(obj).__module__}.{type(obj).__qualname__}"
+
         class Doubler(torch.nn.Module):
             def __init__(self):
                 super().__init__()
@@ -331,6 +334,23 @@ def test_a_class_of_the_learners_is_built_and_used_through_handles(learner):
     assert torch.allclose(doubler(torch.ones(2)), expected)
     with pytest.raises(AttributeError, match="private attribute '_modules' is not shared"):
         getattr(doubler, "_modules")  # noqa: B009 (the attribute read is the point)
+
+
+def test_a_handles_dunder_attributes_lead_nowhere_in_the_judge(learner):
+    """Issue 66: the judge's class, a method's function, its object and globals, an object's
+    namespace: each refused; what the handle's own ``__class__`` and ``__module__`` give is the
+    answer process's proxy, none of the judge's."""
+    box = torch.nn.Linear(2, 2)
+    with pytest.raises(AttributeError, match="private attribute '__dict__' is not shared"):
+        answer("poke")(box, "__dict__")
+    forward = answer("poke")(box, "forward")
+    assert forward == box.forward  # the judge's own method, handed back
+    for name in ("__func__", "__self__", "__globals__"):
+        with pytest.raises(AttributeError, match=f"private attribute {name!r} is not shared"):
+            answer("poke")(forward, name)
+    assert answer("kind")(box) == "ar_lab.course.grading.channel.Remote"
+    assert answer("poke")(box, "__module__") == "ar_lab.course.grading.channel"
+    assert answer("poke")(box, "__class__") is not torch.nn.Linear
 
 
 def test_the_answer_cannot_reach_a_private_attribute_or_a_forbidden_reference_via_the_tests_objects(
