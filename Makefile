@@ -7,7 +7,7 @@ COURSE_STAMP := $(VENV)/.course-installed
 DEV_STAMP := $(VENV)/.dev-installed
 PYTEST_ARGS ?=
 
-.PHONY: lab test test-fast lint checkpoints bench clean help grading-course test-class grading-time site test-site site-node \
+.PHONY: lab test test-fast lint checkpoints bench clean help grading-course test-class grading-time site test-site site-node test-busy \
 	sandbox-tool
 
 help:
@@ -20,6 +20,7 @@ help:
 	@echo "make site         build the course as a static website (Jupyter Book 2; needs Node.js) into build/site/_build/html"
 	@echo "make test-site    build the site if needed, then test it in Chromium (tests/test_site.py)"
 	@echo "make test-class   a class on JupyterHub with nbgrader's exchange, end to end (tests/test_class.py; needs npm)"
+	@echo "make test-busy    every notebook's student Run All beside a neighbour on every core (tests/test_busy_run_all.py)"
 	@echo "make grading-time time autograde + the grading step per chapter into data/grading_time.json (~12 min)"
 
 $(BIN)/python:
@@ -102,6 +103,11 @@ $(CHP_STAMP):
 
 test-class: sandbox-tool $(CLASS_STAMP) $(CHP_STAMP)
 	AR_LAB_CLASS_TEST=1 $(BIN)/python -m pytest tests/test_class.py $(PYTEST_ARGS)
+
+# A learner's Run All of every notebook while a neighbour keeps every core busy (tests/test_busy_run_all.py).
+# Not part of `make test`: the neighbour would slow its two processes past the budget.
+test-busy: $(DEV_STAMP)
+	$(BIN)/python -m pytest tests/test_busy_run_all.py -m busy -n 0 -rA --durations=5 $(PYTEST_ARGS)
 
 # Seconds of nbgrader autograde + the grading step per submission, every chapter (INSTRUCTORS.md's table).
 grading-time: sandbox-tool $(DEV_STAMP)

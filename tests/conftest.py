@@ -44,11 +44,12 @@ SPREAD = {"test_exercises.py", "test_delegation.py", "test_fresh_grading.py"}
 def pytest_collection_modifyitems(config, items):
     """Browser tests and notebook cells (nbval) are slow by nature: ``-m "not slow"`` leaves them
     out. The quiet ones are marked ``quiet``: ``make test`` runs them alone, after the others."""
-    site = [item for item in items if item.get_closest_marker("site")]
-    # make test-site runs them (-m site)
-    if site and "site" not in (config.getoption("markexpr", "") or ""):
-        config.hook.pytest_deselected(items=site)
-        items[:] = [item for item in items if not item.get_closest_marker("site")]
+    # make test-site runs these (-m site), make test-busy those (-m busy): a run whose -m names them
+    for kept_out in ("site", "busy"):
+        marked = [item for item in items if item.get_closest_marker(kept_out)]
+        if marked and kept_out not in (config.getoption("markexpr", "") or ""):
+            config.hook.pytest_deselected(items=marked)
+            items[:] = [item for item in items if not item.get_closest_marker(kept_out)]
     for item in items:
         if item.get_closest_marker("browser") or type(item).__name__ == "IPyNbCell":
             item.add_marker(pytest.mark.slow)

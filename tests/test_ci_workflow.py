@@ -30,3 +30,4 @@ def test_readme_and_ci_use_the_same_test_command():
     ci = [line.strip() for line in (ROOT / ".ci" / "run").read_text().splitlines()]
     assert "make test" in ci  # then the tests kept out of it (the JupyterHub class) after it
     assert "make test-class" in ci and ci.index("make test-class") > ci.index("make test")
+    assert "make test-busy" in ci and ci.index("make test-busy") > ci.index("make test")

@@ -236,9 +236,9 @@ def scratch_env(tmp: Path) -> dict[str, str]:
 
 
 class SandboxedKernelManager(AsyncKernelManager):
-    """A Jupyter kernel in a sandbox (``command``): the system and Python shown read-only, the course
-    folder (``course``, default the folder this process runs in: nbgrader's course folder) and
-    ``private_paths`` hidden, the kernel's working folder shown read-only (read-write with
+    """A Jupyter kernel in a sandbox (``command``): the system and Python shown read-only, the
+    course folder (``course``, default the folder this process runs in: nbgrader's course folder)
+    and ``private_paths`` hidden, the kernel's working folder shown read-only (read-write with
     ``writable_cwd``), a fresh folder under ``KERNELS`` for its sockets, connection file and
     temporary files (``TMPDIR``)."""
 
