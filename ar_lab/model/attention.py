@@ -133,11 +133,9 @@ def attention(
         return torch.bmm(weights, vv).view(B, H, 1, D)
     if keys.k_scale is not None:
         k, v = dense(keys, q.dtype)
-    # a branch, not the comparison itself: under torch.compile the sizes are symbolic
-    grouped = True if Hk != H else False  # noqa: SIM210
-    return F.scaled_dot_product_attention(
-        q, k, v, attn_mask=mask, is_causal=causal, dropout_p=dropout, enable_gqa=grouped
-    )
+    if Hk == H:  # (positional arguments: parsing keywords costs a decode step time)
+        return F.scaled_dot_product_attention(q, k, v, mask, dropout, causal)
+    return F.scaled_dot_product_attention(q, k, v, mask, dropout, causal, enable_gqa=True)
 
 
 def dense(keys: Keys, dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:

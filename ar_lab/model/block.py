@@ -93,6 +93,7 @@ class BlockSpec(NamedTuple):
     span: Span
     rope: Rope | None
     split: tuple[int, int, int]  # q, k, v head counts: how the fused projection's heads divide
+    n_qkv: int  # their sum, H + 2 H_kv
 
     @classmethod
     def from_config(cls, cfg: GPTConfig) -> BlockSpec:
@@ -101,7 +102,10 @@ class BlockSpec(NamedTuple):
         )
         span = FULL if cfg.window is None else Span(cfg.window, cfg.sinks)
         split = (cfg.n_head, cfg.kv_heads, cfg.kv_heads)
-        return cls(cfg.n_head, cfg.kv_heads, cfg.head_dim, cfg.mlp == "swiglu", span, rope, split)
+        return cls(
+            cfg.n_head, cfg.kv_heads, cfg.head_dim, cfg.mlp == "swiglu", span, rope, split,
+            sum(split),
+        )
 
 
 def attend(
@@ -113,13 +117,12 @@ def attend(
 
     The new keys and values go to ``store`` at ``pos``; the store's attention reads what it
     holds."""
-    *rows, _ = h.shape  # (B, T); none for the lean step's one vector (one token of one sequence)
-    B, T = rows or (1, 1)
+    # (B, T); (1, 1) for the lean step's one vector (one token of one sequence)
+    B, T = (1, 1) if h.dim() == 1 else h.shape[:2]
     # Heads side by side -> heads as a dimension: (B, T, (H + 2 H_kv) D) -> (B, H + 2 H_kv, T, D);
     # q, k, v are consecutive head ranges (one view and one transpose: rearrange's parsing would
     # cost a decode step time); the same calls for one position as for many (chapter 04 counts).
-    N = spec.n_head + 2 * spec.n_kv
-    qkv = w.qkv(h).view(B, T, N, spec.head_dim).transpose(1, 2)
+    qkv = w.qkv(h).view(B, T, spec.n_qkv, spec.head_dim).transpose(1, 2)
     q, k, v = qkv.split_with_sizes(spec.split, 1)  # (B, H, T, D), (B, H_kv, T, D), (B, H_kv, T, D)
     if spec.rope is not None:
         q, k = spec.rope(q, pos), spec.rope(k, pos)
@@ -135,8 +138,10 @@ def mlp(h: torch.Tensor, fc: Layer, proj: Layer, gated: bool) -> torch.Tensor:
     if gated:
         gate, up = u.chunk(2, dim=-1)
         u = torch._C._nn.silu(gate).mul_(up)  # (the kernel without F.silu's wrapper)
-    else:
+    elif torch.is_grad_enabled():  # (GELU's backward reads its input)
         u = torch._C._nn.gelu(u, approximate="tanh")
+    else:  # inference: in place, in fc's fresh output
+        u = torch._C._nn.gelu_(u, approximate="tanh")
     return proj(u)
 
 
