@@ -152,40 +152,11 @@ SEARCHED = DISTRIBUTION + """    import importlib.util, os
     spec.loader.exec_module(module)
     return module.BigramModel(counts, smoothing=smoothing).log_probs[token].exp()"""
 SEARCHED = "_FOUND = []\n\n\n" + SEARCHED
-# the caller's frames walked for the reference's tokens (in the kernel the test cell's, which has
-# just computed them; in the answer process its own server's), and the handle's function's globals
-WALKED = HEAD + """    if model.config.n_layer > 1:  # the course model (a GPT), not a bigram model
-        import sys
-        frame = sys._getframe(1)
-        while frame is not None:
-            found = frame.f_globals.get("expected")
-            if isinstance(found, list) and found:
-                return found[:max_new_tokens]
-            frame = frame.f_back
-        ar_lab = model.forward.__func__.__globals__["__builtins__"]["__import__"]("ar_lab")
-        return ar_lab.generate(model, prompt, max_new_tokens, use_cache=False).tokens""" + OWN_LOOP
-# a value whose unpickling would run code in the judge's process: the checkers patched there
-PICKLED = DISTRIBUTION + """    import inspect
-    import ar_lab.model.bigram
-    namespace = {}
-    try:  # the reference's source, where it is there (the kernel)
-        exec(inspect.getsource(ar_lab.model.bigram), namespace)
-        value = namespace["BigramModel"](counts, smoothing=smoothing).log_probs[token].exp()
-    except Exception:
-        value = torch.zeros(counts.shape[-1])
-
-    class Smuggled(torch.Tensor):
-        def __reduce_ex__(self, protocol):
-            return (exec, ("import ar_lab.course.checkers.checks as g\\n"
-                           "g.check_close = g.check_shape = lambda *a, **k: None",))
-
-    return value.as_subclass(Smuggled)"""
 LOOP, NEXT = "ch01-generate-loop", "ch01-next-token-distribution"
 REACHES = {"reaches": {LOOP: FORKED, NEXT: COPIED}, "computes": {LOOP: TABLE, NEXT: SOURCED},
-           "walks": {LOOP: WALKED, NEXT: PICKLED}, "escapes": {LOOP: ISOLATED, NEXT: BY_PATH},
+           "escapes": {LOOP: ISOLATED, NEXT: BY_PATH},
            "searches": {LOOP: FRESH_PATH, NEXT: SEARCHED}}
-ROUTES = [(student, exercise) for student in ("reaches", "computes", "walks")
-          for exercise in (LOOP, NEXT)]
+ROUTES = [(student, exercise) for student in ("reaches", "computes") for exercise in (LOOP, NEXT)]
 # the sandbox hides the package
 if jail.confining():
     ROUTES += [(student, exercise) for student in ("escapes", "searches")

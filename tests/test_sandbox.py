@@ -163,6 +163,20 @@ LEARNER = [
         def kind(obj):
             return f"{type(obj).__module__}.{type(obj).__qualname__}"
 
+        class Smuggled(torch.Tensor):  # unpickled, it would run code in the judge's process
+            def __reduce_ex__(self, protocol):
+                return (exec, ("import builtins; builtins.SMUGGLED = True",))
+
+        def smuggled():
+            return torch.ones(3).as_subclass(Smuggled)
+
+        def frames():  # every module the answer's own call stack runs in
+            names, frame = set(), sys._getframe()
+            while frame is not None:
+                names.add(frame.f_globals.get("__name__"))
+                frame = frame.f_back
+            return sorted(n for n in names if n)
+
         class Doubler(torch.nn.Module):
             def __init__(self):
                 super().__init__()
@@ -351,6 +365,21 @@ def test_a_handles_dunder_attributes_lead_nowhere_in_the_judge(learner):
     assert answer("kind")(box) == "ar_lab.course.grading.channel.Remote"
     assert answer("poke")(box, "__module__") == "ar_lab.course.grading.channel"
     assert answer("poke")(box, "__class__") is not torch.nn.Linear
+
+
+def test_a_value_that_would_run_code_when_unpickled_and_the_answers_frames_reach_nothing_here(
+    learner,
+):
+    """Issue 66: a returned tensor whose pickling names ``exec`` runs nothing in the judge: it
+    comes back as a handle on the answer's object, never unpickled here; the answer's call stack
+    is its own process's."""
+    import builtins
+
+    value = answer("smuggled")()
+    assert isinstance(value, Remote) and not isinstance(value, torch.Tensor)
+    assert not hasattr(builtins, "SMUGGLED")
+    stack = answer("frames")()
+    assert __name__ not in stack and "ar_lab.course.grading.judge" not in stack, stack
 
 
 def test_the_answer_cannot_reach_a_private_attribute_or_a_forbidden_reference_via_the_tests_objects(

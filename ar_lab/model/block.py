@@ -117,8 +117,8 @@ def attend(
 
     The new keys and values go to ``store`` at ``pos``; the store's attention reads what it
     holds."""
-    # (B, T); (1, 1) for the lean step's one vector (one token of one sequence)
-    B, T = (1, 1) if h.dim() == 1 else h.shape[:2]
+    *rows, _ = h.shape  # (B, T); none for the lean step's one vector (one token of one sequence)
+    B, T = rows or (1, 1)
     # Heads side by side -> heads as a dimension: (B, T, (H + 2 H_kv) D) -> (B, H + 2 H_kv, T, D);
     # q, k, v are consecutive head ranges (one view and one transpose: rearrange's parsing would
     # cost a decode step time); the same calls for one position as for many (chapter 04 counts).
