@@ -5,7 +5,7 @@ neighbour this test starts keeps every core of the machine busy, as a shared hub
 Run All reaches the end, each graded cell fails only for its missing answer, and a timing claim
 that the neighbour made false shows its caveat instead of stopping the lesson.
 
-``make test-busy`` runs them (``-m busy``; 7.5 minutes on 2 cores), after ``make test``: the
+``make test-busy`` runs them (``-m busy``; 6.5 to 7.5 minutes on 2 cores), after ``make test``: the
 neighbour would slow the other tests' two processes by a third, beyond ``make test``'s budget.
 """
 
