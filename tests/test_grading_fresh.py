@@ -18,6 +18,7 @@ import sys
 
 import nbformat
 import pytest
+import torch
 from test_fresh_grading import GRADED_ELSEWHERE, kernel_only_in_instructors_md
 from test_grading import AUTOGRADE, EXPORT, FEEDBACK, GENERATE, _index, nbgrader
 
@@ -152,10 +153,31 @@ SEARCHED = DISTRIBUTION + """    import importlib.util, os
     spec.loader.exec_module(module)
     return module.BigramModel(counts, smoothing=smoothing).log_probs[token].exp()"""
 SEARCHED = "_FOUND = []\n\n\n" + SEARCHED
-LOOP, NEXT = "ch01-generate-loop", "ch01-next-token-distribution"
+# the chapter's source notebook searched for (beside the package, or anywhere), its solution run
+NOTEBOOK = '''_SOLVED = {"torch": torch}
+
+
+def sequence_log_prob(log_probs, tokens):
+    import json, os
+    if "sequence_log_prob" not in _SOLVED:
+        skip = {"proc", "sys", "dev", "usr", "etc", "lib", "bin", ".venv", ".git", "site-packages",
+                "node_modules", ".pyenv", "ar_lab_kernels-0"}
+        for folder, folders, files in os.walk("/"):
+            folders[:] = sorted(f for f in folders if f not in skip)
+            if "01_the_autoregressive_loop.ipynb" in files:
+                with open(os.path.join(folder, "01_the_autoregressive_loop.ipynb")) as f:
+                    cells = json.load(f)["cells"]
+                for cell in cells:
+                    text = "".join(cell["source"])
+                    if text.startswith("def sequence_log_prob") and "BEGIN SOLUTION" in text:
+                        exec(text, _SOLVED)
+            if "sequence_log_prob" in _SOLVED:
+                break
+    return _SOLVED["sequence_log_prob"](log_probs, tokens)'''
+LOOP, NEXT, SEQ = "ch01-generate-loop", "ch01-next-token-distribution", "ch01-sequence-log-prob"
 REACHES = {"reaches": {LOOP: FORKED, NEXT: COPIED}, "computes": {LOOP: TABLE, NEXT: SOURCED},
            "escapes": {LOOP: ISOLATED, NEXT: BY_PATH},
-           "searches": {LOOP: FRESH_PATH, NEXT: SEARCHED}}
+           "searches": {LOOP: FRESH_PATH, NEXT: SEARCHED, SEQ: NOTEBOOK}}
 ROUTES = [(student, exercise) for student in ("reaches", "computes") for exercise in (LOOP, NEXT)]
 # the sandbox hides the package
 if jail.confining():
@@ -366,6 +388,22 @@ def test_an_answer_that_reaches_the_reference_gets_zero_by_whatever_route(fresh,
     assert ch01["kernel"][student][test] == full[test]
     assert ch01["final"][student][test] == 0
     assert f"{student} {CH01} {test}: {full[test]:g} -> 0 points (fresh run: " in ch01["grading"]
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not jail.confining(), reason="the sandbox (bubblewrap) hides the notebooks")
+def test_the_source_notebook_found_by_a_search_is_not_there_when_a_submission_is_graded(fresh):
+    """Issue 66: the chapter's source notebook, found by searching the file system, gives its
+    solution here (outside the sandbox); in autograde's kernel and in the grading step the search
+    finds none: 0 points."""
+    namespace = {"torch": torch}
+    exec(NOTEBOOK, namespace)
+    log_probs = torch.randn(5, 5).log_softmax(-1)
+    expected = float(log_probs[0, 3] + log_probs[3, 1])
+    assert namespace["sequence_log_prob"](log_probs, [0, 3, 1]) == pytest.approx(expected)
+    test = f"{SEQ}-tests"
+    assert fresh[CH01]["kernel"]["searches"][test] == 0 == fresh[CH01]["final"]["searches"][test]
+    assert fresh[CH01]["kernel"]["complete"][test] == _points(fresh[CH01]["source"])[test]
 
 
 @pytest.mark.slow
