@@ -136,13 +136,17 @@ FRESH_PATH = "_CHILD = {}\n\n\n" + HEAD + CHILD.replace("FLAGS ", "").replace(
     '("import os, sys; sys.path[:] = [p for p in sys.path if p not in '
     "os.environ.get('PYTHONPATH', '').split(os.pathsep)]; import ar_lab; ",
 ) + OWN_LOOP
-# the file system searched for a copy of the module that is not the withheld one
-SEARCHED = DISTRIBUTION + """    import importlib.util, os
-    if not _FOUND:
+# a learner's walk of the whole file system (what the machine's system folders hold left out)
+WALK = """\
         skip = {"proc", "sys", "dev", "usr", "etc", "lib", "bin", ".venv", ".git", "site-packages",
                 "node_modules", ".pyenv", "ar_lab_kernels-0"}
         for folder, folders, files in os.walk("/"):
             folders[:] = sorted(f for f in folders if f not in skip)
+"""
+# the file system searched for a copy of the module that is not the withheld one
+SEARCHED = DISTRIBUTION + """    import importlib.util, os
+    if not _FOUND:
+""" + WALK + """\
             if folder.endswith(os.path.join("ar_lab", "model")) and "bigram.py" in files:
                 with open(os.path.join(folder, "bigram.py")) as f:
                     if "is withheld" not in f.read():
@@ -160,10 +164,7 @@ NOTEBOOK = '''_SOLVED = {"torch": torch}
 def sequence_log_prob(log_probs, tokens):
     import json, os
     if "sequence_log_prob" not in _SOLVED:
-        skip = {"proc", "sys", "dev", "usr", "etc", "lib", "bin", ".venv", ".git", "site-packages",
-                "node_modules", ".pyenv", "ar_lab_kernels-0"}
-        for folder, folders, files in os.walk("/"):
-            folders[:] = sorted(f for f in folders if f not in skip)
+''' + WALK + '''\
             if "01_the_autoregressive_loop.ipynb" in files:
                 with open(os.path.join(folder, "01_the_autoregressive_loop.ipynb")) as f:
                     cells = json.load(f)["cells"]
