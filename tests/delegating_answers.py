@@ -407,6 +407,11 @@ from ar_lab.course.checkers.modern_checks import RingCache
 class MyRollingCache(RingCache):
     pass
 """,
+    "a1-compile-once": """
+def compile_once(step):
+    from ar_lab.engine.compiled import compile_once as theirs
+    return theirs(step)
+""",
 }
 
 # Exercises with no reference in the package to delegate to (their graded tests need no guard).

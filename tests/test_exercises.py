@@ -207,8 +207,11 @@ def test_release_command_line(tmp_path, capsys):
     assert "wrote 1 student notebook(s) and the glossary" in capsys.readouterr().out
     assert main(["release", "--chapter", "00", "--out", str(tmp_path / "c")]) == 0
     assert "kept 1 already there" in capsys.readouterr().out
+    assert main(["release", "--chapter", "A1", "--out", str(tmp_path / "a")]) == 0  # the appendix
+    assert (tmp_path / "a" / "A1_measuring_time.ipynb").exists()
     bad_inputs = [
         ["--chapter", "abc"],
+        ["--chapter", "A"],
         ["--src", str(tmp_path / "missing")],
         ["--out", str(NOTEBOOKS)],
         ["--out", str(NOTEBOOKS / ".." / "notebooks")],

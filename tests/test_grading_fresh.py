@@ -459,7 +459,8 @@ def test_the_tests_instructors_md_says_keep_the_kernels_verdict_are_those_the_gr
     for assignment in (CH01, CH02):
         printed = fresh[assignment]["grading"]
         named = set(
-            re.findall(rf"kernel verdict only: {assignment} (ch\d\d-[a-z0-9-]+-tests)", printed)
+            re.findall(rf"kernel verdict only: {assignment} ((?:ch\d\d|a\d)-[a-z0-9-]+-tests)",
+                       printed)
         )
         ours = {meta["grade_id"] for _, meta in graded_cells(fresh[assignment]["source"])}
         assert named == kernel_only_in_instructors_md() & ours, assignment

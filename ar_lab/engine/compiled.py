@@ -55,11 +55,19 @@ def _traced(engine: LeanGPT, token: torch.Tensor, k: list, v: list, pos: int) ->
     return engine.one(engine.wte[token].view(-1), Buffers(k, v), pos)
 
 
+def compile_once(step, **options):
+    """``step(token, cache, pos)`` under ``torch.compile`` with its sizes and ints as symbols
+    (``dynamic=True``): one graph serves every position past 1, where the default compile would take
+    the first position it sees as a constant and compile again at the next (appendix A1's exercise).
+    ``options``: inductor's (see ``torch._inductor.list_options()``)."""
+    return torch.compile(step, dynamic=True, options=options or None)
+
+
 @functools.cache
 def _compiled():
-    """``_traced`` under ``torch.compile`` (made at first use: TorchDynamo takes a while to
-    import)."""
-    return torch.compile(_traced, dynamic=True, options={"cpp.dynamic_threads": True})
+    """``_traced`` compiled once for every position (made at first use: TorchDynamo takes a while
+    to import)."""
+    return compile_once(_traced, **{"cpp.dynamic_threads": True})
 
 
 def _reason(e: Exception) -> str:

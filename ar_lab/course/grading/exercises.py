@@ -167,6 +167,9 @@ def _folder(name: str, value) -> Path:
     return Path(value)
 
 
+_APPENDIX = re.compile(r"[Aa]\d")  # an appendix: A1
+
+
 def _chapters(chapters) -> list[str] | None:
     """``chapters`` as a list: None (every chapter), one chapter ("04" or 4) or a non-empty list of
     them."""
@@ -192,12 +195,15 @@ def select_notebooks(src: Path, chapters: list[str] | str | None = None) -> list
     patterns = ["*.ipynb"]
     if chapters is not None:
         for chapter in chapters:
-            if not str(chapter).isdigit() or int(chapter) > 99:
+            if not (str(chapter).isdigit() and int(chapter) <= 99 or _APPENDIX.fullmatch(
+                    str(chapter))):
                 raise BadValue(
-                    f"a chapter is a number such as 04, got {chapter!r} in chapters", arg="chapters"
+                    f"a chapter is a number such as 04 (or an appendix such as A1), got "
+                    f"{chapter!r} in chapters", arg="chapters"
                 )
-        # a chapter and its parts (07b_...)
-        patterns = [f"{int(chapter):02d}[_a-z]*.ipynb" for chapter in chapters]
+        # a chapter and its parts (07b_...), or an appendix
+        patterns = [f"{str(chapter).upper()}_*.ipynb" if _APPENDIX.fullmatch(str(chapter))
+                    else f"{int(chapter):02d}[_a-z]*.ipynb" for chapter in chapters]
     found = []
     for pattern in patterns:
         matches = sorted(src.glob(pattern))

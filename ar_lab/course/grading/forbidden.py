@@ -357,6 +357,13 @@ FORBIDDEN: dict[str, tuple[str, ...]] = {
         "ar_lab.model.attention.visible",
         "ar_lab.course.checkers.modern_checks.RingCache",
     ),
+    # A1_measuring_time.ipynb
+    "a1-compile-once": (
+        "ar_lab.engine.compiled.compile_once",
+        "ar_lab.engine.compiled.compiled_step",
+        "ar_lab.engine.compiled.CompiledStep",
+        "ar_lab.engine.compiled.CompiledDecoder",
+    ),
 }
 
 

@@ -230,10 +230,15 @@ def hours(chapters: list[dict], n: int = CLASS, speedup: float = 1.0) -> float:
     )
 
 
-def _measured_on(data: dict, day: str) -> str:
-    """The notebooks whose rows were measured on ``day`` (``--update`` stamps its rows)."""
+def _measured_on(data: dict, day: str, cpu: str) -> str:
+    """The notebooks whose rows were measured on ``day`` on ``cpu`` (``--update`` stamps its
+    rows)."""
     return ", ".join(f"`{r['notebook']}`" for r in data["chapters"]
-                     if r.get("date", "")[:10] == day)
+                     if r.get("date", "")[:10] == day and _cpu(data, r) == cpu)
+
+
+def _cpu(data: dict, row: dict) -> str:
+    return row.get("cpu", data["machine"]["cpu"])  # (rows stamped before cpus were: the same)
 
 
 def table(data: dict) -> str:
@@ -266,8 +271,8 @@ def table(data: dict) -> str:
     ]
     lines.append("| " + " | ".join(["every chapter", "", "", *total]) + " |")
     m, par = data["machine"], data.get("parallel")
-    later = sorted({r["date"][:10] for r in data["chapters"] if r.get("date", data["date"])[:10]
-                    != data["date"][:10]})
+    later = sorted({(r["date"][:10], _cpu(data, r)) for r in data["chapters"]
+                    if r.get("date", data["date"])[:10] != data["date"][:10]})
     lines += [
         "",
         f"Measured {data['date'][:10]} on {m['cpus']} cores ({m['cpu']}), torch {m['torch']} "
@@ -282,8 +287,9 @@ def table(data: dict) -> str:
             else ""
         )
         + "."
-        + "".join(f" Rows measured later, on the same machine: {_measured_on(data, d)} on {d}."
-                  for d in later),
+        + "".join(f" Rows measured later, "
+                  f"{'on the same machine' if cpu == m['cpu'] else f'on {cpu}'}: "
+                  f"{_measured_on(data, d, cpu)} on {d}." for d, cpu in later),
     ]
     if par:
         lines.append(
@@ -409,7 +415,8 @@ def main(argv: list[str] | None = None) -> int:
             old = json.loads(args.json.read_text())
             today = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
             rows = {c["notebook"]: c for c in old["chapters"]} | {
-                c["notebook"]: {**c, "date": today} for c in data["chapters"]
+                c["notebook"]: {**c, "date": today, "cpu": data["machine"]["cpu"]}
+                for c in data["chapters"]
             }
             data = old | ({"parallel": data["parallel"]} if "parallel" in data else {})
             data["chapters"] = sorted(rows.values(), key=lambda c: c["notebook"])
