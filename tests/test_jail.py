@@ -99,3 +99,21 @@ def test_a_confined_process_writes_only_its_scratch_and_sees_no_course_or_soluti
     assert out.stdout.split() == ["OSError", "FileNotFoundError", "OSError", "written", "OSError",
                                   "False", "False", "False", "False", "False", "OSError"]
     assert (course / "gradebook.db").read_text() == "grades" and not (readable / "f").exists()
+
+
+@needs_bwrap
+def test_a_confined_process_keeps_torch_compiles_cache_in_its_scratch(tmp_path):
+    """Inductor writes its folder into os.environ at first use, so a grader that compiled before
+    (a test, a notebook) hands a folder outside the sandbox to the kernels it starts: the scratch
+    environment sends the cache to the scratch folder, where appendix A1's compile can write."""
+    scratch = tmp_path / "scratch"
+    scratch.mkdir()
+    env = {"PATH": "/usr/bin:/bin", "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "outside")}
+    env |= jail.scratch_env(scratch / "tmp")
+    probe = "from torch._inductor.runtime.cache_dir_utils import cache_dir; print(cache_dir())"
+    cmd = jail.command(cwd=scratch, writable=[scratch], package=False)
+    out = subprocess.run([*cmd, sys.executable, "-c", probe], capture_output=True, text=True,
+                         timeout=60, env=env)
+    assert out.returncode == 0, out.stderr
+    assert Path(out.stdout.strip()).is_relative_to(scratch) and Path(out.stdout.strip()).is_dir()
+    assert not (tmp_path / "outside").exists()

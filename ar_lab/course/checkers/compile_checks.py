@@ -22,8 +22,6 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 import torch
-import torch._dynamo  # (imported by the first torch.compile anyway: the checker reads its counter)
-from torch._dynamo.utils import counters
 
 from ar_lab.course.checkers.answers import require_answer
 from ar_lab.course.checkers.checks import check_matches, run_answer, verdict
@@ -34,6 +32,8 @@ PER_POSITION = "a graph for every position (each position a constant: dynamic=Fa
 
 
 def _graphs() -> int:
+    from torch._dynamo.utils import counters  # (imported at first use: it takes a while)
+
     return int(counters["stats"]["unique_graphs"])
 
 
@@ -61,13 +61,15 @@ def check_compiles_once(
     ``positions`` (each past 1 and short of the cache's end: torch gives the values 0 and 1, and a
     read to a buffer's end, graphs of their own): its logits and cache writes are the eager step's.
     ``make_cache()``: a fresh cache for ``step``. Returns the number of graphs (1)."""
+    import torch._dynamo as dynamo
+
     require_answer("compile_once", compile_once)  # None, or the package's own: no answer yet
-    torch._dynamo.reset()  # no graph of an earlier compile of `step` is reused, and counted afresh
+    dynamo.reset()  # no graph of an earlier compile of `step` is reused, and counted afresh
     before = _graphs()
     eager_cache, cache = make_cache(), make_cache()
     # PyTorch can remember on disk which ints changed in earlier runs and start from a symbol: off,
     # so a compile that would recompile does so here too
-    with torch.inference_mode(), torch._dynamo.config.patch(automatic_dynamic_local_pgo=False):
+    with torch.inference_mode(), dynamo.config.patch(automatic_dynamic_local_pgo=False):
         compiled = run_answer(what, compile_once, step, hint=hint)
         if not callable(compiled):
             raise verdict(what, f"expected the compiled step (a callable), got "

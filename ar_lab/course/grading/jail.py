@@ -232,6 +232,10 @@ def scratch_env(tmp: Path) -> dict[str, str]:
         "IPYTHONDIR": str(tmp / "ipython"),
         "MPLCONFIGDIR": str(tmp / "matplotlib"),
         "XDG_CACHE_HOME": str(tmp / "cache"),
+        # torch.compile's caches (appendix A1): inductor sets its folder in os.environ at first use,
+        # so a process that compiled before would hand its own, outside the sandbox, to the kernel
+        "TORCHINDUCTOR_CACHE_DIR": str(tmp / "torchinductor"),
+        "TRITON_CACHE_DIR": str(tmp / "triton"),
     }
 
 
