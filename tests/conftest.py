@@ -34,8 +34,7 @@ os.environ.setdefault(CLAIMS_MODE, "strict")
 # Appendix A1 times a neighbour it starts itself: beside another test process its quiet baseline is
 # not quiet. Chapter 05 measures this machine's roofs on every core it has (the probe's thread
 # count): beside another test process its threads wait for one another (a batch-1 step 6x slower,
-# batch 4 25x, seen in CI), so it runs alone too, the source notebook's cells and the student
-# version's Run All.
+# batch 4 25x, seen in CI), so it runs alone too.
 QUIET = {"A1_measuring_time.ipynb", "05_prefill_vs_decode.ipynb"}
 # Test files whose tests share no module fixture: each test can go to whichever process is free.
 SPREAD = {"test_exercises.py", "test_delegation.py", "test_fresh_grading.py"}
@@ -53,11 +52,7 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if item.get_closest_marker("browser") or type(item).__name__ == "IPyNbCell":
             item.add_marker(pytest.mark.slow)
-        run_all = (
-            getattr(item, "originalname", "")
-            == "test_run_all_reaches_the_end_of_the_student_version"
-        )
-        if item.path.name in QUIET or (run_all and f"{item.callspec.id}.ipynb" in QUIET):
+        if item.path.name in QUIET:
             item.add_marker(pytest.mark.quiet)
     weight: dict[str, float] = {}
     for item in items:

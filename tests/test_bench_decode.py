@@ -34,6 +34,7 @@ def test_decode_benchmark_structure_and_identical_tokens(small_model):
         "ar_lab uncached",
         "transformers generate",
         "weights only (floor)",
+        "weights + KV cache reads (floor)",
     }
     assert res["new_tokens"] == 12 and res["prompt_tokens"] == 2
     P, N = 2, 12
@@ -71,7 +72,12 @@ def test_decode_benchmark_structure_and_identical_tokens(small_model):
     )
     floor = runs["weights only (floor)"]["median_s"]
     assert r["floor_ms_per_token"] == pytest.approx(1000 * floor / N)
-    assert "compiled_over_floor" not in r
+    assert "compiled_over_floor" not in r and "compiled_over_reads_floor" not in r
+    reads = runs["weights + KV cache reads (floor)"]
+    assert "positions" not in reads and r["reads_floor_ms_per_token"] == pytest.approx(
+        1000 * reads["median_s"] / N
+    )
+    assert "weights + KV cache reads (floor)" not in r["overhead_ms_per_token"]
     assert r["overhead_ms_per_token"]["ar_lab cached"] == pytest.approx(
         1000 * (runs["ar_lab cached"]["median_s"] - floor) / N
     )
@@ -111,7 +117,10 @@ def test_decode_benchmark_without_peer_and_bad_input(small_model):
     res = decode_benchmark(
         small_model, tokens=5, repeats=1, uncached_repeats=0, peer=False, threads=1, compiled=False
     )
-    assert set(res["runs"]) == {"ar_lab cached", "ar_lab cached, forward()", "weights only (floor)"}
+    assert set(res["runs"]) == {
+        "ar_lab cached", "ar_lab cached, forward()", "weights only (floor)",
+        "weights + KV cache reads (floor)",
+    }
     assert res["ratios"]["compiled_vs_lean"] is None and "compiled_over_floor" not in res["ratios"]
     assert "ar_lab's lean step vs" not in format_decode_results(res)  # (no peer: no comparison)
     assert (
@@ -119,7 +128,7 @@ def test_decode_benchmark_without_peer_and_bad_input(small_model):
         and "overhead_transformers_vs_ar_lab" not in res["ratios"]
     )
     assert torch.get_num_threads() == threads  # restored
-    assert "KV cache" not in format_decode_results(res)
+    assert "KV cache:" not in format_decode_results(res)  # (no uncached run)
     with raises(ContextFull, 'max_new_tokens'):
         decode_benchmark(small_model, tokens=64, prompt="abc", peer=False)
     with raises(BadValue, 'tokens'):
@@ -161,3 +170,26 @@ def test_decode_command_line(tmp_path, capsys):
         printed.count("decode: batch 1") == 1
         and capsys.readouterr().out.count("decode: batch 1") == 2
     )
+
+
+def test_the_reads_floor_attends_over_a_cache_as_long_as_each_steps(small_model, monkeypatch):
+    """The floor with the cache: per step, every weight product once and, per layer, one query over
+    the prompt's length plus one a step; its bytes per step are the cache's, counted exactly."""
+    import torch.nn.functional as F
+
+    from ar_lab.bench.decode import kv_bytes_per_step, reads_pass
+
+    lengths, real = [], F.scaled_dot_product_attention
+
+    def recording(q, k, v, **kwargs):
+        lengths.append(k.shape[2])
+        return real(q, k, v, **kwargs)
+
+    run = reads_pass(small_model, 3, 4)
+    monkeypatch.setattr(F, "scaled_dot_product_attention", recording)
+    run(4)
+    layers = small_model.config.n_layer
+    assert lengths == [L for L in (4, 5, 6, 7) for _ in range(layers)]
+    cfg = small_model.config  # 2 (K and V) x layers x heads x head_dim x 4 bytes x mean length
+    per_position = 2 * layers * cfg.kv_heads * cfg.head_dim * 4
+    assert kv_bytes_per_step(small_model, 3, 4) == per_position * 5.5

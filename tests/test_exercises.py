@@ -22,6 +22,7 @@ from ar_lab.course.grading.exercises import (
     CODE_STUB,
     cell_checksum,
     execute,
+    exercises_only,
     grade,
     graded_cells,
     nbgrader_meta,
@@ -273,10 +274,21 @@ def run_all(nb: nbformat.NotebookNode, cwd: Path, *, timeout: int = 300) -> nbfo
     return nb
 
 
+# Every chapter's student version is run whole, as a learner's Run All, by make test-busy
+# (tests/test_busy_run_all.py, beside a busy loop on every core: check_student_run_all). make test
+# runs each one cut to its exercises and the cells they need (cells.cut), which is where a stub
+# could pass its test, and leaves that second run of every experiment to make test-busy (chapter
+# 02's student version also runs whole in JupyterLab, tests/test_browser.py).
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("path", WITH_EXERCISES, ids=[p.stem for p in WITH_EXERCISES])
-def test_run_all_reaches_the_end_of_the_student_version(path):
-    check_student_run_all(path)
+def test_every_graded_test_of_the_student_version_fails_for_its_missing_answer(path):
+    from tests.conftest import one_thread_env
+
+    source = nbformat.read(path, as_version=4)
+    student = exercises_only(student_version(source))
+    check_missing_answers(path, source, execute(student, path.parent, env=one_thread_env()))
 
 
 def check_student_run_all(path: Path) -> nbformat.NotebookNode:
@@ -290,14 +302,31 @@ def check_student_run_all(path: Path) -> nbformat.NotebookNode:
         executed = run_all(source, path.parent)
         assert all(c.execution_count is not None for c in executed.cells if c.cell_type == "code")
         return executed
-    answers = set().union(
-        *(names(c.source)[0] for c in source.cells if nbgrader_meta(c).get("solution"))
-    )
     # raises CellExecutionError if Run All stops
     executed = run_all(student_version(source), path.parent)
     code = [c for c in executed.cells if c.cell_type == "code"]
     assert all(c.execution_count is not None for c in code), (
         f"{path.name}: Run All did not reach the end"
+    )
+    check_missing_answers(path, source, executed)
+    said = "".join(o.get("text", "") for c in code for o in c.get("outputs", []))
+    assert "▶ this runs on your" not in said, (
+        f"{path.name}: a cell claims to run the learner's unfinished piece"
+    )
+    uses = re.compile(r"\byours_or_ours\(")
+    if any(uses.search(c.source) for c in source.cells):
+        assert "this runs on ar_lab's" in said, (
+            f"{path.name}: no cell said it fell back to ar_lab's piece"
+        )
+    return executed
+
+
+def check_missing_answers(path: Path, source, executed) -> None:
+    """In ``executed`` (the student version of ``source``, run), every graded test cell failed
+    (nbgrader's grade: 0 points), because the answer is missing (never because a cell it needs
+    failed), and no cell but the exercises' failed."""
+    answers = set().union(
+        *(names(c.source)[0] for c in source.cells if nbgrader_meta(c).get("solution"))
     )
     results = grade(executed)
     assert results, f"{path.name} has no graded cells"
@@ -316,16 +345,6 @@ def check_student_run_all(path: Path) -> nbformat.NotebookNode:
             assert meta.get("grade") or meta.get("solution"), (
                 f"{path.name}: cell {i} failed and is no exercise"
             )
-    said = "".join(o.get("text", "") for c in code for o in c.get("outputs", []))
-    assert "▶ this runs on your" not in said, (
-        f"{path.name}: a cell claims to run the learner's unfinished piece"
-    )
-    uses = re.compile(r"\byours_or_ours\(")
-    if any(uses.search(c.source) for c in source.cells):
-        assert "this runs on ar_lab's" in said, (
-            f"{path.name}: no cell said it fell back to ar_lab's piece"
-        )
-    return executed
 
 
 @pytest.mark.slow
@@ -449,8 +468,7 @@ def test_a_wrong_sampler_fails_the_distribution_comparison(mistake):
 def test_the_committed_chapter_runs_its_experiments_on_the_learners_pieces(path):
     """In the source notebook (every answer written), each cell that picks a learner's piece ran on
     it: its committed output says so (the README's chapter table names these cells). With no answer
-    written, the same cells fall back to ar_lab's
-    (test_run_all_reaches_the_end_of_the_student_version)."""
+    written, the same cells fall back to ar_lab's (check_student_run_all, make test-busy)."""
     nb = nbformat.read(path, as_version=4)
     picks = [
         c for c in nb.cells if c.cell_type == "code" and re.search(r"\byours_or_ours\(", c.source)

@@ -20,14 +20,16 @@ from ar_lab.base.timing import machine, median
 from ar_lab.bench.common import checked_threads, course_model_or_random
 from ar_lab.bench.table import format_table
 
-CACHED, COMPILED, FORWARD, UNCACHED, PEER, FLOOR = (
+CACHED, COMPILED, FORWARD, UNCACHED, PEER, FLOOR, READS = (
     "ar_lab cached",
     "ar_lab cached, compiled",
     "ar_lab cached, forward()",
     "ar_lab uncached",
     "transformers generate",
     "weights only (floor)",
+    "weights + KV cache reads (floor)",
 )
+FLOORS = (FLOOR, READS)  # runs that produce no tokens
 TARGET_VS_TRANSFORMERS = 3.0  # ar_lab's tokens/s over transformers', the course's goal
 TARGET_OVER_FLOOR = 1.5  # the compiled step's time per token over the weights-only floor's, at most
 
@@ -113,8 +115,48 @@ def _runners(
     # The floor under any batch-1 decoder of this model; both peers pay it, what they add on top
     # is their own overhead. It produces no tokens.
     runners[FLOOR] = lambda k: weights_only_pass(model, k)
+    runners[READS] = reads_pass(model, len(prompt_ids), n)
     runners[UNCACHED] = ours(False)
     return runners
+
+
+def reads_pass(model, prompt_len: int, n: int) -> Callable[[int], None]:
+    """``fn(k)``: k steps of the reads a batch-1 decode step makes, and nothing else: every weight
+    matrix applied to one vector (as ``weights_only_pass``) and, per layer, one query attended over
+    a KV cache as long as the step's (the prompt's length plus one a step) by the step's own kernel
+    (SDPA). The floor with the cache: what is left above it is the work between these kernels."""
+    import torch.nn.functional as F
+
+    from ar_lab.base.timing import synchronize
+    from ar_lab.engine.lean import weight_products
+
+    cfg, products = model.config, weight_products(model)
+    device, dtype = model.wte.weight.device, model.wte.weight.dtype
+    shape = (1, cfg.kv_heads, prompt_len + n, cfg.head_dim)
+    caches = [(torch.randn(shape, device=device, dtype=dtype),) * 2 for _ in range(cfg.n_layer)]
+    q = torch.randn(1, cfg.n_head, 1, cfg.head_dim, device=device, dtype=dtype)
+    gqa = cfg.kv_heads != cfg.n_head
+
+    def run(k: int) -> None:
+        with torch.inference_mode():
+            for i in range(k):
+                for product, x in products:
+                    product(x)
+                L = prompt_len + 1 + i
+                for keys, values in caches:
+                    F.scaled_dot_product_attention(
+                        q, keys[:, :, :L], values[:, :, :L], enable_gqa=gqa
+                    )
+        synchronize(device)
+
+    return run
+
+
+def kv_bytes_per_step(model, prompt_len: int, n: int) -> float:
+    """The bytes of KV cache a decode step reads, on average over ``n`` steps after a prompt."""
+    cfg = model.config
+    per_position = 2 * cfg.n_layer * cfg.kv_heads * cfg.head_dim * model.wte.weight.element_size()
+    return per_position * (prompt_len + (n + 1) / 2)
 
 
 def _timed_repeats(
@@ -124,11 +166,11 @@ def _timed_repeats(
     the machine hits all of them alike); every run must produce the same tokens."""
     runs = {
         name: {"seconds": [], "cpu_seconds": []}
-        for name in [CACHED, COMPILED, FORWARD, UNCACHED, PEER, FLOOR]
+        for name in [CACHED, COMPILED, FORWARD, UNCACHED, PEER, *FLOORS]
     }
     say("warm-up")
     for name, fn in runners.items():
-        if name != FLOOR:
+        if name not in FLOORS:
             fn(min(n, 16))
     reference = None
     for r in range(max(repeats, uncached_repeats)):
@@ -196,10 +238,17 @@ def _ratios(runs: dict, n: int) -> dict:
         ratios["floor_ms_per_token"] = 1000 * floor["median_s"] / n
         if COMPILED in runs:
             ratios["compiled_over_floor"] = runs[COMPILED]["median_s"] / floor["median_s"]
-        over = {k: 1000 * (runs[k]["median_s"] - floor["median_s"]) / n for k in runs if k != FLOOR}
+        over = {
+            k: 1000 * (runs[k]["median_s"] - floor["median_s"]) / n for k in runs if k not in FLOORS
+        }
         ratios["overhead_ms_per_token"] = over
         if PEER in over and over[CACHED] > 0:
             ratios["overhead_transformers_vs_ar_lab"] = over[PEER] / over[CACHED]
+    reads = runs.get(READS)
+    if reads is not None:
+        ratios["reads_floor_ms_per_token"] = 1000 * reads["median_s"] / n
+        if COMPILED in runs:
+            ratios["compiled_over_reads_floor"] = runs[COMPILED]["median_s"] / reads["median_s"]
     return ratios
 
 
@@ -263,6 +312,11 @@ def decode_benchmark(
         "machine": ran_on,
         "runs": runs,
         "ratios": _ratios(runs, tokens),
+        # what a step reads: the matrices (the weights-only floor's bytes), and the KV cache
+        "weight_bytes": sum(
+            m.weight.nbytes for m in model.modules() if isinstance(m, torch.nn.Linear)
+        ),
+        "kv_bytes_per_step": kv_bytes_per_step(model, P, tokens),
         "target_ar_lab_vs_transformers": TARGET_VS_TRANSFORMERS,
         "target_compiled_over_floor": TARGET_OVER_FLOOR,
     }
@@ -348,6 +402,18 @@ def _compiled_lines(res: dict) -> list[str]:
         lines.append(
             f"compiled step's time per token: {r['compiled_over_floor']:.2f}x the weights-only "
             f"floor's; goal <= {goal}x {_verdict(r['compiled_over_floor'] <= goal)}"
+        )
+    if "compiled_over_reads_floor" in r:
+        kv, weights = res["kv_bytes_per_step"], res["weight_bytes"]
+        above = 1000 * (res["runs"][COMPILED]["median_s"] - res["runs"][READS]["median_s"])
+        lines.append(
+            f"the weights-only floor leaves out the KV cache a step reads: {kv / 1e6:.2f} MB a "
+            f"step on average here, {kv / weights:.0%} of the weights' {weights / 1e6:.1f} MB. "
+            f"With those reads by the step's own attention kernel the floor is "
+            f"{r['reads_floor_ms_per_token']:.2f} ms/token, and the compiled step "
+            f"{r['compiled_over_reads_floor']:.2f}x it; the rest, "
+            f"{above / res['new_tokens']:.2f} ms/token, is the work between those kernels "
+            "(norms, residual adds, the activation, picking the token, guards)"
         )
     return lines
 

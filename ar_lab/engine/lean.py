@@ -516,6 +516,17 @@ def weights_only_pass(model, steps: int) -> None:
     kernel.
     """
     positive_int("steps", steps)
+    calls = weight_products(model)
+    with torch.inference_mode():
+        for _ in range(steps):
+            for product, x in calls:
+                product(x)
+    synchronize(calls[0][1].device)
+
+
+def weight_products(model) -> list[tuple[Callable, torch.Tensor]]:
+    """(product, its input) for every weight matrix of ``model``: what ``weights_only_pass`` runs
+    once a step (a benchmark adds other reads to the same products)."""
     if not isinstance(model, nn.Module):
         raise BadType(
             f"model must be a torch.nn.Module (an ar_lab GPT), got {type(model).__name__}",
@@ -532,8 +543,4 @@ def weights_only_pass(model, steps: int) -> None:
                     torch.randn(m.in_features, device=m.weight.device, dtype=m.weight.dtype),
                 )
             )
-    with torch.inference_mode():
-        for _ in range(steps):
-            for product, x in calls:
-                product(x)
-    synchronize(calls[0][1].device)
+    return calls
