@@ -133,7 +133,12 @@ def reads_pass(model, prompt_len: int, n: int) -> Callable[[int], None]:
     cfg, products = model.config, weight_products(model)
     device, dtype = model.wte.weight.device, model.wte.weight.dtype
     shape = (1, cfg.kv_heads, prompt_len + n, cfg.head_dim)
-    caches = [(torch.randn(shape, device=device, dtype=dtype),) * 2 for _ in range(cfg.n_layer)]
+    # keys and values in buffers of their own, as a step reads them (one tensor for both would
+    # read its bytes once and find them in the CPU's cache the second time)
+    caches = [
+        tuple(torch.randn(shape, device=device, dtype=dtype) for _ in range(2))
+        for _ in range(cfg.n_layer)
+    ]
     q = torch.randn(1, cfg.n_head, 1, cfg.head_dim, device=device, dtype=dtype)
     gqa = cfg.kv_heads != cfg.n_head
 
