@@ -193,3 +193,28 @@ def test_the_reads_floor_attends_over_a_cache_as_long_as_each_steps(small_model,
     cfg = small_model.config  # 2 (K and V) x layers x heads x head_dim x 4 bytes x mean length
     per_position = 2 * layers * cfg.kv_heads * cfg.head_dim * 4
     assert kv_bytes_per_step(small_model, 3, 4) == per_position * 5.5
+
+
+def test_each_goal_is_a_time_per_token_placed_against_the_floor_with_the_caches_reads():
+    """The goals' times follow from the runs (transformers' over the target, the weights-only
+    floor's times the allowed ratio), and each is said to be below the floor with the cache's
+    reads (out of reach) or above it by how much."""
+    from ar_lab.bench.decode import _goal_lines, _ratios
+
+    def run(seconds):
+        return {"median_s": seconds}
+
+    runs = {"ar_lab cached": run(1.2), "ar_lab cached, compiled": run(1.1),
+            "transformers generate": run(3.6), "weights only (floor)": run(0.6),
+            "weights + KV cache reads (floor)": run(0.95)}
+    n = 1000
+    r = _ratios({k: {**v, "median_cpu_s": v["median_s"]} for k, v in runs.items()}, n)
+    goals = r["goal_ms_per_token"]
+    assert goals["vs_transformers"] == pytest.approx(3.6 / 3)  # 1.2 ms/token
+    assert goals["over_floor"] == pytest.approx(0.6 * 1.5)  # 0.9 ms/token
+    res = {"ratios": r, "runs": runs, "new_tokens": n, "target_ar_lab_vs_transformers": 3.0,
+           "target_compiled_over_floor": 1.5}
+    vs_peer, over_floor = _goal_lines(res)
+    assert vs_peer.startswith("goal 3x") and "0.25 ms/token above" in vs_peer
+    assert "compiled step spends 0.15" in vs_peer
+    assert over_floor.startswith("goal 1.5x") and "0.05 ms below" in over_floor

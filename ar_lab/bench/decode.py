@@ -254,7 +254,19 @@ def _ratios(runs: dict, n: int) -> dict:
         ratios["reads_floor_ms_per_token"] = 1000 * reads["median_s"] / n
         if COMPILED in runs:
             ratios["compiled_over_reads_floor"] = runs[COMPILED]["median_s"] / reads["median_s"]
+        ratios["goal_ms_per_token"] = _goal_times(runs, n)
     return ratios
+
+
+def _goal_times(runs: dict, n: int) -> dict[str, float]:
+    """The time per token each goal allows: ``transformers``' over the target speedup, and the
+    weights-only floor's times the allowed ratio (the runs that ran)."""
+    goals = {}
+    if PEER in runs:
+        goals["vs_transformers"] = 1000 * runs[PEER]["median_s"] / n / TARGET_VS_TRANSFORMERS
+    if FLOOR in runs:
+        goals["over_floor"] = 1000 * runs[FLOOR]["median_s"] / n * TARGET_OVER_FLOOR
+    return goals
 
 
 def decode_benchmark(
@@ -420,6 +432,32 @@ def _compiled_lines(res: dict) -> list[str]:
             f"{above / res['new_tokens']:.2f} ms/token, is the work between those kernels "
             "(norms, residual adds, the activation, picking the token, guards)"
         )
+    if r.get("goal_ms_per_token"):
+        lines += _goal_lines(res)
+    return lines
+
+
+def _goal_lines(res: dict) -> list[str]:
+    """Each goal as a time per token, against what the step's reads alone take: a goal below the
+    floor with the cache's reads is out of reach of any step on this machine at this length."""
+    r = res["ratios"]
+    reads, lines = r["reads_floor_ms_per_token"], []
+    names = {
+        "vs_transformers": f"{res['target_ar_lab_vs_transformers']:.0f}x transformers' tokens/s",
+        "over_floor": f"{res['target_compiled_over_floor']}x the weights-only floor",
+    }
+    for key, ms in r.get("goal_ms_per_token", {}).items():
+        if ms < reads:
+            where = (
+                f"{reads - ms:.2f} ms below the floor with the cache's reads: no step that "
+                "reads the weights and the cache reaches it here"
+            )
+        else:
+            where = f"{ms - reads:.2f} ms/token above the floor with the cache's reads"
+            if COMPILED in res["runs"]:
+                spent = 1000 * (res["runs"][COMPILED]["median_s"] - res["runs"][READS]["median_s"])
+                where += f", where the compiled step spends {spent / res['new_tokens']:.2f}"
+        lines.append(f"goal {names[key]}: {ms:.2f} ms/token, {where}")
     return lines
 
 

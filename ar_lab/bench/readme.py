@@ -106,8 +106,25 @@ def _reads(res: dict) -> str:
         f"({res['kv_bytes_per_step'] / res['weight_bytes']:.0%} of the weights' bytes on average "
         f"over the {res['new_tokens']:,} tokens): with those reads, by the step's own attention "
         f"kernel, the floor is {r['reads_floor_ms_per_token']:.2f} ms and compiled "
-        f"{r['compiled_over_reads_floor']:.2f}× it"
+        f"{r['compiled_over_reads_floor']:.2f}× it" + _goals(res)
     )
+
+
+def _goals(res: dict) -> str:
+    """The goals as times per token, placed against the floor with the cache's reads."""
+    goals, reads = res["ratios"].get("goal_ms_per_token", {}), res["ratios"].get(
+        "reads_floor_ms_per_token"
+    )
+    names = {
+        "vs_transformers": f"{res['target_ar_lab_vs_transformers']:.0f}× `transformers`",
+        "over_floor": f"{res['target_compiled_over_floor']}× the weights-only floor",
+    }
+    said = [
+        f"{names[k]} allows {ms:.2f} ms, "
+        + ("below that floor: out of reach here" if ms < reads else f"{ms - reads:.2f} ms above it")
+        for k, ms in goals.items()
+    ]
+    return "" if not said else ". As times per token, " + "; ".join(said)
 
 
 def _roofline(res: dict) -> str:
