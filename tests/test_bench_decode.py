@@ -199,7 +199,8 @@ def test_each_goal_is_a_time_per_token_placed_against_the_floor_with_the_caches_
     """The goals' times follow from the runs (transformers' over the target, the weights-only
     floor's times the allowed ratio), and each is said to be below the floor with the cache's
     reads (out of reach) or above it by how much."""
-    from ar_lab.bench.decode import _goal_lines, _ratios
+    from ar_lab.bench.decode import _ratios
+    from ar_lab.bench.decode_report import _goal_lines
 
     def run(seconds):
         return {"median_s": seconds}

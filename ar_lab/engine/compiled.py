@@ -4,7 +4,7 @@ The lean engine (``ar_lab.engine.lean``) took the module layers out of the decod
 above the weights' reads is a chain of about fifty PyTorch calls per token, each a trip through
 Python and the dispatcher and a kernel of its own for a few hundred numbers (the norms, biases,
 GELU, residual adds). ``torch.compile`` traces the same ``block`` (TorchDynamo) and inductor writes
-the graph as a few fused C++ loops on a CPU (Triton kernels on a GPU): the elementwise work between
+the graph as a few fused C++ loops on a CPU: the elementwise work between
 the products fuses, the Python between the calls is gone; the products and attention stay library
 kernels. The tokens are the lean step's (tests: the same greedy tokens, logits within 1e-4).
 
@@ -26,6 +26,10 @@ process, kept for the ``_KEEP`` most recent models; inductor's disk cache shorte
 Where no compiler is available (inductor needs a C++ compiler on a CPU), ``CompiledStep`` raises
 ``CompileUnavailable`` with the reason, unless asked to fall back to the eager lean step
 (``fallback=True``).
+
+On a CUDA device the step is not traced but recorded: ``ar_lab.engine.graphed`` replays it as one
+CUDA graph per cache, what a GPU engine does at every token (the launches are what a small model's
+GPU step waits on). A recording that fails is reported the same way.
 """
 
 from __future__ import annotations
@@ -37,6 +41,7 @@ from collections import OrderedDict
 import torch
 
 from ar_lab.base.errors import BadType, BadValue
+from ar_lab.engine import graphed
 from ar_lab.engine.decoder import LeanDecoder
 from ar_lab.engine.lean import LeanGPT, NotLean
 from ar_lab.engine.quant import QuantizedLinear
@@ -70,6 +75,11 @@ def _compiled():
     return compile_once(_traced, **{"cpp.dynamic_threads": True})
 
 
+def _records(device: torch.device) -> bool:
+    """Whether the step on ``device`` is recorded as a CUDA graph rather than compiled."""
+    return device.type == "cuda"
+
+
 def _reason(e: Exception) -> str:
     """The first line of what went wrong (inside dynamo's wrapper, where there is one)."""
     inner = getattr(e, "inner_exception", None) or e
@@ -81,9 +91,10 @@ class CompiledStep:
     """``LeanGPT.step`` with its arithmetic compiled, for one model.
 
     ``step(token, cache)`` keeps the lean step's checks and bookkeeping; a plain ``KVCache`` at a
-    position past 1 runs the compiled graph, anything else the eager step (an int8 or paged store:
-    their own arithmetic). Made by ``compiled_step`` (which compiles once, at construction, on a
-    scratch cache, so a missing compiler is reported before any token)."""
+    position past 1 runs the compiled graph (on a CUDA device: any position, replayed from a CUDA
+    graph, ``graphed.GraphStep``), anything else the eager step (an int8 or paged store: their own
+    arithmetic). Made by ``compiled_step`` (which compiles once, at construction, on a scratch
+    cache, so a missing compiler or a failed recording is reported before any token)."""
 
     def __init__(self, model, *, fallback: bool = False) -> None:
         self.engine = LeanGPT(model)  # NotLean for a model the lean engine does not run
@@ -94,15 +105,20 @@ class CompiledStep:
                 arg="model",
             )
         self.compiled = True
+        self.graph = graphed.GraphStep(self.engine) if _records(self.engine.device) else None
         try:
             self._warm_up(model)
         except Exception as e:  # inductor's failures have no common type (compiler, codegen, ...)
             reason = _reason(e)
             if not fallback:
                 raise CompileUnavailable(
-                    f"torch.compile cannot build the decode step here ({reason}); on a CPU it "
-                    "needs a C++ compiler (e.g. apt install g++): install one, or pass "
-                    "fallback=True to decode with the eager lean step",
+                    (
+                        f"the decode step cannot be recorded as a CUDA graph here ({reason}): "
+                        if self.graph is not None
+                        else f"torch.compile cannot build the decode step here ({reason}); on a "
+                        "CPU it needs a C++ compiler (e.g. apt install g++): install one, or "
+                    )
+                    + "pass fallback=True to decode with the eager lean step",
                     arg="compile",
                 ) from None
             warnings.warn(f"compiled step unavailable, stepping eagerly: {reason}", stacklevel=3)
@@ -119,12 +135,18 @@ class CompiledStep:
             return  # a context this short: its few steps run eagerly
         with torch.inference_mode():  # (where the decode loops make their caches)
             scratch = KVCache.for_model(model, max_len=n)
+            if self.graph is not None:  # a recording, then let go (each cache gets its own)
+                self.graph(0, scratch, n - 2)
+                self.graph.held = None
+                return
             _compiled()(self.engine, self._token(0), scratch.k, scratch.v, n - 2)
 
     def _token(self, token: int) -> torch.Tensor:
         return torch.tensor([token], device=self.engine.device)
 
     def _run(self, token: int, cache, pos: int) -> torch.Tensor:
+        if self.graph is not None:  # (a recording's shapes do not depend on the position)
+            return self.graph(token, cache, pos)
         # Torch specialises the values 0 and 1, and a cache read to its very end: one graph for the
         # rest, the edges eager.
         if pos < 2 or pos + 1 >= cache.max_len:

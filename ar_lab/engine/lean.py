@@ -256,8 +256,9 @@ class LeanGPT:
     def one(self, x: torch.Tensor, store, pos) -> torch.Tensor:
         """Every block and the head on one token's embedding x (C,) at ``pos`` (what a compiled step
         traces: nothing here depends on pos's value)."""
-        if self.wpe is not None:
-            x = x + self.wpe.select(0, pos)
+        if self.wpe is not None:  # (pos a tensor (1, 1): a step recorded for every position)
+            wpe = self.wpe
+            x = x + (wpe[pos].view(-1) if isinstance(pos, torch.Tensor) else wpe.select(0, pos))
         for i, w in enumerate(self.layers):
             x = block(x, w, self.spec, store, i, pos)
         return self.head(self.ln_f(x))  # tied output projection: (vocab,)

@@ -24,6 +24,7 @@ import torch
 from ar_lab.base.args import positive_int
 from ar_lab.base.errors import BadType, BadValue, named
 from ar_lab.base.timing import checked_device, default_device, interleaved, machine, time_call
+from ar_lab.engine import graphed
 from ar_lab.model import data
 from ar_lab.model.cache import KVCache
 from ar_lab.model.gpt import GPT, GPTConfig
@@ -76,28 +77,6 @@ class Point:
             "mode": self.mode,
             **({"note": self.note} if self.note else {}),
         }
-
-
-def _cuda_graph(step: Callable[[], object], device: torch.device) -> Callable[[], None]:
-    """Capture ``step`` as one CUDA graph (after warm-up on the capture stream); return its
-    replay."""
-    stream = torch.cuda.Stream(device)
-    stream.wait_stream(torch.cuda.current_stream(device))
-    with torch.cuda.stream(stream):
-        for _ in range(2):
-            step()
-    torch.cuda.current_stream(device).wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, stream=stream):
-        step()
-    # the graph reads and writes the buffers step's closure holds (the KV cache, the ids)
-    held = (graph, step)
-
-    # so the replay holds them too: freed, their memory would go to the next allocation
-    def replay() -> None:
-        held[0].replay()
-
-    return replay
 
 
 def measure_forward(
@@ -164,7 +143,7 @@ def prepare_forward(
         fn, mode, note = step, "eager", ""
         if cuda_graph and model.device.type == "cuda":
             try:
-                fn, mode = _cuda_graph(step, model.device), "cuda graph"
+                fn, mode = graphed.cuda_graph(step, model.device)[0], "cuda graph"
             except RuntimeError as e:  # capture is beta in PyTorch: fall back, and say so
                 note = f"CUDA graph capture failed, timed eagerly: {e}"
     return fn, cost, mode, note
