@@ -10,6 +10,8 @@ graph for every position), a new cache or a replaced parameter is recorded again
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -151,3 +153,28 @@ def test_a_failed_recording_is_one_clear_error_and_a_fallback_only_when_asked(mo
     with torch.inference_mode():
         a, b = KVCache.for_model(model, max_len=4), KVCache.for_model(model, max_len=4)
         torch.testing.assert_close(decoder.stepper.step(1, a), LeanGPT(model).step(1, b))
+
+
+def test_threads_sharing_one_models_recording_take_turns(monkeypatch):
+    """One model's recording has one set of input and output tensors: generations in four threads
+    at once give each its own tokens (those of the lean step), not another's."""
+    monkeypatch.setattr(compiled, "_records", lambda device: True)
+    monkeypatch.setattr(graphed, "cuda_graph", Recorder())
+    model = _model(11, n_embd=40)
+    prompts = [[1], [2, 3], [4], [5, 6, 7]]
+    want = {i: generate(model, p, 18, eos_id=None).tokens for i, p in enumerate(prompts)}
+    got, errors = {i: [] for i in want}, []
+
+    def run(i: int) -> None:
+        try:
+            for _ in range(3):
+                got[i].append(generate(model, prompts[i], 18, eos_id=None, compile=True).tokens)
+        except Exception as e:  # (reported below)
+            errors.append(e)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(prompts))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors and got == {i: [w] * 3 for i, w in want.items()}

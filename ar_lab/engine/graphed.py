@@ -27,6 +27,7 @@ a lent GPU only; on a CPU the tests run the same step eagerly, with a stand-in f
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -89,6 +90,9 @@ class GraphStep:
         self.token = torch.zeros(1, dtype=torch.long, device=device)
         self.pos = torch.zeros(1, 1, dtype=torch.long, device=device)
         self.held: tuple | None = None  # (what the recording read, replay, output)
+        # One recording, one set of input and output tensors: threads that share this step (one
+        # model's) take turns, each filling the inputs, replaying and copying the output out.
+        self.lock = threading.Lock()
 
     def _reads(self, cache: KVCache) -> tuple:
         """What the recording read, and where: the cache's buffers and every parameter's storage,
@@ -105,6 +109,10 @@ class GraphStep:
         return e.one(e.wte.index_select(0, self.token).view(-1), store, self.pos)
 
     def __call__(self, token: int, cache: KVCache, pos: int) -> torch.Tensor:
+        with self.lock:
+            return self._replayed(token, cache, pos)
+
+    def _replayed(self, token: int, cache: KVCache, pos: int) -> torch.Tensor:
         self.token.fill_(token)
         self.pos.fill_(pos)
         reads = self._reads(cache)
