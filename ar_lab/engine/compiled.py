@@ -137,7 +137,7 @@ class CompiledStep:
             scratch = KVCache.for_model(model, max_len=n)
             if self.graph is not None:  # a recording, then let go (each cache gets its own)
                 self.graph(0, scratch, n - 2)
-                self.graph.held = None
+                self.graph.release()
                 return
             _compiled()(self.engine, self._token(0), scratch.k, scratch.v, n - 2)
 

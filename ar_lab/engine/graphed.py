@@ -95,14 +95,18 @@ class GraphStep:
         self.lock = threading.Lock()
 
     def _reads(self, cache: KVCache) -> tuple:
-        """What the recording read, and where: the cache's buffers and every parameter's storage,
-        with their shapes (a freed block may come back to a tensor of another shape)."""
+        """Where the recording's memory is: the cache's buffers (which the recording keeps alive, so
+        another cache's are elsewhere) and every parameter's storage, with its shape (a replaced
+        parameter's freed block may come back to a tensor of another shape)."""
         return (
-            id(cache),
-            *((t.data_ptr(), t.shape) for t in cache.k),
-            *((t.data_ptr(), t.shape) for t in cache.v),
+            *(t.data_ptr() for t in cache.k),
+            *(t.data_ptr() for t in cache.v),
             *((p.data_ptr(), p.shape) for p in self.params),
         )
+
+    def release(self) -> None:
+        """Let the recording go (its memory and the cache it holds); the next step records again."""
+        self.held = None
 
     def _step(self, store: WholeBuffers) -> torch.Tensor:
         e = self.engine
@@ -117,7 +121,7 @@ class GraphStep:
         self.pos.fill_(pos)
         reads = self._reads(cache)
         if self.held is None or self.held[0] != reads:
-            self.held = None  # (the old recording's memory is freed before the new one is made)
+            self.release()  # (the old recording's memory is freed before the new one is made)
             store = WholeBuffers(list(cache.k), list(cache.v))
             replay, out = self.record(lambda: self._step(store), self.engine.device)
             self.held = (reads, replay, out)
